@@ -17,7 +17,6 @@ The blockwise codecs run their C kernels on CPU when ``compress._native`` is bui
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import platform
 import sys
@@ -29,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compress  # noqa: E402
+from benchutil import pin_malloc  # noqa: E402
 from compress.codecs.blockwise import native_available  # noqa: E402
 
 # codec rows: (label, name, params)
@@ -69,18 +69,6 @@ def pseudo_gradient(steps: int, n_layer: int, n_embd: int, block: int, batch: in
             "block_size": block, "batch": batch, "optimizer": "AdamW lr=1e-3 wd=0.1",
             "final_loss": float(loss) if loss is not None else None}
     return (start - end).contiguous(), info
-
-
-def pin_malloc() -> str:
-    """Stop glibc from returning freed buffers to the OS between calls (and re-faulting them):
-    without this the clone() reference itself swings between 3 and 40 GB/s from run to run.
-    Applies to clone() and the codecs alike; it only makes the reference faster."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, 32 << 20) and libc.mallopt(-1, 1 << 30)  # MMAP_, TRIM_THRESHOLD
-        return "pinned: M_MMAP_THRESHOLD=32MiB, M_TRIM_THRESHOLD=1GiB" if ok else "default"
-    except OSError:
-        return "default"
 
 
 def _cpu_name() -> str:

@@ -12,8 +12,9 @@ transport's message headers: `bytes_sent` per member x G / 2(G-1)), and the rate
 host's rate in payload bytes/s (rate_mbit x 1e6 / 8). TCP/IP/Ethernet headers and ACKs are NOT in
 wire_bytes; the qdisc byte counters (which include them) are recorded too (`line_*` fields).
 
-Loopback cases: the bound is the same bytes_sent per member over the raw-copy rate (two processes,
-one loopback TCP connection, sendall/recv_into), measured in the same run.
+Loopback cases (bench/transport_loopback.py): the bound is the same bytes_sent per member over the
+rate of a raw duplex exchange between two processes (each sends and receives at once, as a G=2 ring
+member does; sendall/recv_into), measured in the same run beside a one-way raw copy.
 
     python bench/transport.py --quick                                     # < 1 minute
     python bench/transport.py --json bench/results/transport.json --plot bench/results/transport.png
@@ -28,174 +29,18 @@ import multiprocessing as mp
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))  # its helpers, also when loaded by path (after the package `transport`)
 
-SECRET = b"bench-secret"
-M = 1 << 20
-
-
-def _raw_receiver(port_q, nbytes: int, reps: int) -> None:
-    srv = socket.create_server(("127.0.0.1", 0))
-    port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    for _ in range(reps):
-        got = 0
-        while got < nbytes:
-            k = conn.recv_into(view, min(len(buf), nbytes - got))
-            if not k:
-                return
-            got += k
-        conn.sendall(b"k")
-    conn.close()
-
-
-def raw_copy(nbytes: int, reps: int) -> dict:
-    """Best GB/s of sending nbytes over one loopback TCP connection between two processes."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_raw_receiver, args=(q, nbytes, reps))
-    p.start()
-    s = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    block = bytes(1 << 20)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        sent = 0
-        while sent < nbytes:
-            n = min(len(block), nbytes - sent)
-            s.sendall(block[:n] if n < len(block) else block)
-            sent += n
-        s.recv(1)
-        times.append(time.perf_counter() - t0)
-    s.close()
-    p.join(10)
-    best = min(times)
-    return {"case": "raw socket copy", "bytes": nbytes, "time_s": best, "gbps": nbytes / best / 1e9}
-
-
-class _BareCodec:
-    """fp32 bytes with no header, no checksum: isolates the transport's own cost (bench only)."""
-
-    def encode(self, x):
-        return x.numpy().tobytes()
-
-    def decode(self, frame):
-        import torch
-
-        return torch.frombuffer(bytearray(frame), dtype=torch.float32)
-
-    def encode_with_decoded(self, x):
-        frame = self.encode(x)
-        return frame, self.decode(frame)
-
-
-def pin_malloc() -> str:
-    """Keep freed large buffers in glibc's heap instead of unmapping them (fewer page faults)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, 32 << 20) and libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-        return "pinned" if ok else "default"
-    except OSError:
-        return "default"
-
-
-def _member(conn, cfg: dict) -> None:
-    if cfg["pin_malloc"]:
-        pin_malloc()
-    import torch
-
-    torch.set_num_threads(1)
-    from transport import TcpTransport
-    from transport.grpclink import GrpcTransport
-
-    cls = GrpcTransport if cfg["backend"] == "grpc" else TcpTransport
-    kw = dict(secret=SECRET, timeout_s=120, chunk_bytes=cfg["chunk_bytes"], connections_per_peer=cfg["conns"])
-    if cfg["tls"]:
-        from transport.tls import TlsConfig
-
-        kw["tls"] = TlsConfig(**cfg["tls"][cfg["index"]])
-    t = cls("127.0.0.1", 0, **kw)
-    conn.send(t.address)
-    ring = conn.recv()
-    import compress
-
-    codec = _BareCodec() if cfg["codec"] == "bare" else compress.get_codec(cfg["codec"])
-    x = torch.randn(cfg["n"], generator=torch.Generator().manual_seed(cfg["index"]))
-    times = []
-    for rep in range(cfg["reps"] + 1):  # the first one also sets up the connections
-        conn.recv()  # go
-        before = t.bytes_sent
-        t0 = time.perf_counter()
-        t.all_reduce(x, ring, cfg["index"], tag=f"rep{rep}", codec=codec).wait()
-        times.append(time.perf_counter() - t0)
-        sent = t.bytes_sent - before
-        conn.send(("done", times[-1], sent))
-    t.close()
-
-
-def ring_case(backend: str, g: int, n: int, reps: int, chunk_bytes: int, conns: int, tls: list | None, codec: str,
-              pin: bool = False) -> dict:
-    """One loopback case: every member a spawned process on 127.0.0.1; best of reps (slowest member)."""
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for i in range(g):
-        a, b = ctx.Pipe()
-        cfg = dict(backend=backend, n=n, reps=reps, chunk_bytes=chunk_bytes, conns=conns, tls=tls, codec=codec, index=i,
-                   pin_malloc=pin)
-        p = ctx.Process(target=_member, args=(b, cfg), daemon=True)
-        p.start()
-        pipes.append(a)
-        procs.append(p)
-    ring = [c.recv() for c in pipes]
-    for c in pipes:
-        c.send(ring)
-    per_rep, sent = [], 0
-    for rep in range(reps + 1):
-        for c in pipes:
-            c.send("go")
-        results = [c.recv() for c in pipes]
-        if rep > 0:
-            per_rep.append(max(r[1] for r in results))
-            sent = max(r[2] for r in results)
-    for p in procs:
-        p.join(30)
-    best = min(per_rep)
-    vec = n * 4
-    name = (f"loopback {backend} G={g} chunk={chunk_bytes >> 10}KiB conns={conns}{' tls' if tls else ''} {codec}"
-            f"{' pinned-malloc' if pin else ''}")
-    return {
-        "case": name,
-        "kind": "loopback",
-        "backend": backend,
-        "codec": codec,
-        "connections": conns,
-        "groups": g,
-        "link_mbit": None,
-        "rates_mbit": None,
-        "seconds": best,
-        "median_seconds": statistics.median(per_rep),
-        "elements": n,
-        "chunk_bytes": chunk_bytes,
-        "tls": bool(tls),
-        "pinned_malloc": pin,
-        "bytes_sent_per_member": sent,
-        "wire_bytes": sent * g / (2 * (g - 1)),
-        "algbw_gbps": vec / best / 1e9,
-        "busbw_gbps": sent / best / 1e9,
-    }
+import transport_loopback  # noqa: E402
+from benchutil import pin_malloc  # noqa: E402
+from transport_loopback import SECRET  # noqa: E402
 
 
 # -- shaped links: members in network namespaces ---------------------------------------------------
@@ -436,14 +281,7 @@ def markdown_table(records: list[dict]) -> str:
                          f"| {r['ratio_to_line_bound']:.3f} | {r['goodput_mbit']:.1f} |")
     loop = [r for r in records if r["kind"] == "loopback"]
     if loop:
-        lines += ["", "| loopback case | ms | busbw GB/s | bound ms (raw copy) | ratio |", "|---|---|---|---|---|"]
-        for r in loop:
-            if r["backend"] == "raw":
-                lines.append(f"| raw socket copy, {r['bytes_sent_per_member'] >> 20} MiB one way | {r['seconds'] * 1e3:.1f} "
-                             f"| {r['gbps']:.2f} (copy) | | |")
-            else:
-                lines.append(f"| {r['case'].replace('loopback ', '')} | {r['seconds'] * 1e3:.1f} | {r['busbw_gbps']:.3f} "
-                             f"| {r['bound_seconds'] * 1e3:.1f} | {r['ratio_to_bound']:.2f} |")
+        lines += [""] + transport_loopback.table(loop)
     return "\n".join(lines)
 
 
@@ -477,10 +315,10 @@ def plot(records: list[dict], path: Path) -> None:
     if loop:
         names = [r["case"].replace("loopback ", "") for r in loop]
         vals = [r.get("gbps", r.get("busbw_gbps", 0)) for r in loop]
-        ax.barh(range(len(loop)), vals, color=["tab:gray"] + ["tab:green"] * (len(loop) - 1))
+        ax.barh(range(len(loop)), vals, color=["tab:gray" if r["backend"] == "raw" else "tab:green" for r in loop])
         ax.set_yticks(range(len(loop)), names, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("GB/s (raw copy one way; ring: bytes sent per member / time)")
+        ax.set_xlabel("GB/s (raw: bytes each way / time; ring: bytes sent per member / time)")
         ax.set_title("loopback vs raw socket copy")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -574,55 +412,11 @@ def main() -> None:
                     finally:
                         members.close()
     if a.only in ("all", "loopback"):
-        mib = 16 if a.quick else 64
-        n = mib * M // 4
-        reps = a.reps or (2 if a.quick else 4)
-        rounds = a.rounds or (1 if a.quick else 2)
-        cases = [("tcp", 2, M, 1, False, "fp32")]
-        if not a.quick:
-            cases += [
-                ("grpc", 2, M, 1, False, "fp32"),
-                ("tcp", 2, M, 1, True, "fp32"),
-                ("tcp", 2, 256 << 10, 1, False, "fp32"),
-                ("tcp", 2, 4 * M, 1, False, "fp32"),
-                ("tcp", 2, M, 4, False, "fp32"),
-                ("grpc", 2, M, 4, False, "fp32"),
-                ("tcp", 3, M, 1, False, "fp32"),
-                ("tcp", 2, M, 1, False, "int8"),
-                ("tcp", 2, M, 1, False, "int4"),
-                ("tcp", 2, M, 1, False, "bare"),
-            ]
-        cases = [c for c in cases if c[0] in backends]
-        tmp = tempfile.TemporaryDirectory()
-        from transport.certs import write_pki
-
-        pki = write_pki(tmp.name, [f"m{i}" for i in range(3)])
-        tls_cfgs = [vars(pki[f"m{i}"]) for i in range(3)]
-        # Cases run round-robin, `rounds` times, best kept: a shared machine's load comes and goes.
-        raws = [raw_copy(mib * M, reps + 1) for _ in range(rounds)]
-        raw = min(raws, key=lambda r: r["time_s"])
-        raw_Bps = raw["bytes"] / raw["time_s"]
-        records.append({
-            "case": "loopback raw socket copy", "kind": "loopback", "backend": "raw", "codec": None, "connections": 1,
-            "groups": 2, "link_mbit": None, "rates_mbit": None, "seconds": raw["time_s"], "bound_seconds": raw["time_s"],
-            "ratio_to_bound": 1.0, "bytes_sent_per_member": raw["bytes"], "gbps": raw["gbps"], "raw_gbps": raw["gbps"],
-        })
-        print(f"{'loopback raw socket copy':45s} {raw['time_s']:7.3f} s  {raw['gbps']:.3f} GB/s", flush=True)
-        best: dict[int, dict] = {}
-        for _ in range(rounds):
-            for k, (backend, g, chunk, conns, tls, codec) in enumerate(cases):
-                r = ring_case(backend, g, n, reps, chunk, conns, tls_cfgs if tls else None, codec, a.pin_malloc)
-                if k not in best or r["seconds"] < best[k]["seconds"]:
-                    best[k] = r
-        for k in range(len(cases)):
-            r = best[k]
-            r["raw_gbps"] = raw["gbps"]
-            r["bound_seconds"] = r["bytes_sent_per_member"] / raw_Bps
-            r["ratio_to_bound"] = r["seconds"] / r["bound_seconds"]
-            r["busbw_over_raw"] = r["busbw_gbps"] / raw["gbps"]
+        for r in transport_loopback.run(a.quick, a.reps, a.rounds, backends, a.pin_malloc):
             records.append(r)
-            print(f"{r['case']:45s} {r['seconds']:7.3f} s  bound {r['bound_seconds']:7.3f} s  ratio {r['ratio_to_bound']:5.2f}"
-                  f"  busbw {r['busbw_gbps']:.3f} GB/s", flush=True)
+            extra = "" if r["backend"] == "raw" else f"  {r['busbw_over_duplex'] * 100:4.0f} % of the raw duplex exchange"
+            print(f"{r['case']:55s} {r['seconds'] * 1e3:7.1f} ms  {r.get('busbw_gbps', r.get('gbps')):.3f} GB/s{extra}",
+                  flush=True)
     meta = {"argv": sys.argv[1:], "python": platform.python_version(), "machine": platform.machine(),
             "cpus": mp.cpu_count(), "load_avg": os.getloadavg(), "quick": a.quick,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": time.perf_counter() - t_start}

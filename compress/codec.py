@@ -158,15 +158,17 @@ class Codec(ABC):
         layout = self.part_layout(count)
         raw_len = sum(n * _itemsize(dt) for dt, n in layout)
         p0, p1, p2 = self.header_params
+        # Parts on a GPU are copied straight into page-locked memory (DMA, no staging copy).
+        pinned = any(p.is_cuda for p in parts)
         if not self.zstd:
-            buf = torch.empty(frame.OVERHEAD + raw_len, dtype=torch.uint8)
+            buf = torch.empty(frame.OVERHEAD + raw_len, dtype=torch.uint8, pin_memory=pinned)
             views = _write_parts(buf[frame.HEADER_SIZE:frame.HEADER_SIZE + raw_len], parts, layout)
             mv = memoryview(buf.numpy())
             frame.write_header(mv, frame.Header(self.codec_id, 0, p0, p1, p2, count, raw_len,
                                                 raw_len))
             frame.seal(mv)
             return mv.tobytes(), views
-        payload = torch.empty(raw_len, dtype=torch.uint8)
+        payload = torch.empty(raw_len, dtype=torch.uint8, pin_memory=pinned)
         views = _write_parts(payload, parts, layout)
         flags = frame.FLAG_ZSTD
         if self.shuffle_width > 1:

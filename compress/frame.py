@@ -76,6 +76,16 @@ def checksum(data: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def trailer(*parts: bytes | bytearray | memoryview) -> bytes:
+    """The 8-byte checksum trailer of a frame whose bytes before it are ``parts``, in order.
+
+    For a frame sent as several buffers (a header, then a payload that stays where it is)."""
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return _CHECK.pack(h.intdigest())
+
+
 def seal(buf: memoryview) -> None:
     """Write the checksum of ``buf[:-8]`` into its last 8 bytes."""
     _CHECK.pack_into(buf, len(buf) - TRAILER_SIZE, checksum(buf[:-TRAILER_SIZE]))

@@ -80,7 +80,9 @@ class StripedAverager:
         in the same order as every other rank of every group."""
         plan = self.plans(self.exchanges)
         self.exchanges += 1
-        src = flat.detach().to("cpu", torch.float32).contiguous()
+        # On a GPU the vector stays there: the rings encode it there and only frames cross to the host.
+        src = flat.detach().to(torch.float32).contiguous()
+        out = torch.empty_like(src)
         sp = self.stripe_plan_for(plan, src.numel())
         me = plan.groups.index(self.group)
         addresses = [self.membership.ranks(g) for g in plan.groups]
@@ -90,17 +92,19 @@ class StripedAverager:
             (s, self.transport.all_reduce(
                 src[s.start : s.stop], sp.ring(s.index, addresses, order), index,
                 tag=f"{tag}/s{s.index}", codec=self.codec, timeout_s=self.timeout_s,
+                out=out[s.start : s.stop],
             ))
             for s in sp.stripes_of(me, self.rank) if s.size
         ]
-        return _StripedPending(self, src, sp, me, handles, flat.device)
+        return _StripedPending(self, out, sp, me, handles, flat.device)
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
         """Blocking mean of ``flat`` over groups; every rank of this group passes the same vector."""
         return self.start(flat, tag=f"r{round}").wait()
 
     def share_in_group(self, out: torch.Tensor, sp: StripePlan, me: int) -> torch.Tensor:
-        """Each rank broadcasts its contiguous run of averaged stripes to the rest of its group."""
+        """Each rank broadcasts its contiguous run of averaged stripes to the rest of its group
+        (over NCCL on GPUs, where ``out`` already is); the whole mean, on ``comm_device``."""
         buf = out.to(self.comm_device)
         group_ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
         for r in range(self.group_size):
@@ -111,21 +115,21 @@ class StripedAverager:
             if hi > lo:
                 src = r if group_ranks is None else group_ranks[r]
                 dist.broadcast(buf[lo:hi], src=src, group=self.process_group)
-        return buf.cpu()
+        return buf
 
 
 class _StripedPending:
     """Cross-group rings in flight; ``wait`` collects them and shares the stripes in the group."""
 
-    def __init__(self, averager: StripedAverager, src, sp: StripePlan, me: int, handles, device) -> None:
-        self._avg, self._src, self._sp, self._me, self._handles, self._device = averager, src, sp, me, handles, device
+    def __init__(self, averager: StripedAverager, out, sp: StripePlan, me: int, handles, device) -> None:
+        self._avg, self._out, self._sp, self._me, self._handles, self._device = averager, out, sp, me, handles, device
         self._value: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._value is None:
-            out = torch.empty_like(self._src)
-            for s, h in self._handles:
-                out[s.start : s.stop] = h.wait(self._avg.timeout_s)
+            out = self._out  # each ring wrote its stripe of the mean here
+            for _, h in self._handles:
+                h.wait(self._avg.timeout_s)
             if self._avg.group_size > 1:
                 out = self._avg.share_in_group(out, self._sp, self._me)
             self._value = out.to(self._device)

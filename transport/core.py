@@ -52,6 +52,7 @@ class TransportBase:
         connections_per_peer: int,
         max_message_bytes: int,
         shaper: TokenBucket | None,
+        pin_memory: bool | None = None,
     ) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) == 0:
             raise ValueError("secret must be non-empty bytes")
@@ -87,7 +88,11 @@ class TransportBase:
         self._incoming_socks: set[Any] = set()
         self._probes: dict[int, threading.Event] = {}
         self._probe_ids = itertools.count()
-        self._pool = BufferPool(_POOL_BYTES)
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA, which is not available")
+        self._pool = BufferPool(_POOL_BYTES, pinned=pin_memory)
 
     # -- supplied by the link type ---------------------------------------------------------------
     def _open(self, peer: str, timeout_s: float) -> Any:
@@ -128,13 +133,20 @@ class TransportBase:
         tag: str,
         codec: Any = None,
         timeout_s: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> Handle:
         """Start a ring all-reduce of the 1-D float32 tensor x; `Handle.wait()` gives the mean.
 
         ring: peer addresses in ring order, ring[index] == self.address. tag: unique id of this
         collective, the same on every member. codec: a `compress` codec (default fp32), the same
         on every member. timeout_s: deadline in seconds for connecting and for each wait without
-        progress (default: the transport's). x is only read, never written.
+        progress (default: the transport's). x is only read, never written, and must not change
+        until the collective ends. out: where to write the mean (float32, x's shape; not
+        overlapping x): reusing one saves allocating (and page-faulting) a result each time;
+        after a failed collective its contents are undefined.
+        x may live on a GPU: each chunk is then decoded, summed and encoded there, only encoded
+        frames cross to the host (received into pinned buffers, see `pin_memory`), and the
+        mean is on x's device.
         Tags must not be reused: messages for a tag that finished here recently are dropped.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.float32:
@@ -150,15 +162,19 @@ class TransportBase:
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         if timeout <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        xs = x.detach().to("cpu").contiguous()
+        if out is not None:
+            _check_out(out, x)
+        xs = x.detach().contiguous()  # stays on its device: a GPU tensor is encoded on the GPU
         if len(ring) == 1 or x.numel() == 0:
             h = Handle(tag)
-            if x.numel() == 0:
-                h._finish(torch.empty(0, dtype=torch.float32, device=x.device), None)
-            else:
-                h._finish(codec.encode_with_decoded(xs)[1].reshape(-1).to(x.device), None)
+            mean = torch.empty(0, device=x.device) if x.numel() == 0 else codec.encode_with_decoded(xs)[1].reshape(-1)
+            h._finish(out.copy_(mean) if out is not None else mean, None)
             return h
-        op = RingAllReduce(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, device=x.device)
+        ready = None
+        if xs.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(xs.device))
+        op = RingAllReduce(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out, ready=ready)
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
@@ -417,6 +433,20 @@ class TransportBase:
                 self._pending_bytes += size
                 return
         op.deliver(ev)
+
+
+def _check_out(out: torch.Tensor, x: torch.Tensor) -> None:
+    """Refuse an output buffer the collective cannot write its result into."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.shape != x.shape:
+        raise ValueError(f"out must be a float32 tensor of shape {tuple(x.shape)}, "
+                         f"got {getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
+    if not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be contiguous and on {x.device}")
+    if out.numel() and x.numel():
+        a, b = out.data_ptr(), out.data_ptr() + 4 * out.numel()
+        c, d = x.data_ptr(), x.data_ptr() + 4 * x.numel()
+        if a < d and c < b:
+            raise ValueError("out must not overlap x: x stays intact if the collective fails")
 
 
 class _Pending:

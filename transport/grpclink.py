@@ -135,6 +135,7 @@ class GrpcTransport(TransportBase):
         tls: TlsConfig | None = None,
         allow_plaintext: bool = False,
         advertise: str | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__(
             secret=secret,
@@ -143,6 +144,7 @@ class GrpcTransport(TransportBase):
             connections_per_peer=connections_per_peer,
             max_message_bytes=max_message_bytes,
             shaper=shaper,
+            pin_memory=pin_memory,
         )
         check_plaintext("gRPC", host, tls, allow_plaintext)
         self._tls_pem = tls.read_pem() if tls else None

@@ -70,13 +70,23 @@ class _RawFp32:
     def frame_size(self, count: int) -> int:
         return self.codec.frame_size(count)
 
+    def _header(self, count: int) -> Any:
+        raw_len = self.codec.payload_size(count)
+        return self.frame.Header(self.codec.codec_id, 0, *self._params, count, raw_len, raw_len)
+
     def write(self, buf: memoryview, values: torch.Tensor) -> None:
         """Write the frame of values into buf (frame_size(values.numel()) bytes)."""
         f, count = self.frame, values.numel()
-        raw_len = self.codec.payload_size(count)
-        f.write_header(buf, f.Header(self.codec.codec_id, 0, *self._params, count, raw_len, raw_len))
+        f.write_header(buf, self._header(count))
         torch.frombuffer(buf, dtype=torch.float32, count=count, offset=f.HEADER_SIZE).copy_(values)
         f.seal(buf)
+
+    def parts(self, values: torch.Tensor) -> list[bytes | memoryview]:
+        """The frame of a contiguous CPU fp32 tensor as [header, the tensor's own memory, trailer]:
+        sent as is, with no copy (values must not change until it is sent)."""
+        head = self.frame.pack_header(self._header(values.numel()))
+        body = memoryview(values.numpy()).cast("B")
+        return [head, body, self.frame.trailer(head, body)]
 
     def values(self, buf: Any, want: int) -> torch.Tensor | None:
         """A writable fp32 view of the checked frame's payload; None if it is not a raw fp32 frame
@@ -120,7 +130,7 @@ def _raw_matches(codec: Any, raw: _RawFp32) -> bool:
         mine = bytearray(raw.frame_size(x.numel()))
         raw.write(memoryview(mine), x)
         back = raw.values(memoryview(bytearray(ref)), x.numel())
-        if bytes(mine) != bytes(ref) or back is None:
+        if bytes(mine) != bytes(ref) or b"".join(raw.parts(x)) != bytes(ref) or back is None:
             return False
         return torch.equal(back.view(torch.int32), codec.decode(ref).view(torch.int32))
     except Exception:
@@ -184,10 +194,13 @@ class RingAllReduce:
         codec: Any,
         timeout_s: float,
         chunk_elems: int,
-        device: torch.device | None = None,
+        out: torch.Tensor | None = None,
+        ready: Any = None,
     ) -> None:
         self.core = core
-        self.device = device if device is not None else x.device
+        self.out = out
+        self.device = x.device
+        self.ready = ready  # CUDA: an event on the caller's stream after which x (and out) may be used
         self.x = x
         self.ring = ring
         self.index = index
@@ -204,6 +217,7 @@ class RingAllReduce:
         self.right = ring[(index + 1) % g]
         self._link: Link | None = None
         self._raw: _RawFp32 | None = None
+        self._unsent = 0  # in-place sends (see _send_in_place) the socket has not taken yet
         # Ids of connections from the left peer whose loss means our data is lost: those open when
         # the collective started and those that delivered to it (set by the transport, then here).
         self.watch: set[int] = set()
@@ -220,7 +234,13 @@ class RingAllReduce:
     def run(self) -> None:
         out, err = None, None
         try:
-            out = self._run().to(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                if self.ready is not None:
+                    torch.cuda.current_stream().wait_event(self.ready)
+            out = self._run()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the result is complete when wait() returns
         except _Abort as e:
             err = self._error(e)
             self._propagate(e)
@@ -250,32 +270,42 @@ class RingAllReduce:
         head = pack_header(MsgType.ABORT, self.tag_raw, 0, 0, 0, len(payload))
         link.send([head + payload], None)
 
-    def _send(self, mtype: MsgType, seg: int, chunk: int, frame: bytes | bytearray | memoryview,
+    def _send(self, mtype: MsgType, seg: int, chunk: int, frame: bytes | bytearray | memoryview | list,
               recycle: bool = False) -> None:
-        """Queue one message; with recycle, frame (a pool buffer) goes back to the pool once sent."""
+        """Queue one message whose payload is frame (or the list of buffers it is made of); with
+        recycle, frame (a pool buffer) goes back to the pool once sent."""
         assert self._link is not None
-        head = pack_header(mtype, self.tag_raw, seg, chunk, self.x.numel(), len(frame))
+        parts = frame if isinstance(frame, list) else [frame]
+        head = pack_header(mtype, self.tag_raw, seg, chunk, self.x.numel(), sum(len(p) for p in parts))
         on_done = None
         if recycle:
             pool = self.core._pool
             on_done = lambda: pool.put(frame)  # noqa: E731
-        self._link.send([head, frame], self._on_send_error, on_done)
+        self._link.send([head, *parts], self._on_send_error, on_done)
+
+    def _send_in_place(self, mtype: MsgType, seg: int, chunk: int, values: torch.Tensor) -> None:
+        """Send the raw fp32 frame of values (a slice of x or of the result) from where they lie;
+        the collective does not end before the socket has taken it, so the caller may then
+        change both."""
+        assert self._link is not None and self._raw is not None
+        parts = self._raw.parts(values)
+        head = pack_header(mtype, self.tag_raw, seg, chunk, self.x.numel(), sum(len(p) for p in parts))
+        self._unsent += 1
+        self._link.send([head, *parts], self._on_send_error, lambda: self.events.put(("sent",)))
 
     def _send_new(self, mtype: MsgType, seg: int, chunk: int, values: torch.Tensor) -> None:
-        """Encode values into a new frame and send it."""
+        """Encode values into a new frame and send it (raw fp32: straight from values' memory)."""
         if self._raw is None:
             self._send(mtype, seg, chunk, self.codec.encode(values))
-            return
-        buf = self.core._pool.get(self._raw.frame_size(values.numel()))
-        self._raw.write(buf, values)
-        self._send(mtype, seg, chunk, buf, recycle=True)
+        else:
+            self._send_in_place(mtype, seg, chunk, values)
 
     def _on_send_error(self, reason: str) -> None:
         self.abort(reason)
 
     def _decode(self, payload: bytes | bytearray | memoryview, want: int, what: str) -> torch.Tensor:
         try:
-            t = self.codec.decode(payload)
+            t = self.codec.decode(payload) if self.device.type == "cpu" else self.codec.decode(payload, device=self.device)
         except Exception as e:
             raise _Abort(f"bad frame for {what} from {self.left}: {e!r}") from e
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != want:
@@ -297,7 +327,7 @@ class RingAllReduce:
         segs = segment_bounds(n, g)
         chunks = [chunk_bounds(a, b, self.chunk_elems) for a, b in segs]
         first = (r - 1) % g  # the segment this member starts the reduce-scatter with
-        out = torch.empty(n, dtype=torch.float32)
+        out = self.out if self.out is not None else torch.empty(n, dtype=torch.float32, device=self.device)
         rs_todo = {(k, c) for k in range(g) if k != first for c in range(len(chunks[k]))}
         ag_todo = {(k, c) for k in range(g) if k != r for c in range(len(chunks[k]))}
         deadline = time.monotonic() + self.timeout_s
@@ -305,11 +335,12 @@ class RingAllReduce:
             self._link = self.core._get_link(self.right, deadline)
         except TransportError as e:
             raise _Abort(f"cannot reach right peer {self.right}: {e}") from e
-        self._raw = raw_fp32(self.codec)
+        # On a GPU every chunk goes through the codec there: only encoded frames reach the host.
+        self._raw = raw_fp32(self.codec) if self.device.type == "cpu" else None
         for c, (a, b) in enumerate(chunks[first]):
             self._send_new(MsgType.RS, first, c, x[a:b])
         last_progress = time.monotonic()
-        while rs_todo or ag_todo:
+        while rs_todo or ag_todo or self._unsent:
             wait = last_progress + self.timeout_s - time.monotonic()
             if wait <= 0:
                 raise _Abort(self._stall_reason(rs_todo, ag_todo))
@@ -318,6 +349,10 @@ class RingAllReduce:
             except queue.Empty:
                 continue
             kind = ev[0]
+            if kind == "sent":
+                self._unsent -= 1
+                last_progress = time.monotonic()
+                continue
             if kind == "abort":
                 raise _Abort(ev[1])
             if kind == "lost":
@@ -368,13 +403,16 @@ class RingAllReduce:
                 self._send(MsgType.RS, msg.seg, msg.chunk, self.codec.encode(s))
             return
         # Raw fp32: the same arithmetic, done in place in the received frame, which is then
-        # re-sealed and sent on as is -- no decode, no new frame.
+        # re-sealed and sent on as is -- no decode, no new frame. The owner's mean goes straight
+        # into out, and the all-gather frame is sent from there.
         torch.add(v, self.x[a:b], out=v)
         if owner:
             torch.div(v, g, out=out[a:b])
-            v.copy_(out[a:b])
+            self.core._pool.put(msg.payload)
+            self._send_in_place(MsgType.AG, msg.seg, msg.chunk, out[a:b])
+            return
         self._raw.seal(msg.payload)
-        self._send(MsgType.AG if owner else MsgType.RS, msg.seg, msg.chunk, msg.payload, recycle=True)
+        self._send(MsgType.RS, msg.seg, msg.chunk, msg.payload, recycle=True)
 
     def _on_gather(self, msg: Any, bounds: tuple[int, int], forward: bool, out: torch.Tensor) -> None:
         """Take the owner's final chunk; forward the frame verbatim unless the next member is the owner."""
@@ -388,6 +426,9 @@ class RingAllReduce:
             self.core._pool.put(msg.payload)
 
     def _stall_reason(self, rs_todo: set, ag_todo: set) -> str:
+        if not rs_todo and not ag_todo:
+            return (f"timed out after {self.timeout_s:g} s: right peer {self.right} has not taken "
+                    f"{self._unsent} chunk messages")
         connected = self.core._incoming_count(self.left) > 0
         return (
             f"timed out after {self.timeout_s:g} s without progress from left peer {self.left} "

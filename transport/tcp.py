@@ -65,6 +65,8 @@ class TcpTransport(TransportBase):
     tls: mutual TLS settings. Without it, plain text is used only on a loopback host or when
     allow_plaintext=True is passed explicitly.
     advertise: address announced to peers instead of "host:port" (e.g. when host is 0.0.0.0).
+    pin_memory: receive frames into page-locked buffers, for collectives on GPU tensors
+    (default: when CUDA is available).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class TcpTransport(TransportBase):
         tls: TlsConfig | None = None,
         allow_plaintext: bool = False,
         advertise: str | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__(
             secret=secret,
@@ -89,6 +92,7 @@ class TcpTransport(TransportBase):
             connections_per_peer=connections_per_peer,
             max_message_bytes=max_message_bytes,
             shaper=shaper,
+            pin_memory=pin_memory,
         )
         check_plaintext("TCP", host, tls, allow_plaintext)
         self._server_ctx: ssl.SSLContext | None = tls.server_context() if tls else None

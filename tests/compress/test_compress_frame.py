@@ -139,3 +139,13 @@ def test_max_elements_is_enforced_on_encode_too(monkeypatch):
         compress.get_codec("fp32").encode(torch.zeros(101))
     f = compress.get_codec("fp32").encode(torch.zeros(100))
     assert compress.decode_frame(f).numel() == 100
+
+
+def test_trailer_of_parts_seals_like_the_joined_frame():
+    codec = compress.get_codec("fp32")
+    x = torch.randn(1000)
+    whole = codec.encode(x)
+    head = whole[:fr.HEADER_SIZE]
+    body = memoryview(x.numpy()).cast("B")
+    assert head + bytes(body) + fr.trailer(head, body) == whole
+    assert fr.trailer(head, body[:-1]) != whole[-fr.TRAILER_SIZE:]

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import compress
-from transport import CollectiveAborted
+from transport import CollectiveAborted, TcpTransport, TokenBucket
 from transport.conn import _sendmsg_all
 from transport.ring import raw_fp32
 from transport.wire import BufferPool, MsgType, pack_header
-from transport_helpers import run_ring, transports
+from transport_helpers import SECRET, run_ring, transports
 from test_transport_faults import _fake_left_peer
 
 
@@ -121,3 +121,33 @@ def test_bad_fp32_frames_abort(kind: str, reason: str) -> None:
         with pytest.raises(CollectiveAborted, match=reason):
             h.wait(timeout_s=5)
         s.close()
+
+
+def test_wait_returns_only_once_frames_sent_from_caller_memory_are_gone() -> None:
+    """Raw fp32 frames leave straight from x and out; once wait() returns the caller may reuse both.
+
+    Member 0 sends slowly (a token bucket), so its own all-gather frames -- sent from its out
+    buffer -- would still be queued when it has everything it needs. Scribbling on x and out right
+    after wait() must not reach the other members."""
+    n = 3 * 200_000
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, generator=gen) for _ in range(3)]
+    expect = (xs[0] + xs[1] + xs[2]) / 3
+    outs = [torch.empty(n) for _ in range(3)]
+    shapers = [TokenBucket(40e6, 64 << 10), None, None]
+    made = [TcpTransport("127.0.0.1", 0, secret=SECRET, timeout_s=10.0, chunk_bytes=64 << 10, shaper=s) for s in shapers]
+    try:
+        ring = [t.address for t in made]
+        for rnd in range(2):
+            mine = [x.clone() for x in xs]
+            handles = [t.all_reduce(x, ring, i, tag=f"scribble{rnd}", out=o) for i, (t, x, o) in enumerate(zip(made, mine, outs))]
+            got = handles[0].wait()
+            snapshot = got.clone()
+            mine[0].fill_(float("nan"))
+            got.fill_(float("nan"))
+            for h in handles[1:]:
+                assert torch.allclose(h.wait(), expect, atol=1e-6)
+            assert torch.allclose(snapshot, expect, atol=1e-6)
+    finally:
+        for t in made:
+            t.close(flush_timeout_s=1.0)
