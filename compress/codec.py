@@ -85,6 +85,11 @@ class Codec(ABC):
         """A new fp32 tensor of ``count`` values (never a view of a part). Only exactly rounded
         elementwise ops, so the result is the same bits on every device and for every caller."""
 
+    def dequantize_into(self, parts: Parts, count: int, out: torch.Tensor) -> torch.Tensor:
+        """``dequantize`` written into ``out`` (``count`` fp32 values on the parts' device); a
+        codec whose kernel can write there directly overrides this."""
+        return out.copy_(self.dequantize(parts, count))
+
     def validate(self, parts: Parts, count: int) -> None:
         """Raise FrameError if parts read from a frame hold values the encoder never writes."""
 
@@ -109,19 +114,29 @@ class Codec(ABC):
         x = self._check_input(x)
         return self._frame(self.quantize(x), x.numel())[0]
 
-    def encode_with_decoded(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    def encode_with_decoded(self, x: torch.Tensor, out: torch.Tensor | None = None
+                            ) -> tuple[bytes, torch.Tensor]:
         """Encode once and also return exactly what ``decode`` of that frame yields (on x's
-        device), without a second encode: the payload just written is dequantized in place."""
+        device), without a second encode: the payload just written is dequantized in place.
+        With ``out`` (fp32, x's size and device, not overlapping x) the decoded values are
+        written there and ``out`` is returned."""
         x = self._check_input(x)
+        if out is not None:
+            _check_out(out, x.numel(), x.device)
         frame_bytes, views = self._frame(self.quantize(x), x.numel())
         if x.device.type != "cpu":
             views = [v.to(x.device) for v in views]
-        return frame_bytes, self.dequantize(views, x.numel())
+        if out is None:
+            return frame_bytes, self.dequantize(views, x.numel())
+        return frame_bytes, self.dequantize_into(views, x.numel(), out)
 
     def decode(self, data: bytes | bytearray | memoryview,
-               device: torch.device | str | None = None) -> torch.Tensor:
+               device: torch.device | str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode a frame made by this codec (any parameters) into a float32 1-D tensor.
 
+        With ``out`` (a contiguous fp32 tensor, on ``device`` if given) the values are written
+        there and ``out`` is returned; a frame of another length is a FrameError.
         FrameError if the frame is malformed or was made by another codec."""
         mv = frame.as_buffer(data)
         h, payload = frame.parse(mv)
@@ -129,7 +144,14 @@ class Codec(ABC):
             from .registry import codec_name
             raise FrameError(f"frame was made by codec {codec_name(h.codec_id)!r}, "
                              f"not {self.name!r}")
-        return decode_parsed(type(self), h, payload, device)
+        if out is not None:
+            if device is not None and torch.device(device) != out.device:
+                raise ValueError(f"out is on {out.device}, decoding to {device} was asked for")
+            _check_out(out, out.numel(), out.device)
+            if h.count != out.numel():
+                raise FrameError(f"frame holds {h.count} values, out has room for {out.numel()}")
+            device = out.device
+        return decode_parsed(type(self), h, payload, device, out)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
@@ -209,9 +231,18 @@ def _write_parts(dst: torch.Tensor, parts: Sequence[torch.Tensor],
     return views
 
 
+def _check_out(out: torch.Tensor, count: int, device: torch.device) -> None:
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 1
+            or out.numel() != count or not out.is_contiguous() or out.device != device):
+        raise ValueError(f"out must be a contiguous 1-D float32 tensor of {count} values on {device}, "
+                         f"got {getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))} "
+                         f"on {getattr(out, 'device', None)}")
+
+
 def decode_parsed(cls: type[Codec], h: frame.Header, payload: memoryview,
-                  device: torch.device | str | None) -> torch.Tensor:
-    """Decode a payload whose frame header has already been checked by ``frame.parse``."""
+                  device: torch.device | str | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode a payload whose frame header has already been checked by ``frame.parse``
+    (into ``out`` if given: h.count fp32 values on ``device``)."""
     codec = _from_header(cls, h.p0, h.p1, h.p2)
     expected = codec.payload_size(h.count)
     if h.raw_len != expected:
@@ -231,6 +262,8 @@ def decode_parsed(cls: type[Codec], h: frame.Header, payload: memoryview,
     codec.validate(parts, h.count)
     if device is not None and torch.device(device).type != "cpu":
         parts = [p.to(device) for p in parts]
+    if out is not None:
+        return codec.dequantize_into(parts, h.count, out)
     return codec.dequantize(parts, h.count)
 
 

@@ -48,9 +48,10 @@ class ErrorFeedback:
         return frame, decoded
 
     def decode(self, frame: bytes | bytearray | memoryview,
-               device: torch.device | str | None = None) -> torch.Tensor:
+               device: torch.device | str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode a frame of the wrapped codec (receivers need no residual)."""
-        return self.codec.decode(frame, device)
+        return self.codec.decode(frame, device, out)
 
     def reset(self) -> None:
         """Forget the residual (e.g. when the shard's layout changes)."""

@@ -71,7 +71,8 @@ class StreamSocket:
             raise BrokenPipeError(self._broken or "stream closed")
         self._outbox.put(bytes(data))
 
-    def recv(self, n: int) -> bytes:
+    def _take(self, n: int) -> memoryview:
+        """Up to n bytes of the current message (the next one once it is used up); empty at EOF."""
         if not self._buf:
             try:
                 item = self._inbox.get(timeout=self._timeout)
@@ -79,16 +80,19 @@ class StreamSocket:
                 raise TimeoutError("timed out") from None
             if item is _EOF:
                 self._inbox.put(_EOF)
-                return b""
+                return memoryview(b"")
             if isinstance(item, Exception):
                 self._inbox.put(item)
                 raise PeerDisconnected(f"gRPC stream ended: {_describe(item)}")
             self._buf = memoryview(item)
         out, self._buf = self._buf[:n], self._buf[n:]
-        return bytes(out)
+        return out
+
+    def recv(self, n: int) -> bytes:
+        return bytes(self._take(n))
 
     def recv_into(self, view: memoryview, n: int) -> int:
-        data = self.recv(n)
+        data = self._take(n)  # copied once, from gRPC's message straight into view
         view[: len(data)] = data
         return len(data)
 

@@ -138,6 +138,15 @@ def _raw_matches(codec: Any, raw: _RawFp32) -> bool:
         return False
 
 
+def _decodes_into(codec: Any) -> bool:
+    """Whether codec is one of compress's, whose decode and encode_with_decoded take out=."""
+    try:
+        import compress
+    except ImportError:
+        return False
+    return isinstance(codec, compress.Codec)
+
+
 class Handle:
     """The pending result of one collective."""
 
@@ -217,6 +226,7 @@ class RingAllReduce:
         self.right = ring[(index + 1) % g]
         self._link: Link | None = None
         self._raw: _RawFp32 | None = None
+        self._into = _decodes_into(codec)
         self._unsent = 0  # in-place sends (see _send_in_place) the socket has not taken yet
         # Ids of connections from the left peer whose loss means our data is lost: those open when
         # the collective started and those that delivered to it (set by the transport, then here).
@@ -303,15 +313,33 @@ class RingAllReduce:
     def _on_send_error(self, reason: str) -> None:
         self.abort(reason)
 
-    def _decode(self, payload: bytes | bytearray | memoryview, want: int, what: str) -> torch.Tensor:
+    def _decode(self, payload: bytes | bytearray | memoryview, want: int, what: str,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The frame's values (a new tensor, or out: want fp32 values where the result goes)."""
         try:
-            t = self.codec.decode(payload) if self.device.type == "cpu" else self.codec.decode(payload, device=self.device)
+            if out is not None and self._into:
+                t = self.codec.decode(payload, out=out)
+            elif self.device.type == "cpu":
+                t = self.codec.decode(payload)
+            else:
+                t = self.codec.decode(payload, device=self.device)
         except Exception as e:
-            raise _Abort(f"bad frame for {what} from {self.left}: {e!r}") from e
+            raise _Abort(f"bad frame for {what} from {self.left}: {e!r} "
+                         "(do all members use the same codec and chunk_bytes?)") from e
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != want:
             raise _Abort(f"frame for {what} from {self.left} decodes to {getattr(t, 'shape', type(t))}, want {want} fp32 "
                 "(do all members use the same chunk_bytes?)")
+        if out is not None and t is not out:
+            out.copy_(t.reshape(-1))
         return t.reshape(-1)
+
+    def _encode_mean(self, mean: torch.Tensor, out: torch.Tensor) -> Any:
+        """The owner's frame of mean; what every member will decode from it goes into out."""
+        if self._into:
+            return self.codec.encode_with_decoded(mean, out=out)[0]
+        frame, mine = self.codec.encode_with_decoded(mean)
+        out.copy_(mine.reshape(-1))
+        return frame
 
     def _raw_values(self, payload: bytes | bytearray | memoryview, want: int, what: str) -> torch.Tensor | None:
         """The checked fp32 values of a raw fp32 frame as a writable view into it; None: use _decode."""
@@ -393,12 +421,10 @@ class RingAllReduce:
         what = f"reduce-scatter chunk {(msg.seg, msg.chunk)}"
         v = self._raw_values(msg.payload, b - a, what)
         if v is None:  # any codec: decode to a new tensor, add, encode into a new frame
-            s = torch.add(self._decode(msg.payload, b - a, what), self.x[a:b])
+            s = self._decode(msg.payload, b - a, what).add_(self.x[a:b])  # a new tensor: ours to change
             self.core._pool.put(msg.payload)
             if owner:
-                frame, mine = self.codec.encode_with_decoded(s / g)
-                out[a:b] = mine
-                self._send(MsgType.AG, msg.seg, msg.chunk, frame)
+                self._send(MsgType.AG, msg.seg, msg.chunk, self._encode_mean(s.div_(g), out[a:b]))
             else:
                 self._send(MsgType.RS, msg.seg, msg.chunk, self.codec.encode(s))
             return
@@ -419,7 +445,10 @@ class RingAllReduce:
         a, b = bounds
         what = f"all-gather chunk {(msg.seg, msg.chunk)}"
         v = self._raw_values(msg.payload, b - a, what)
-        out[a:b] = self._decode(msg.payload, b - a, what) if v is None else v
+        if v is None:
+            self._decode(msg.payload, b - a, what, out=out[a:b])
+        else:
+            out[a:b] = v
         if forward:
             self._send(MsgType.AG, msg.seg, msg.chunk, msg.payload, recycle=True)
         else:

@@ -143,9 +143,16 @@ class BlockScaled(BlockSizeParam, Codec):
         out = values.view(nb, b).mul_(self.value_scale(scale)[:, None]).view(-1)
         return out[:count] if nb * b != count else out
 
+    def dequantize_into(self, parts: Parts, count: int, out: torch.Tensor) -> torch.Tensor:
+        scale, codes = parts
+        if count and self.bits == 4 and _native_for(codes) and out.device.type == "cpu":
+            return self._dequantize_native(scale, codes, count, out)
+        return out.copy_(self.dequantize(parts, count))
+
     def _dequantize_native(self, scale: torch.Tensor, codes: torch.Tensor,
-                           count: int) -> torch.Tensor:
-        """4-bit ``dequantize`` by the C kernel: nibble -> ``nibble_values()`` x value scale."""
+                           count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """4-bit ``dequantize`` by the C kernel: nibble -> ``nibble_values()`` x value scale
+        (into ``out``, a contiguous fp32 CPU tensor of ``count`` values, if given)."""
         if (scale.numel() != n_blocks(count, self.block_size) or codes.numel() != -(-count // 2)
                 or codes.dtype != torch.uint8 or scale.dtype != torch.float32):
             raise AssertionError("4-bit parts do not match the part layout")
@@ -153,7 +160,8 @@ class BlockScaled(BlockSizeParam, Codec):
         if table is None:
             table = self.__dict__.setdefault("_nibble_table", self.nibble_values())
         codes, vscale = codes.contiguous(), self.value_scale(scale).contiguous()
-        out = torch.empty(count)
+        if out is None:
+            out = torch.empty(count)
         _native.decode4(codes.data_ptr(), count, self.block_size, table.data_ptr(),
                         vscale.data_ptr(), out.data_ptr())
         return out

@@ -140,3 +140,29 @@ def test_topk_refuses_non_finite_values_it_would_not_select():
     x[7] = float("nan")
     with pytest.raises(ValueError, match="NaN or infinite"):
         compress.get_codec("topk", chunk=64, k=1).encode(x)
+
+
+@pytest.mark.parametrize("name", compress.available_codecs())
+def test_decode_and_encode_with_decoded_into_a_given_buffer(name):
+    codec = compress.get_codec(name, **SMALL[name])
+    x = torch.randn(3001)
+    frame, mine = codec.encode_with_decoded(x)
+    into = torch.full((3001,), float("nan"))
+    assert codec.decode(frame, out=into) is into
+    assert torch.equal(into.view(torch.int32), mine.view(torch.int32))
+    again = torch.full((3001,), float("nan"))
+    frame2, got = codec.encode_with_decoded(x, out=again)
+    assert got is again and frame2 == frame
+    assert torch.equal(again.view(torch.int32), mine.view(torch.int32))
+
+
+def test_decode_into_a_buffer_of_another_length_is_refused():
+    codec = compress.get_codec("int4")
+    frame = codec.encode(torch.randn(100))
+    with pytest.raises(compress.FrameError, match="holds 100 values"):
+        codec.decode(frame, out=torch.empty(99))
+    for bad in (torch.empty(100, dtype=torch.float64), torch.empty(200)[::2], torch.empty(10, 10)):
+        with pytest.raises(ValueError, match="out must"):
+            codec.decode(frame, out=bad)
+    with pytest.raises(ValueError, match="out must"):
+        codec.encode_with_decoded(torch.randn(100), out=torch.empty(101))
