@@ -318,7 +318,7 @@ def plot(records: list[dict], path: Path) -> None:
         ax.barh(range(len(loop)), vals, color=["tab:gray" if r["backend"] == "raw" else "tab:green" for r in loop])
         ax.set_yticks(range(len(loop)), names, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("GB/s (raw: bytes each way / time; ring: bytes sent per member / time)")
+        ax.set_xlabel("GB/s (raw: each way; ring: sent per member)")
         ax.set_title("loopback vs raw socket copy")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
