@@ -55,8 +55,9 @@ class _RawFp32:
     """In-place framing for compress's lossless fp32 codec without zstd.
 
     Its frame payload is the raw little-endian fp32 values, so the ring can add into a received
-    frame and re-seal it instead of decoding to a new tensor and encoding to new bytes. Frames
-    are still written and checked only by `compress.frame` (write_header, seal, parse, which
+    frame and re-seal it instead of decoding to a new tensor and encoding to new bytes, and can
+    send a frame of a tensor's own memory between a separate header and trailer. Frames are still
+    written and checked only by `compress.frame` (pack_header, trailer, seal, and parse, which
     verifies the checksum). `raw_fp32` checks the result byte for byte against the codec's own
     encode/decode before using it; any other codec takes the generic decode/encode path.
     """
@@ -67,24 +68,12 @@ class _RawFp32:
         self.codec, self.frame = codec, frame
         self._params = tuple(codec.header_params)
 
-    def frame_size(self, count: int) -> int:
-        return self.codec.frame_size(count)
-
-    def _header(self, count: int) -> Any:
-        raw_len = self.codec.payload_size(count)
-        return self.frame.Header(self.codec.codec_id, 0, *self._params, count, raw_len, raw_len)
-
-    def write(self, buf: memoryview, values: torch.Tensor) -> None:
-        """Write the frame of values into buf (frame_size(values.numel()) bytes)."""
-        f, count = self.frame, values.numel()
-        f.write_header(buf, self._header(count))
-        torch.frombuffer(buf, dtype=torch.float32, count=count, offset=f.HEADER_SIZE).copy_(values)
-        f.seal(buf)
-
     def parts(self, values: torch.Tensor) -> list[bytes | memoryview]:
         """The frame of a contiguous CPU fp32 tensor as [header, the tensor's own memory, trailer]:
         sent as is, with no copy (values must not change until it is sent)."""
-        head = self.frame.pack_header(self._header(values.numel()))
+        count = values.numel()
+        raw_len = self.codec.payload_size(count)
+        head = self.frame.pack_header(self.frame.Header(self.codec.codec_id, 0, *self._params, count, raw_len, raw_len))
         body = memoryview(values.numpy()).cast("B")
         return [head, body, self.frame.trailer(head, body)]
 
@@ -127,10 +116,8 @@ def _raw_matches(codec: Any, raw: _RawFp32) -> bool:
     x = torch.tensor([1.0, -2.5, 3.0e38, 1e-40, -0.0, 7.25], dtype=torch.float32)
     try:
         ref = codec.encode(x)
-        mine = bytearray(raw.frame_size(x.numel()))
-        raw.write(memoryview(mine), x)
         back = raw.values(memoryview(bytearray(ref)), x.numel())
-        if bytes(mine) != bytes(ref) or b"".join(raw.parts(x)) != bytes(ref) or back is None:
+        if b"".join(raw.parts(x)) != bytes(ref) or back is None:
             return False
         return torch.equal(back.view(torch.int32), codec.decode(ref).view(torch.int32))
     except Exception:
@@ -280,28 +267,25 @@ class RingAllReduce:
         head = pack_header(MsgType.ABORT, self.tag_raw, 0, 0, 0, len(payload))
         link.send([head + payload], None)
 
-    def _send(self, mtype: MsgType, seg: int, chunk: int, frame: bytes | bytearray | memoryview | list,
-              recycle: bool = False) -> None:
-        """Queue one message whose payload is frame (or the list of buffers it is made of); with
-        recycle, frame (a pool buffer) goes back to the pool once sent."""
+    def _queue(self, mtype: MsgType, seg: int, chunk: int, parts: list, on_done: Any) -> None:
+        """Queue one message whose payload is the concatenation of parts (sent without joining)."""
         assert self._link is not None
-        parts = frame if isinstance(frame, list) else [frame]
         head = pack_header(mtype, self.tag_raw, seg, chunk, self.x.numel(), sum(len(p) for p in parts))
-        on_done = None
-        if recycle:
-            pool = self.core._pool
-            on_done = lambda: pool.put(frame)  # noqa: E731
         self._link.send([head, *parts], self._on_send_error, on_done)
+
+    def _send(self, mtype: MsgType, seg: int, chunk: int, frame: bytes | bytearray | memoryview,
+              recycle: bool = False) -> None:
+        """Queue one message; with recycle, frame (a pool buffer) goes back to the pool once sent."""
+        pool = self.core._pool
+        self._queue(mtype, seg, chunk, [frame], (lambda: pool.put(frame)) if recycle else None)
 
     def _send_in_place(self, mtype: MsgType, seg: int, chunk: int, values: torch.Tensor) -> None:
         """Send the raw fp32 frame of values (a slice of x or of the result) from where they lie;
         the collective does not end before the socket has taken it, so the caller may then
         change both."""
-        assert self._link is not None and self._raw is not None
-        parts = self._raw.parts(values)
-        head = pack_header(mtype, self.tag_raw, seg, chunk, self.x.numel(), sum(len(p) for p in parts))
+        assert self._raw is not None
         self._unsent += 1
-        self._link.send([head, *parts], self._on_send_error, lambda: self.events.put(("sent",)))
+        self._queue(mtype, seg, chunk, self._raw.parts(values), lambda: self.events.put(("sent",)))
 
     def _send_new(self, mtype: MsgType, seg: int, chunk: int, values: torch.Tensor) -> None:
         """Encode values into a new frame and send it (raw fp32: straight from values' memory)."""
@@ -324,8 +308,7 @@ class RingAllReduce:
             else:
                 t = self.codec.decode(payload, device=self.device)
         except Exception as e:
-            raise _Abort(f"bad frame for {what} from {self.left}: {e!r} "
-                         "(do all members use the same codec and chunk_bytes?)") from e
+            raise _Abort(f"bad frame for {what} from {self.left}: {e!r}") from e
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != want:
             raise _Abort(f"frame for {what} from {self.left} decodes to {getattr(t, 'shape', type(t))}, want {want} fp32 "
                 "(do all members use the same chunk_bytes?)")
