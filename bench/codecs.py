@@ -76,7 +76,7 @@ def _cpu_name() -> str:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
+    except OSError:  # no /proc (not Linux): fall back to what platform knows
         pass
     return platform.processor()
 

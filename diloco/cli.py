@@ -90,7 +90,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         stop.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C is how a foreground coordinator is stopped
         pass
     server.stop()
     return 0

@@ -106,7 +106,7 @@ def _descendants(pid: int) -> list[int]:
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
-            except OSError:
+            except OSError:  # the process ended while we listed /proc
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry.name))
@@ -122,7 +122,7 @@ def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
-        except ProcessLookupError:
+        except ProcessLookupError:  # already gone: nothing to signal
             pass
 
 
@@ -135,7 +135,7 @@ def _stop(groups: list[GroupProcess], grace_s: float = 5.0) -> None:
     for g in groups:
         try:
             g.proc.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # still running: killed below
             pass
     for pids in trees.values():  # torchrun may be gone while a worker of it is not
         _signal(pids, signal.SIGKILL)

@@ -22,7 +22,7 @@ import torch
 from .auth import client_handshake, server_handshake
 from .conn import Connection, Link, close_socket
 from .errors import PeerAuthError, PeerDisconnected, TransportError, WireError
-from .ring import Handle, RingAllReduce, default_codec
+from .ring import Handle, RingAllReduce, check_out, default_codec
 from .shaping import TokenBucket
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
 
@@ -163,7 +163,7 @@ class TransportBase:
         if timeout <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if out is not None:
-            _check_out(out, x)
+            check_out(out, x)
         xs = x.detach().contiguous()  # stays on its device: a GPU tensor is encoded on the GPU
         if len(ring) == 1 or x.numel() == 0:
             h = Handle(tag)
@@ -433,20 +433,6 @@ class TransportBase:
                 self._pending_bytes += size
                 return
         op.deliver(ev)
-
-
-def _check_out(out: torch.Tensor, x: torch.Tensor) -> None:
-    """Refuse an output buffer the collective cannot write its result into."""
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.shape != x.shape:
-        raise ValueError(f"out must be a float32 tensor of shape {tuple(x.shape)}, "
-                         f"got {getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
-    if not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"out must be contiguous and on {x.device}")
-    if out.numel() and x.numel():
-        a, b = out.data_ptr(), out.data_ptr() + 4 * out.numel()
-        c, d = x.data_ptr(), x.data_ptr() + 4 * x.numel()
-        if a < d and c < b:
-            raise ValueError("out must not overlap x: x stays intact if the collective fails")
 
 
 class _Pending:

@@ -125,6 +125,20 @@ def _raw_matches(codec: Any, raw: _RawFp32) -> bool:
         return False
 
 
+def check_out(out: torch.Tensor, x: torch.Tensor) -> None:
+    """Refuse an output buffer the collective cannot write its result into."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.shape != x.shape:
+        raise ValueError(f"out must be a float32 tensor of shape {tuple(x.shape)}, "
+                         f"got {getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
+    if not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be contiguous and on {x.device}")
+    if out.numel() and x.numel():
+        a, b = out.data_ptr(), out.data_ptr() + 4 * out.numel()
+        c, d = x.data_ptr(), x.data_ptr() + 4 * x.numel()
+        if a < d and c < b:
+            raise ValueError("out must not overlap x: x stays intact if the collective fails")
+
+
 def _decodes_into(codec: Any) -> bool:
     """Whether codec is one of compress's, whose decode and encode_with_decoded take out=."""
     try:

@@ -126,7 +126,7 @@ def _pids_with(marker: str) -> list[int]:
             try:
                 if marker in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
                     pids.append(int(d.name))
-            except OSError:
+            except OSError:  # the process ended while we listed /proc
                 pass
     return pids
 
@@ -161,7 +161,7 @@ def test_a_group_killed_mid_run_stops_every_process(tmp_path):
     for p in victims:
         try:
             os.kill(p, 9)
-        except ProcessLookupError:
+        except ProcessLookupError:  # already gone
             pass
     t.join(90)
     assert not t.is_alive()
