@@ -25,10 +25,12 @@ class PendingMean(Protocol):
 
 
 class Averager(Protocol):
-    num_groups: int
+    num_groups: int  # groups taking part
+    group_index: int  # this group's position among them, 0..num_groups-1
 
-    def start(self, flat: torch.Tensor, *, tag: str) -> PendingMean:
-        """Launch the mean of ``flat`` over all groups; ``tag`` names this exchange uniquely."""
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
+        """Launch the mean of ``flat`` over all groups; ``tag`` names this exchange uniquely.
+        ``exact``: send fp32 whatever the configured codec (for control exchanges)."""
         ...
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
@@ -50,9 +52,10 @@ class SingleGroup:
     """One group: the mean is the input itself (copied)."""
 
     num_groups = 1
+    group_index = 0
     bytes_sent = 0
 
-    def start(self, flat: torch.Tensor, *, tag: str) -> PendingMean:
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
         return Done(flat.detach().clone())
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
@@ -112,9 +115,10 @@ class InProcessMember:
     def __init__(self, groups: InProcessGroups, index: int) -> None:
         self._groups = groups
         self.index = index
+        self.group_index = index
         self.num_groups = groups.size
 
-    def start(self, flat: torch.Tensor, *, tag: str) -> PendingMean:
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
         self._groups._post(tag, self.index, flat)
         return _InProcessPending(self._groups, tag)
 

@@ -31,6 +31,7 @@ OUTER_DEVICES = ("model", "cpu")
 LINKS = ("tcp", "grpc")
 SYNC_MODES = ("blocking", "overlap", "eager", "delayed", "co2", "dp")
 FRAGMENT_PATTERNS = ("strided", "sequential")
+INITIAL_SYNCS = ("check", "copy")
 
 
 class ConfigError(ValueError):
@@ -137,6 +138,15 @@ class TrainConfig:
         flag="--metrics-port",
     )
     save: str = opt("", "write the final global model here (atomic; group 0 writes it); empty = don't", flag="--save")
+    entry: str = opt(
+        "", "what to train: package.module:function taking a diloco.TaskContext and returning a "
+        "diloco.Task; empty = the demo GPT (diloco.task:gpt_task)", flag="--entry",
+    )
+    entry_args: str = opt("", "KEY=VALUE pairs, comma-separated, passed to --entry as ctx.args", flag="--entry-args")
+    initial_sync: str = opt(
+        "check", "start: check that every group built the same initial parameters (refuse if not), "
+        "or copy group 0's to all", flag="--initial-sync", choices=INITIAL_SYNCS,
+    )
 
 
 @dataclass
@@ -219,7 +229,10 @@ class Config:
         need(s.qsr_gamma > 0, f"--qsr-gamma must be > 0, got {s.qsr_gamma}")
         need(s.h_max == 0 or s.h_max >= s.h, f"--h-max must be 0 or >= --h ({s.h}), got {s.h_max}")
         need(s.fragments >= 1, f"--fragments must be >= 1, got {s.fragments}")
-        need(m.n_layer >= s.fragments, f"--fragments ({s.fragments}) cannot exceed --n-layer ({m.n_layer})")
+        if not self.train.entry:  # the demo GPT's fragments are its blocks
+            need(m.n_layer >= s.fragments, f"--fragments ({s.fragments}) cannot exceed --n-layer ({m.n_layer})")
+        else:
+            need(":" in self.train.entry, f"--entry must look like package.module:function, got {self.train.entry!r}")
         need(s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
         need(s.overlap_steps >= 0, f"--overlap-steps must be >= 0, got {s.overlap_steps}")
         if s.mode == "overlap":

@@ -1,34 +1,57 @@
-"""The DiLoCo engine: local inner steps, then an outer step on the averaged pseudo-gradient.
+"""The DiLoCo engine: local inner steps, then outer steps on averaged pseudo-gradients.
 
-Usage, in the training loop of each group (each rank of a group runs the same code)::
+One class, ``DiLoCo``, for every sync policy. Each rank of each group runs the same code::
 
-    engine = DiLoCo(model, inner_opt, sync_every=30, averager=averager)
-    for batch in data:
-        loss = model(batch).backward(); inner_opt.step(); inner_opt.zero_grad()
-        engine.step()            # every H steps: average Δ across groups, outer step, load θ_global
+    with DiLoCo(model, inner_opt, sync_every=30, averager=averager, hook_optimizer=True):
+        for batch in data:                       # the loop keeps its shape: the engine runs
+            loss(model, batch).backward()        # after every inner_opt.step()
+            inner_opt.step(); inner_opt.zero_grad()
 
-Semantics (ALGORITHMS.md §0.1, §1.1, §12):
+(or ``hook_optimizer=False`` and ``engine.step()`` after each inner step). Leaving the ``with``
+block (or ``close()``) lands every exchange in flight; the model then holds the global parameters.
 
-* ``Δ = θ_global − θ_local`` in fp32 (a descent direction, like a gradient);
-* the mean Δ over groups becomes ``.grad`` of the fp32 global copy, and the outer optimizer
-  (Nesterov lr 0.7, momentum 0.9 by default) steps it;
-* the model then takes ``θ_local ← α·θ_local + (1−α)·θ_global`` (α = 0: adopt the global value);
+Semantics (docs/algorithms.md §0.1, §1.1, §3.3, §4, §5, §12), with ``Δ = θ_global − θ_local`` in
+fp32 (a descent direction, like a gradient):
+
+* the parameters are split into P fragments (``fragments``, one by default). Fragment p first
+  syncs after ``(p+1)·H/P`` inner steps, then every H (H from the schedule, recomputed from the
+  current inner lr after each of its syncs, so QSR works per fragment);
+* ``blocking``: average Δ_p over groups, outer step on θ_global[p], merge, continue;
+* ``overlap`` (Streaming DiLoCo): launch the exchange and keep training; ``overlap_steps`` = τ
+  inner steps later, apply the outer step and merge;
+* ``eager`` (Kale et al. 2025): the exchange may take a whole round; the outer step uses this
+  group's fresh Δ and the others' previous-round Δ,
+  ``(Δ_own(t) + M·mean(t−H) − Δ_own(t−H)) / M``; global copies differ slightly until ``close()``;
+* ``delayed``: the previous round's mean, one round stale (for comparison);
+* ``co2`` (Sun et al. 2024): like ``delayed``, with ``diloco.outer.co2`` as outer optimizer;
+* the merge is ``θ_local ← α·θ_local + (1−α)·θ_global`` (α = ``merge_alpha``; 0 adopts θ_global);
 * the inner optimizer's state is never touched: it stays local to the group.
+
+At construction every group's initial parameters are made equal (``initial_sync="copy"``: group
+0's are copied over the data plane) or verified equal by hash (``"check"``, the default: a
+mismatch raises ``InitialParamsMismatch`` on every group).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass
+from typing import Any, Literal, Sequence
 
 import torch
 import torch.nn as nn
 
-from diloco.averaging import Averager, SingleGroup
+from diloco.averaging import Averager, Done, PendingMean
+from diloco.initial import InitialSync, agree
 from diloco.outer import OuterOptimizerFactory
 from diloco.outer_state import OuterFragment, global_weights_loaded, params_hash
 from diloco.schedule import FixedSchedule, SyncSchedule
+
+Mode = Literal["blocking", "overlap", "eager", "delayed", "co2"]
+MODES = ("blocking", "overlap", "eager", "delayed", "co2")
+STATE_VERSION = 1
 
 
 class NonFiniteError(FloatingPointError):
@@ -36,122 +59,370 @@ class NonFiniteError(FloatingPointError):
 
 
 @dataclass(frozen=True)
-class SyncResult:
-    """What one outer round did."""
+class SyncEvent:
+    """One thing the engine did to one fragment at an inner step."""
 
-    round: int  # 0-based id of the round just committed
-    inner_step: int  # inner steps done when it synced
-    next_period: int  # H of the round that starts now
-    delta_norm: float  # L2 norm of the averaged pseudo-gradient
+    fragment: int
+    round: int  # this fragment's round id (0-based)
+    kind: Literal["launch", "commit"]  # launch: exchange started; commit: outer step applied
+    inner_step: int  # inner steps done when it happened
+    numel: int  # elements of this fragment (the exchange's vector length)
+    next_period: int = 0  # launch: H until this fragment's next sync (0: none before the end)
+    delta_norm: float | None = None  # commit: L2 norm of the applied pseudo-gradient (None: none)
+
+
+def first_syncs(num_fragments: int, h: int) -> list[int]:
+    """Inner-step count of each fragment's first sync: ``(p+1)·H/P`` (floor), staggered."""
+    if h < num_fragments:
+        raise ValueError(f"H ({h}) must be >= the number of fragments ({num_fragments})")
+    return [((p + 1) * h) // num_fragments for p in range(num_fragments)]
+
+
+@dataclass
+class _InFlight:
+    pending: PendingMean
+    round: int
+    apply_at: int  # inner step at which an ``overlap`` exchange is merged
 
 
 class DiLoCo:
-    """Wraps a model and its inner optimizer; ``step()`` after each inner step."""
+    """Wraps a model and its inner optimizer; syncs with the other groups on a schedule.
+
+    ``sync_every``: H (inner steps) or a ``SyncSchedule``. ``mode``: one of ``MODES``.
+    ``fragments``: None (one), a count P (``diloco.fragments.partition``), or name lists.
+    ``overlap_steps``: τ for ``overlap`` (default 1). ``merge_alpha``: α (default 0 for
+    ``blocking``, 0.5 otherwise). ``outer_optimizer``: a factory (``diloco.nesterov()`` by
+    default). ``averager``: how Δ is averaged across groups — required: ``diloco.connect(...)``
+    for real groups, ``diloco.SingleGroup()`` to train one group alone. ``global_device``:
+    ``"model"`` or a device for the fp32 global copy. ``hook_optimizer``: run ``step()`` after
+    every ``inner_optimizer.step()``. ``initial_sync``: ``"check"`` or ``"copy"`` (see module doc).
+    """
 
     def __init__(
         self,
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         *,
+        averager: Averager,
         sync_every: int | SyncSchedule = 500,
+        mode: Mode = "blocking",
+        fragments: int | Sequence[Sequence[str]] | None = None,
+        overlap_steps: int | None = None,
+        merge_alpha: float | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
-        averager: Averager | None = None,
         global_device: str | torch.device = "model",
-        merge_alpha: float = 0.0,
+        hook_optimizer: bool = False,
+        initial_sync: InitialSync = "check",
     ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if averager is None:
+            raise ValueError("averager is required: diloco.connect(...) for groups, diloco.SingleGroup() for one")
+        merge_alpha = (0.0 if mode == "blocking" else 0.5) if merge_alpha is None else merge_alpha
         if not 0.0 <= merge_alpha <= 1.0:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
+        tau = (1 if mode == "overlap" else 0) if overlap_steps is None else overlap_steps
+        if tau < 0:
+            raise ValueError(f"overlap_steps must be >= 0, got {overlap_steps}")
+        if tau and mode != "overlap":
+            raise ValueError(f"overlap_steps applies to mode 'overlap' only, not {mode!r}")
         self.model = model
         self.inner_optimizer = inner_optimizer
-        self.schedule: SyncSchedule = (
-            FixedSchedule(sync_every) if isinstance(sync_every, int) else sync_every
-        )
-        self.averager: Averager = averager if averager is not None else SingleGroup()
+        self.schedule: SyncSchedule = FixedSchedule(sync_every) if isinstance(sync_every, int) else sync_every
+        self.mode: Mode = mode
+        self.overlap_steps = tau
         self.merge_alpha = merge_alpha
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.averager = averager
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not named:
             raise ValueError("the model has no trainable parameters")
+        groups = self._fragment_names(model, named, fragments)
         device = None if str(global_device) == "model" else torch.device(global_device)
-        self.state = OuterFragment(
-            [n for n, _ in named], [p for _, p in named], outer_optimizer=outer_optimizer, device=device
-        )
-        self.names = self.state.names
-        self.local_params = self.state.local_params
-        self.global_params = self.state.global_params
-        self.outer_optimizer = self.state.optimizer
-        self.numel = self.state.numel
+        self.fragments = [
+            OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer, device=device)
+            for f in groups
+        ]
+        agree(averager, self.global_params, initial_sync)
+        for frag in self.fragments:
+            frag.merge_into_model(0.0)
         self.inner_step = 0
-        self.round = 0
-        self.next_sync = self.schedule.period(0, self.current_lr())
+        self.next_sync = first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))
+        if self.overlap_steps and self.overlap_steps >= min(self.next_sync):
+            raise ValueError(
+                f"overlap_steps ({self.overlap_steps}) must be < H/P ({min(self.next_sync)}): "
+                "a fragment's exchange must land before the next fragment is due"
+            )
+        self.rounds = [0] * len(self.fragments)
+        self.in_flight: list[_InFlight | None] = [None] * len(self.fragments)
+        self._own_previous: list[torch.Tensor | None] = [None] * len(self.fragments)
+        self.finished = False
+        self.sync_seconds = 0.0  # time spent inside step()/close() on syncs
+        self.last_events: list[SyncEvent] = []
+        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if hook_optimizer else None
+
+    @staticmethod
+    def _fragment_names(model: nn.Module, named: dict, fragments) -> list[list[str]]:
+        if fragments is None:
+            return [list(named)]
+        if isinstance(fragments, int):
+            from diloco.fragments import partition
+
+            return partition(model, fragments)
+        groups = [list(f) for f in fragments]
+        seen = [n for f in groups for n in f]
+        if sorted(seen) != sorted(named) or len(seen) != len(set(seen)):
+            raise ValueError("fragments must cover every trainable parameter exactly once")
+        return groups
+
+    # --- the training-loop API ----------------------------------------------------------------
 
     def current_lr(self) -> float:
         """The inner optimizer's lr now (first param group), the input of adaptive schedules."""
         return float(self.inner_optimizer.param_groups[0]["lr"])
 
-    def step(self) -> SyncResult | None:
-        """Count one inner step; sync when the schedule says so. Returns the sync's result or None."""
+    def step(self) -> list[SyncEvent]:
+        """Count one inner step; land the exchanges that are due, launch the fragments that are
+        due. Returns what happened (an empty list on most steps)."""
+        if self.finished:
+            raise RuntimeError("step() after close()")
+        t0 = time.perf_counter()
         self.inner_step += 1
-        if self.inner_step >= self.next_sync:
-            return self.sync()
-        return None
+        events: list[SyncEvent] = []
+        for p, flight in enumerate(self.in_flight):
+            if self.mode == "overlap" and flight is not None and self.inner_step >= flight.apply_at:
+                events.append(self._commit_overlap(p))
+        for p in range(len(self.fragments)):
+            if self.inner_step >= self.next_sync[p]:
+                events.extend(self._sync(p))
+        return self._done(events, t0)
 
-    def pseudo_gradient(self) -> torch.Tensor:
-        """Flat fp32 ``θ_global − θ_local`` on the global copy's device."""
-        return self.state.pseudo_gradient()
+    def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.step()
+
+    def _done(self, events: list[SyncEvent], t0: float) -> list[SyncEvent]:
+        if events:
+            self.sync_seconds += time.perf_counter() - t0
+        self.last_events = events
+        observe = getattr(self.averager, "observe", None)
+        if observe is not None:
+            observe(self, events)
+        return events
 
     @torch.no_grad()
-    def sync(self) -> SyncResult:
-        """Average Δ across groups, apply the outer step, load the result into the model."""
-        delta = self.pseudo_gradient()
+    def close(self) -> list[SyncEvent]:
+        """Land every exchange in flight (eager: reconcile the groups' global copies), load the
+        global parameters into the model, stop hooking the optimizer. Idempotent."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.finished:
+            return []
+        t0 = time.perf_counter()
+        events: list[SyncEvent] = []
+        for p, flight in enumerate(self.in_flight):
+            if flight is None:
+                continue
+            if self.mode in ("overlap", "blocking"):
+                events.append(self._commit_overlap(p))
+                continue
+            mean = self._wait(p, flight)
+            if self.mode in ("delayed", "co2"):  # eager already used its own share of it
+                self.fragments[p].outer_step(mean)
+                events.append(self._event(p, flight.round, "commit", delta_norm=float(mean.norm())))
+        if self.mode == "eager":
+            for p, frag in enumerate(self.fragments):
+                frag.load_flat_global(self.averager.start(frag.flat_global(), tag=f"f{p}/final").wait())
+        for frag in self.fragments:
+            frag.merge_into_model(0.0)
+        self.finished = True
+        return self._done(events, t0)
+
+    finish = close
+
+    def abandon(self) -> None:
+        """Stop without waiting for exchanges in flight (after an error: peers may be gone)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.in_flight = [None] * len(self.fragments)
+        self.finished = True
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
+
+    # --- one fragment's sync ------------------------------------------------------------------
+
+    def _event(self, p: int, round: int, kind: str, **extra: Any) -> SyncEvent:
+        return SyncEvent(p, round, kind, self.inner_step, self.fragments[p].numel, **extra)  # type: ignore[arg-type]
+
+    def _delta(self, p: int) -> torch.Tensor:
+        delta = self.fragments[p].pseudo_gradient()
         if not torch.isfinite(delta).all():
             raise NonFiniteError(
-                f"round {self.round}: local pseudo-gradient has NaN/Inf after {self.inner_step} "
-                "inner steps; nothing was sent or applied"
+                f"fragment {p} round {self.rounds[p]}: local pseudo-gradient has NaN/Inf at inner "
+                f"step {self.inner_step}; nothing was sent or applied"
             )
-        mean = self.averager.all_reduce_mean(delta, round=self.round)
-        if mean.shape != delta.shape:
-            raise RuntimeError(f"averager returned shape {tuple(mean.shape)}, expected {tuple(delta.shape)}")
-        if not torch.isfinite(mean).all():
-            raise NonFiniteError(f"round {self.round}: averaged pseudo-gradient has NaN/Inf; not applied")
-        self.state.outer_step(mean)
-        self.state.merge_into_model(self.merge_alpha)
-        done = SyncResult(
-            round=self.round, inner_step=self.inner_step, next_period=0, delta_norm=float(mean.norm())
-        )
-        self.round += 1
-        period = self.schedule.period(self.inner_step, self.current_lr()) if self._steps_remain() else 0
-        self.next_sync = self.inner_step + max(period, 1)
-        return dataclasses.replace(done, next_period=period)
+        return delta
 
-    def _steps_remain(self) -> bool:
+    def _wait(self, p: int, flight: _InFlight) -> torch.Tensor:
+        mean = flight.pending.wait()
+        self.in_flight[p] = None
+        if not torch.isfinite(mean).all():
+            raise NonFiniteError(f"fragment {p} round {flight.round}: averaged pseudo-gradient has NaN/Inf; not applied")
+        return mean
+
+    def _launch(self, p: int, delta: torch.Tensor, apply_at: int) -> SyncEvent:
+        r = self.rounds[p]
+        self.in_flight[p] = _InFlight(self.averager.start(delta, tag=f"f{p}/r{r}"), r, apply_at)
+        self.rounds[p] += 1
+        return self._event(p, r, "launch")
+
+    def _sync(self, p: int) -> list[SyncEvent]:
+        events = []
+        frag = self.fragments[p]
+        if self.mode in ("overlap", "blocking"):
+            if self.in_flight[p] is not None:  # only if H shrank below τ: land it first
+                events.append(self._commit_overlap(p))
+            events.append(self._launch(p, self._delta(p), self.inner_step + self.overlap_steps))
+            if self.overlap_steps == 0:
+                events.append(self._commit_overlap(p))
+        else:
+            delta = self._delta(p)
+            flight = self.in_flight[p]
+            update = None
+            if self.mode == "eager":
+                m = self.averager.num_groups
+                update = delta.clone()
+                if flight is not None:
+                    update += m * self._wait(p, flight) - self._own_previous[p]
+                update /= m
+                self._own_previous[p] = delta
+            elif flight is not None:  # delayed, co2: the previous round's mean, one round stale
+                update = self._wait(p, flight)
+            if update is not None:
+                frag.outer_step(update)
+            frag.merge_into_model(self.merge_alpha)
+            norm = None if update is None else float(update.norm())
+            events.append(self._event(p, self.rounds[p], "commit", delta_norm=norm))
+            events.append(self._launch(p, delta, self.inner_step))
+        period = self._period()
+        self.next_sync[p] = self.inner_step + max(period, 1)
+        return [dataclasses.replace(e, next_period=period) if e.kind == "launch" else e for e in events]
+
+    def _commit_overlap(self, p: int) -> SyncEvent:
+        flight = self.in_flight[p]
+        assert flight is not None
+        frag = self.fragments[p]
+        mean = self._wait(p, flight)
+        frag.outer_step(mean)
+        frag.merge_into_model(self.merge_alpha)
+        return self._event(p, flight.round, "commit", delta_norm=float(mean.norm()))
+
+    def _period(self) -> int:
+        """H of the round starting now; 0 once the schedule's total steps are done."""
         total = getattr(self.schedule, "total_steps", None)
-        return total is None or self.inner_step < total
+        if total is not None and self.inner_step >= total:
+            return 0
+        return self.schedule.period(self.inner_step, self.current_lr())
+
+    # --- the global model -----------------------------------------------------------------------
+
+    @property
+    def global_params(self) -> list[torch.Tensor]:
+        """The fp32 global parameters, in fragment order."""
+        return [g for f in self.fragments for g in f.global_params]
+
+    @property
+    def local_params(self) -> list[torch.Tensor]:
+        return [p for f in self.fragments for p in f.local_params]
+
+    @property
+    def names(self) -> list[str]:
+        return [n for f in self.fragments for n in f.names]
+
+    @property
+    def numel(self) -> int:
+        """Trainable parameters (elements) the engine syncs."""
+        return sum(f.numel for f in self.fragments)
+
+    @property
+    def round(self) -> int:
+        """Fragment syncs launched so far, over all fragments (the rounds with one fragment)."""
+        return sum(self.rounds)
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Flat fp32 ``θ_global − θ_local`` of every fragment, on the global copy's device."""
+        return torch.cat([f.pseudo_gradient() for f in self.fragments])
+
+    def global_hash(self) -> str:
+        """SHA-256 of the global parameters' fp32 bytes, in fragment order (hex, 16 chars)."""
+        return params_hash(self.global_params)
+
+    def fragment_hash(self, p: int) -> str:
+        return params_hash(self.fragments[p].global_params)
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """The global (outer) parameters by name, fp32: what is evaluated and saved."""
-        return {n: g.detach().clone() for n, g in zip(self.names, self.global_params)}
-
-    def global_hash(self) -> str:
-        """SHA-256 of the global parameters' fp32 bytes, in parameter order (hex, 16 chars)."""
-        return params_hash(self.global_params)
+        return {n: g.detach().clone() for f in self.fragments for n, g in zip(f.names, f.global_params)}
 
     def global_weights(self) -> contextlib.AbstractContextManager[nn.Module]:
         """Temporarily load the global parameters into the model (e.g. for eval)."""
         return global_weights_loaded(self.model, self.global_params, self.local_params)
 
-    def state_dict(self) -> dict:
-        """Outer state for a checkpoint: global params, outer optimizer, counters."""
-        return {
-            **self.state.state_dict(),
-            "inner_step": self.inner_step,
-            "round": self.round,
-            "next_sync": self.next_sync,
-        }
+    # --- checkpoints ----------------------------------------------------------------------------
 
+    def state_dict(self) -> dict:
+        """Everything needed to continue bit-identically: per fragment the global parameters,
+        outer-optimizer state, round, next sync and the exchange in flight (waited for here —
+        its value does not depend on when it is read — and stored as its result), plus the
+        step counter. The model's own (local) parameters and the inner optimizer are the
+        caller's to save."""
+        frags = []
+        for p, frag in enumerate(self.fragments):
+            flight = self.in_flight[p]
+            landed = None
+            if flight is not None:
+                mean = flight.pending.wait()
+                flight.pending = Done(mean)
+                landed = {"mean": mean.detach().clone(), "round": flight.round, "apply_at": flight.apply_at}
+            own = self._own_previous[p]
+            frags.append({
+                **frag.state_dict(), "names": list(frag.names), "round": self.rounds[p],
+                "next_sync": self.next_sync[p], "in_flight": landed,
+                "own_previous": None if own is None else own.detach().clone(),
+            })
+        return {"version": STATE_VERSION, "mode": self.mode, "inner_step": self.inner_step,
+                "finished": self.finished, "fragments": frags}
+
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved and load the global parameters into the model."""
-        self.state.load_state_dict(state)
+        """Restore what ``state_dict`` saved and load the global parameters into the model (load
+        the model's own state dict afterwards to resume mid-round exactly)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"engine state version {state.get('version')!r}, expected {STATE_VERSION}")
+        if state["mode"] != self.mode:
+            raise ValueError(f"engine state is for mode {state['mode']!r}, this engine runs {self.mode!r}")
+        frags = state["fragments"]
+        if [f["names"] for f in frags] != [frag.names for frag in self.fragments]:
+            raise ValueError("engine state has other fragments (parameter names) than this engine")
+        for p, (frag, saved) in enumerate(zip(self.fragments, frags)):
+            frag.load_state_dict(saved)
+            self.rounds[p] = int(saved["round"])
+            self.next_sync[p] = int(saved["next_sync"])
+            landed = saved["in_flight"]
+            self.in_flight[p] = None if landed is None else _InFlight(
+                Done(landed["mean"].to(frag.global_params[0].device)), int(landed["round"]), int(landed["apply_at"]))
+            own = saved["own_previous"]
+            self._own_previous[p] = None if own is None else own.to(frag.global_params[0].device)
+            frag.merge_into_model(0.0)
         self.inner_step = int(state["inner_step"])
-        self.round = int(state["round"])
-        self.next_sync = int(state["next_sync"])
-        self.state.merge_into_model(0.0)
+        self.finished = bool(state["finished"])
+
+
+SyncResult = SyncEvent  # the name of one release ago

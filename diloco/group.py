@@ -75,9 +75,15 @@ class StripedAverager:
             self._stripe_plans[key] = stripe_plan(numel, bandwidths, min(self.num_stripes, max(numel, 1)))
         return self._stripe_plans[key]
 
-    def start(self, flat: torch.Tensor, *, tag: str) -> "_StripedPending":
+    @property
+    def group_index(self) -> int:
+        """This group's position among the member groups (sorted ids), 0-based."""
+        return sorted(self.membership.groups).index(self.group)
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> "_StripedPending":
         """Launch the cross-group rings of this rank's stripes; every rank of the group calls it,
-        in the same order as every other rank of every group."""
+        in the same order as every other rank of every group. ``exact``: fp32 on the wire
+        whatever ``codec`` is (control exchanges such as the initial-parameter check)."""
         plan = self.plans(self.exchanges)
         self.exchanges += 1
         # On a GPU the vector stays there: the rings encode it there and only frames cross to the host.
@@ -91,7 +97,7 @@ class StripedAverager:
         handles = [
             (s, self.transport.all_reduce(
                 src[s.start : s.stop], sp.ring(s.index, addresses, order), index,
-                tag=f"{tag}/s{s.index}", codec=self.codec, timeout_s=self.timeout_s,
+                tag=f"{tag}/s{s.index}", codec=None if exact else self.codec, timeout_s=self.timeout_s,
                 out=out[s.start : s.stop],
             ))
             for s in sp.stripes_of(me, self.rank) if s.size

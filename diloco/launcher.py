@@ -22,7 +22,8 @@ from typing import Callable
 from diloco import data as data_mod
 from diloco.config import Config
 from diloco.coordinator import CoordinatorServer
-from diloco.worker import SECRET_ENV, TOKEN_ENV
+from diloco.connection import SECRET_ENV, TOKEN_ENV
+from diloco.task import DEMO_ENTRY, load_entry
 
 
 class LaunchError(RuntimeError):
@@ -45,9 +46,13 @@ class GroupProcess:
         return "\n".join(errors[-lines:] if errors else text[-lines:])
 
 
-def preflight(cfg: Config) -> data_mod.Corpus:
-    """Check everything that can be checked before a process starts (config and data)."""
+def preflight(cfg: Config) -> data_mod.Corpus | None:
+    """Check everything that can be checked before a process starts (config; the demo's data,
+    or that a user's ``--entry`` imports and is callable)."""
     cfg.validate()
+    if cfg.train.entry:
+        load_entry(cfg.train.entry)
+        return None
     corpus = data_mod.load_corpus(cfg.data.path or None)
     train, val = data_mod.split(corpus, cfg.data.val_fraction)
     data_mod.check_feedable(len(train), cfg.topology.groups, cfg.model.block_size, what="training")
@@ -264,7 +269,8 @@ def _summarize(cfg: Config, corpus, summaries: dict, snapshot: dict, seconds: fl
         "utilization_per_group": {int(s["group"]): s["utilization"] for s in per_group},
         "mode": per_group[0]["mode"],
         "fragments": per_group[0]["fragments"],
-        "corpus": corpus.source,
+        "corpus": corpus.source if corpus is not None else None,
+        "entry": cfg.train.entry or DEMO_ENTRY,
         "run_dir": str(out_dir),
         "config": cfg.to_dict(),
     }
@@ -274,7 +280,9 @@ def format_summary(s: dict) -> str:
     """Human-readable summary block printed at the end of ``diloco run``."""
     lines = [
         "diloco run summary",
-        f"  eval loss (global model) : {s['eval_loss']:.4f} nats/token (initial {s['initial_eval_loss']:.4f})",
+        f"  eval loss (global model) : {s['eval_loss']:.4f}{' nats/token' if s.get('entry') == DEMO_ENTRY else ''}"
+        f" (initial {s['initial_eval_loss']:.4f})",
+        f"  trained                  : {s.get('entry', DEMO_ENTRY)}",
         f"  sync mode                : {s['mode']}, {s['fragments']} fragment(s)",
         f"  outer rounds             : {s['outer_rounds']} (H per round: {_compact(s['periods'])})",
         f"  inner steps per rank     : {s['inner_steps']}",

@@ -11,10 +11,12 @@ Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (set by torchrun), ``DILOC
 from __future__ import annotations
 
 import datetime
+import functools
+import json
 import math
 import os
 import sys
-import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -22,24 +24,15 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco import checkpoint
-from diloco import data as data_mod
-from diloco.config import Config, make_codec
-from diloco.coordinator import CoordinatorClient
+from diloco.config import Config
+from diloco.connection import SECRET_ENV, TOKEN_ENV, GroupConnection, connect, read_secret
 from diloco.data_parallel import DataParallelAcrossGroups
 from diloco.engine import DiLoCo
-from diloco.group import StripedAverager
-from diloco.model import GPT, GPTConfig
-from diloco.fragments import gpt_fragments
-from diloco.metrics import WorkerMetrics
-from diloco.network_plan import BandwidthMonitor, CoordinatedPlans, measure_rates
 from diloco.outer import by_name, co2
 from diloco.schedule import FixedSchedule, QSRSchedule, SyncSchedule, inner_lr
-from diloco.streaming import StreamingDiLoCo
-import transport as transport_pkg
-from transport import TcpTransport, TlsConfig
+from diloco.task import DEMO_ENTRY, Task, TaskContext, batch_items, build_task, parse_entry_args, to_device
 
-SECRET_ENV = "DILOCO_SECRET"
-TOKEN_ENV = "DILOCO_TOKEN"
+__all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]
 
 
 class WorkerError(RuntimeError):
@@ -73,100 +66,24 @@ def make_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer
     raise WorkerError(f"unknown inner optimizer {i.optimizer!r}")
 
 
-def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, averager):
-    """The engine a config asks for: DiLoCo for blocking P=1, StreamingDiLoCo, or data parallel."""
+def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None):
+    """The engine a config asks for: ``DiLoCo`` in the configured mode, or data parallel.
+    ``fragments(model, P)``: the task's split for ``--fragments`` (default: ``partition``)."""
     s, o = cfg.sync, cfg.outer
     if s.mode == "dp":
-        return DataParallelAcrossGroups(model, averager)
+        return DataParallelAcrossGroups(model, averager, initial_sync=cfg.train.initial_sync)
     if s.mode == "co2":
         penalty = o.co2_penalty if o.co2_penalty == "adaptive" else float(o.co2_penalty)
         outer = co2(o.co2_lr, o.co2_momentum, o.co2_clip, penalty)
     else:
         outer = by_name(o.optimizer, o.lr, o.momentum)
-    device = "cpu" if o.device == "cpu" else "model"
-    alpha = o.merge_alpha(s.mode)
-    if s.mode == "blocking" and s.fragments == 1:
-        return DiLoCo(model, inner, sync_every=make_schedule(cfg), outer_optimizer=outer,
-                      averager=averager, global_device=device, merge_alpha=alpha)
-    return StreamingDiLoCo(
-        model, inner, fragments=gpt_fragments(model, s.fragments, s.fragment_pattern),
-        sync_every=make_schedule(cfg), mode="overlap" if s.mode == "blocking" else s.mode,
-        overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=alpha,
-        outer_optimizer=outer, averager=averager, global_device=device,
+    split = None if s.fragments == 1 else (fragments(model, s.fragments) if fragments else s.fragments)
+    return DiLoCo(
+        model, inner, averager=averager, sync_every=make_schedule(cfg), mode=s.mode, fragments=split,
+        overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
+        outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
+        initial_sync=cfg.train.initial_sync,
     )
-
-
-def make_transport(cfg: Config, secret: bytes):
-    """This rank's data-plane endpoint (tcp or grpc), listening on ``--host``, as configured."""
-    t = cfg.transport
-    tls = TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None
-    link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
-    return link(host=t.host, port=0, secret=secret, timeout_s=t.timeout_s, tls=tls,
-                allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes)
-
-
-class _Reprobe:
-    """Starts a background re-measurement every ``every`` exchanges of ``averager``; surfaces
-    its failures."""
-
-    def __init__(self, monitor: BandwidthMonitor, averager: StripedAverager, every: int) -> None:
-        self.monitor, self.averager, self.every, self._last = monitor, averager, every, 0
-
-    def after_step(self) -> None:
-        if self.monitor.error is not None:
-            raise WorkerError(f"bandwidth re-measurement failed: {self.monitor.error}")
-        exchanges = self.averager.exchanges
-        if self.every and exchanges - self._last >= self.every:
-            self._last = exchanges
-            self.monitor.refresh()
-
-
-def make_averager(cfg: Config, transport, membership, client, group: int, rank: int, device):
-    """Probe the other groups, report to the coordinator, and build the striped averager;
-    returns it with the background re-prober (None when probing is off)."""
-    t = cfg.transport
-    sizes = {g: len(membership.ranks(g)) for g in membership.groups}
-    addresses = {g: membership.ranks(g) for g in membership.groups}
-    averager = StripedAverager(
-        transport, membership, group=group, rank=rank, codec=make_codec(t), timeout_s=t.timeout_s,
-        plans=CoordinatedPlans(client.plan, sizes, every=t.plan_every),
-        stripes_per_rank=t.stripes_per_rank, comm_device=device,
-    )
-    if not t.probe_bytes or len(sizes) < 2:
-        return averager, None
-
-    def measure() -> dict[int, float]:
-        return measure_rates(transport, addresses, group, rank, t.probe_bytes)
-
-    client.report_bandwidth(group, rank, measure())
-    monitor = BandwidthMonitor(measure, lambda rates: client.report_bandwidth(group, rank, rates))
-    return averager, _Reprobe(monitor, averager, t.reprobe_every)
-
-
-def read_secret() -> bytes:
-    value = os.environ.get(SECRET_ENV, "")
-    if not value:
-        raise WorkerError(f"{SECRET_ENV} is not set: the data plane needs a shared secret (hex)")
-    try:
-        secret = bytes.fromhex(value)
-    except ValueError as e:
-        raise WorkerError(f"{SECRET_ENV} must be hex") from e
-    if len(secret) < 16:
-        raise WorkerError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits)")
-    return secret
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list, device: torch.device) -> float:
-    """Mean cross-entropy (nats/token) of ``model`` over ``batches``."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for x, y in batches:
-        _, loss = model(x.to(device), y.to(device))
-        total += float(loss)
-    model.train(was_training)
-    return total / len(batches)
 
 
 def _resolve_backend(requested: str) -> str:
@@ -177,8 +94,16 @@ def _resolve_backend(requested: str) -> str:
     return requested
 
 
+def _device(backend: str, local_rank: int) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device(f"cuda:{local_rank}")
+    torch.cuda.set_device(device)
+    return device
+
+
 def run_worker(cfg: Config, group: int, coordinator: str) -> dict:
-    """Train this rank; returns the group summary (rank 0) or an empty dict."""
+    """Train this rank; returns this rank's summary (rank 0's carries the eval loss)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -188,97 +113,55 @@ def run_worker(cfg: Config, group: int, coordinator: str) -> dict:
         raise WorkerError(f"torchrun started {world} ranks but the config gives group {group} {cfg.topology.sizes()[group]}")
     torch.set_num_threads(cfg.topology.threads_per_rank)
     backend = _resolve_backend(cfg.topology.backend)
-    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = _device(backend, local_rank)
     secret = read_secret()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.transport.timeout_s))
-    transport = client = metrics = None
+    link = None
     try:
-        corpus = data_mod.load_corpus(cfg.data.path or None)
-        train, val = data_mod.split(corpus, cfg.data.val_fraction)
-        lo, hi = data_mod.shard_bounds(len(train), cfg.topology.groups, group)
-        sampler = data_mod.BatchSampler(
-            train[lo:hi], cfg.data.batch_size, cfg.model.block_size,
-            seed=cfg.train.seed + 7919 * (group + 1) + 104729 * rank,
-        )
-        torch.manual_seed(cfg.train.seed)  # identical initial weights in every group
-        m = cfg.model
-        model = GPT(GPTConfig(corpus.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout)).to(device)
+        ctx = TaskContext(group=group, num_groups=cfg.topology.groups, rank=rank, group_size=world, device=device,
+                          seed=cfg.train.seed, steps=cfg.train.steps, batch_size=cfg.data.batch_size,
+                          data_path=cfg.data.path, args=parse_entry_args(cfg.train.entry_args), config=cfg)
+        task = build_task(cfg.train.entry or DEMO_ENTRY, ctx)
+        model = task.model.to(device)
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
         inner = make_inner_optimizer(cfg, model)
-
-        transport = make_transport(cfg, secret)
-        client = CoordinatorClient(coordinator, token=os.environ.get(TOKEN_ENV) or None, timeout_s=cfg.transport.timeout_s)
-        membership = client.join(group, rank, world, transport.address)
-        averager, reprobe = make_averager(cfg, transport, membership, client, group, rank, device)
-        engine = make_engine(cfg, model, inner, averager)
-        metrics = WorkerMetrics(group, rank)
-        if cfg.train.metrics_port:
-            metrics.serve(cfg.train.metrics_port + local_rank)
-        return _train(cfg, group, rank, device, ddp, model, inner, engine, sampler, val, client, transport,
-                      metrics, reprobe)
+        link = connect(coordinator, group, secret=secret, settings=cfg.transport, metrics_port=cfg.train.metrics_port)
+        engine = make_engine(cfg, model, inner, link, task.fragments)
+        return _train(cfg, group, rank, device, ddp, task, inner, engine, link)
     finally:
-        if metrics is not None:
-            metrics.close()
-        if transport is not None:
-            transport.close()
-        if client is not None:
-            client.close()
+        if link is not None:
+            link.close()
         dist.destroy_process_group()
 
 
-def _group_bytes(transport, device: torch.device) -> tuple[int, int]:
-    t = torch.tensor([transport.bytes_sent, transport.bytes_received], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return int(t[0]), int(t[1])
-
-
-def _commits(engine, out) -> tuple[list[int], int]:
-    """Normalize what ``engine.step()`` returned: the H values started now, and commits done."""
-    if isinstance(engine, StreamingDiLoCo):
-        started = [engine.next_sync[e.fragment] - e.inner_step for e in out if e.kind == "launch" and e.fragment == 0]
-        return started, sum(1 for e in out if e.kind == "commit")
-    if out is None:
-        return [], 0
-    return ([out.next_period] if out.next_period else []), 1
-
-
-def _train(cfg, group, rank, device, ddp, model, inner, engine, sampler, val, client, transport, metrics,
-           reprobe) -> dict:
+def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Module, task: Task,
+           inner: torch.optim.Optimizer, engine, link: GroupConnection) -> dict:
     c = cfg.inner
-    steps, tokens_per_step = cfg.train.steps, cfg.data.batch_size * cfg.model.block_size * cfg.topology.sizes()[group]
-    streaming = isinstance(engine, StreamingDiLoCo)
+    steps = cfg.train.steps
     data_parallel = isinstance(engine, DataParallelAcrossGroups)
-    periods: list[int] = [engine.next_sync[0] if streaming else engine.next_sync]
-    round_hashes: list[str] = []
-    report_hashes = cfg.sync.mode != "eager"  # eager groups differ until finish(), by design
-    batches = data_mod.eval_batches(val, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
-    initial_eval = evaluate(model, batches, device) if rank == 0 else float("nan")
-    sent = received = 0
-    compute_s = sync_s = 0.0
-    start = last_t = time.perf_counter()
-    last_step, loss_ema, metrics_rounds = 0, None, 0
+    evaluate = functools.partial(_evaluate, ddp.module, task, device)
+    initial_eval = evaluate() if rank == 0 else float("nan")
+    batches = iter(task.train_batches)
+    items_per_batch = task.tokens_per_batch
+    loss_ema = None
     for t in range(steps):
-        t0 = time.perf_counter()
         lr = inner_lr(t, peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
                       schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
         for pg in inner.param_groups:
             pg["lr"] = lr
-        x, y = sampler.next()
-        _, loss = ddp(x.to(device), y.to(device))
+        try:
+            batch = to_device(next(batches), device)
+        except StopIteration:
+            raise WorkerError(f"the task's train_batches ran out after {t} of {steps} steps") from None
+        if items_per_batch is None:
+            items_per_batch = batch_items(batch)
+        loss = task.loss(ddp, batch)
         inner.zero_grad(set_to_none=True)
         loss.backward()
         if data_parallel:
-            t_sync = time.perf_counter()
             engine.average_gradients()
-            waited = time.perf_counter() - t_sync
-            sync_s += waited
-            t0 += waited  # communication, not compute
-            if (t + 1) % cfg.train.log_every == 0 or t + 1 == steps:
-                sent, received = _group_bytes(transport, device)
         if c.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+            torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), c.grad_clip)
         inner.step()
         value = float(loss.detach())
         if not math.isfinite(value):
@@ -289,63 +172,46 @@ def _train(cfg, group, rank, device, ddp, model, inner, engine, sampler, val, cl
                        schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
         for pg in inner.param_groups:
             pg["lr"] = nxt
-        t1 = time.perf_counter()
-        compute_s += t1 - t0
-        started, committed = _commits(engine, engine.step())
-        if t + 1 == steps and streaming:
-            engine.finish()
-            committed += 1
-        sync_s += time.perf_counter() - t1
-        if t + 1 < steps:
-            periods.extend(started)
-        if reprobe is not None:
-            reprobe.after_step()
-        if committed:
-            sent, received = _group_bytes(transport, device)
-            if rank == 0 and (report_hashes or t + 1 == steps):
-                round_hashes.append(engine.global_hash())
-                client.report_round(group, len(round_hashes) - 1, round_hashes[-1])
-        metrics.inner_steps.inc()
-        metrics.compute_seconds.inc(t1 - t0)
-        metrics.sync_seconds.inc(time.perf_counter() - t1)
-        if (t + 1) % cfg.train.log_every == 0 or committed:
-            metrics.outer_rounds.inc(engine.round - metrics_rounds)
-            metrics_rounds = engine.round
-            metrics.wire_totals(transport.bytes_sent, transport.bytes_received)
-            metrics.loss.set(loss_ema)
-            metrics.inner_lr.set(nxt)
-            metrics.sync_period.set(periods[-1])
-        if rank == 0 and ((t + 1) % cfg.train.log_every == 0 or t + 1 == steps or committed):
-            now = time.perf_counter()
-            client.report_progress(group, rank, {
-                "step": t + 1, "steps": steps, "loss": round(loss_ema, 4),
-                "tokens_per_s": round((t + 1 - last_step) * tokens_per_step / max(now - last_t, 1e-9), 1),
-                "bytes_sent": sent, "round": engine.round, "h": periods[-1], "lr": nxt,
-                "utilization": round(compute_s / max(now - start, 1e-9), 4),
-            })
-            last_step, last_t = t + 1, now
-    wall = time.perf_counter() - start
-    if rank != 0:
-        return {}
+        events = engine.step()
+        if t + 1 == steps:
+            events = engine.close()
+        if (t + 1) % cfg.train.log_every == 0 or t + 1 == steps or events:
+            link.report_progress(loss=loss_ema, step=t + 1, steps=steps, lr=nxt,
+                                 tokens_per_step=(items_per_batch or 0) * link.group_size)
     with engine.global_weights():
-        eval_loss = evaluate(model, batches, device)
-    summary = {
-        "group": group, "eval_loss": eval_loss, "initial_eval_loss": initial_eval,
-        "final_train_loss": loss_ema, "round_hashes": round_hashes,
-        "outer_rounds": engine.round, "inner_steps": steps, "periods": periods,
-        "bytes_sent": sent, "bytes_received": received, "param_hash": engine.global_hash(),
-        "num_parameters": engine.numel, "tokens": steps * tokens_per_step,
-        "seconds": wall, "compute_seconds": compute_s, "sync_seconds": sync_s,
-        "utilization": compute_s / wall, "mode": cfg.sync.mode, "fragments": cfg.sync.fragments,
-    }
-    if cfg.train.save and group == 0:
+        eval_loss = evaluate() if rank == 0 else float("nan")
+    summary = link.summary(
+        engine, eval_loss=eval_loss, initial_eval_loss=initial_eval, final_train_loss=loss_ema,
+        tokens=steps * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
+    )
+    if cfg.train.save and group == 0 and rank == 0:
         checkpoint.save(cfg.train.save, {
             "global": engine.global_state_dict(), "config": cfg.to_dict(),
             "inner_steps": steps, "eval_loss": eval_loss, "param_hash": summary["param_hash"],
         })
         summary["checkpoint"] = cfg.train.save
-    client.report_summary(group, summary)
     return summary
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, task: Task, device: torch.device) -> float:
+    """Mean of ``task.loss`` over ``task.eval_batches`` (NaN when the task has none)."""
+    if not task.eval_batches:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    total = sum(float(task.loss(model, to_device(b, device))) for b in task.eval_batches)
+    model.train(was_training)
+    return total / len(task.eval_batches)
+
+
+def format_worker_line(s: dict) -> str:
+    """One line per rank at the end: what it did (rank 0's carries the group's eval loss)."""
+    loss = s.get("eval_loss", float("nan"))
+    shown = f"eval loss {loss:.4f} (initial {s.get('initial_eval_loss', float('nan')):.4f}), " if math.isfinite(loss) else ""
+    return (f"diloco worker group {s['group']} rank {s['rank']}: {shown}{s['inner_steps']} steps, "
+            f"{s['outer_rounds']} syncs, {s['bytes_sent']:,} B sent by the group, "
+            f"global params {s['param_hash']}, {s['seconds']:.1f} s, utilization {100 * s['utilization']:.1f}%")
 
 
 def _die_with_parent() -> None:
@@ -359,14 +225,21 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def main(cfg: Config, group: int, coordinator: str) -> int:
-    """Entry point of ``diloco worker``; returns the process exit code."""
+def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None) -> int:
+    """Entry point of ``diloco worker``; returns the process exit code. Prints this rank's
+    summary line; rank 0 writes the group's summary to ``json_path`` if given."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _die_with_parent()
     try:
-        run_worker(cfg, group, coordinator)
+        summary = run_worker(cfg, group, coordinator)
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear line and exit code 1
         rank = os.environ.get("RANK", "?")
+        if os.environ.get("DILOCO_TRACEBACK"):
+            traceback.print_exc()
         print(f"diloco worker (group {group}, rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
+    print(format_worker_line(summary), flush=True)
+    if json_path and summary.get("rank") == 0:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=2)
     return 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def run_in_threads(work: Callable[[int], None], n: int, timeout_s: float = 120.0) -> None:
@@ -23,6 +25,18 @@ def run_in_threads(work: Callable[[int], None], n: int, timeout_s: float = 120.0
         t.join(timeout_s)
     assert not any(t.is_alive() for t in threads), "a simulated group did not finish"
     assert not errors, errors
+
+
+def build_in_threads(make: Callable[[int], T], n: int, timeout_s: float = 120.0) -> list[T]:
+    """``[make(i) for i in range(n)]`` with each call in its own thread: engines agree on their
+    initial parameters with the other groups while they are built, so they must be built at once."""
+    out: list = [None] * n
+
+    def work(i: int) -> None:
+        out[i] = make(i)
+
+    run_in_threads(work, n, timeout_s)
+    return out
 
 
 class StaticRing:

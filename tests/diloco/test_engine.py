@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from diloco.averaging import InProcessGroups
-from diloco_helpers import run_in_threads
+from diloco.averaging import InProcessGroups, SingleGroup
+from diloco_helpers import build_in_threads, run_in_threads
 from diloco.engine import DiLoCo, NonFiniteError
 from diloco.outer import nesterov, sgd
 
@@ -25,12 +25,14 @@ def batches(worker, steps, seed=0):
 def run_groups(n_groups, steps, h, inner, outer, data_seed=0, **engine_kw):
     """Train n_groups replicas in threads with the engine; returns the engines."""
     groups = InProcessGroups(n_groups)
-    models = [make_model() for _ in range(n_groups)]
-    engines = [
-        DiLoCo(m, inner(m.parameters()), sync_every=h, outer_optimizer=outer,
-               averager=groups.member(i), **engine_kw)
-        for i, m in enumerate(models)
-    ]
+    models = [make_model() for _ in range(n_groups)]  # seeded here: the global RNG is not per thread
+
+    def make(i):
+        m = models[i]
+        return DiLoCo(m, inner(m.parameters()), sync_every=h, outer_optimizer=outer,
+                      averager=groups.member(i), **engine_kw)
+
+    engines = build_in_threads(make, n_groups)
     def work(i):
         for x, y in batches(i, steps, data_seed):
             e = engines[i]
@@ -88,7 +90,7 @@ def test_outer_lr1_momentum0_equals_parameter_averaging():
 def test_outer_nesterov_matches_torch_sgd_nesterov_bit_for_bit():
     model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    engine = DiLoCo(model, inner, sync_every=2, outer_optimizer=nesterov(0.7, 0.9))
+    engine = DiLoCo(model, inner, sync_every=2, outer_optimizer=nesterov(0.7, 0.9), averager=SingleGroup())
     ref = [p.detach().clone() for p in model.parameters()]
     ref_opt = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
     manual = [p.detach().clone() for p in model.parameters()]
@@ -97,9 +99,9 @@ def test_outer_nesterov_matches_torch_sgd_nesterov_bit_for_bit():
         inner.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         inner.step()
-        if engine.inner_step + 1 == engine.next_sync:
+        if engine.inner_step + 1 == engine.next_sync[0]:
             deltas = [r - p.detach() for r, p in zip(ref, model.parameters())]
-        if engine.step() is not None:
+        if engine.step():
             for r, d in zip(ref, deltas):
                 r.grad = d
             ref_opt.step()
@@ -127,7 +129,7 @@ def test_pseudo_gradient_sign_outer_step_lowers_convex_loss(outer):
     target = torch.tensor([3.0, -2.0, 1.0])
     model = Quadratic()
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    engine = DiLoCo(model, inner, sync_every=4, outer_optimizer=outer)
+    engine = DiLoCo(model, inner, sync_every=4, outer_optimizer=outer, averager=SingleGroup())
     before = model.loss(target).item()
     delta = None
     for _ in range(4):
@@ -158,16 +160,16 @@ def test_inner_optimizer_state_is_local_and_untouched_by_sync():
 def test_sync_leaves_inner_moments_unchanged():
     model = make_model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = DiLoCo(model, inner, sync_every=3)
+    engine = DiLoCo(model, inner, sync_every=3, averager=SingleGroup())
     for i, (x, y) in enumerate(batches(0, 3)):
         inner.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         inner.step()
         if i < 2:
-            assert engine.step() is None
+            assert engine.step() == []
         else:
             before = copy.deepcopy(inner.state_dict())
-            assert engine.step() is not None
+            assert [e.kind for e in engine.step()] == ["launch", "commit"]
     after = inner.state_dict()
     for k in before["state"]:
         for name in ("exp_avg", "exp_avg_sq"):
@@ -177,7 +179,7 @@ def test_sync_leaves_inner_moments_unchanged():
 def test_model_holds_global_params_after_sync_and_global_copy_may_live_on_cpu():
     model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = DiLoCo(model, inner, sync_every=2, global_device="cpu")
+    engine = DiLoCo(model, inner, sync_every=2, global_device="cpu", averager=SingleGroup())
     assert all(g.device.type == "cpu" and g.dtype == torch.float32 for g in engine.global_params)
     for x, y in batches(0, 2):
         inner.zero_grad()
@@ -191,7 +193,7 @@ def test_model_holds_global_params_after_sync_and_global_copy_may_live_on_cpu():
 def test_merge_alpha_blends_local_and_global():
     model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = DiLoCo(model, inner, sync_every=1, merge_alpha=0.5, outer_optimizer=sgd(1.0, 0.0))
+    engine = DiLoCo(model, inner, sync_every=1, merge_alpha=0.5, outer_optimizer=sgd(1.0, 0.0), averager=SingleGroup())
     x, y = batches(0, 1)[0]
     nn.functional.mse_loss(model(x), y).backward()
     inner.step()
@@ -201,13 +203,13 @@ def test_merge_alpha_blends_local_and_global():
     for l, p in zip(local, model.parameters()):
         torch.testing.assert_close(p.detach(), l)
     with pytest.raises(ValueError, match="merge_alpha"):
-        DiLoCo(model, inner, merge_alpha=1.5)
+        DiLoCo(model, inner, merge_alpha=1.5, averager=SingleGroup())
 
 
 def test_nan_pseudo_gradient_is_rejected_and_nothing_applied():
     model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = DiLoCo(model, inner, sync_every=1)
+    engine = DiLoCo(model, inner, sync_every=1, averager=SingleGroup())
     before = [g.clone() for g in engine.global_params]
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("nan")
@@ -221,7 +223,7 @@ def test_state_dict_round_trip_restores_outer_state():
     engines = run_groups(1, 6, 3, lambda p: torch.optim.SGD(p, lr=0.1), nesterov())
     state = engines[0].state_dict()
     fresh_model = make_model(seed=5)
-    fresh = DiLoCo(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.1), sync_every=3)
+    fresh = DiLoCo(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.1), sync_every=3, averager=SingleGroup())
     fresh.load_state_dict(state)
     assert fresh.round == 2 and fresh.inner_step == 6
     assert fresh.global_hash() == engines[0].global_hash()

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from diloco.averaging import Done, InProcessGroups, SingleGroup
-from diloco_helpers import run_in_threads
+from diloco_helpers import build_in_threads, run_in_threads
 from diloco.engine import DiLoCo
 from diloco.fragments import assign_blocks, gpt_fragments, partition
 from diloco.model import GPT, GPTConfig
@@ -42,14 +42,9 @@ def train(engines, steps, lr_fn=None):
             e.inner_optimizer.zero_grad()
             e.model(x, y)[1].backward()
             e.inner_optimizer.step()
-            out = e.step()
-            if isinstance(e, StreamingDiLoCo):
-                for ev in out:
-                    events[i].append((ev, e.fragment_hash(ev.fragment) if ev.kind == "commit" else None))
-            elif out is not None:
-                events[i].append((out, e.global_hash()))
-        if isinstance(e, StreamingDiLoCo):
-            e.finish()
+            for ev in e.step():
+                events[i].append((ev, e.fragment_hash(ev.fragment) if ev.kind == "commit" else None))
+        e.close()
 
     run_in_threads(work, len(engines))
     return events
@@ -57,16 +52,17 @@ def train(engines, steps, lr_fn=None):
 
 def streaming_groups(n, **kw):
     groups = InProcessGroups(n)
-    out = []
-    for i in range(n):
-        m = gpt()
-        frags = kw.pop("fragments_fn", None)
-        out.append(StreamingDiLoCo(
+    models = [gpt() for _ in range(n)]  # seeded here: the global RNG is not per thread
+
+    def make(i):
+        m = models[i]
+        return StreamingDiLoCo(
             m, torch.optim.AdamW(m.parameters(), lr=3e-3), averager=groups.member(i),
             fragments=gpt_fragments(m, kw.get("P", 1)) if "P" in kw else None,
             **{k: v for k, v in kw.items() if k != "P"},
-        ))
-    return out
+        )
+
+    return build_in_threads(make, n)
 
 
 # --- fragments ------------------------------------------------------------------------------
@@ -138,15 +134,20 @@ def test_qsr_drives_every_fragment_identically_on_every_group():
 
 def test_streaming_p1_tau0_alpha0_is_bit_identical_to_plain_diloco():
     groups_a, groups_b = InProcessGroups(2), InProcessGroups(2)
-    plain, streaming = [], []
-    for i in range(2):
-        m = gpt()
-        plain.append(DiLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), sync_every=5,
-                            outer_optimizer=nesterov(), averager=groups_a.member(i)))
-        m2 = gpt()
-        streaming.append(StreamingDiLoCo(m2, torch.optim.AdamW(m2.parameters(), lr=3e-3), sync_every=5,
-                                         overlap_steps=0, merge_alpha=0.0, outer_optimizer=nesterov(),
-                                         averager=groups_b.member(i)))
+    models = [gpt() for _ in range(4)]  # seeded here: the global RNG is not per thread
+
+    def make_plain(i):
+        m = models[i]
+        return DiLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), sync_every=5,
+                      outer_optimizer=nesterov(), averager=groups_a.member(i))
+
+    def make_streaming(i):
+        m2 = models[2 + i]
+        return StreamingDiLoCo(m2, torch.optim.AdamW(m2.parameters(), lr=3e-3), sync_every=5,
+                               overlap_steps=0, merge_alpha=0.0, outer_optimizer=nesterov(),
+                               averager=groups_b.member(i))
+
+    plain, streaming = build_in_threads(make_plain, 2), build_in_threads(make_streaming, 2)
     train(plain, 20)
     train(streaming, 20)
     for a, b in zip(plain, streaming):
@@ -169,7 +170,7 @@ def test_overlap_merges_with_alpha_and_leaves_other_fragments_alone():
     m = gpt()
     inner = torch.optim.SGD(m.parameters(), lr=0.1)
     frags = gpt_fragments(m, 2)
-    e = StreamingDiLoCo(m, inner, fragments=frags, sync_every=4, overlap_steps=1, merge_alpha=0.5)
+    e = StreamingDiLoCo(m, inner, fragments=frags, sync_every=4, overlap_steps=1, merge_alpha=0.5, averager=SingleGroup())
     params = dict(m.named_parameters())
     for t in range(3):  # fragment 0 launches at step 2, commits at step 3
         x, y = batch(0, t)
@@ -189,9 +190,9 @@ def test_overlap_merges_with_alpha_and_leaves_other_fragments_alone():
 
 def test_eager_with_one_group_equals_plain_diloco():
     m1, m2 = gpt(), gpt()
-    plain = DiLoCo(m1, torch.optim.AdamW(m1.parameters(), lr=3e-3), sync_every=5)
+    plain = DiLoCo(m1, torch.optim.AdamW(m1.parameters(), lr=3e-3), sync_every=5, averager=SingleGroup())
     eager = StreamingDiLoCo(m2, torch.optim.AdamW(m2.parameters(), lr=3e-3), sync_every=5,
-                            mode="eager", merge_alpha=0.0)
+                            mode="eager", merge_alpha=0.0, averager=SingleGroup())
     train([plain], 20)
     train([eager], 20)
     for x, y in zip(plain.global_params, eager.global_params):
@@ -202,12 +203,15 @@ class ScriptedAverager:
     """Two 'groups': the other group's contribution is a fixed vector."""
 
     num_groups = 2
+    group_index = 0
 
     def __init__(self, other):
         self.other = other
         self.sent = []
 
-    def start(self, flat, *, tag):
+    def start(self, flat, *, tag, exact=False):
+        if exact:  # the initial-parameter check: the other group holds the same parameters
+            return Done(flat.clone())
         self.sent.append(flat.clone())
         return Done((flat + self.other) / 2)
 
@@ -309,8 +313,8 @@ def test_bad_streaming_settings():
     m = gpt()
     inner = torch.optim.SGD(m.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="overlap_steps"):
-        StreamingDiLoCo(m, inner, fragments=gpt_fragments(m, 4), sync_every=8, overlap_steps=2)
+        StreamingDiLoCo(m, inner, fragments=gpt_fragments(m, 4), sync_every=8, overlap_steps=2, averager=SingleGroup())
     with pytest.raises(ValueError, match="mode"):
-        StreamingDiLoCo(m, inner, mode="bogus")
+        StreamingDiLoCo(m, inner, mode="bogus", averager=SingleGroup())
     with pytest.raises(ValueError, match="cover every"):
-        StreamingDiLoCo(m, inner, fragments=[["head.weight"]])
+        StreamingDiLoCo(m, inner, fragments=[["head.weight"]], averager=SingleGroup())

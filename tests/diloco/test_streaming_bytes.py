@@ -38,9 +38,14 @@ def test_bytes_per_fragment_sync_are_about_total_over_p():
         flat = torch.cat([p.detach().reshape(-1) for p in GPT(CFG).parameters()])
         StripedAverager(transport, ring, group=g, rank=0).start(flat, tag="full").wait()
 
-    def streaming(g, transport, ring):
+    def seeded_gpt():
         torch.manual_seed(0)
-        model = GPT(CFG)
+        return GPT(CFG)
+
+    models = [seeded_gpt() for _ in range(G)]  # seeded here: the global RNG is not per thread
+
+    def streaming(g, transport, ring):
+        model = models[g]
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
         e = StreamingDiLoCo(model, inner, fragments=gpt_fragments(model, P), sync_every=H,
                             overlap_steps=1, averager=StripedAverager(transport, ring, group=g, rank=0))

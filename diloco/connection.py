@@ -1,0 +1,311 @@
+"""The public way in: ``diloco.connect(...)`` puts this rank of this group into the job.
+
+It does for any training loop what ``diloco worker`` does for the demo: opens this rank's
+data-plane endpoint, joins the coordinator, probes the other groups' bandwidth and reports it,
+builds the striped averager whose ring order and stripe shares follow the coordinator's plans,
+serves Prometheus metrics, and reports round hashes, progress and the summary::
+
+    import diloco
+    link = diloco.connect("coord.example:29400", group=0, secret=os.environ["DILOCO_SECRET"],
+                          codec="int8")                  # under torchrun: every rank calls it
+    with link, diloco.DiLoCo(model, opt, averager=link, sync_every=100, hook_optimizer=True) as engine:
+        for x, y in loader:                              # the user's own loop, unchanged
+            loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+            link.report_progress(loss=loss.item())       # optional: live progress + loss metric
+    print(link.summary(engine))                          # also reported to the coordinator
+
+The connection is the engine's averager: every ``DiLoCo`` call that averages goes through it,
+and after every inner step the engine tells it what happened (``observe``), which is when it
+counts metrics, re-probes bandwidth in the background and reports round hashes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.config import ConfigError, TransportConfig, make_codec
+from diloco.coordinator import CoordinatorClient
+from diloco.group import StripedAverager
+from diloco.metrics import WorkerMetrics
+from diloco.network_plan import BandwidthMonitor, CoordinatedPlans, measure_rates
+import transport as transport_pkg
+from transport import TcpTransport, TlsConfig
+
+SECRET_ENV = "DILOCO_SECRET"
+TOKEN_ENV = "DILOCO_TOKEN"
+
+
+class ConnectError(RuntimeError):
+    """This rank cannot join the job; the message says why."""
+
+
+def read_secret(value: bytes | str | None = None) -> bytes:
+    """The data plane's shared secret: ``value`` (bytes, or hex text) or ``$DILOCO_SECRET`` (hex)."""
+    if isinstance(value, bytes):
+        secret = value
+    else:
+        text = value if value is not None else os.environ.get(SECRET_ENV, "")
+        if not text:
+            raise ConnectError(f"no secret: pass secret= or set {SECRET_ENV} (hex, 16+ bytes)")
+        try:
+            secret = bytes.fromhex(text)
+        except ValueError as e:
+            raise ConnectError("the secret must be hex text (or bytes)") from e
+    if len(secret) < 16:
+        raise ConnectError("the secret must hold at least 16 bytes (32 hex digits)")
+    return secret
+
+
+def make_transport(t: TransportConfig, secret: bytes):
+    """This rank's data-plane endpoint (tcp or grpc), listening on ``t.host``, as configured."""
+    tls = TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None
+    link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
+    return link(host=t.host, port=0, secret=secret, timeout_s=t.timeout_s, tls=tls,
+                allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes)
+
+
+class _Reprobe:
+    """Starts a background re-measurement every ``every`` exchanges of ``averager``; surfaces
+    its failures."""
+
+    def __init__(self, monitor: BandwidthMonitor, averager: StripedAverager, every: int) -> None:
+        self.monitor, self.averager, self.every, self._last = monitor, averager, every, 0
+
+    def after_step(self) -> None:
+        if self.monitor.error is not None:
+            raise ConnectError(f"bandwidth re-measurement failed: {self.monitor.error}")
+        exchanges = self.averager.exchanges
+        if self.every and exchanges - self._last >= self.every:
+            self._last = exchanges
+            self.monitor.refresh()
+
+
+def make_averager(t: TransportConfig, transport, membership, client, group: int, rank: int, device,
+                  process_group=None) -> tuple[StripedAverager, _Reprobe | None]:
+    """Probe the other groups, report to the coordinator, and build the striped averager;
+    returns it with the background re-prober (None when probing is off)."""
+    sizes = {g: len(membership.ranks(g)) for g in membership.groups}
+    addresses = {g: membership.ranks(g) for g in membership.groups}
+    averager = StripedAverager(
+        transport, membership, group=group, rank=rank, codec=make_codec(t), timeout_s=t.timeout_s,
+        plans=CoordinatedPlans(client.plan, sizes, every=t.plan_every),
+        stripes_per_rank=t.stripes_per_rank, comm_device=device, process_group=process_group,
+    )
+    if not t.probe_bytes or len(sizes) < 2:
+        return averager, None
+
+    def measure() -> dict[int, float]:
+        return measure_rates(transport, addresses, group, rank, t.probe_bytes)
+
+    client.report_bandwidth(group, rank, measure())
+    monitor = BandwidthMonitor(measure, lambda rates: client.report_bandwidth(group, rank, rates))
+    return averager, _Reprobe(monitor, averager, t.reprobe_every)
+
+
+def _group_rank(process_group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        if process_group is not None:
+            raise ConnectError("process_group given but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _comm_device(process_group) -> torch.device:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GroupConnection:
+    """This rank's membership in the job and its averager (pass it as ``DiLoCo(averager=...)``).
+
+    ``round_hashes``: the global-parameter hash after each step that committed a sync (rank 0
+    reports each to the coordinator, which compares groups). ``metrics``: the Prometheus series.
+    """
+
+    def __init__(self, *, transport, client: CoordinatorClient, membership, averager: StripedAverager,
+                 reprobe: _Reprobe | None, metrics: WorkerMetrics, group: int, rank: int,
+                 group_size: int, process_group=None) -> None:
+        self.transport, self.client, self.membership = transport, client, membership
+        self.averager, self.reprobe, self.metrics = averager, reprobe, metrics
+        self.group, self.rank, self.group_size, self.process_group = group, rank, group_size, process_group
+        self.round_hashes: list[str] = []
+        self.bytes_sent = self.bytes_received = 0  # the whole group's, as of the last commit
+        self.inner_steps = 0
+        self.periods: list[int] = []  # H of each round of fragment 0, as the engine set them
+        self._rounds_counted = 0
+        self._sync_seconds_seen = 0.0
+        self._last_observe = self._start = time.perf_counter()
+        self._last_progress = (0, self._start)
+        self.compute_seconds = 0.0
+        self.loss: float | None = None
+
+    # --- the averager protocol (the engine calls these) -------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return self.averager.num_groups
+
+    @property
+    def group_index(self) -> int:
+        return self.averager.group_index
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False):
+        return self.averager.start(flat, tag=tag, exact=exact)
+
+    def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
+        return self.averager.all_reduce_mean(flat, round=round)
+
+    def observe(self, engine, events: list) -> None:
+        """After every engine step (and ``close()``): metrics, background re-probes, round hashes."""
+        now = time.perf_counter()
+        sync_s = engine.sync_seconds - self._sync_seconds_seen
+        self._sync_seconds_seen = engine.sync_seconds
+        self.metrics.sync_seconds.inc(sync_s)
+        if not engine.finished:  # one inner step: the time since the last one, less the syncs
+            compute = max(now - self._last_observe - sync_s, 0.0)
+            self.inner_steps += 1
+            self.compute_seconds += compute
+            self.metrics.inner_steps.inc()
+            self.metrics.compute_seconds.inc(compute)
+            if self.reprobe is not None:
+                self.reprobe.after_step()
+        if not self.periods:
+            self.periods.append(engine.next_sync[0])
+        self.periods.extend(e.next_period for e in events if e.kind == "launch" and e.fragment == 0 and e.next_period)
+        committed = any(e.kind == "commit" for e in events)
+        if committed or engine.finished:
+            self.bytes_sent, self.bytes_received = self._group_bytes()
+        # eager groups' global copies differ until close() reconciles them
+        report = (committed and engine.mode != "eager") or (engine.finished and (committed or engine.mode == "eager"))
+        if report and self.rank == 0:
+            self.round_hashes.append(engine.global_hash())
+            self.client.report_round(self.group, len(self.round_hashes) - 1, self.round_hashes[-1])
+        self.metrics.outer_rounds.inc(engine.round - self._rounds_counted)
+        self._rounds_counted = engine.round
+        self.metrics.wire_totals(self.transport.bytes_sent, self.transport.bytes_received)
+        if self.periods:
+            self.metrics.sync_period.set(self.periods[-1])
+        self._last_observe = time.perf_counter()
+
+    def _group_bytes(self) -> tuple[int, int]:
+        """Bytes this group's ranks sent and received between groups (a collective in the group)."""
+        if self.group_size == 1:
+            return int(self.transport.bytes_sent), int(self.transport.bytes_received)
+        device = self.averager.comm_device
+        t = torch.tensor([self.transport.bytes_sent, self.transport.bytes_received], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=self.process_group)
+        return int(t[0]), int(t[1])
+
+    # --- what the job sees ----------------------------------------------------------------------
+
+    def report_progress(self, *, loss: float | None = None, step: int | None = None, steps: int = 0,
+                        tokens_per_step: int = 0, lr: float | None = None) -> None:
+        """Rank 0: send a progress snapshot to the coordinator (what ``diloco run`` shows live);
+        every rank: update the loss and lr gauges. ``loss`` in nats/token (or the user's unit)."""
+        if loss is not None:
+            self.loss = float(loss)
+            self.metrics.loss.set(self.loss)
+        if lr is not None:
+            self.metrics.inner_lr.set(lr)
+        if self.rank != 0:
+            return
+        now = time.perf_counter()
+        step = self.inner_steps if step is None else step
+        last_step, last_t = self._last_progress
+        self._last_progress = (step, now)
+        self.client.report_progress(self.group, self.rank, {
+            "step": step, "steps": steps, "loss": round_or_nan(self.loss),
+            "tokens_per_s": round((step - last_step) * tokens_per_step / max(now - last_t, 1e-9), 1),
+            "bytes_sent": self.bytes_sent, "round": self._rounds_counted,
+            "h": self.periods[-1] if self.periods else 0, "lr": lr if lr is not None else 0.0,
+            "utilization": round(self.compute_seconds / max(now - self._start, 1e-9), 4),
+        })
+
+    def summary(self, engine, **extra: Any) -> dict[str, Any]:
+        """This group's summary (rank 0 reports it to the coordinator; other ranks get their own
+        counters only). ``extra``: fields to add, e.g. ``eval_loss``."""
+        wall = time.perf_counter() - self._start
+        out: dict[str, Any] = {
+            "group": self.group, "rank": self.rank, "round_hashes": list(self.round_hashes),
+            "outer_rounds": engine.round, "inner_steps": engine.inner_step, "periods": list(self.periods),
+            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "param_hash": engine.global_hash(), "num_parameters": engine.numel,
+            "seconds": wall, "compute_seconds": self.compute_seconds, "sync_seconds": engine.sync_seconds,
+            "utilization": self.compute_seconds / max(wall, 1e-9), "mode": engine.mode,
+            "fragments": len(engine.fragments), **extra,
+        }
+        if self.rank == 0:
+            self.client.report_summary(self.group, out)
+        return out
+
+    def close(self) -> None:
+        """Stop the metrics endpoint, the data plane and the coordinator channel. Idempotent."""
+        if self.reprobe is not None:
+            self.reprobe.monitor.join(self.transport.timeout_s)
+        self.metrics.close()
+        self.transport.close()
+        self.client.close()
+
+    def __enter__(self) -> "GroupConnection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def round_or_nan(x: float | None, digits: int = 4) -> float:
+    return float("nan") if x is None else round(x, digits)
+
+
+def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, codec: str | None = None,
+            process_group: "dist.ProcessGroup | None" = None, token: str | None = None,
+            settings: TransportConfig | None = None, metrics_port: int = 0) -> GroupConnection:
+    """Join the job as this rank of ``group``; returns the connection (the engine's averager).
+
+    ``coordinator``: ``host:port``. ``secret``: the data plane's shared secret (bytes or hex;
+    default ``$DILOCO_SECRET``). ``codec``: wire codec name (``fp32``, ``bf16``, ``int8``,
+    ``int4``, ``fp4-e2m1``, ``fp4-e3m0``; default ``settings.codec``). ``process_group``: this
+    group's ranks (default: the whole torch.distributed world, or none when it is not
+    initialized: a one-rank group). ``token``: the coordinator's (default ``$DILOCO_TOKEN``).
+    ``settings``: links, TLS, connections, probes, timeouts (``diloco.config.TransportConfig``,
+    the same fields as the ``--host``, ``--link``, ``--tls-*`` ... flags). ``metrics_port``:
+    serve Prometheus metrics on this port + the local rank (0 = off). Every rank of every group
+    calls it; it returns once every expected group has joined.
+    """
+    t = settings if settings is not None else TransportConfig()
+    if codec is not None:
+        t = TransportConfig(**{**t.__dict__, "codec": codec})
+    try:
+        wire = make_codec(t)
+    except ValueError as e:
+        raise ConfigError(f"codec {t.codec!r}: {e}") from None
+    if getattr(wire, "requires_error_feedback", False):
+        raise ConfigError(f"codec {t.codec!r} needs error feedback, which the ring all-reduce does not carry")
+    rank, size = _group_rank(process_group)
+    key = read_secret(secret)
+    opened: list[Any] = []
+    try:
+        transport = make_transport(t, key)
+        opened.append(transport)
+        client = CoordinatorClient(coordinator, token=token or os.environ.get(TOKEN_ENV) or None, timeout_s=t.timeout_s)
+        opened.append(client)
+        membership = client.join(group, rank, size, transport.address)
+        averager, reprobe = make_averager(t, transport, membership, client, group, rank,
+                                          _comm_device(process_group), process_group)
+        metrics = WorkerMetrics(group, rank)
+        opened.append(metrics)
+        if metrics_port:
+            metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", rank)))
+    except BaseException:
+        for thing in reversed(opened):
+            thing.close()
+        raise
+    return GroupConnection(transport=transport, client=client, membership=membership, averager=averager,
+                           reprobe=reprobe, metrics=metrics, group=group, rank=rank, group_size=size,
+                           process_group=process_group)
