@@ -231,7 +231,7 @@ class DiLoCo:
                 events.append(self._event(p, flight.round, "commit", delta_norm=float(mean.norm())))
         if self.mode == "eager":
             for p, frag in enumerate(self.fragments):
-                frag.load_flat_global(self.averager.start(frag.flat_global(), tag=f"f{p}/final").wait())
+                frag.load_flat_global(self.averager.start(frag.flat_global(), tag=f"f{p}/final", exact=True).wait())
         for frag in self.fragments:
             frag.merge_into_model(0.0)
         self.finished = True

@@ -53,7 +53,7 @@ class CO2Outer(torch.optim.Optimizer):
     η·‖m_prev‖ is the distance the global model moved since the stale round started (the
     staleness gap): the gradient computed at the old point is damped when the model has since
     moved far compared to the size of that gradient, and Λ = 1 when it has not moved. The paper's
-    exact Eq. 3 could not be checked (ALGORITHMS.md §5.1); this form follows its description
+    exact Eq. 3 could not be checked (docs/algorithms.md §5.1); this form follows its description
     (Λ ≥ 1, growing with the gap). The authors' released code divides by a constant instead
     (``penalty=1.0`` reproduces it) and its element-wise clamp is a no-op by accident; here the
     clamp is applied.

@@ -1,4 +1,4 @@
-"""Exactness invariants of the DiLoCo engine (ALGORITHMS.md §11 'cheap exactness tests')."""
+"""Exactness invariants of the DiLoCo engine (docs/algorithms.md §11 'what is bit-identical and why')."""
 
 import copy
 
@@ -105,7 +105,7 @@ def test_outer_nesterov_matches_torch_sgd_nesterov_bit_for_bit():
             for r, d in zip(ref, deltas):
                 r.grad = d
             ref_opt.step()
-            for m, v, d in zip(manual, velocity, deltas):  # ALGORITHMS.md §0.1
+            for m, v, d in zip(manual, velocity, deltas):  # docs/algorithms.md §0.1
                 v.mul_(0.9).add_(d)
                 m.sub_(0.7 * (d + 0.9 * v))
     assert engine.round == 4

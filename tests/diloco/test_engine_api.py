@@ -235,3 +235,31 @@ def test_integer_fragments_split_any_model():
     e = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), averager=SingleGroup(), fragments=2, sync_every=4)
     assert len(e.fragments) == 2
     assert sorted(e.names) == sorted(n for n, _ in m.named_parameters())
+
+
+class RecordingGroups(InProcessGroups):
+    """In-process groups that remember which exchanges were asked to be lossless."""
+
+    def __init__(self, size):
+        super().__init__(size)
+        self.exact_tags = set()
+
+    def member(self, index):
+        member = super().member(index)
+        start = member.start
+
+        def recording_start(flat, *, tag, exact=False):
+            if exact:
+                self.exact_tags.add(tag)
+            return start(flat, tag=tag, exact=exact)
+
+        member.start = recording_start
+        return member
+
+
+def test_eager_final_reconcile_of_parameters_is_sent_lossless():
+    groups = RecordingGroups(G)
+    engines = build("eager", groups)
+    train(engines, 0, 8, close=True)
+    assert {"f0/final", "f1/final"} <= groups.exact_tags
+    assert not any(t.startswith("f0/r") for t in groups.exact_tags)  # pseudo-gradients use the codec

@@ -18,7 +18,7 @@ def test_fixed_period_is_h_and_capped_by_remaining_steps():
 
 
 def test_qsr_matches_published_examples():
-    # ALGORITHMS.md §6.2: H_base 4, alpha 0.0175 -> lr 0.008: 4, lr 0.004: 19, lr 0.001: 306
+    # docs/algorithms.md §6.2: H_base 4, alpha 0.0175 -> lr 0.008: 4, lr 0.004: 19, lr 0.001: 306
     for lr, expected in [(0.008, 4), (0.004, 19), (0.001, 306)]:
         assert qsr_period(10_000, lr, h_base=4, alpha=0.0175, warmup_steps=100) == expected
 

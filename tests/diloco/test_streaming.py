@@ -85,9 +85,9 @@ def test_gpt_fragments_cover_every_parameter_once_and_balance_the_rest():
     params = dict(m.named_parameters())
     sizes = [sum(params[n].numel() for n in f) for f in frags]
     assert max(sizes) / min(sizes) < 1.2
-    seq = partition(m, 2, pattern="sequential")
+    seq = partition(m, 2, blocks="blocks", pattern="sequential")
     assert any("blocks.1." in n for n in seq[0]) and all("blocks.2." not in n for n in seq[0])
-    own = partition(m, 2, rest="own")
+    own = partition(m, 2, blocks="blocks", rest="own")
     assert len(own) == 3 and set(own[2]) == {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias"}
 
 
