@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="train on this machine: a coordinator and several groups on loopback",
         description="Start a coordinator and --groups torchrun jobs of --ranks-per-group ranks on "
-        "loopback, train the demo GPT, and print a summary.",
+        "loopback, train the demo GPT (or your own model: --entry package.module:function), and print a summary.",
     )
     run.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH [default: none]")
     run.add_argument("--run-dir", metavar="DIR", default=None, help="folder for logs and the resolved config [default: a new temp folder]")
@@ -45,17 +45,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator")
     worker.add_argument("--group-id", required=True, type=int, help="this group's id, 0..groups-1")
+    worker.add_argument("--json", metavar="PATH", default=None, help="rank 0 writes the group's summary here as JSON [default: none]")
     config_mod.add_arguments(worker)
 
     coord = sub.add_parser(
         "coordinator", help="run the membership/quorum service",
-        description="Serve the coordinator until interrupted. Reads an optional token from DILOCO_TOKEN.",
+        description="Serve the coordinator until every group has reported its summary, print the job's "
+        "summary and exit: code 0, or 1 if the groups' global parameters diverged (or a group sent no "
+        "parameter hash, or reported failure). SIGTERM or Ctrl-C stop it earlier, printing nothing, with "
+        "code 0. Reads an optional token from DILOCO_TOKEN.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     coord.add_argument("--host", default="127.0.0.1", help="address to listen on")
     coord.add_argument("--port", type=int, default=29400, help="port to listen on (0 = any free port)")
     coord.add_argument("--groups", type=int, default=2, help="groups the job waits for")
     coord.add_argument("--join-timeout", type=float, default=600.0, help="seconds a join waits for the others")
+    coord.add_argument("--keep-running", action="store_true",
+                       help="once every group has reported, print the job summary but keep serving until "
+                       "SIGTERM or Ctrl-C (the exit code is then still 0 or 1 as above); off: exit at once")
+    coord.add_argument("--json", metavar="PATH", default=None,
+                       help="also write the job summary as JSON to PATH once every group has reported")
     return parser
 
 
@@ -74,11 +83,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_worker(args: argparse.Namespace) -> int:
     from diloco import worker
 
-    return worker.main(config_mod.from_args(args), args.group_id, args.coordinator)
+    return worker.main(config_mod.from_args(args), args.group_id, args.coordinator, json_path=args.json)
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from diloco.coordinator import CoordinatorServer
+    from diloco.coordinator.finish import FINISH_GRACE_S, report_job, wait_for_job
 
     server = CoordinatorServer(
         host=args.host, port=args.port, expected_groups=args.groups,
@@ -88,12 +98,18 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     print(f"diloco coordinator listening on {address} for {args.groups} groups", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    code = 0
     try:
-        stop.wait()
+        summaries = wait_for_job(server, stop)
+        if summaries is not None:
+            code = report_job(summaries, args.json)
+            if args.keep_running:
+                stop.wait()
     except KeyboardInterrupt:  # Ctrl-C is how a foreground coordinator is stopped
         pass
-    server.stop()
-    return 0
+    finally:  # calls in flight (the last summary's Ack) get up to FINISH_GRACE_S to finish
+        server.stop(grace_s=FINISH_GRACE_S)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

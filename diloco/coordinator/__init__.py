@@ -4,6 +4,8 @@ progress, round hashes and summaries. It never touches tensors (and never import
 from .client import CoordinatorClient
 from .errors import CoordinatorError
 from .membership import Membership
+from .report import format_job_summary, job_summary
 from .server import CoordinatorServer
 
-__all__ = ["CoordinatorClient", "CoordinatorError", "CoordinatorServer", "Membership"]
+__all__ = ["CoordinatorClient", "CoordinatorError", "CoordinatorServer", "Membership",
+           "format_job_summary", "job_summary"]

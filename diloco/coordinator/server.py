@@ -100,6 +100,11 @@ class CoordinatorServer:
             self._server.stop(grace_s).wait()
             self._server = None
 
+    @property
+    def stopped(self) -> bool:
+        """True once stop() was called (calls are then refused)."""
+        return self._state.closed
+
     def __enter__(self) -> CoordinatorServer:
         if self._server is None:
             self.start()
@@ -129,6 +134,11 @@ class CoordinatorServer:
             return self._state.wait_for_summaries(n, timeout_s)
         except TimeoutError as exc:
             raise CoordinatorError(str(exc), "DEADLINE_EXCEEDED") from None
+
+    def wait_finished(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]] | None:
+        """Block until every expected group reported its summary; returns ``{group: summary}``,
+        or None if ``timeout_s`` seconds passed first (None: no limit) or the server stopped."""
+        return self._state.wait_finished(timeout_s)
 
     # --- gRPC plumbing ------------------------------------------------------------------------
 

@@ -190,7 +190,8 @@ class CoordinatorState:
             return self._epoch_locked()
 
     def summary(self, req: SummaryRequest) -> int:
-        """Keep a group's final summary (the latest wins) and wake wait_for_summaries."""
+        """Keep a group's final summary (the latest wins) and wake wait_for_summaries and
+        wait_finished."""
         with self._cond:
             self._check_open()
             self._known_group(req.group)
@@ -252,6 +253,24 @@ class CoordinatorState:
                 self._cond.wait(remaining)
             return copy.deepcopy(self._summaries)
 
+    def wait_finished(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]] | None:
+        """Block until every expected group reported a summary; returns a copy
+        ``{group: summary}``, or None if ``timeout_s`` seconds passed first (None: no limit) or
+        the state was closed first."""
+        if timeout_s is not None and timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0 or None, got {timeout_s}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while not self._finished_locked():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if self._closed or (remaining is not None and remaining <= 0):
+                    return None
+                self._cond.wait(remaining)
+            return copy.deepcopy(self._summaries)
+
+    def _finished_locked(self) -> bool:
+        return all(g in self._summaries for g in range(self.expected_groups))
+
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the state; see CoordinatorServer.snapshot for the keys."""
         with self._cond:
@@ -280,10 +299,17 @@ class CoordinatorState:
             })
 
     def close(self) -> None:
-        """Refuse further calls and release every waiting join and wait_for_summaries."""
+        """Refuse further calls and release every waiting join, wait_for_summaries and
+        wait_finished."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """True once close() was called."""
+        with self._cond:
+            return self._closed
 
     def _check_open(self) -> None:
         if self._closed:

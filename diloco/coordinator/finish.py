@@ -1,0 +1,44 @@
+"""The end of a job as ``diloco coordinator`` sees it: wait for every group's summary, then print
+the job's summary and write it as JSON (torch-free)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from typing import Any, TextIO
+
+from .report import format_job_summary, job_summary
+from .server import CoordinatorServer
+
+POLL_S = 0.25  # how often the wait checks the stop event (seconds): SIGTERM's worst-case delay
+FINISH_GRACE_S = 2.0  # longest stop() waits for calls in flight, e.g. the last summary's Ack
+
+
+def wait_for_job(server: CoordinatorServer, stop: threading.Event,
+                 poll_s: float = POLL_S) -> dict[int, dict[str, Any]] | None:
+    """``{group: summary}`` once every expected group reported, or None once ``stop`` is set
+    (checked every ``poll_s`` seconds) or the server stopped."""
+    while not stop.is_set():
+        summaries = server.wait_finished(timeout_s=poll_s)
+        if summaries is not None:
+            return summaries
+        if server.stopped:
+            return None
+    return None
+
+
+def report_job(summaries: dict[int, dict[str, Any]], json_path: str | None, *,
+               out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Print the job's summary to ``out`` and each problem (e.g. diverged parameters) to ``err``,
+    write the summary as JSON to ``json_path`` if given; returns 0 if the job ended cleanly,
+    else 1."""
+    job = job_summary(summaries)
+    print(format_job_summary(job), file=out, flush=True)
+    for problem in job["problems"]:
+        print(f"diloco coordinator: {problem}", file=err, flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(job, f, indent=2)
+            f.write("\n")
+    return 0 if job["ok"] else 1
