@@ -181,8 +181,8 @@ class GroupConnection:
         committed = any(e.kind == "commit" for e in events)
         if committed or engine.finished:
             self.bytes_sent, self.bytes_received = self._group_bytes()
-        # eager groups' global copies differ until close() reconciles them
-        report = (committed and engine.mode != "eager") or (engine.finished and (committed or engine.mode == "eager"))
+        # eager groups' global copies differ until close() reconciles them: only the final hash counts
+        report = engine.finished if engine.mode == "eager" else committed
         if report and self.rank == 0:
             self.round_hashes.append(engine.global_hash())
             self.client.report_round(self.group, len(self.round_hashes) - 1, self.round_hashes[-1])
@@ -219,13 +219,18 @@ class GroupConnection:
         step = self.inner_steps if step is None else step
         last_step, last_t = self._last_progress
         self._last_progress = (step, now)
-        self.client.report_progress(self.group, self.rank, {
-            "step": step, "steps": steps, "loss": round_or_nan(self.loss),
+        snapshot: dict[str, Any] = {
+            "step": step, "steps": steps,
             "tokens_per_s": round((step - last_step) * tokens_per_step / max(now - last_t, 1e-9), 1),
             "bytes_sent": self.bytes_sent, "round": self._rounds_counted,
-            "h": self.periods[-1] if self.periods else 0, "lr": lr if lr is not None else 0.0,
+            "h": self.periods[-1] if self.periods else 0,
             "utilization": round(self.compute_seconds / max(now - self._start, 1e-9), 4),
-        })
+        }
+        if self.loss is not None:
+            snapshot["loss"] = round(self.loss, 4)
+        if lr is not None:
+            snapshot["lr"] = lr
+        self.client.report_progress(self.group, self.rank, snapshot)
 
     def summary(self, engine, **extra: Any) -> dict[str, Any]:
         """This group's summary (rank 0 reports it to the coordinator; other ranks get their own
@@ -257,10 +262,6 @@ class GroupConnection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def round_or_nan(x: float | None, digits: int = 4) -> float:
-    return float("nan") if x is None else round(x, digits)
 
 
 def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, codec: str | None = None,
