@@ -132,11 +132,14 @@ class Codec(ABC):
 
     def decode(self, data: bytes | bytearray | memoryview,
                device: torch.device | str | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, count: int | None = None) -> torch.Tensor:
         """Decode a frame made by this codec (any parameters) into a float32 1-D tensor.
 
         With ``out`` (a contiguous fp32 tensor, on ``device`` if given) the values are written
         there and ``out`` is returned; a frame of another length is a FrameError.
+        With ``count`` (the number of values the caller expects), a frame declaring another
+        count is a FrameError before anything is decompressed or allocated, so a small zstd
+        frame cannot make the decoder expand it to a size the caller never asked for.
         FrameError if the frame is malformed or was made by another codec."""
         mv = frame.as_buffer(data)
         h, payload = frame.parse(mv)
@@ -144,6 +147,8 @@ class Codec(ABC):
             from .registry import codec_name
             raise FrameError(f"frame was made by codec {codec_name(h.codec_id)!r}, "
                              f"not {self.name!r}")
+        if count is not None and h.count != count:
+            raise FrameError(f"frame declares {h.count} values, want {count} fp32 values")
         if out is not None:
             if device is not None and torch.device(device) != out.device:
                 raise ValueError(f"out is on {out.device}, decoding to {device} was asked for")

@@ -22,6 +22,8 @@ import torch
 from .auth import client_handshake, server_handshake
 from .conn import Connection, Link, close_socket
 from .errors import PeerAuthError, PeerDisconnected, TransportError, WireError
+from .guard import (DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
+                    AdmissionGuard, Ticket)
 from .ring import Handle, RingAllReduce, check_out, default_codec
 from .shaping import TokenBucket
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
@@ -30,8 +32,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # measured: best of 64 KiB..4 MiB on loopback, see bench/README.md
 _FINISHED_TAGS_KEPT = 10_000
-_PENDING_EXPIRY_TIMEOUTS = 10  # messages of a tag that never starts here are dropped after 10 timeouts
-_HANDSHAKE_TIMEOUT_S = 30.0
+#: Default bound, in bytes, on frames buffered for collectives that have not started here yet.
+DEFAULT_MAX_PENDING_BYTES = 256 << 20
+#: Default time, in units of timeout_s, that frames of a tag that never starts here are kept.
+DEFAULT_PENDING_TTL_TIMEOUTS = 2.0
+_MAX_ABORT_BYTES = 4096  # an ABORT carries a reason of at most 4000 UTF-8 bytes
+_PENDING_OVERHEAD = 64  # bytes counted per buffered message besides its payload
 # Free chunk buffers kept for reuse (see wire.BufferPool): enough for the chunks in flight of a
 # 64 MiB all-reduce, so steady-state collectives allocate nothing per chunk.
 _POOL_BYTES = 128 << 20
@@ -53,6 +59,11 @@ class TransportBase:
         max_message_bytes: int,
         shaper: TokenBucket | None,
         pin_memory: bool | None = None,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+        max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        pending_ttl_s: float | None = None,
     ) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) == 0:
             raise ValueError("secret must be non-empty bytes")
@@ -64,10 +75,20 @@ class TransportBase:
             raise ValueError("max_message_bytes must exceed 2 * chunk_bytes + 4096")
         if connections_per_peer < 1:
             raise ValueError(f"connections_per_peer must be >= 1, got {connections_per_peer}")
+        if max_pending_bytes < 0:
+            raise ValueError(f"max_pending_bytes must be >= 0, got {max_pending_bytes}")
+        if pending_ttl_s is None:
+            pending_ttl_s = DEFAULT_PENDING_TTL_TIMEOUTS * timeout_s
+        if pending_ttl_s <= 0:
+            raise ValueError(f"pending_ttl_s must be > 0, got {pending_ttl_s}")
         self.address = ""
         self._secret = bytes(secret)
         self.timeout_s = float(timeout_s)
         self.chunk_elems = chunk_bytes // 4
+        # Largest frame of one chunk under any codec (8 bytes per value: fp32 values and indices).
+        self.max_chunk_frame_bytes = 2 * chunk_bytes + 4096
+        self.handshake_timeout_s = float(handshake_timeout_s)
+        self.pending_ttl_s = float(pending_ttl_s)
         self.connections_per_peer = connections_per_peer
         self.max_message_bytes = max_message_bytes
         self._shaper = shaper
@@ -77,9 +98,10 @@ class TransportBase:
         self._bytes_received = 0
         self._closed = False
         self._ops: dict[str, RingAllReduce] = {}
-        self._pending: dict[str, _Pending] = {}
+        self._pending: collections.OrderedDict[str, _Pending] = collections.OrderedDict()  # oldest first
         self._pending_bytes = 0
-        self._max_pending_bytes = 1 << 30
+        self.max_pending_bytes = int(max_pending_bytes)
+        self._dropped_pending = 0
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._links: dict[str, Link] = {}
         self._dial_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -93,6 +115,8 @@ class TransportBase:
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
         self._pool = BufferPool(_POOL_BYTES, pinned=pin_memory)
+        self._guard = AdmissionGuard(handshake_timeout_s, max_unauthenticated, max_unauthenticated_per_source,
+                                     on_tick=self._expire_pending_now)
 
     # -- supplied by the link type ---------------------------------------------------------------
     def _open(self, peer: str, timeout_s: float) -> Any:
@@ -101,6 +125,9 @@ class TransportBase:
 
     def _stop_listening(self) -> None:
         raise NotImplementedError
+
+    def _on_authenticated(self, sock: Any) -> None:
+        """Called once sock's handshake succeeded (either side), before any data message."""
 
     # -- counters --------------------------------------------------------------------------------
     @property
@@ -114,6 +141,39 @@ class TransportBase:
         """Bytes of messages read so far (all peers, all collectives, handshakes included)."""
         with self._stats_lock:
             return self._bytes_received
+
+    @property
+    def rejected_connections(self) -> int:
+        """Incoming connections refused at once: over the cap on unauthenticated connections
+        (per listener or per source address)."""
+        return self._guard.rejected
+
+    @property
+    def handshake_timeouts(self) -> int:
+        """Incoming connections closed because they had not authenticated within handshake_timeout_s."""
+        return self._guard.timed_out
+
+    @property
+    def unauthenticated_connections(self) -> int:
+        """Incoming connections accepted and not yet authenticated, now."""
+        return self._guard.live
+
+    @property
+    def max_unauthenticated_seen(self) -> int:
+        """The most incoming connections that were unauthenticated at one time."""
+        return self._guard.peak
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes buffered now for collectives that have not started here (at most max_pending_bytes)."""
+        with self._lock:
+            return self._pending_bytes
+
+    @property
+    def dropped_pending_messages(self) -> int:
+        """Messages for not-yet-started collectives dropped: over max_pending_bytes or past pending_ttl_s."""
+        with self._lock:
+            return self._dropped_pending
 
     def _count_sent(self, n: int) -> None:
         with self._stats_lock:
@@ -273,6 +333,7 @@ class TransportBase:
         for s in socks:
             close_socket(s)
         self._pool.clear()
+        self._guard.close()
 
     def __enter__(self):
         return self
@@ -341,8 +402,9 @@ class TransportBase:
             sock = None
             try:
                 sock = self._open(peer, min(remaining, 10.0))
-                sock.settimeout(min(max(remaining, 0.5), _HANDSHAKE_TIMEOUT_S))
+                sock.settimeout(min(max(remaining, 0.5), self.handshake_timeout_s))
                 self._count_sent(client_handshake(sock, self._secret, self.address, peer, self._count_received))
+                self._on_authenticated(sock)
                 sock.settimeout(max(self.timeout_s, 1.0))  # bounds one blocked write
                 return Connection(sock, peer, self._count_sent, self._shaper, join=self._join_buffers)
             except (PeerAuthError, WireError) as e:
@@ -364,52 +426,132 @@ class TransportBase:
             delay = min(delay * 2, 0.5)
 
     # -- accepting side ----------------------------------------------------------------------------
-    def _serve_connection(self, sock: Any) -> None:
-        """Authenticate one accepted stream, then dispatch its messages until it ends."""
+    def _admit(self, source: str, closer: Any) -> Ticket | None:
+        """A slot for a new incoming stream from source (an address without port), before any byte
+        is read; None when over a cap on unauthenticated streams (the caller closes it at once).
+        closer() ends the stream; it is called if the handshake deadline passes first."""
+        ticket = self._guard.admit(source, closer)
+        if ticket is None:
+            log.warning("%s: refused a connection from %s: too many unauthenticated connections "
+                        "(%d per listener, %d per source)", self.address, source,
+                        self._guard.max_unauthenticated, self._guard.max_per_source)
+        return ticket
+
+    def _serve_connection(self, sock: Any, ticket: Ticket) -> None:
+        """Authenticate one admitted stream, then dispatch its messages until it ends.
+
+        The whole handshake must finish before ticket's deadline (`handshake_timeout_s` from
+        admission); the guard closes the stream when it passes, however slowly bytes arrive."""
         with self._lock:
             if self._closed:
+                self._guard.release(ticket)
                 close_socket(sock)
                 return
             self._incoming_socks.add(sock)
         try:
             try:
-                sock.settimeout(min(self.timeout_s, _HANDSHAKE_TIMEOUT_S))
+                sock.settimeout(self.handshake_timeout_s)
                 peer = server_handshake(sock, self._secret, self._count_received, self._count_sent)
             except Exception as e:
-                log.warning("%s: rejected an incoming connection: %s", self.address, e)
+                self._guard.release(ticket)  # no-op once expired
+                if ticket.state == "expired":
+                    log.warning("%s: closed an incoming connection from %s: no authentication within %g s",
+                                self.address, ticket.source, self.handshake_timeout_s)
+                else:
+                    log.warning("%s: rejected an incoming connection from %s: %s", self.address, ticket.source, e)
                 return
+            if not self._guard.authenticated(ticket):
+                log.warning("%s: %s authenticated after the %g s handshake deadline; closed",
+                            self.address, peer, self.handshake_timeout_s)
+                return
+            self._on_authenticated(sock)
             sock.settimeout(None)
-            conn_id = next(self._conn_ids)
-            with self._lock:
-                self._incoming[peer].add(conn_id)
-            reason, clean = "connection closed by peer", True
-            try:
-                while True:
-                    first = read_first_header(sock, self._count_received)
-                    if not first:
-                        break
-                    msg = read_message(sock, self.max_message_bytes, DATA_TYPES, self._count_received, first=first,
-                                       alloc=self._pool.get)
-                    self._dispatch(peer, conn_id, msg)
-            except Exception as e:  # garbage, truncation, reset, or our own close
-                reason, clean = f"{type(e).__name__}: {e}", False
-                if not self._closed:
-                    log.warning("%s: connection from %s failed: %s", self.address, peer, reason)
-            with self._lock:
-                self._incoming[peer].discard(conn_id)
-                ops = list(self._ops.values())
-            for op in ops:
-                op.deliver(("lost", peer, conn_id, clean, reason))
+            self._read_messages(sock, peer)
         finally:
             with self._lock:
                 self._incoming_socks.discard(sock)
             close_socket(sock)
 
+    def _read_messages(self, sock: Any, peer: str) -> None:
+        """Dispatch the data messages of an authenticated stream until it ends."""
+        conn_id = next(self._conn_ids)
+        with self._lock:
+            self._incoming[peer].add(conn_id)
+        reason, clean = "connection closed by peer", True
+        admit = lambda *h: self._admit_payload(peer, *h)  # noqa: E731
+        try:
+            while True:
+                first = read_first_header(sock, self._count_received)
+                if not first:
+                    break
+                msg = read_message(sock, self.max_message_bytes, DATA_TYPES, self._count_received, first=first,
+                                   alloc=self._pool.get, admit=admit)
+                self._dispatch(peer, conn_id, msg)
+        except Exception as e:  # garbage, truncation, reset, or our own close
+            reason, clean = f"{type(e).__name__}: {e}", False
+            if not self._closed:
+                log.warning("%s: connection from %s failed: %s", self.address, peer, reason)
+        with self._lock:
+            self._incoming[peer].discard(conn_id)
+            ops = list(self._ops.values())
+        for op in ops:
+            op.deliver(("lost", peer, conn_id, clean, reason))
+
+    def _admit_payload(self, peer: str, mtype: MsgType, tag: str, seg: int, chunk: int, aux: int, nbytes: int) -> bool:
+        """Check a data message's payload length against what this side expects, before any byte
+        of it is allocated. True: receive it; False: read and discard it (the message is still
+        dispatched, with an empty payload); WireError: the length cannot be right (the
+        connection is closed)."""
+        if mtype == MsgType.PROBE:
+            return False  # filler: only its arrival matters
+        if mtype == MsgType.PROBE_ACK:
+            if nbytes:
+                raise WireError(f"PROBE_ACK from {peer} carries {nbytes} payload bytes, want 0")
+            return True
+        if mtype == MsgType.ABORT:
+            if nbytes > _MAX_ABORT_BYTES:
+                raise WireError(f"ABORT for tag {tag!r} from {peer} carries {nbytes} bytes, at most {_MAX_ABORT_BYTES}")
+            return True
+        with self._lock:
+            op = self._ops.get(tag)
+            if op is None:
+                return self._admit_pending(peer, mtype, tag, nbytes)
+        limit = op.max_frame_bytes(seg, chunk, aux)
+        if limit is None:
+            return False  # not a chunk of this collective: the collective aborts on it, unread
+        if nbytes > limit:
+            raise WireError(f"{mtype.name} chunk {(seg, chunk)} of tag {tag!r} from {peer} announces {nbytes} "
+                            f"payload bytes, at most {limit} expected for that chunk")
+        return True
+
+    def _admit_pending(self, peer: str, mtype: MsgType, tag: str, nbytes: int) -> bool:
+        """_admit_payload for a tag with no running collective here (caller holds the lock)."""
+        if nbytes > self.max_chunk_frame_bytes:
+            raise WireError(f"{mtype.name} for tag {tag!r} from {peer} announces {nbytes} payload bytes, more "
+                            f"than the largest chunk frame ({self.max_chunk_frame_bytes} bytes for chunk_bytes="
+                            f"{4 * self.chunk_elems})")
+        if tag in self._finished:
+            return False
+        self._expire_pending()
+        return self._pending_bytes + nbytes + _PENDING_OVERHEAD <= self.max_pending_bytes
+
     def _expire_pending(self) -> None:
-        """Forget buffered messages of tags that never started here (caller holds the lock)."""
-        horizon = time.monotonic() - _PENDING_EXPIRY_TIMEOUTS * self.timeout_s
-        for tag in [t for t, p in self._pending.items() if p.since < horizon]:
-            self._pending_bytes -= self._pending.pop(tag).nbytes
+        """Forget buffered messages of tags that started no collective here within pending_ttl_s
+        seconds of their first message (caller holds the lock)."""
+        horizon = time.monotonic() - self.pending_ttl_s
+        while self._pending:
+            tag, p = next(iter(self._pending.items()))
+            if p.since >= horizon:
+                break
+            del self._pending[tag]
+            self._pending_bytes -= p.nbytes
+            self._dropped_pending += len(p.events)
+            log.warning("%s: dropped %d messages for tag %r: no collective with that tag started here within %g s",
+                        self.address, len(p.events), tag, self.pending_ttl_s)
+
+    def _expire_pending_now(self) -> None:
+        with self._lock:
+            self._expire_pending()
 
     def _dispatch(self, peer: str, conn_id: int, msg) -> None:
         if msg.type in (MsgType.PROBE, MsgType.PROBE_ACK):
@@ -419,20 +561,27 @@ class TransportBase:
         with self._lock:
             op = self._ops.get(msg.tag)
             if op is None:
-                if msg.tag in self._finished:
-                    return
-                size = len(msg.payload) + 64
-                if msg.tag not in self._pending:
-                    self._expire_pending()
-                if self._pending_bytes + size > self._max_pending_bytes:
-                    log.warning("%s: dropping %s for not-yet-started tag %r (pending buffer full)", self.address, msg.type.name, msg.tag)
-                    return
-                pending = self._pending.setdefault(msg.tag, _Pending(time.monotonic()))
-                pending.events.append(ev)
-                pending.nbytes += size
-                self._pending_bytes += size
+                self._buffer_pending(peer, msg, ev)
                 return
         op.deliver(ev)
+
+    def _buffer_pending(self, peer: str, msg: Any, ev: tuple) -> None:
+        """Keep a message for a collective that has not started here (caller holds the lock)."""
+        if msg.tag in self._finished:
+            return
+        self._expire_pending()
+        size = len(msg.payload) + _PENDING_OVERHEAD
+        if msg.discarded or self._pending_bytes + size > self.max_pending_bytes:
+            self._dropped_pending += 1
+            log.warning("%s: dropped %s from %s for not-yet-started tag %r: pending buffers full (max_pending_bytes=%d)",
+                        self.address, msg.type.name, peer, msg.tag, self.max_pending_bytes)
+            return
+        pending = self._pending.get(msg.tag)
+        if pending is None:
+            pending = self._pending[msg.tag] = _Pending(time.monotonic())
+        pending.events.append(ev)
+        pending.nbytes += size
+        self._pending_bytes += size
 
 
 class _Pending:

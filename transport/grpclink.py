@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from .core import DEFAULT_CHUNK_BYTES, TransportBase
+from .core import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PENDING_BYTES, TransportBase
+from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE
 from .errors import PeerDisconnected
 from .shaping import TokenBucket
 from .tcp import check_plaintext, split_address
@@ -30,13 +31,21 @@ METHOD = f"/{SERVICE}/Stream"
 _MAX_STREAMS = 512
 _EOF = object()
 GRACEFUL_CLOSE_S = 5.0  # how long a closing dialer waits for the peer to finish the call
+#: Largest gRPC message, in bytes: writes are split into messages of at most this size, so the
+#: receive limit (and what gRPC buffers for a stream that has not authenticated) stays small.
+MESSAGE_BYTES = 1 << 20
+#: Bytes a stream may deliver before its handshake is done (the handshake needs a few hundred);
+#: past them its reader waits, so gRPC's flow control holds the sender back.
+PREAUTH_BYTES = 4096
 
 
 class StreamSocket:
     """A socket-like byte stream over one gRPC stream: writes become messages, reads drain them."""
 
-    def __init__(self, outbox: "queue.SimpleQueue[bytes | None]", inbound: Iterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, outbox: "queue.SimpleQueue[bytes | None]", inbound: Iterator[bytes], on_close: Callable[[], None],
+                 message_bytes: int = MESSAGE_BYTES) -> None:
         self._outbox = outbox
+        self._message_bytes = message_bytes  # writes are split into gRPC messages of at most this
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._buf = memoryview(b"")
         self._timeout: float | None = None
@@ -45,11 +54,31 @@ class StreamSocket:
         self._on_close = on_close
         self._lock = threading.Lock()
         self._ended = threading.Event()  # the peer's side of the stream is over
+        self._gate = threading.Event()  # set once authenticated, or closed
+        self._authed = False
+        self._preauth_bytes = 0
         threading.Thread(target=self._pump, args=(inbound,), name="grpc-pump", daemon=True).start()
+
+    def authenticated(self) -> None:
+        """The handshake succeeded: deliver messages without the pre-authentication bound."""
+        self._authed = True
+        self._gate.set()
+
+    def _admit(self, item: bytes) -> bool:
+        """Whether to deliver a message; before authentication, past PREAUTH_BYTES, wait for it."""
+        if not self._authed:
+            self._preauth_bytes += len(item)
+            if self._preauth_bytes > PREAUTH_BYTES:
+                self._gate.wait()
+        return self._authed or self._preauth_bytes <= PREAUTH_BYTES
 
     def _pump(self, inbound: Iterator[bytes]) -> None:
         try:
             for item in inbound:
+                if not self._admit(item):
+                    self._broken = f"more than {PREAUTH_BYTES} bytes before authentication"
+                    self._inbox.put(_EOF)
+                    return
                 self._inbox.put(item)
             self._inbox.put(_EOF)
             self._broken = "stream ended by peer"
@@ -69,7 +98,10 @@ class StreamSocket:
     def sendall(self, data: bytes | bytearray | memoryview) -> None:
         if self._closed or self._broken:
             raise BrokenPipeError(self._broken or "stream closed")
-        self._outbox.put(bytes(data))
+        view = memoryview(data).cast("B")
+        step = self._message_bytes
+        for i in range(0, len(view), step):
+            self._outbox.put(bytes(view[i:i + step]))
 
     def _take(self, n: int) -> memoryview:
         """Up to n bytes of the current message (the next one once it is used up); empty at EOF."""
@@ -101,6 +133,7 @@ class StreamSocket:
             if self._closed:
                 return
             self._closed = True
+        self._gate.set()
         self._outbox.put(None)  # ends our side of the stream
         self._inbox.put(_EOF)  # wakes a blocked reader
         self._on_close()
@@ -115,13 +148,29 @@ def _describe(e: Exception) -> str:
     return repr(e)
 
 
+def _source(peer: str) -> str:
+    """The address without port of a gRPC peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5")."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]")
+    return peer  # "unix:..." and the like: the whole string names the source
+
+
 def _drain(outbox: "queue.SimpleQueue[bytes | None]") -> Iterator[bytes]:
     while (item := outbox.get()) is not None:
         yield item
 
 
 class GrpcTransport(TransportBase):
-    """Collectives over gRPC streams; parameters as for `TcpTransport` (no shaper-free extras)."""
+    """Collectives over gRPC streams; parameters as for `TcpTransport` (no shaper-free extras).
+
+    Against hostile peers: each call is admitted like a TCP connection (caps on unauthenticated
+    calls per listener and per source address, whole-handshake deadline `handshake_timeout_s`,
+    also used as gRPC's own TLS/HTTP2 handshake timeout); over a cap a call ends at once with
+    RESOURCE_EXHAUSTED. Writes travel as gRPC messages of at most min(MESSAGE_BYTES,
+    max_message_bytes) bytes, which is also the receive limit, and a call delivers at most
+    PREAUTH_BYTES before it has authenticated (its reader then waits, holding the sender back).
+    """
 
     _join_buffers = True
 
@@ -140,6 +189,11 @@ class GrpcTransport(TransportBase):
         allow_plaintext: bool = False,
         advertise: str | None = None,
         pin_memory: bool | None = None,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+        max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        pending_ttl_s: float | None = None,
     ) -> None:
         super().__init__(
             secret=secret,
@@ -149,41 +203,64 @@ class GrpcTransport(TransportBase):
             max_message_bytes=max_message_bytes,
             shaper=shaper,
             pin_memory=pin_memory,
+            handshake_timeout_s=handshake_timeout_s,
+            max_unauthenticated=max_unauthenticated,
+            max_unauthenticated_per_source=max_unauthenticated_per_source,
+            max_pending_bytes=max_pending_bytes,
+            pending_ttl_s=pending_ttl_s,
         )
-        check_plaintext("gRPC", host, tls, allow_plaintext)
-        self._tls_pem = tls.read_pem() if tls else None
-        limit = max_message_bytes + (1 << 16)
-        self._options = [
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.use_local_subchannel_pool", 1),  # a channel per connection really is its own TCP connection
-        ]
-        self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=_MAX_STREAMS, thread_name_prefix="grpc-link"),
-            options=self._options,
-            maximum_concurrent_rpcs=_MAX_STREAMS,
-        )
-        handler = grpc.stream_stream_rpc_method_handler(self._handle)  # raw bytes in and out
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Stream": handler}),))
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if self._tls_pem is not None:
-            cert, key, ca = self._tls_pem
-            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-            bound = self._server.add_secure_port(bind, creds)
-        else:
-            bound = self._server.add_insecure_port(bind)
-        if bound == 0:
-            raise OSError(f"gRPC could not bind {bind}")
-        self._server.start()
+        try:
+            check_plaintext("gRPC", host, tls, allow_plaintext)
+            self._tls_pem = tls.read_pem() if tls else None
+            self._message_bytes = min(MESSAGE_BYTES, max_message_bytes)
+            limit = self._message_bytes + (1 << 10)
+            self._options = [
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),
+                ("grpc.use_local_subchannel_pool", 1),  # a channel per connection really is its own TCP connection
+            ]
+            self._server = grpc.server(
+                ThreadPoolExecutor(max_workers=_MAX_STREAMS, thread_name_prefix="grpc-link"),
+                options=self._options,
+                maximum_concurrent_rpcs=_MAX_STREAMS,
+            )
+            handler = grpc.stream_stream_rpc_method_handler(self._handle)  # raw bytes in and out
+            self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Stream": handler}),))
+            bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if self._tls_pem is not None:
+                cert, key, ca = self._tls_pem
+                creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+                bound = self._server.add_secure_port(bind, creds)
+            else:
+                bound = self._server.add_insecure_port(bind)
+            if bound == 0:
+                raise OSError(f"gRPC could not bind {bind}")
+            self._server.start()
+        except BaseException:
+            self._guard.close()  # the deadline thread started by TransportBase
+            raise
         self.address = advertise or (f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}")
+        self._guard.name = self.address
 
     # -- accepting side ----------------------------------------------------------------------------
     def _handle(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         outbox: queue.SimpleQueue = queue.SimpleQueue()
-        sock = StreamSocket(outbox, request_iterator, on_close=lambda: None)
+        holder: list[StreamSocket] = []
+        ticket = self._admit(_source(context.peer()), lambda: holder[0].shutdown() if holder else None)
+        if ticket is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many unauthenticated streams")
+        sock = StreamSocket(outbox, request_iterator, on_close=lambda: None, message_bytes=self._message_bytes)
+        holder.append(sock)
         context.add_callback(sock.shutdown)  # the call ended (client gone or cancelled)
-        threading.Thread(target=self._serve_connection, args=(sock,), name=f"recv@{self.address}", daemon=True).start()
+        if ticket.state == "expired":
+            sock.shutdown()
+        threading.Thread(target=self._serve_connection, args=(sock, ticket), name=f"recv@{self.address}",
+                         daemon=True).start()
         yield from _drain(outbox)
+
+    def _on_authenticated(self, sock: Any) -> None:
+        sock.authenticated()
 
     def _stop_listening(self) -> None:
         self._server.stop(grace=0.5)
@@ -214,5 +291,5 @@ class GrpcTransport(TransportBase):
             call.cancel()
             channel.close()
 
-        sockets.append(StreamSocket(outbox, call, on_close))
+        sockets.append(StreamSocket(outbox, call, on_close, message_bytes=self._message_bytes))
         return sockets[0]

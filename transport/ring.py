@@ -125,6 +125,26 @@ def _raw_matches(codec: Any, raw: _RawFp32) -> bool:
         return False
 
 
+def _zstd_bound(nbytes: int) -> int:
+    """zstd's worst-case compressed size of nbytes (ZSTD_COMPRESSBOUND, rounded up generously)."""
+    return nbytes + (nbytes >> 8) + (128 << 10 >> 11) + 64
+
+
+def _frame_bound(codec: Any, fallback: int) -> Any:
+    """count -> the largest frame, in bytes, that codec can send for count values.
+
+    Exact for compress's codecs (header, payload, checksum; zstd's worst-case expansion allowed);
+    any other codec is bounded by `fallback` (the transport's max_chunk_frame_bytes)."""
+    try:
+        import compress
+        from compress import frame
+    except ImportError:
+        return lambda count: fallback
+    if not isinstance(codec, compress.Codec):
+        return lambda count: fallback
+    return lambda count: frame.OVERHEAD + _zstd_bound(codec.payload_size(count))
+
+
 def check_out(out: torch.Tensor, x: torch.Tensor) -> None:
     """Refuse an output buffer the collective cannot write its result into."""
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.shape != x.shape:
@@ -232,6 +252,16 @@ class RingAllReduce:
         # Ids of connections from the left peer whose loss means our data is lost: those open when
         # the collective started and those that delivered to it (set by the transport, then here).
         self.watch: set[int] = set()
+        self._chunks = [chunk_bounds(a, b, chunk_elems) for a, b in segment_bounds(x.numel(), g)]
+        self._frame_bytes = _frame_bound(codec, core.max_chunk_frame_bytes)
+
+    def max_frame_bytes(self, seg: int, chunk: int, aux: int) -> int | None:
+        """Largest payload, in bytes, that chunk (seg, chunk) of this collective can take from a
+        peer claiming a vector of aux elements; None if that is no chunk of this collective."""
+        if aux != self.x.numel() or seg >= len(self._chunks) or chunk >= len(self._chunks[seg]):
+            return None
+        a, b = self._chunks[seg][chunk]
+        return self._frame_bytes(b - a)
 
     # -- called from other threads -------------------------------------------------------------
     def deliver(self, event: tuple) -> None:
@@ -315,12 +345,14 @@ class RingAllReduce:
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """The frame's values (a new tensor, or out: want fp32 values where the result goes)."""
         try:
+            # compress's codecs check the declared count first: nothing is decompressed beyond it
+            expect = {"count": want} if self._into else {}
             if out is not None and self._into:
                 t = self.codec.decode(payload, out=out)
             elif self.device.type == "cpu":
-                t = self.codec.decode(payload)
+                t = self.codec.decode(payload, **expect)
             else:
-                t = self.codec.decode(payload, device=self.device)
+                t = self.codec.decode(payload, device=self.device, **expect)
         except Exception as e:
             raise _Abort(f"bad frame for {what} from {self.left}: {e!r}") from e
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != want:
@@ -349,8 +381,7 @@ class RingAllReduce:
 
     def _run(self) -> torch.Tensor:
         x, g, r, n = self.x, len(self.ring), self.index, self.x.numel()
-        segs = segment_bounds(n, g)
-        chunks = [chunk_bounds(a, b, self.chunk_elems) for a, b in segs]
+        chunks = self._chunks
         first = (r - 1) % g  # the segment this member starts the reduce-scatter with
         out = self.out if self.out is not None else torch.empty(n, dtype=torch.float32, device=self.device)
         rs_todo = {(k, c) for k in range(g) if k != first for c in range(len(chunks[k]))}

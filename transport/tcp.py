@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 from .conn import close_socket
-from .core import DEFAULT_CHUNK_BYTES, TransportBase
+from .core import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PENDING_BYTES, TransportBase
+from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE, Ticket
 from .shaping import TokenBucket
 from .tls import TlsConfig
 
@@ -67,6 +68,18 @@ class TcpTransport(TransportBase):
     advertise: address announced to peers instead of "host:port" (e.g. when host is 0.0.0.0).
     pin_memory: receive frames into page-locked buffers, for collectives on GPU tensors
     (default: when CUDA is available).
+
+    Hostile peers (see transport/guard.py):
+    handshake_timeout_s: seconds from accepting a connection until it must have finished TLS and
+    the shared-secret handshake (default 10); it is closed then, however slowly bytes arrive.
+    max_unauthenticated: connections allowed to be unauthenticated at once on this listener
+    (default 64); max_unauthenticated_per_source: of those, from one source address (default 8).
+    Over a cap a new connection is closed at once; authenticated connections never count.
+    max_pending_bytes: bound on frames buffered for collectives not yet started here (default
+    256 MiB); pending_ttl_s: seconds such frames are kept (default 2 * timeout_s). Frames beyond
+    either are dropped (read and thrown away, never allocated).
+    Counters: `rejected_connections`, `handshake_timeouts`, `unauthenticated_connections`,
+    `pending_bytes`, `dropped_pending_messages`.
     """
 
     def __init__(
@@ -84,6 +97,11 @@ class TcpTransport(TransportBase):
         allow_plaintext: bool = False,
         advertise: str | None = None,
         pin_memory: bool | None = None,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+        max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        pending_ttl_s: float | None = None,
     ) -> None:
         super().__init__(
             secret=secret,
@@ -93,18 +111,28 @@ class TcpTransport(TransportBase):
             max_message_bytes=max_message_bytes,
             shaper=shaper,
             pin_memory=pin_memory,
+            handshake_timeout_s=handshake_timeout_s,
+            max_unauthenticated=max_unauthenticated,
+            max_unauthenticated_per_source=max_unauthenticated_per_source,
+            max_pending_bytes=max_pending_bytes,
+            pending_ttl_s=pending_ttl_s,
         )
-        check_plaintext("TCP", host, tls, allow_plaintext)
-        self._server_ctx: ssl.SSLContext | None = tls.server_context() if tls else None
-        self._client_ctx: ssl.SSLContext | None = tls.client_context() if tls else None
-        self._incoming_slots = threading.BoundedSemaphore(_MAX_INCOMING)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=128)
-        self._listener.settimeout(0.2)
-        bound_port = self._listener.getsockname()[1]
-        self.address = advertise or (f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}")
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"accept@{self.address}", daemon=True)
-        self._accept_thread.start()
+        try:
+            check_plaintext("TCP", host, tls, allow_plaintext)
+            self._server_ctx: ssl.SSLContext | None = tls.server_context() if tls else None
+            self._client_ctx: ssl.SSLContext | None = tls.client_context() if tls else None
+            self._incoming_slots = threading.BoundedSemaphore(_MAX_INCOMING)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._listener = socket.create_server((host, port), family=family, backlog=128)
+            self._listener.settimeout(0.2)
+            bound_port = self._listener.getsockname()[1]
+            self.address = advertise or (f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}")
+            self._guard.name = self.address
+            self._accept_thread = threading.Thread(target=self._accept_loop, name=f"accept@{self.address}", daemon=True)
+            self._accept_thread.start()
+        except BaseException:
+            self._guard.close()  # the deadline thread started by TransportBase
+            raise
 
     def _open(self, peer: str, timeout_s: float) -> Any:
         host, port = split_address(peer)
@@ -124,7 +152,7 @@ class TcpTransport(TransportBase):
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -133,26 +161,49 @@ class TcpTransport(TransportBase):
                 log.exception("accept failed on %s", self.address)
                 time.sleep(0.1)
                 continue
-            if not self._incoming_slots.acquire(blocking=False):
-                close_socket(sock)
-                continue
-            threading.Thread(target=self._accepted, args=(sock,), name=f"recv@{self.address}", daemon=True).start()
+            self._start_serving(sock, str(addr[0]))
         self._listener.close()
 
-    def _accepted(self, sock: socket.socket) -> None:
+    def _start_serving(self, sock: socket.socket, source: str) -> None:
+        """Admit a just-accepted connection (or close it at once) and serve it in a thread."""
+        holder = [sock]  # the current stream: the raw socket, then its TLS wrapper
+        ticket = self._admit(source, lambda: close_socket(holder[0]))
+        if ticket is None:
+            close_socket(sock)
+            return
+        if not self._incoming_slots.acquire(blocking=False):
+            self._guard.release(ticket)
+            close_socket(sock)
+            return
+        threading.Thread(target=self._accepted, args=(holder, ticket), name=f"recv@{self.address}", daemon=True).start()
+
+    def _accepted(self, holder: list, ticket: Ticket) -> None:
         try:
+            sock = holder[0]
             _tune(sock)
             if self._server_ctx is not None:
-                sock.settimeout(min(self.timeout_s, 30.0))
-                try:
-                    sock = self._server_ctx.wrap_socket(sock, server_side=True)
-                except (OSError, ssl.SSLError) as e:
-                    log.warning("%s: TLS handshake with an incoming connection failed: %s", self.address, e)
+                sock = self._tls_accept(sock, ticket)
+                if sock is None:
+                    return
+                holder[0] = sock
+                if ticket.state == "expired":  # the deadline passed while the wrapper was being made
                     close_socket(sock)
                     return
-            self._serve_connection(sock)
+            self._serve_connection(sock, ticket)
         finally:
+            self._guard.release(ticket)  # no-op unless the stream ended before its handshake
             self._incoming_slots.release()
+
+    def _tls_accept(self, sock: socket.socket, ticket: Ticket) -> ssl.SSLSocket | None:
+        """The TLS server side of an accepted socket; None (socket closed) if the handshake fails."""
+        sock.settimeout(self.handshake_timeout_s)
+        try:
+            return self._server_ctx.wrap_socket(sock, server_side=True)
+        except (OSError, ssl.SSLError) as e:
+            log.warning("%s: TLS handshake with an incoming connection from %s failed: %s",
+                        self.address, ticket.source, e)
+            close_socket(sock)
+            return None
 
 
 def _tune(sock: socket.socket) -> None:

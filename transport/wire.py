@@ -56,6 +56,7 @@ class Message:
     chunk: int
     aux: int
     payload: bytes | bytearray | memoryview
+    discarded: bool = False  # the payload was read and thrown away unstored (see read_message's admit)
 
 
 def encode_tag(tag: str) -> bytes:
@@ -120,11 +121,15 @@ def read_message(
     on_bytes: Callable[[int], None] | None = None,
     first: bytes | None = None,
     alloc: Callable[[int], memoryview] | None = None,
+    admit: Callable[[MsgType, str, int, int, int, int], bool] | None = None,
 ) -> Message:
     """Read and validate one message. Raises WireError, PeerDisconnected or OSError.
 
     alloc(n), if given, supplies the writable n-byte view the payload is received into (a
     reused buffer); it is only called with a length the envelope check has bounded.
+    admit(type, tag, seg, chunk, aux, payload_len), if given, is asked before any payload byte is
+    allocated: it raises WireError for a length the receiver cannot expect, or returns False to
+    have the payload read into a small scratch buffer and dropped (`Message.discarded`).
     """
     head = bytes(first) if first is not None else bytes(recv_exact(sock, HEADER.size, on_bytes))
     t, tag_len, seg, chunk, aux, payload_len = unpack_header(head, max_payload, allowed)
@@ -133,6 +138,9 @@ def read_message(
         tag = bytes(tag_raw).decode("utf-8")
     except UnicodeDecodeError:
         raise WireError("tag is not valid UTF-8") from None
+    if admit is not None and not admit(t, tag, seg, chunk, aux, payload_len):
+        discard_exact(sock, payload_len, on_bytes)
+        return Message(t, tag, seg, chunk, aux, b"", discarded=True)
     if not payload_len:
         payload: bytes | bytearray | memoryview = b""
     elif alloc is not None:
@@ -141,6 +149,19 @@ def read_message(
     else:
         payload = recv_exact(sock, payload_len, on_bytes)
     return Message(t, tag, seg, chunk, aux, payload)
+
+
+_SCRATCH_BYTES = 64 << 10
+
+
+def discard_exact(sock: socket.socket, n: int, on_bytes: Callable[[int], None] | None = None) -> None:
+    """Read and drop exactly n bytes through a small scratch buffer (nothing sized from n)."""
+    scratch = memoryview(bytearray(min(n, _SCRATCH_BYTES)))
+    left = n
+    while left:
+        k = min(left, len(scratch))
+        recv_exact_into(sock, scratch[:k], on_bytes)
+        left -= k
 
 
 def read_first_header(sock: socket.socket, on_bytes: Callable[[int], None] | None = None) -> bytes:
