@@ -9,7 +9,6 @@ import textwrap
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn as nn
 
