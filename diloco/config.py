@@ -231,6 +231,7 @@ class Config:
         need(s.fragments >= 1, f"--fragments must be >= 1, got {s.fragments}")
         if not self.train.entry:  # the demo GPT's fragments are its blocks
             need(m.n_layer >= s.fragments, f"--fragments ({s.fragments}) cannot exceed --n-layer ({m.n_layer})")
+            need(not self.train.entry_args, "--entry-args needs --entry (the demo takes no entry arguments)")
         else:
             need(":" in self.train.entry, f"--entry must look like package.module:function, got {self.train.entry!r}")
         need(s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")

@@ -21,6 +21,7 @@ counts metrics, re-probes bandwidth in the background and reports round hashes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -281,7 +282,7 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, 
     """
     t = settings if settings is not None else TransportConfig()
     if codec is not None:
-        t = TransportConfig(**{**t.__dict__, "codec": codec})
+        t = dataclasses.replace(t, codec=codec)
     try:
         wire = make_codec(t)
     except ValueError as e:

@@ -14,27 +14,19 @@ integers, so the mean the ring computes (a sum, then a division by G) can be und
 
 from __future__ import annotations
 
-import hashlib
 from typing import Literal, Sequence
 
 import torch
 
 from diloco.averaging import Averager
+from diloco.config import INITIAL_SYNCS
+from diloco.outer_state import params_digest
 
 InitialSync = Literal["check", "copy"]
-INITIAL_SYNC = ("check", "copy")
 
 
 class InitialParamsMismatch(RuntimeError):
     """The groups built different initial parameters and ``initial_sync='check'`` refused them."""
-
-
-def params_digest(tensors: Sequence[torch.Tensor]) -> bytes:
-    """SHA-256 (32 bytes) of the tensors' fp32 bytes, in order."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.digest()
 
 
 def _mean(averager: Averager, flat: torch.Tensor, tag: str) -> torch.Tensor:
@@ -79,8 +71,8 @@ def copy_from_first(averager: Averager, params: Sequence[torch.Tensor], *, tag: 
 
 def agree(averager: Averager, params: Sequence[torch.Tensor], how: InitialSync) -> None:
     """Make (``copy``) or verify (``check``) that every group's ``params`` are identical."""
-    if how not in INITIAL_SYNC:
-        raise ValueError(f"initial_sync must be one of {', '.join(INITIAL_SYNC)}, got {how!r}")
+    if how not in INITIAL_SYNCS:
+        raise ValueError(f"initial_sync must be one of {', '.join(INITIAL_SYNCS)}, got {how!r}")
     if averager.num_groups < 2:
         return
     if how == "copy":

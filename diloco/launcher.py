@@ -23,7 +23,7 @@ from diloco import data as data_mod
 from diloco.config import Config
 from diloco.coordinator import CoordinatorServer
 from diloco.connection import SECRET_ENV, TOKEN_ENV
-from diloco.task import DEMO_ENTRY, load_entry
+from diloco.task import DEMO_ENTRY, load_entry, parse_entry_args
 
 
 class LaunchError(RuntimeError):
@@ -51,6 +51,7 @@ def preflight(cfg: Config) -> data_mod.Corpus | None:
     or that a user's ``--entry`` imports and is callable)."""
     cfg.validate()
     if cfg.train.entry:
+        parse_entry_args(cfg.train.entry_args)
         load_entry(cfg.train.entry)
         return None
     corpus = data_mod.load_corpus(cfg.data.path or None)

@@ -101,12 +101,17 @@ class OuterFragment:
         self.optimizer.load_state_dict(state["outer_optimizer"])
 
 
-def params_hash(tensors: Sequence[torch.Tensor]) -> str:
-    """SHA-256 of the tensors' fp32 bytes, in order (hex, 16 chars)."""
+def params_digest(tensors: Sequence[torch.Tensor]) -> bytes:
+    """SHA-256 (32 bytes) of the tensors' fp32 bytes, in order."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return h.digest()
+
+
+def params_hash(tensors: Sequence[torch.Tensor]) -> str:
+    """``params_digest`` as hex, 16 chars: what groups report and compare."""
+    return params_digest(tensors).hex()[:16]
 
 
 @contextlib.contextmanager

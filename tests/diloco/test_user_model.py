@@ -151,3 +151,13 @@ def test_api_glue_is_at_most_15_lines():
     user_loop = {"loss = mse(model, next(data))", "loss.backward()", "opt.step()", "opt.zero_grad()",
                  "for step in range(args.steps):"}
     assert len([line for line in glue if line.strip() not in user_loop]) <= 15
+
+
+def test_entry_args_are_checked_before_any_process_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert cli.main([*RUN, "--entry-args", "width=64", "--run-dir", str(tmp_path / "a")]) == 2
+    assert "--entry-args needs --entry" in capsys.readouterr().err
+    assert cli.main([*RUN, "--entry", "examples.regression:make_task", "--entry-args", "width",
+                     "--run-dir", str(tmp_path / "b")]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
