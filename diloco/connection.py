@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import time
 from typing import Any
 
@@ -31,9 +32,9 @@ import torch.distributed as dist
 
 from diloco.config import ConfigError, TransportConfig, make_codec
 from diloco.coordinator import CoordinatorClient
-from diloco.group import StripedAverager
 from diloco.metrics import WorkerMetrics
-from diloco.network_plan import BandwidthMonitor, CoordinatedPlans, measure_rates
+from diloco.network_plan import BandwidthMonitor, measure_rates
+from diloco.quorum_averager import QuorumAverager
 import transport as transport_pkg
 from transport import TcpTransport, TlsConfig
 
@@ -74,7 +75,7 @@ class _Reprobe:
     """Starts a background re-measurement every ``every`` exchanges of ``averager``; surfaces
     its failures."""
 
-    def __init__(self, monitor: BandwidthMonitor, averager: StripedAverager, every: int) -> None:
+    def __init__(self, monitor: BandwidthMonitor, averager: QuorumAverager, every: int) -> None:
         self.monitor, self.averager, self.every, self._last = monitor, averager, every, 0
 
     def after_step(self) -> None:
@@ -87,17 +88,18 @@ class _Reprobe:
 
 
 def make_averager(t: TransportConfig, transport, membership, client, group: int, rank: int, device,
-                  process_group=None) -> tuple[StripedAverager, _Reprobe | None]:
-    """Probe the other groups, report to the coordinator, and build the striped averager;
-    returns it with the background re-prober (None when probing is off)."""
-    sizes = {g: len(membership.ranks(g)) for g in membership.groups}
+                  process_group=None, *, incarnation: str = "", heartbeat_timeout: float = 15.0,
+                  tokens_per_step: float | None = None) -> tuple[QuorumAverager, _Reprobe | None]:
+    """Probe the other groups, report to the coordinator, and build the fault-tolerant striped
+    averager; returns it with the background re-prober (None when probing is off)."""
     addresses = {g: membership.ranks(g) for g in membership.groups}
-    averager = StripedAverager(
-        transport, membership, group=group, rank=rank, codec=make_codec(t), timeout_s=t.timeout_s,
-        plans=CoordinatedPlans(client.plan, sizes, every=t.plan_every),
+    averager = QuorumAverager(
+        transport, membership, client, group=group, rank=rank, incarnation=incarnation, heal=membership.heal,
+        tokens_per_step=tokens_per_step, heartbeat_interval_s=heartbeat_timeout / 5,
+        codec=make_codec(t), timeout_s=t.timeout_s, plan_every=t.plan_every,
         stripes_per_rank=t.stripes_per_rank, comm_device=device, process_group=process_group,
     )
-    if not t.probe_bytes or len(sizes) < 2:
+    if not t.probe_bytes or len(addresses) < 2:
         return averager, None
 
     def measure() -> dict[int, float]:
@@ -129,7 +131,7 @@ class GroupConnection:
     reports each to the coordinator, which compares groups). ``metrics``: the Prometheus series.
     """
 
-    def __init__(self, *, transport, client: CoordinatorClient, membership, averager: StripedAverager,
+    def __init__(self, *, transport, client: CoordinatorClient, membership, averager: QuorumAverager,
                  reprobe: _Reprobe | None, metrics: WorkerMetrics, group: int, rank: int,
                  group_size: int, process_group=None) -> None:
         self.transport, self.client, self.membership = transport, client, membership
@@ -156,8 +158,27 @@ class GroupConnection:
     def group_index(self) -> int:
         return self.averager.group_index
 
-    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False):
-        return self.averager.start(flat, tag=tag, exact=exact)
+    weighted = True
+    screens_contributions = True
+
+    def attach(self, engine) -> bool:
+        return self.averager.attach(engine)
+
+    def heal(self, engine) -> None:
+        self.averager.heal(engine)
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0):
+        return self.averager.start(flat, tag=tag, exact=exact, weight=weight)
+
+    @property
+    def stop_requested(self) -> bool:
+        """The job asked every group to checkpoint and stop: True from the step whose exchange said so."""
+        return self.averager.stop_requested
+
+    @property
+    def fault_stats(self):
+        """What fault tolerance did on this rank (``diloco.quorum_averager.FaultStats``)."""
+        return self.averager.stats
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
         return self.averager.all_reduce_mean(flat, round=round)
@@ -165,6 +186,7 @@ class GroupConnection:
     def observe(self, engine, events: list) -> None:
         """After every engine step (and ``close()``): metrics, background re-probes, round hashes."""
         now = time.perf_counter()
+        self.averager.step = engine.inner_step
         sync_s = engine.sync_seconds - self._sync_seconds_seen
         self._sync_seconds_seen = engine.sync_seconds
         self.metrics.sync_seconds.inc(sync_s)
@@ -244,7 +266,8 @@ class GroupConnection:
             "param_hash": engine.global_hash(), "num_parameters": engine.numel,
             "seconds": wall, "compute_seconds": self.compute_seconds, "sync_seconds": engine.sync_seconds,
             "utilization": self.compute_seconds / max(wall, 1e-9), "mode": engine.mode,
-            "fragments": len(engine.fragments), **extra,
+            "fragments": len(engine.fragments), "fault": self.averager.stats.to_dict(),
+            "incarnation": self.averager.incarnation, **extra,
         }
         if self.rank == 0:
             self.client.report_summary(self.group, out)
@@ -254,6 +277,7 @@ class GroupConnection:
         """Stop the metrics endpoint, the data plane and the coordinator channel. Idempotent."""
         if self.reprobe is not None:
             self.reprobe.monitor.join(self.transport.timeout_s)
+        self.averager.close()
         self.metrics.close()
         self.transport.close()
         self.client.close()
@@ -265,9 +289,19 @@ class GroupConnection:
         self.close()
 
 
+def _incarnation(process_group, size: int, device: torch.device) -> str:
+    """A random id of this start of the group, the same on all its ranks (rank 0's)."""
+    value = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    if size > 1:
+        group_ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        dist.broadcast(value, src=group_ranks[0] if group_ranks else 0, group=process_group)
+    return f"{int(value.item()):016x}"
+
+
 def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, codec: str | None = None,
             process_group: "dist.ProcessGroup | None" = None, token: str | None = None,
-            settings: TransportConfig | None = None, metrics_port: int = 0) -> GroupConnection:
+            settings: TransportConfig | None = None, metrics_port: int = 0, heartbeat_timeout: float = 15.0,
+            tokens_per_step: float | None = None) -> GroupConnection:
     """Join the job as this rank of ``group``; returns the connection (the engine's averager).
 
     ``coordinator``: ``host:port``. ``secret``: the data plane's shared secret (bytes or hex;
@@ -277,8 +311,11 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, 
     initialized: a one-rank group). ``token``: the coordinator's (default ``$DILOCO_TOKEN``).
     ``settings``: links, TLS, connections, probes, timeouts (``diloco.config.TransportConfig``,
     the same fields as the ``--host``, ``--link``, ``--tls-*`` ... flags). ``metrics_port``:
-    serve Prometheus metrics on this port + the local rank (0 = off). Every rank of every group
-    calls it; it returns once every expected group has joined.
+    serve Prometheus metrics on this port + the local rank (0 = off). ``heartbeat_timeout``: the
+    coordinator's (seconds; this rank heartbeats every fifth of it). ``tokens_per_step``: what one
+    inner step of this group weighs in the mean (default: its number of ranks). Every rank of every
+    group calls it; it returns once every expected group has joined (or, when the job already runs,
+    once this group's ranks have: the engine then heals the group into the job).
     """
     t = settings if settings is not None else TransportConfig()
     if codec is not None:
@@ -297,9 +334,13 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, 
         opened.append(transport)
         client = CoordinatorClient(coordinator, token=token or os.environ.get(TOKEN_ENV) or None, timeout_s=t.timeout_s)
         opened.append(client)
-        membership = client.join(group, rank, size, transport.address)
-        averager, reprobe = make_averager(t, transport, membership, client, group, rank,
-                                          _comm_device(process_group), process_group)
+        device = _comm_device(process_group)
+        incarnation = _incarnation(process_group, size, device)
+        membership = client.join(group, rank, size, transport.address, incarnation=incarnation)
+        averager, reprobe = make_averager(t, transport, membership, client, group, rank, device, process_group,
+                                          incarnation=incarnation, heartbeat_timeout=heartbeat_timeout,
+                                          tokens_per_step=tokens_per_step)
+        opened.append(averager)
         metrics = WorkerMetrics(group, rank)
         opened.append(metrics)
         if metrics_port:

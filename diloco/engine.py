@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
@@ -142,7 +143,10 @@ class DiLoCo:
             OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer, device=device)
             for f in groups
         ]
-        agree(averager, self.global_params, initial_sync)
+        attach = getattr(averager, "attach", None)  # fault-tolerant averagers: a late group heals instead
+        healing = bool(attach(self)) if attach is not None else False
+        if not healing:
+            agree(averager, self.global_params, initial_sync)
         for frag in self.fragments:
             frag.merge_into_model(0.0)
         self.inner_step = 0
@@ -155,10 +159,15 @@ class DiLoCo:
         self.rounds = [0] * len(self.fragments)
         self.in_flight: list[_InFlight | None] = [None] * len(self.fragments)
         self._own_previous: list[torch.Tensor | None] = [None] * len(self.fragments)
+        self._launched_at = [0] * len(self.fragments)  # inner step of each fragment's last launch
+        self._weighted = bool(getattr(averager, "weighted", False))
+        self._screened = bool(getattr(averager, "screens_contributions", False))
         self.finished = False
         self.sync_seconds = 0.0  # time spent inside step()/close() on syncs
         self.last_events: list[SyncEvent] = []
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if hook_optimizer else None
+        if healing:
+            averager.heal(self)
 
     @staticmethod
     def _fragment_names(model: nn.Module, named: dict, fragments) -> list[list[str]]:
@@ -263,7 +272,7 @@ class DiLoCo:
 
     def _delta(self, p: int) -> torch.Tensor:
         delta = self.fragments[p].pseudo_gradient()
-        if not torch.isfinite(delta).all():
+        if not self._screened and not torch.isfinite(delta).all():
             raise NonFiniteError(
                 f"fragment {p} round {self.rounds[p]}: local pseudo-gradient has NaN/Inf at inner "
                 f"step {self.inner_step}; nothing was sent or applied"
@@ -275,45 +284,89 @@ class DiLoCo:
         self.in_flight[p] = None
         if not torch.isfinite(mean).all():
             raise NonFiniteError(f"fragment {p} round {flight.round}: averaged pseudo-gradient has NaN/Inf; not applied")
+        if getattr(flight.pending, "own_rejected", False):
+            self._reset_local(p)
         return mean
 
-    def _launch(self, p: int, delta: torch.Tensor, apply_at: int) -> SyncEvent:
+    @torch.no_grad()
+    def _reset_local(self, p: int) -> None:
+        """The quorum refused this group's contribution (NaN/Inf or an outlier): its local state is
+        not to be trusted, so fragment p's parameters restart from the global ones and their
+        inner-optimizer state is dropped."""
+        frag = self.fragments[p]
+        frag.merge_into_model(0.0)
+        for param in frag.local_params:
+            self.inner_optimizer.state.pop(param, None)
+
+    def _launch(self, p: int, delta: torch.Tensor) -> SyncEvent:
         r = self.rounds[p]
-        self.in_flight[p] = _InFlight(self.averager.start(delta, tag=f"f{p}/r{r}"), r, apply_at)
+        extra = {"weight": float(self.inner_step - self._launched_at[p])} if self._weighted else {}
+        pending = self.averager.start(delta, tag=f"f{p}/r{r}", **extra)
+        return self._launched(p, pending)
+
+    def _launched(self, p: int, pending: PendingMean) -> SyncEvent:
+        r = self.rounds[p]
+        apply_at = self.inner_step + (self.overlap_steps if self.mode in ("overlap", "blocking") else 0)
+        self.in_flight[p] = _InFlight(pending, r, apply_at)
         self.rounds[p] += 1
+        self._launched_at[p] = self.inner_step
         return self._event(p, r, "launch")
 
     def _sync(self, p: int) -> list[SyncEvent]:
+        events, delta = self._before_launch(p)
+        events.append(self._launch(p, delta))
+        return self._after_launch(p, events)
+
+    def _before_launch(self, p: int) -> tuple[list[SyncEvent], torch.Tensor]:
+        """What a fragment's sync does before its exchange starts: land what is due, and the
+        contribution to send."""
         events = []
         frag = self.fragments[p]
         if self.mode in ("overlap", "blocking"):
             if self.in_flight[p] is not None:  # only if H shrank below τ: land it first
                 events.append(self._commit_overlap(p))
-            events.append(self._launch(p, self._delta(p), self.inner_step + self.overlap_steps))
-            if self.overlap_steps == 0:
-                events.append(self._commit_overlap(p))
-        else:
-            delta = self._delta(p)
-            flight = self.in_flight[p]
-            update = None
-            if self.mode == "eager":
-                m = self.averager.num_groups
-                update = delta.clone()
-                if flight is not None:
-                    update += m * self._wait(p, flight) - self._own_previous[p]
-                update /= m
-                self._own_previous[p] = delta
-            elif flight is not None:  # delayed, co2: the previous round's mean, one round stale
-                update = self._wait(p, flight)
-            if update is not None:
-                frag.outer_step(update)
-            frag.merge_into_model(self.merge_alpha)
-            norm = None if update is None else float(update.norm())
-            events.append(self._event(p, self.rounds[p], "commit", delta_norm=norm))
-            events.append(self._launch(p, delta, self.inner_step))
+            return events, self._delta(p)
+        delta = self._delta(p)
+        flight = self.in_flight[p]
+        update = None
+        if self.mode == "eager":
+            m = self.averager.num_groups
+            update = delta.clone()
+            if flight is not None:
+                update += m * self._wait(p, flight) - self._own_previous[p]
+            update /= m
+            self._own_previous[p] = delta
+        elif flight is not None:  # delayed, co2: the previous round's mean, one round stale
+            update = self._wait(p, flight)
+        if update is not None:
+            frag.outer_step(update)
+        frag.merge_into_model(self.merge_alpha)
+        norm = None if update is None else float(update.norm())
+        events.append(self._event(p, self.rounds[p], "commit", delta_norm=norm))
+        return events, delta
+
+    def _after_launch(self, p: int, events: list[SyncEvent]) -> list[SyncEvent]:
+        if self.mode in ("overlap", "blocking") and self.overlap_steps == 0:
+            events.append(self._commit_overlap(p))
         period = self._period()
         self.next_sync[p] = self.inner_step + max(period, 1)
         return [dataclasses.replace(e, next_period=period) if e.kind == "launch" else e for e in events]
+
+    def adopt(self, tag: str, pending: PendingMean) -> list[SyncEvent]:
+        """Healing: this engine was just loaded with a live member's state, taken as that member
+        launched exchange ``tag``; ``pending`` is this group's part in that exchange (it sent
+        nothing: its weight is 0). Finishes the sync as the member does, so both continue alike."""
+        match = re.fullmatch(r"f(\d+)/r(\d+)", tag)
+        if match is None or int(match.group(1)) >= len(self.fragments):
+            raise ValueError(f"cannot join exchange {tag!r}: not a fragment sync of this engine")
+        p, r = int(match.group(1)), int(match.group(2))
+        if self.rounds[p] != r:
+            raise ValueError(f"exchange {tag!r} does not follow the loaded state (fragment {p} is at round {self.rounds[p]})")
+        if self.mode == "eager":
+            self._own_previous[p] = torch.zeros_like(self.fragments[p].flat_global())
+        events = self._after_launch(p, [self._launched(p, pending)])
+        self.last_events = events
+        return events
 
     def _commit_overlap(self, p: int) -> SyncEvent:
         flight = self.in_flight[p]
@@ -322,6 +375,8 @@ class DiLoCo:
         mean = self._wait(p, flight)
         frag.outer_step(mean)
         frag.merge_into_model(self.merge_alpha)
+        if getattr(flight.pending, "own_rejected", False):
+            self._reset_local(p)
         return self._event(p, flight.round, "commit", delta_norm=float(mean.norm()))
 
     def _period(self) -> int:
@@ -394,7 +449,7 @@ class DiLoCo:
             own = self._own_previous[p]
             frags.append({
                 **frag.state_dict(), "names": list(frag.names), "round": self.rounds[p],
-                "next_sync": self.next_sync[p], "in_flight": landed,
+                "next_sync": self.next_sync[p], "launched_at": self._launched_at[p], "in_flight": landed,
                 "own_previous": None if own is None else own.detach().clone(),
             })
         return {"version": STATE_VERSION, "mode": self.mode, "inner_step": self.inner_step,
@@ -415,6 +470,7 @@ class DiLoCo:
             frag.load_state_dict(saved)
             self.rounds[p] = int(saved["round"])
             self.next_sync[p] = int(saved["next_sync"])
+            self._launched_at[p] = int(saved.get("launched_at", 0))
             landed = saved["in_flight"]
             self.in_flight[p] = None if landed is None else _InFlight(
                 Done(landed["mean"].to(frag.global_params[0].device)), int(landed["round"]), int(landed["apply_at"]))

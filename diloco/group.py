@@ -55,24 +55,29 @@ class StripedAverager:
         self.group_size = len(membership.ranks(group))
         sizes = {g: len(membership.ranks(g)) for g in membership.groups}
         self.plans = plans if plans is not None else (lambda exchange, _p=equal_plan(sizes): _p)
-        self.num_stripes = stripes_per_rank * max(sizes.values())
+        self.stripes_per_rank = stripes_per_rank
         self.codec = codec
         self.timeout_s = timeout_s
         self.process_group = process_group
         self.comm_device = torch.device(comm_device)
         self.num_groups = len(sizes)
         self.exchanges = 0
-        self._stripe_plans: dict[tuple[int, int], StripePlan] = {}
+        self._stripe_plans: dict[tuple[NetworkPlan, int], StripePlan] = {}
 
     @property
     def bytes_sent(self) -> int:
         return int(self.transport.bytes_sent)
 
     def stripe_plan_for(self, plan: NetworkPlan, numel: int) -> StripePlan:
-        key = (plan.version, numel)
+        """The stripes of an ``numel``-element vector under ``plan``: ``stripes_per_rank`` per rank
+        of the largest group in it (the same on every member of the plan)."""
+        key = (plan, numel)
         if key not in self._stripe_plans:
             bandwidths = [list(b) for b in plan.rank_bandwidths]
-            self._stripe_plans[key] = stripe_plan(numel, bandwidths, min(self.num_stripes, max(numel, 1)))
+            stripes = self.stripes_per_rank * max(len(b) for b in bandwidths)
+            if len(self._stripe_plans) > 64:
+                self._stripe_plans.clear()
+            self._stripe_plans[key] = stripe_plan(numel, bandwidths, min(stripes, max(numel, 1)))
         return self._stripe_plans[key]
 
     @property
@@ -89,20 +94,29 @@ class StripedAverager:
         # On a GPU the vector stays there: the rings encode it there and only frames cross to the host.
         src = flat.detach().to(torch.float32).contiguous()
         out = torch.empty_like(src)
+        addresses = {g: self.membership.ranks(g) for g in plan.groups}
+        sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact)
+        return _StripedPending(self, out, sp, me, handles, flat.device)
+
+    def launch(self, src: torch.Tensor, out: torch.Tensor, plan: NetworkPlan, addresses: dict[int, list[str]],
+               *, tag: str, exact: bool = False) -> tuple[StripePlan, int, list]:
+        """Start the rings of this rank's stripes of ``src`` among ``plan.groups`` (data-plane
+        ``addresses`` by group, by rank); each writes its stripe of the mean into ``out``.
+        Returns the stripe plan, this group's index in ``plan.groups`` and the ring handles."""
         sp = self.stripe_plan_for(plan, src.numel())
         me = plan.groups.index(self.group)
-        addresses = [self.membership.ranks(g) for g in plan.groups]
+        ranks = [addresses[g] for g in plan.groups]
         order = [plan.groups.index(g) for g in plan.ring_order]
         index = order.index(me)
         handles = [
             (s, self.transport.all_reduce(
-                src[s.start : s.stop], sp.ring(s.index, addresses, order), index,
+                src[s.start : s.stop], sp.ring(s.index, ranks, order), index,
                 tag=f"{tag}/s{s.index}", codec=None if exact else self.codec, timeout_s=self.timeout_s,
                 out=out[s.start : s.stop],
             ))
             for s in sp.stripes_of(me, self.rank) if s.size
         ]
-        return _StripedPending(self, out, sp, me, handles, flat.device)
+        return sp, me, handles
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
         """Blocking mean of ``flat`` over groups; every rank of this group passes the same vector."""

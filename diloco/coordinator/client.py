@@ -8,9 +8,10 @@ import grpc
 
 from .errors import CoordinatorError
 from .membership import Membership
-from .messages import (Ack, BandwidthRequest, HeartbeatRequest, JoinRequest, JoinResponse,
-                       Message, MessageError, Ping, PlanRequest, PlanResponse, ProgressRequest,
-                       RoundRequest, SummaryRequest)
+from .messages import (Ack, BandwidthRequest, CommitRequest, CommitResponse, HeartbeatRequest,
+                       JoinRequest, JoinResponse, Message, MessageError, OfferQuery, Ping, PlanRequest,
+                       PlanResponse, ProgressRequest, QuorumRequest, QuorumResponse, RoundRequest,
+                       StateOffer, StopRequest, SummaryRequest)
 from .server import GRPC_MAX_MESSAGE_BYTES, SERVICE
 
 JOIN_DEADLINE_S = 3600.0  # default client-side bound on a join; the server's join_timeout_s is
@@ -43,7 +44,8 @@ class CoordinatorClient:
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._calls = {name: self._channel.unary_unary(f"/{SERVICE}/{name}")
                        for name in ("Ping", "Join", "Heartbeat", "ReportProgress", "ReportRound",
-                                    "ReportSummary", "ReportBandwidth", "GetPlan")}
+                                    "ReportSummary", "ReportBandwidth", "GetPlan", "Quorum", "Commit",
+                                    "OfferState", "WaitOffer", "RequestStop")}
         # A real call rather than channel_ready_future: subscribing to connectivity starts a
         # polling thread in grpcio that can raise "Channel closed!" when the channel closes.
         try:
@@ -58,21 +60,50 @@ class CoordinatorClient:
 
     # --- calls --------------------------------------------------------------------------------
 
-    def join(self, group: int, rank: int, group_size: int, address: str, *,
-             timeout_s: float | None = None) -> Membership:
+    def join(self, group: int, rank: int, group_size: int, address: str, *, incarnation: str = "",
+             exchange: int = -1, timeout_s: float | None = None) -> Membership:
         """Register this rank's data-plane ``address`` (``host:port``) and block until every
-        expected group has all its ranks; returns the membership. ``timeout_s`` bounds the wait
-        on this side (default JOIN_DEADLINE_S); the server's join_timeout_s usually ends it
-        first with an error naming the missing groups and ranks."""
-        reply = self._call("Join", JoinRequest(group, rank, group_size, address), JoinResponse,
-                           JOIN_DEADLINE_S if timeout_s is None else timeout_s)
+        expected group has all its ranks (once the job runs: until this group's ranks have, and
+        the membership says ``heal``); returns the membership. ``incarnation``: the same for every
+        rank of this start of the group. ``exchange``: >= 0 to rejoin a restarted coordinator as
+        a member at that exchange. ``timeout_s`` bounds the wait on this side (default
+        JOIN_DEADLINE_S); the server's join_timeout_s usually ends it first with an error naming
+        the missing groups and ranks."""
+        reply = self._call("Join", JoinRequest(group, rank, group_size, address, incarnation, exchange),
+                           JoinResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s)
         assert isinstance(reply, JoinResponse)
-        return Membership(epoch=reply.epoch, members=reply.members, ring=reply.ring_order)
+        return Membership(epoch=reply.epoch, members=reply.members, ring=reply.ring_order, heal=reply.heal)
 
-    def heartbeat(self, group: int, rank: int, step: int) -> None:
+    def heartbeat(self, group: int, rank: int, step: int, incarnation: str = "") -> None:
         """Tell the coordinator this rank is alive at inner ``step``. Raises CoordinatorError
-        (code FAILED_PRECONDITION or NOT_FOUND) if it marked this member failed or never saw it."""
-        self._call("Heartbeat", HeartbeatRequest(group, rank, step), Ack)
+        (code FAILED_PRECONDITION or NOT_FOUND) if it declared this group failed or never saw it."""
+        self._call("Heartbeat", HeartbeatRequest(group, rank, step, incarnation), Ack)
+
+    def quorum(self, request: QuorumRequest, *, timeout_s: float | None = None) -> QuorumResponse:
+        """Block until the quorum of this rank's exchange is decided (``diloco.coordinator.rounds``)."""
+        reply = self._call("Quorum", request, QuorumResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s)
+        assert isinstance(reply, QuorumResponse)
+        return reply
+
+    def commit(self, request: CommitRequest, *, timeout_s: float | None = None) -> CommitResponse:
+        """Vote on a quorum; block until it is decided (committed or rolled back)."""
+        reply = self._call("Commit", request, CommitResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s)
+        assert isinstance(reply, CommitResponse)
+        return reply
+
+    def offer_state(self, offer: StateOffer) -> None:
+        """As a donor rank: announce the state served to one healer rank."""
+        self._call("OfferState", offer, Ack)
+
+    def wait_offer(self, query: OfferQuery, *, timeout_s: float | None = None) -> StateOffer:
+        """As a healer rank: wait for the donor's offer."""
+        reply = self._call("WaitOffer", query, StateOffer, timeout_s)
+        assert isinstance(reply, StateOffer)
+        return reply
+
+    def request_stop(self, reason: str = "") -> None:
+        """Ask every group to checkpoint and stop after its next exchange."""
+        self._call("RequestStop", StopRequest(reason), Ack)
 
     def report_progress(self, group: int, rank: int, progress: dict[str, Any]) -> None:
         """Send this rank's latest progress: a flat dict of short keys to int, float, bool or

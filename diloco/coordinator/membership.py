@@ -18,6 +18,7 @@ class Membership:
     epoch: int
     members: Mapping[int, tuple[str, ...]]
     ring: tuple[int, ...]
+    heal: bool = False  # joined while the job ran: fetch the job's state before taking part
 
     @property
     def groups(self) -> list[int]:

@@ -9,7 +9,9 @@ a fact worth reporting, and both ends are this package's Python ``json``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, TypeVar
@@ -25,9 +27,14 @@ MAX_VALUE_CHARS = 256
 MAX_SUMMARY_DEPTH = 8
 MAX_HASH_CHARS = 256
 MAX_ADDRESS_CHARS = 262
+MAX_INCARNATION_CHARS = 64
+MAX_TAG_CHARS = 256
+MAX_REASON_CHARS = 512
+MAX_NUMEL = 2**40
 
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-/]*\Z")
 _HASH_RE = re.compile(r"[\x21-\x7e]+\Z")  # printable ASCII, no spaces
+_HEX64_RE = re.compile(r"[0-9a-f]{64}\Z")
 _ADDRESS_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):([0-9]{1,5})\Z")
 _WILDCARD_HOSTS = {"0.0.0.0", "[::]", "[0:0:0:0:0:0:0:0]"}
 
@@ -61,9 +68,10 @@ def _load_object(data: bytes, limit: int, what: str) -> dict[str, Any]:
     return obj
 
 
-def _check_fields(obj: Mapping[str, Any], what: str, fields: tuple[str, ...]) -> None:
+def _check_fields(obj: Mapping[str, Any], what: str, fields: tuple[str, ...],
+                  optional: tuple[str, ...] = ()) -> None:
     missing = [f for f in fields if f not in obj]
-    unknown = sorted(k for k in obj if k not in fields)
+    unknown = sorted(k for k in obj if k not in fields and k not in optional)
     if missing:
         raise MessageError(f"{what}: missing field(s) {', '.join(missing)}")
     if unknown:
@@ -142,6 +150,68 @@ def _json_tree(value: Any, what: str, depth: int = 0) -> Any:
     return value
 
 
+def _bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise MessageError(f"{what}: expected true or false, got {_type_name(value)}")
+    return value
+
+
+def _float(value: Any, what: str, *, finite: bool = True, lo: float = float("-inf")) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MessageError(f"{what}: expected a number, got {_type_name(value)}")
+    value = float(value)
+    if finite and not math.isfinite(value):
+        raise MessageError(f"{what}: {value} is not finite")
+    if value < lo:
+        raise MessageError(f"{what}: {value} is below {lo}")
+    return value
+
+
+def _opt_str(value: Any, what: str, max_chars: int, pattern: re.Pattern[str] | None = None) -> str:
+    """Like _str, but the empty string is allowed (an absent value)."""
+    if value == "":
+        return ""
+    return _str(value, what, max_chars, pattern)
+
+
+def _incarnation(value: Any) -> str:
+    return _opt_str(value, "incarnation", MAX_INCARNATION_CHARS, _HASH_RE)
+
+
+def _group_id(key: Any, what: str) -> int:
+    if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+        raise MessageError(f"{what}: key {key!r} is not a group id")
+    return _int(int(key), what, 0, MAX_GROUPS - 1)
+
+
+def _members(raw: Any, what: str) -> dict[int, tuple[str, ...]]:
+    """``{"<group>": [address by rank]}``, non-empty."""
+    if not isinstance(raw, dict) or not raw or len(raw) > MAX_GROUPS:
+        raise MessageError(f"{what}: expected a non-empty object of at most {MAX_GROUPS} groups")
+    members: dict[int, tuple[str, ...]] = {}
+    for key, addresses in raw.items():
+        group = _group_id(key, what)
+        if not isinstance(addresses, list) or not 1 <= len(addresses) <= MAX_GROUP_SIZE:
+            raise MessageError(f"{what}[{group}]: expected a list of 1..{MAX_GROUP_SIZE}")
+        members[group] = tuple(check_address(a, f"{what}[{group}]") for a in addresses)
+    return members
+
+
+def _groups(raw: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or len(raw) > MAX_GROUPS:
+        raise MessageError(f"{what}: expected a list of at most {MAX_GROUPS} group ids")
+    out = tuple(_int(g, what, 0, MAX_GROUPS - 1) for g in raw)
+    if len(set(out)) != len(out):
+        raise MessageError(f"{what}: repeated group ids {list(out)}")
+    return out
+
+
+def _by_group(raw: Any, what: str, item) -> dict[int, Any]:
+    if not isinstance(raw, dict) or len(raw) > MAX_GROUPS:
+        raise MessageError(f"{what}: expected an object of at most {MAX_GROUPS} groups")
+    return {_group_id(k, what): item(v, f"{what}[{k}]") for k, v in raw.items()}
+
+
 # --- messages ---------------------------------------------------------------------------------
 
 M = TypeVar("M", bound="Message")
@@ -183,21 +253,26 @@ class JoinRequest(Message):
     rank: int
     group_size: int
     address: str
+    incarnation: str = ""  # the same for every rank of one start of the group; new after a restart
+    exchange: int = -1  # -1: a new member; >= 0: rejoining a restarted coordinator at this exchange
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> JoinRequest:
-        _check_fields(obj, "JoinRequest", ("group", "rank", "group_size", "address"))
+        _check_fields(obj, "JoinRequest", ("group", "rank", "group_size", "address"),
+                      ("incarnation", "exchange"))
         size = _int(obj["group_size"], "group_size", 1, MAX_GROUP_SIZE)
         return cls(
             group=_int(obj["group"], "group", 0, MAX_GROUPS - 1),
             rank=_int(obj["rank"], "rank", 0, size - 1),
             group_size=size,
             address=check_address(obj["address"]),
+            incarnation=_incarnation(obj.get("incarnation", "")),
+            exchange=_int(obj.get("exchange", -1), "exchange", -1, MAX_INT64),
         )
 
     def to_obj(self) -> dict[str, Any]:
         return {"group": self.group, "rank": self.rank, "group_size": self.group_size,
-                "address": self.address}
+                "address": self.address, "incarnation": self.incarnation, "exchange": self.exchange}
 
 
 @dataclass(frozen=True)
@@ -207,33 +282,24 @@ class JoinResponse(Message):
     epoch: int
     members: dict[int, tuple[str, ...]]
     ring_order: tuple[int, ...]
+    heal: bool = False  # the job is under way: this group fetches its state before it takes part
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> JoinResponse:
-        _check_fields(obj, "JoinResponse", ("epoch", "members", "ring_order"))
-        raw = obj["members"]
-        if not isinstance(raw, dict) or not raw:
-            raise MessageError("members: expected a non-empty object")
-        members: dict[int, tuple[str, ...]] = {}
-        for key, addresses in raw.items():
-            if not (isinstance(key, str) and key.isdigit() and key.isascii()):
-                raise MessageError(f"members: key {key!r} is not a group id")
-            group = _int(int(key), "members key", 0, MAX_GROUPS - 1)
-            if not isinstance(addresses, list) or not 1 <= len(addresses) <= MAX_GROUP_SIZE:
-                raise MessageError(f"members[{group}]: expected a list of 1..{MAX_GROUP_SIZE}")
-            members[group] = tuple(check_address(a, f"members[{group}]") for a in addresses)
+        _check_fields(obj, "JoinResponse", ("epoch", "members", "ring_order"), ("heal",))
+        members = _members(obj["members"], "members")
         ring = obj["ring_order"]
         if not isinstance(ring, list) or any(type(g) is not int for g in ring):
             raise MessageError("ring_order: expected a list of group ids")
         if sorted(ring) != sorted(members):
             raise MessageError(f"ring_order {ring} is not a permutation of {sorted(members)}")
         return cls(epoch=_int(obj["epoch"], "epoch", 1, MAX_INT64), members=members,
-                   ring_order=tuple(ring))
+                   ring_order=tuple(ring), heal=_bool(obj.get("heal", False), "heal"))
 
     def to_obj(self) -> dict[str, Any]:
         return {"epoch": self.epoch,
                 "members": {str(g): list(a) for g, a in sorted(self.members.items())},
-                "ring_order": list(self.ring_order)}
+                "ring_order": list(self.ring_order), "heal": self.heal}
 
 
 @dataclass(frozen=True)
@@ -243,16 +309,18 @@ class HeartbeatRequest(Message):
     group: int
     rank: int
     step: int
+    incarnation: str = ""
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> HeartbeatRequest:
-        _check_fields(obj, "HeartbeatRequest", ("group", "rank", "step"))
+        _check_fields(obj, "HeartbeatRequest", ("group", "rank", "step"), ("incarnation",))
         return cls(group=_int(obj["group"], "group", 0, MAX_GROUPS - 1),
                    rank=_int(obj["rank"], "rank", 0, MAX_GROUP_SIZE - 1),
-                   step=_int(obj["step"], "step", 0, MAX_INT64))
+                   step=_int(obj["step"], "step", 0, MAX_INT64),
+                   incarnation=_incarnation(obj.get("incarnation", "")))
 
     def to_obj(self) -> dict[str, Any]:
-        return {"group": self.group, "rank": self.rank, "step": self.step}
+        return {"group": self.group, "rank": self.rank, "step": self.step, "incarnation": self.incarnation}
 
 
 @dataclass(frozen=True)
@@ -427,3 +495,229 @@ class PlanResponse(Message):
                 "table": {str(g): {str(r): {str(h): x for h, x in sorted(rates.items())}
                                    for r, rates in sorted(ranks.items())}
                           for g, ranks in sorted(self.table.items())}}
+
+
+# --- fault tolerance: quorum per exchange, commit vote, healing, stop ------------------------------
+
+def _reason(value: Any, what: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_REASON_CHARS:
+        raise MessageError(f"{what}: expected a string of at most {MAX_REASON_CHARS} characters")
+    return value
+
+
+@dataclass(frozen=True)
+class QuorumRequest(Message):
+    """A rank is about to run ``exchange`` (-1: it needs the job's state and joins the next one).
+
+    Rank 0's ``state_hash`` (hash of its group's global state before the exchange, "" to skip the
+    comparison) and ``delta_norm`` (its contribution's L2 norm; NaN/Inf allowed: a non-finite
+    contribution, which is rejected) are compared and screened; ``weight`` is what the group
+    contributed since its last exchange (tokens). ``retry``: a repeat of a rolled-back exchange.
+    ``healable``: healers may join it (a fragment sync, not a control exchange).
+    """
+
+    group: int
+    rank: int
+    incarnation: str
+    exchange: int
+    tag: str = ""
+    numel: int = 0
+    weight: float = 0.0
+    state_hash: str = ""
+    delta_norm: float = 0.0
+    retry: bool = False
+    healable: bool = True  # healers may join this exchange (not a control exchange)
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("group", "rank", "incarnation", "exchange", "tag", "numel",
+                                         "weight", "state_hash", "delta_norm", "retry", "healable")
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> QuorumRequest:
+        _check_fields(obj, "QuorumRequest", cls.FIELDS)
+        return cls(group=_int(obj["group"], "group", 0, MAX_GROUPS - 1),
+                   rank=_int(obj["rank"], "rank", 0, MAX_GROUP_SIZE - 1),
+                   incarnation=_incarnation(obj["incarnation"]),
+                   exchange=_int(obj["exchange"], "exchange", -1, MAX_INT64),
+                   tag=_opt_str(obj["tag"], "tag", MAX_TAG_CHARS, _HASH_RE),
+                   numel=_int(obj["numel"], "numel", 0, MAX_NUMEL),
+                   weight=_float(obj["weight"], "weight", lo=0.0),
+                   state_hash=_opt_str(obj["state_hash"], "state_hash", MAX_HASH_CHARS, _HASH_RE),
+                   delta_norm=_float(obj["delta_norm"], "delta_norm", finite=False),
+                   retry=_bool(obj["retry"], "retry"), healable=_bool(obj["healable"], "healable"))
+
+    def to_obj(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+
+@dataclass(frozen=True)
+class QuorumResponse(Message):
+    """The quorum of one attempt at one exchange (see ``diloco.coordinator.rounds.Quorum``), with
+    the members' data-plane addresses. ``evicted``: why the caller's group must stop and heal ("" if
+    not). ``stop``: the job asked every group to checkpoint and stop after this exchange.
+    ``finished``: nothing to heal into, the job's groups have finished."""
+
+    LIMIT: ClassVar[int] = MAX_SUMMARY_BYTES
+
+    id: str
+    exchange: int
+    attempt: int
+    tag: str
+    numel: int
+    members: dict[int, tuple[str, ...]]
+    weights: dict[int, float]
+    healers: tuple[int, ...] = ()
+    donor: int = -1
+    rejected: dict[int, str] = dataclasses.field(default_factory=dict)
+    state_hash: str = ""
+    evicted: str = ""
+    stop: bool = False
+    finished: bool = False
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("id", "exchange", "attempt", "tag", "numel", "members", "weights",
+                                         "healers", "donor", "rejected", "state_hash", "evicted", "stop",
+                                         "finished")
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> QuorumResponse:
+        _check_fields(obj, "QuorumResponse", cls.FIELDS)
+        finished = _bool(obj["finished"], "finished")
+        members = {} if finished and obj["members"] == {} else _members(obj["members"], "members")
+        weights = _by_group(obj["weights"], "weights", lambda v, w: _float(v, w, lo=0.0))
+        if set(weights) != set(members):
+            raise MessageError(f"weights for groups {sorted(weights)}, members are {sorted(members)}")
+        healers = _groups(obj["healers"], "healers")
+        donor = _int(obj["donor"], "donor", -1, MAX_GROUPS - 1)
+        if not set(healers) <= set(members) or (healers and donor not in members):
+            raise MessageError("healers and donor must be members")
+        return cls(id=_opt_str(obj["id"], "id", MAX_TAG_CHARS, _HASH_RE),
+                   exchange=_int(obj["exchange"], "exchange", -1, MAX_INT64),
+                   attempt=_int(obj["attempt"], "attempt", 0, MAX_INT64),
+                   tag=_opt_str(obj["tag"], "tag", MAX_TAG_CHARS, _HASH_RE),
+                   numel=_int(obj["numel"], "numel", 0, MAX_NUMEL), members=members, weights=weights,
+                   healers=healers, donor=donor, rejected=_by_group(obj["rejected"], "rejected", _reason),
+                   state_hash=_opt_str(obj["state_hash"], "state_hash", MAX_HASH_CHARS, _HASH_RE),
+                   evicted=_reason(obj["evicted"], "evicted"), stop=_bool(obj["stop"], "stop"),
+                   finished=finished)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"id": self.id, "exchange": self.exchange, "attempt": self.attempt, "tag": self.tag,
+                "numel": self.numel, "members": {str(g): list(a) for g, a in sorted(self.members.items())},
+                "weights": {str(g): w for g, w in sorted(self.weights.items())}, "healers": list(self.healers),
+                "donor": self.donor, "rejected": {str(g): r for g, r in sorted(self.rejected.items())},
+                "state_hash": self.state_hash, "evicted": self.evicted, "stop": self.stop,
+                "finished": self.finished}
+
+
+@dataclass(frozen=True)
+class CommitRequest(Message):
+    """A rank's vote on quorum ``quorum_id``: ``ok`` if its collective finished. ``exchange`` and
+    ``groups`` repeat the quorum, so a restarted coordinator can still decide the vote."""
+
+    group: int
+    rank: int
+    incarnation: str
+    quorum_id: str
+    exchange: int
+    groups: tuple[int, ...]
+    ok: bool
+    reason: str = ""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("group", "rank", "incarnation", "quorum_id", "exchange", "groups",
+                                         "ok", "reason")
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> CommitRequest:
+        _check_fields(obj, "CommitRequest", cls.FIELDS)
+        groups = _groups(obj["groups"], "groups")
+        group = _int(obj["group"], "group", 0, MAX_GROUPS - 1)
+        if group not in groups:
+            raise MessageError(f"group {group} votes on a quorum of groups {list(groups)}")
+        return cls(group=group, rank=_int(obj["rank"], "rank", 0, MAX_GROUP_SIZE - 1),
+                   incarnation=_incarnation(obj["incarnation"]),
+                   quorum_id=_str(obj["quorum_id"], "quorum_id", MAX_TAG_CHARS, _HASH_RE),
+                   exchange=_int(obj["exchange"], "exchange", 0, MAX_INT64), groups=groups,
+                   ok=_bool(obj["ok"], "ok"), reason=_reason(obj["reason"], "reason"))
+
+    def to_obj(self) -> dict[str, Any]:
+        return {**{f: getattr(self, f) for f in self.FIELDS}, "groups": list(self.groups)}
+
+
+@dataclass(frozen=True)
+class CommitResponse(Message):
+    """The quorum's decision: apply the result (``committed``) or roll back; ``reason`` says why."""
+
+    committed: bool
+    reason: str = ""
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> CommitResponse:
+        _check_fields(obj, "CommitResponse", ("committed", "reason"))
+        return cls(committed=_bool(obj["committed"], "committed"), reason=_reason(obj["reason"], "reason"))
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"committed": self.committed, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class StateOffer(Message):
+    """A donor rank serves its state (``nbytes`` bytes, SHA-256 ``digest`` in hex) to one healer
+    rank for quorum ``quorum_id``. Sent by the donor; returned to the healer that waits for it."""
+
+    quorum_id: str
+    donor_group: int
+    donor_rank: int
+    healer_group: int
+    healer_rank: int
+    nbytes: int
+    digest: str
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("quorum_id", "donor_group", "donor_rank", "healer_group",
+                                         "healer_rank", "nbytes", "digest")
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> StateOffer:
+        _check_fields(obj, "StateOffer", cls.FIELDS)
+        digest = _str(obj["digest"], "digest", 64, _HEX64_RE)
+        return cls(quorum_id=_str(obj["quorum_id"], "quorum_id", MAX_TAG_CHARS, _HASH_RE),
+                   donor_group=_int(obj["donor_group"], "donor_group", 0, MAX_GROUPS - 1),
+                   donor_rank=_int(obj["donor_rank"], "donor_rank", 0, MAX_GROUP_SIZE - 1),
+                   healer_group=_int(obj["healer_group"], "healer_group", 0, MAX_GROUPS - 1),
+                   healer_rank=_int(obj["healer_rank"], "healer_rank", 0, MAX_GROUP_SIZE - 1),
+                   nbytes=_int(obj["nbytes"], "nbytes", 1, MAX_NUMEL), digest=digest)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+
+@dataclass(frozen=True)
+class OfferQuery(Message):
+    """A healer rank waits for the offer its donor rank makes for quorum ``quorum_id``."""
+
+    quorum_id: str
+    healer_group: int
+    healer_rank: int
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> OfferQuery:
+        _check_fields(obj, "OfferQuery", ("quorum_id", "healer_group", "healer_rank"))
+        return cls(quorum_id=_str(obj["quorum_id"], "quorum_id", MAX_TAG_CHARS, _HASH_RE),
+                   healer_group=_int(obj["healer_group"], "healer_group", 0, MAX_GROUPS - 1),
+                   healer_rank=_int(obj["healer_rank"], "healer_rank", 0, MAX_GROUP_SIZE - 1))
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"quorum_id": self.quorum_id, "healer_group": self.healer_group, "healer_rank": self.healer_rank}
+
+
+@dataclass(frozen=True)
+class StopRequest(Message):
+    """Ask every group to checkpoint and stop after its next exchange; ``reason`` is logged."""
+
+    reason: str = ""
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> StopRequest:
+        _check_fields(obj, "StopRequest", ("reason",))
+        return cls(reason=_reason(obj["reason"], "reason"))
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"reason": self.reason}

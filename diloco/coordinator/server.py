@@ -15,9 +15,10 @@ from typing import Any, Callable
 import grpc
 
 from .errors import CoordinatorError
-from .messages import (Ack, BandwidthRequest, HeartbeatRequest, JoinRequest, JoinResponse,
-                       Message, MessageError, Ping, PlanRequest, PlanResponse, ProgressRequest,
-                       RoundRequest, SummaryRequest, MAX_SUMMARY_BYTES)
+from .messages import (Ack, BandwidthRequest, CommitRequest, HeartbeatRequest, JoinRequest, JoinResponse,
+                       Message, MessageError, OfferQuery, Ping, PlanRequest, PlanResponse, ProgressRequest,
+                       QuorumRequest, RoundRequest, StateOffer, StopRequest, SummaryRequest,
+                       MAX_SUMMARY_BYTES)
 from .quorum import QuorumError
 from .state import CoordinatorState
 
@@ -42,16 +43,18 @@ class CoordinatorServer:
 
     ``token``: if set, every call must carry ``authorization: Bearer <token>`` metadata.
     ``join_timeout_s``: longest a join waits for the quorum (seconds).
-    ``heartbeat_timeout_s``: silence after which a member is marked failed (seconds). Marking is
-    all that happens: its heartbeats are refused until it joins again; evicting it, bumping the
-    epoch and re-forming the ring without it is future work.
+    ``heartbeat_timeout_s``: silence of any rank after which its group is declared failed and
+    left out of every later quorum (seconds). ``min_groups``: fewest groups a quorum may have;
+    below it the survivors wait. ``outlier_factor``: a contribution whose norm exceeds this
+    multiple of its group's recent median is rejected (0: only NaN/Inf are).
     ``max_group_size``: largest group accepted; sizes the thread pool so that every member can
-    block in a join at once (threads start on demand).
+    block in a join (or a quorum, or a vote) at once (threads start on demand).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, expected_groups: int = 2, *,
                  token: str | None = None, join_timeout_s: float = 120.0,
-                 heartbeat_timeout_s: float = 30.0, max_group_size: int = 64) -> None:
+                 heartbeat_timeout_s: float = 15.0, max_group_size: int = 64, min_groups: int = 1,
+                 outlier_factor: float = 10.0) -> None:
         if token is not None and (not token or not token.isascii() or not token.isprintable()):
             raise ValueError("token must be a non-empty printable ASCII string")
         self.host = host
@@ -59,8 +62,9 @@ class CoordinatorServer:
         self._token = token
         self._state = CoordinatorState(expected_groups, join_timeout_s=join_timeout_s,
                                        heartbeat_timeout_s=heartbeat_timeout_s,
-                                       max_group_size=max_group_size)
-        self._workers = max(16, 2 * expected_groups * max_group_size + 4)
+                                       max_group_size=max_group_size, min_groups=min_groups,
+                                       outlier_factor=outlier_factor)
+        self._workers = max(16, 4 * expected_groups * max_group_size + 4)
         self._server: grpc.Server | None = None
         self._address: str | None = None
 
@@ -142,16 +146,28 @@ class CoordinatorServer:
 
     # --- gRPC plumbing ------------------------------------------------------------------------
 
+    def request_stop(self, reason: str = "") -> None:
+        """Ask every group to checkpoint and stop after its next exchange (also an RPC)."""
+        self._state.request_stop(reason)
+
     def _handlers(self) -> grpc.GenericRpcHandler:
         state = self._state
 
-        def join(req: JoinRequest, context: grpc.ServicerContext) -> Message:
-            timeout = state.join_timeout_s
+        def deadline(context: grpc.ServicerContext, limit_s: float) -> float:
+            """A blocking call's deadline: ``limit_s``, or earlier so that we answer with our
+            own message before the caller's deadline."""
             remaining = context.time_remaining()
-            if remaining is not None:  # answer with our message before the caller's deadline
-                timeout = min(timeout, remaining - min(DEADLINE_MARGIN_S, 0.1 * remaining))
-            m = state.join(req, deadline=time.monotonic() + timeout, active=context.is_active)
-            return JoinResponse(epoch=m.epoch, members=dict(m.members), ring_order=m.ring)
+            if remaining is not None:
+                limit_s = min(limit_s, remaining - min(DEADLINE_MARGIN_S, 0.1 * remaining))
+            return time.monotonic() + limit_s
+
+        def join(req: JoinRequest, context: grpc.ServicerContext) -> Message:
+            m = state.join(req, deadline=deadline(context, state.join_timeout_s), active=context.is_active)
+            return JoinResponse(epoch=m.epoch, members=dict(m.members), ring_order=m.ring, heal=m.heal)
+
+        def stop(req: StopRequest, context: grpc.ServicerContext) -> Message:
+            state.request_stop(req.reason)
+            return Ack(state.epoch)
 
         methods: dict[str, tuple[type[Message], Callable[[Any, grpc.ServicerContext], Message]]] = {
             "Ping": (Ping, lambda r, c: Ack(state.epoch)),
@@ -162,6 +178,14 @@ class CoordinatorServer:
             "ReportSummary": (SummaryRequest, lambda r, c: Ack(state.summary(r))),
             "ReportBandwidth": (BandwidthRequest, lambda r, c: Ack(state.bandwidth(r))),
             "GetPlan": (PlanRequest, lambda r, c: PlanResponse(*state.plan(r.exchange))),
+            "Quorum": (QuorumRequest, lambda r, c: state.quorum(
+                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active)),
+            "Commit": (CommitRequest, lambda r, c: state.commit(
+                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active)),
+            "OfferState": (StateOffer, lambda r, c: Ack(state.offer(r))),
+            "WaitOffer": (OfferQuery, lambda r, c: state.wait_offer(
+                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active)),
+            "RequestStop": (StopRequest, stop),
         }
         return grpc.method_handlers_generic_handler(SERVICE, {
             name: grpc.unary_unary_rpc_method_handler(self._wrap(name, cls, fn))

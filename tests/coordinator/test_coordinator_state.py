@@ -32,22 +32,31 @@ def formed(groups=1, size=1, **kwargs):
     return state, clock
 
 
-def test_silent_member_is_marked_failed_and_recovers_by_rejoining():
+def test_silent_member_fails_its_group_which_rejoins_as_a_healer():
     state, clock = formed(groups=1, size=2, heartbeat_timeout_s=10.0)
     clock.now += 6
     assert state.heartbeat(HeartbeatRequest(0, 0, 5)) == 1
     clock.now += 6  # rank 1: 12 s silent; rank 0: 6 s
     snap = state.snapshot()
     assert snap["failed"] == [{"group": 0, "rank": 1, "silent_s": 12.0}]
+    assert snap["rounds_state"]["failed_groups"] == {0: "rank 1 sent nothing for 12.0s (heartbeat_timeout_s=10)"}
     with pytest.raises(QuorumError, match="marked failed after 12.0s") as info:
         state.heartbeat(HeartbeatRequest(0, 1, 5))
     assert info.value.code == "FAILED_PRECONDITION"
+    with pytest.raises(QuorumError, match="group 0 was declared failed") as info:
+        state.heartbeat(HeartbeatRequest(0, 0, 5))  # the whole group is out
+    assert info.value.code == "FAILED_PRECONDITION"
     state.progress(ProgressRequest(0, 1, {"step": 5}))  # recorded, but does not revive
     assert state.snapshot()["progress"][0] == {"step": 5}
-    assert len(state.snapshot()["failed"]) == 1
-    state.join(JoinRequest(0, 1, 2, "10.0.0.1:7000"), deadline=0.0)  # complete: no wait
-    assert state.snapshot()["failed"] == []
-    assert state.heartbeat(HeartbeatRequest(0, 1, 6)) == 1
+    rejoin = [threading.Thread(target=state.join, args=(JoinRequest(0, r, 2, f"10.0.0.{r}:7001"),),
+                               kwargs={"deadline": clock.now + 1}) for r in range(2)]
+    for t in rejoin:
+        t.start()
+    for t in rejoin:
+        t.join(timeout=5)
+    snap = state.snapshot()
+    assert snap["failed"] == [] and snap["rounds_state"]["healing_groups"] == [0]
+    assert state.heartbeat(HeartbeatRequest(0, 1, 6)) == snap["epoch"]
 
 
 def test_no_failures_before_the_quorum_forms():

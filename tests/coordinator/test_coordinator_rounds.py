@@ -1,0 +1,106 @@
+"""The pure quorum, vote and screen rules (diloco.coordinator.rounds), no processes."""
+
+import math
+
+import pytest
+
+from diloco.coordinator.rounds import HEAL, Ask, Quorum, commit_outcome, decide, screen, weighted_scale
+
+
+def ask(exchange=5, tag="f0/r5", numel=100, weight=10.0, state_hash="h1", norm=1.0, healable=True):
+    return Ask(exchange, tag, numel, weight, state_hash, norm, healable)
+
+
+def test_a_quorum_waits_for_every_live_group_then_forms():
+    asks = {0: ask(), 1: ask()}
+    assert decide(asks, {0, 1, 2}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q") is None
+    q = decide({**asks, 2: ask()}, {0, 1, 2}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
+    assert q.groups == (0, 1, 2) and q.exchange == 5 and q.tag == "f0/r5" and q.numel == 100
+    assert dict(q.weights) == {0: 10.0, 1: 10.0, 2: 10.0} and q.healers == () and q.donor == -1
+
+
+def test_a_failed_group_is_not_waited_for_and_min_groups_pauses_the_survivors():
+    asks = {0: ask()}
+    q = decide(asks, {0}, next_exchange=5, min_groups=1, attempt=1, quorum_id="q")
+    assert q.groups == (0,) and q.attempt == 1
+    assert decide(asks, {0}, next_exchange=5, min_groups=2, attempt=1, quorum_id="q") is None
+
+
+def test_healers_join_with_weight_zero_and_the_lowest_member_donates():
+    asks = {1: ask(), 2: ask(), 0: Ask(HEAL)}
+    q = decide(asks, {1, 2}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
+    assert q.groups == (0, 1, 2) and q.healers == (0,) and q.donor == 1
+    assert q.weights[0] == 0.0 and q.contributors == (1, 2)
+    # a control exchange (the initial check) takes no healers: they wait for the next one
+    asks = {1: ask(healable=False), 2: ask(healable=False), 0: Ask(HEAL)}
+    q = decide(asks, {1, 2}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
+    assert q.groups == (1, 2) and q.healers == ()
+    # healers alone cannot form a quorum: nobody holds the state
+    assert decide({0: Ask(HEAL)}, set(), next_exchange=5, min_groups=1, attempt=0, quorum_id="q") is None
+
+
+def test_a_group_with_another_state_hash_or_exchange_is_evicted_by_the_majority():
+    asks = {0: ask(), 1: ask(state_hash="bad"), 2: ask(), 3: ask(exchange=4)}
+    q = decide(asks, {0, 1, 2, 3}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
+    assert q.groups == (0, 2)
+    assert "hash bad differs" in q.evicted[1] and "exchange 4" in q.evicted[3]
+    # a two-group tie goes to the lowest group id's hash
+    q = decide({0: ask(state_hash="a"), 1: ask(state_hash="b")}, {0, 1}, next_exchange=5, min_groups=1,
+               attempt=0, quorum_id="q")
+    assert q.groups == (0,) and 1 in q.evicted and q.state_hash == "a"
+
+
+def test_after_a_coordinator_restart_the_exchange_most_groups_ask_for_wins():
+    asks = {0: ask(exchange=7, tag="f0/r7"), 1: ask(exchange=7, tag="f0/r7"), 2: ask(exchange=6, tag="f0/r6")}
+    q = decide(asks, {0, 1, 2}, next_exchange=None, min_groups=1, attempt=0, quorum_id="q")
+    assert q.exchange == 7 and q.groups == (0, 1) and 2 in q.evicted
+
+
+def test_rejected_contributions_weigh_zero():
+    q = decide({0: ask(), 1: ask()}, {0, 1}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q",
+               rejected={1: "NaN"})
+    assert q.weights == {0: 10.0, 1: 0.0} and q.rejected == {1: "NaN"} and q.groups == (0, 1)
+
+
+def test_screen_refuses_non_finite_and_outlier_norms_only():
+    assert screen(1.0, [], 10.0) is None
+    assert "NaN" in screen(math.nan, [1.0] * 5, 10.0)
+    assert "NaN/Inf" in screen(math.inf, [], 0.0)
+    assert screen(50.0, [1.0, 1.0], 10.0) is None  # not enough history yet
+    assert "limit 10x" in screen(50.0, [1.0, 2.0, 1.5], 10.0)
+    assert screen(14.0, [1.0, 2.0, 1.5], 10.0) is None
+    assert screen(1e9, [1.0, 2.0, 1.5], 0.0) is None  # the outlier rule off
+
+
+def test_commit_needs_every_rank_of_every_member_and_any_failure_rolls_back():
+    q = Quorum("q", 5, 0, "t", 10, (0, 1), {0: 1.0, 1: 1.0})
+    sizes = {0: 2, 1: 1}
+    ok = (True, "")
+    assert commit_outcome(q, sizes, {(0, 0): ok, (1, 0): ok}, {}) is None
+    assert commit_outcome(q, sizes, {(0, 0): ok, (0, 1): ok, (1, 0): ok}, {})[0] is True
+    assert commit_outcome(q, sizes, {(0, 0): ok, (1, 0): (False, "peer lost")}, {}) == (
+        False, "group 1 rank 0: peer lost")
+    assert commit_outcome(q, sizes, {(0, 0): ok, (0, 1): ok}, {1: "silent"}) == (False, "group 1 failed: silent")
+
+
+def test_a_vote_that_outlived_the_coordinator_is_decided_by_what_members_do_next():
+    q = Quorum("old-5-0", 5, 0, "", 0, (0, 1), {0: 1.0, 1: 1.0})
+    votes = {(0, 0): (True, "")}
+    assert commit_outcome(q, {0: 1, 1: 1}, votes, {}, {}) is None
+    assert commit_outcome(q, {0: 1, 1: 1}, votes, {}, {1: 6})[0] is True  # 1 was told "commit"
+    assert commit_outcome(q, {0: 1, 1: 1}, votes, {}, {1: 5})[0] is False  # 1 was told "roll back"
+
+
+@pytest.mark.parametrize("weights,group,expected", [
+    ({0: 5.0, 1: 5.0}, 0, 1.0),
+    ({0: 5.0, 1: 0.0}, 0, 2.0),
+    ({0: 5.0, 1: 0.0}, 1, 0.0),
+    ({0: 1.0, 1: 3.0}, 1, 1.5),
+    ({0: 0.0, 1: 0.0}, 0, 0.0),
+])
+def test_weighted_scale_makes_the_plain_ring_mean_a_weighted_mean(weights, group, expected):
+    assert weighted_scale(weights, group) == expected
+    if sum(weights.values()):
+        values = {0: 2.0, 1: 6.0}
+        plain = sum(weighted_scale(weights, g) * values[g] for g in weights) / len(weights)
+        assert plain == pytest.approx(sum(weights[g] * values[g] for g in weights) / sum(weights.values()))
