@@ -6,12 +6,14 @@
 
 Modules: wire (message format), auth (shared-secret handshake), tls / certs (mutual TLS),
 conn (sender threads), core (collectives and dispatch, any link type), tcp and grpclink (the
-link types), ring (the all-reduce), shaping (token bucket), plan (stripes), probe (ring order).
+link types), ring (the all-reduce), shaping (token bucket), plan (stripes), probe (ring order),
+faultproxy (a fault-injecting TCP relay for tests and benchmarks).
 """
 
 from typing import Any
 
 from .errors import CollectiveAborted, PeerAuthError, PeerDisconnected, TransportError, WireError
+from .faultproxy import FaultProxy
 from .plan import Stripe, StripePlan, stripe_plan
 from .probe import ring_order
 from .ring import Handle
@@ -21,6 +23,7 @@ from .tls import TlsConfig
 
 __all__ = [
     "CollectiveAborted",
+    "FaultProxy",
     "GrpcTransport",
     "Handle",
     "PeerAuthError",

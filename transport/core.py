@@ -15,7 +15,7 @@ import logging
 import ssl
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -64,6 +64,7 @@ class TransportBase:
         max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         pending_ttl_s: float | None = None,
+        dial_overrides: Mapping[str, str] | None = None,
     ) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) == 0:
             raise ValueError("secret must be non-empty bytes")
@@ -82,6 +83,10 @@ class TransportBase:
         if pending_ttl_s <= 0:
             raise ValueError(f"pending_ttl_s must be > 0, got {pending_ttl_s}")
         self.address = ""
+        #: advertised peer address -> address actually dialed to reach it (e.g. a relay or a
+        #: `FaultProxy`); peers are still named, and authenticated, by their advertised address.
+        #: May be changed at any time; it applies to connections dialed afterwards.
+        self.dial_overrides: dict[str, str] = dict(dial_overrides or {})
         self._secret = bytes(secret)
         self.timeout_s = float(timeout_s)
         self.chunk_elems = chunk_bytes // 4
@@ -401,7 +406,7 @@ class TransportBase:
                 raise TransportError(f"could not connect to {peer} before the deadline (last error: {last})")
             sock = None
             try:
-                sock = self._open(peer, min(remaining, 10.0))
+                sock = self._open(self.dial_overrides.get(peer, peer), min(remaining, 10.0))
                 sock.settimeout(min(max(remaining, 0.5), self.handshake_timeout_s))
                 self._count_sent(client_handshake(sock, self._secret, self.address, peer, self._count_received))
                 self._on_authenticated(sock)

@@ -13,7 +13,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from .conn import close_socket
 from .core import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PENDING_BYTES, TransportBase
@@ -66,6 +66,8 @@ class TcpTransport(TransportBase):
     tls: mutual TLS settings. Without it, plain text is used only on a loopback host or when
     allow_plaintext=True is passed explicitly.
     advertise: address announced to peers instead of "host:port" (e.g. when host is 0.0.0.0).
+    dial_overrides: {peer's advertised address: address to dial instead} (a relay, a tunnel, a
+    `FaultProxy` in tests); the peer is still named and authenticated by its advertised address.
     pin_memory: receive frames into page-locked buffers, for collectives on GPU tensors
     (default: when CUDA is available).
 
@@ -102,6 +104,7 @@ class TcpTransport(TransportBase):
         max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         pending_ttl_s: float | None = None,
+        dial_overrides: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(
             secret=secret,
@@ -116,6 +119,7 @@ class TcpTransport(TransportBase):
             max_unauthenticated_per_source=max_unauthenticated_per_source,
             max_pending_bytes=max_pending_bytes,
             pending_ttl_s=pending_ttl_s,
+            dial_overrides=dial_overrides,
         )
         try:
             check_plaintext("TCP", host, tls, allow_plaintext)
