@@ -50,6 +50,7 @@ from transport import CollectiveAborted, TransportError
 log = logging.getLogger(__name__)
 
 RETRYABLE = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED")
+MAX_EXCHANGES_KEPT = 2000
 
 
 class GroupEvicted(RuntimeError):
@@ -74,6 +75,13 @@ class FaultStats:
     heals_served: int = 0
     quorum_sizes: list[int] = field(default_factory=list)  # groups of each committed exchange
     rejoins: int = 0  # times this rank rejoined a restarted coordinator
+    # the last MAX_EXCHANGES_KEPT exchanges: [exchange, seconds from asking to commit, attempts, groups]
+    exchanges: list[list[float]] = field(default_factory=list)
+
+    def record(self, exchange: int, seconds: float, attempts: int, groups: int) -> None:
+        self.quorum_sizes.append(groups)
+        self.exchanges.append([exchange, round(seconds, 4), attempts, groups])
+        del self.quorum_sizes[:-MAX_EXCHANGES_KEPT], self.exchanges[:-MAX_EXCHANGES_KEPT]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -155,6 +163,7 @@ class QuorumAverager(StripedAverager):
         background. ``weight``: inner steps since this fragment's last exchange."""
         if self._evicted is not None:
             raise GroupEvicted(self._evicted)
+        asked = time.perf_counter()
         exchange = self.exchanges
         self.exchanges += 1
         src = flat.detach().to(torch.float32).contiguous()
@@ -168,7 +177,7 @@ class QuorumAverager(StripedAverager):
         resp = self._ask(ask, healable=not exact)
         if resp.healers and resp.donor == self.group:
             self._serve(resp)
-        return _QuorumPending(self, src, ask, resp, flat.device, exact=exact)
+        return _QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked)
 
     def heal(self, engine) -> None:
         """Join the job: fetch a live member's state in the next quorum and finish its exchange."""
@@ -251,6 +260,11 @@ class QuorumAverager(StripedAverager):
                             tuple(sorted(resp.members)), ok, why[:500])
         return self._retry(f"vote on {resp.id}", lambda: self.client.commit(req),
                            on_not_found=lambda e: CommitResponse(False, f"the coordinator lost quorum {resp.id}: {e}"))
+
+    def call_coordinator(self, what: str, call):
+        """``call()`` with this averager's patience: retried while the coordinator is unreachable,
+        after a rejoin if it restarted."""
+        return self._retry(what, call)
 
     def retry_quorum(self, ask: QuorumRequest) -> QuorumResponse:
         return self._ask(dataclasses.replace(ask, retry=True), healable=False)
@@ -350,7 +364,8 @@ class _QuorumPending:
     ``wait`` then shares the stripes inside the group and returns the mean."""
 
     def __init__(self, avg: QuorumAverager, src: torch.Tensor, ask: QuorumRequest | None, resp: QuorumResponse,
-                 device, *, exact: bool = False, fetched: threading.Event | None = None) -> None:
+                 device, *, exact: bool = False, fetched: threading.Event | None = None,
+                 asked: float | None = None) -> None:
         self._avg, self._src, self._ask, self._resp, self._device = avg, src, ask, resp, device
         self._exact = exact
         self._fetched, self._fetch = fetched, (False, "not fetched")
@@ -358,7 +373,7 @@ class _QuorumPending:
         self._value: torch.Tensor | None = None
         self._result = None
         self._error: BaseException | None = None
-        self._started = time.perf_counter()
+        self._started = time.perf_counter() if asked is None else asked
         self._thread = threading.Thread(target=self._run, name=f"exchange[{resp.tag}]", daemon=True)
         self._thread.start()
 
@@ -375,7 +390,9 @@ class _QuorumPending:
 
     def _attempts(self):
         avg, resp = self._avg, self._resp
+        attempts = 0
         while True:
+            attempts += 1
             self.own_rejected = avg.group in resp.rejected
             if self.own_rejected:
                 avg.stats.rejected.append(resp.rejected[avg.group])
@@ -387,10 +404,11 @@ class _QuorumPending:
                 ok, why = (ok and self._fetch[0]), (why or self._fetch[1])
             decision = avg.vote(resp, ok, why)
             if decision.committed:
-                avg.stats.quorum_sizes.append(len(resp.members))
-                if resp.attempt or self._resp is not resp:
+                seconds = time.perf_counter() - self._started
+                avg.stats.record(resp.exchange, seconds, attempts, len(resp.members))
+                if attempts > 1:
                     avg.stats.retried_exchanges += 1
-                    avg.stats.stall_seconds.append(time.perf_counter() - self._started)
+                    avg.stats.stall_seconds.append(seconds)
                 return out, sp, me
             avg.stats.rollbacks += 1
             log.warning("group %d rank %d: %s rolled back (%s)", avg.group, avg.rank, resp.id, decision.reason)

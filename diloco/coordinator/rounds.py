@@ -5,7 +5,7 @@ among a *quorum* the coordinator hands out. These functions decide, from what th
 voted, who is in it, with which weights, and whether its result may be applied. Nothing here
 keeps state, takes locks or reads a clock, so every rule is tested without processes.
 
-Rules (docs/operations.md, "Fault tolerance"):
+Rules (docs/fault_tolerance.md):
 
 * a quorum for exchange E forms once every live group (joined, not failed, not healing) has asked
   for a quorum, and at least ``min_groups`` groups are in it; groups that asked to heal join the

@@ -174,6 +174,7 @@ class CoordinatorState:
             self._incarnations[g] = req.incarnation
             if known is not None or req.exchange < 0:
                 self._healing.add(g)
+                self._event("joined", group=g, committed=self._counts["committed"])
             self._epoch += 1
         quorum.admit(self._members, self._sizes, self.expected_groups, self.max_group_size,
                      g, req.rank, req.group_size, req.address, may_replace=False)
@@ -222,7 +223,7 @@ class CoordinatorState:
             return  # ranks block in join until the job starts; they cannot heartbeat yet
         now = self._clock()
         heard = {k: max(t, self._complete_at) for k, t in self._last_heard.items()
-                 if k not in self._failed}
+                 if k not in self._failed and k[0] not in self._summaries}  # finished groups go quiet
         for key in quorum.stale(heard, now, self.heartbeat_timeout_s):
             self._failed[key] = now - heard[key]
             self._fail_group(key[0], f"rank {key[1]} sent nothing for {now - heard[key]:.1f}s "
@@ -413,8 +414,9 @@ class CoordinatorState:
         return f"at least {self.min_groups} groups (min_groups)"
 
     def _live(self) -> set[int]:
+        """Groups that count in quorums: joined, not failed, not healing, not finished."""
         return {g for g in self._members if self._complete(g) and g not in self._group_failed
-                and g not in self._healing}
+                and g not in self._healing and g not in self._summaries}
 
     def _group_asks(self, exchange: int) -> dict[int, rounds.Ask]:
         """Groups every rank of which asked for ``exchange``, as rank 0 put it."""
@@ -429,7 +431,7 @@ class CoordinatorState:
         """Hand out every quorum that can be decided now (lock held)."""
         heal_asks = self._group_asks(rounds.HEAL)
         live = self._live()
-        if heal_asks and live and all(g in self._summaries for g in live):
+        if heal_asks and self._summaries and not live:  # the others finished: nobody trains on
             for g in heal_asks:
                 self._answer(g, self._asks[rounds.HEAL].pop(g), ("finished", None))
             return
@@ -572,7 +574,8 @@ class CoordinatorState:
                 if g in self._healing:
                     self._healing.discard(g)
                     self._counts["heals"] += 1
-                    self._event("healed", group=g, exchange=q.exchange, quorum=q.id)
+                    self._event("healed", group=g, exchange=q.exchange, quorum=q.id,
+                                committed=self._counts["committed"])
             for g, norm in meta["norms"].items():
                 if g not in q.rejected and q.weights.get(g, 0) > 0:
                     history = self._norms.setdefault(g, [])

@@ -15,10 +15,12 @@ import diloco
 from diloco.config import TransportConfig
 from diloco.coordinator import CoordinatorServer
 from diloco.quorum_averager import GroupEvicted
+from transport import FaultProxy
 
 SECRET = b"fault-tolerance-test-secret-0123"
 STEPS, H = 40, 4
 HEARTBEAT_S = 1.5
+OFFSET = 15_000  # bytes into group 0's link to group 1 (about 28 kB over the job): a mid-job frame
 SETTINGS = TransportConfig(host="127.0.0.1", timeout_s=4.0, probe_bytes=0, chunk_bytes=4096)
 
 
@@ -37,8 +39,9 @@ class Group:
     """One single-rank group in a thread: connect, build the engine (or heal), train to STEPS."""
 
     def __init__(self, address: str, group: int, *, mode: str = "blocking", fragments: int | None = None,
-                 poison_at: int | None = None, die_at: int | None = None) -> None:
+                 poison_at: int | None = None, die_at: int | None = None, on_connected=None) -> None:
         self.address, self.group, self.mode, self.fragments = address, group, mode, fragments
+        self.on_connected = on_connected
         self.poison_at, self.die_at = poison_at, die_at
         self.model = make_model()
         self.link = None
@@ -68,6 +71,8 @@ class Group:
                                        heartbeat_timeout=HEARTBEAT_S)
             if self.killed.is_set():
                 return self.kill()
+            if self.on_connected is not None:
+                self.on_connected(self.link)
             self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, sync_every=H, mode=self.mode,
                                         fragments=self.fragments)
             for t in range(self.engine.inner_step, STEPS):
@@ -201,3 +206,40 @@ def test_an_evicted_group_learns_it_at_its_next_exchange(coordinator):
         g.join()
     assert isinstance(groups[1].error, GroupEvicted) and "a test says so" in str(groups[1].error)
     assert groups[0].error is None and groups[0].final_hash == groups[2].final_hash
+
+
+def run_job(address: str, on_connected=None) -> list[Group]:
+    groups = [Group(address, g, on_connected=on_connected if g == 0 else None).start() for g in range(3)]
+    finish(groups)
+    return groups
+
+
+def test_a_corrupted_round_is_rolled_back_and_retried_and_ends_as_a_clean_run(coordinator):
+    """Group 0 reaches group 1 through a proxy that flips a byte mid-stream: the frame checksum
+    catches it, the round rolls back on everyone and is retried with the same contributions, so
+    the job ends bit-identical to the same job without the fault."""
+    proxies: list[FaultProxy] = []
+
+    def through_proxy(link) -> None:
+        target = link.membership.ranks(1)[0]
+        proxy = FaultProxy(target)
+        proxies.append(proxy)
+        link.transport.dial_overrides[target] = proxy.address
+        proxy.corrupt(at_offset=OFFSET, direction="up")
+
+    faulty = run_job(coordinator.address, through_proxy)
+    try:
+        assert proxies[0].bytes_corrupted == 1
+    finally:
+        proxies[0].close()
+    assert len({g.final_hash for g in faulty}) == 1
+    assert sum(g.link.fault_stats.rollbacks for g in faulty) >= 3  # every group rolled the round back
+    assert coordinator.snapshot()["rounds_state"]["rolled_back"] >= 1
+    clean_server = CoordinatorServer("127.0.0.1", 0, expected_groups=3, heartbeat_timeout_s=HEARTBEAT_S,
+                                     join_timeout_s=30.0)
+    clean_server.start()
+    try:
+        clean = run_job(clean_server.address)
+    finally:
+        clean_server.stop()
+    assert faulty[0].final_hash == clean[0].final_hash
