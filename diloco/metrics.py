@@ -2,40 +2,128 @@
 
     diloco worker ... --metrics-port 9300     # then scrape http://HOST:9300/metrics
 
-Every series carries ``group`` and ``rank`` labels. Counters only go up; the bytes are what this
-rank's data plane put on (or took off) the wire between groups, framing included.
+Names follow the Prometheus conventions: base units in the name (``_seconds``, ``_bytes``,
+``_ratio``), ``_total`` on counters (added by prometheus-client on exposition: the attribute
+``inner_steps`` is exposed as ``diloco_inner_steps_total``). Every series carries ``group`` and
+``rank`` labels. Counters only go up; the bytes are what this rank's data plane put on (or took
+off) the wire between groups, framing included. ``WORKER_SERIES`` lists every name exposed, and
+``docs/operations.md`` explains each one.
+
+The fault-tolerance series (``rounds_committed`` ... ``quorum_groups``, ``stall_seconds``) exist
+from the start at 0 so dashboards and alerts can name them; the code that commits, rolls back and
+heals rounds increments them.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import threading
+import time
+from typing import Any
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Info, ProcessCollector, disable_created_metrics,
+                               start_http_server)
+
+disable_created_metrics()  # no *_created series: Prometheus does not use them, they double the count
+
+# name as exposed -> type; the single list the docs, dashboard and rules are checked against
+WORKER_SERIES: dict[str, str] = {
+    "diloco_inner_steps_total": "counter",
+    "diloco_outer_syncs_total": "counter",
+    "diloco_wire_sent_bytes_total": "counter",
+    "diloco_wire_received_bytes_total": "counter",
+    "diloco_compute_seconds_total": "counter",
+    "diloco_sync_seconds_total": "counter",
+    "diloco_stall_seconds_total": "counter",
+    "diloco_rounds_committed_total": "counter",
+    "diloco_rounds_rolled_back_total": "counter",
+    "diloco_heals_total": "counter",
+    "diloco_group_failures_total": "counter",
+    "diloco_rejected_contributions_total": "counter",
+    "diloco_quorum_groups": "gauge",
+    "diloco_compute_utilization_ratio": "gauge",
+    "diloco_train_loss": "gauge",
+    "diloco_sync_period_steps": "gauge",
+    "diloco_inner_lr": "gauge",
+    "diloco_codec_compression_ratio": "gauge",
+    "diloco_worker_info": "gauge",
+}
+
+
+class _Seconds:
+    """A seconds counter that also keeps its own running total (for the utilization gauge)."""
+
+    def __init__(self, counter: Any) -> None:
+        self._counter = counter
+        self._lock = threading.Lock()
+        self.total = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._counter.inc(amount)
+        with self._lock:
+            self.total += amount
 
 
 class WorkerMetrics:
-    """The series a worker updates; ``serve()`` exposes them on ``/metrics``."""
+    """The series a worker updates; ``serve()`` exposes them on ``/metrics``.
 
-    def __init__(self, group: int, rank: int) -> None:
+    ``codec``/``codec_block``/``link``/``zstd``/``chunk_bytes``: the wire settings (as the flags of
+    the same names), shown as ``diloco_worker_info``
+    labels and the codec's compression ratio; when not given, those of :func:`describe_process`
+    (``diloco worker`` sets them from its configuration), else the series are left out.
+    """
+
+    def __init__(self, group: int, rank: int, *, codec: str | None = None, codec_block: int | None = None,
+                 link: str | None = None, zstd: bool | None = None, chunk_bytes: int | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = {"group": str(group), "rank": str(rank)}
         names = list(labels)
 
-        def counter(name: str, doc: str) -> Counter:
+        def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, names, registry=self.registry).labels(**labels)
 
-        def gauge(name: str, doc: str) -> Gauge:
+        def gauge(name: str, doc: str) -> Any:
             return Gauge(name, doc, names, registry=self.registry).labels(**labels)
 
         self.inner_steps = counter("diloco_inner_steps", "Inner optimizer steps taken")
         self.outer_rounds = counter("diloco_outer_syncs", "Pseudo-gradient exchanges launched (fragment syncs)")
-        self.bytes_sent = counter("diloco_wire_sent_bytes", "Bytes sent to other groups")
-        self.bytes_received = counter("diloco_wire_received_bytes", "Bytes received from other groups")
-        self.compute_seconds = counter("diloco_compute_seconds", "Seconds spent in inner steps")
-        self.sync_seconds = counter("diloco_sync_seconds", "Seconds the training loop waited on syncs")
-        self.loss = gauge("diloco_train_loss", "Smoothed inner training loss (nats/token)")
+        self.bytes_sent = counter("diloco_wire_sent_bytes", "Bytes sent to other groups, framing included")
+        self.bytes_received = counter("diloco_wire_received_bytes", "Bytes received from other groups, framing included")
+        self.compute_seconds = _Seconds(counter("diloco_compute_seconds", "Seconds spent in inner steps"))
+        self.sync_seconds = _Seconds(counter("diloco_sync_seconds", "Seconds the training loop waited on syncs"))
+        self.stall_seconds = counter(
+            "diloco_stall_seconds", "Seconds training could not proceed for want of a quorum or a peer "
+            "(waiting for membership, heals, rejoins)")
+        self.rounds_committed = counter("diloco_rounds_committed", "Outer rounds committed by this rank")
+        self.rounds_rolled_back = counter("diloco_rounds_rolled_back", "Outer rounds abandoned and rolled back")
+        self.heals = counter("diloco_heals", "Times this rank fetched the global state from a live peer")
+        self.group_failures = counter("diloco_group_failures", "Peer groups this rank saw fail")
+        self.rejected_contributions = counter(
+            "diloco_rejected_contributions", "Pseudo-gradient contributions refused (stale, non-finite, wrong round)")
+        self.quorum_groups = gauge("diloco_quorum_groups", "Groups in the quorum of the current round")
+        self.loss = gauge("diloco_train_loss", "Smoothed inner training loss (nats/token for the demo)")
         self.sync_period = gauge("diloco_sync_period_steps", "H: inner steps between syncs of a fragment")
         self.inner_lr = gauge("diloco_inner_lr", "Current inner learning rate")
+        started = time.monotonic()
+        gauge("diloco_compute_utilization_ratio",
+              "Fraction of wall time since the rank started spent in inner steps").set_function(
+            lambda: self.compute_seconds.total / max(time.monotonic() - started, 1e-9))
+        ProcessCollector(registry=self.registry)
+        self._describe_wire(labels, {**_process_wire, **{k: v for k, v in {
+            "codec": codec, "codec_block": codec_block, "link": link, "zstd": zstd,
+            "chunk_bytes": chunk_bytes}.items() if v is not None}})
         self._seen = {"sent": 0, "received": 0}
-        self.server = None
+        self.server: Any = None
+
+    def _describe_wire(self, labels: dict[str, str], wire: dict[str, Any]) -> None:
+        if "codec" not in wire:
+            return
+        info = {"codec": str(wire["codec"]), "link": str(wire.get("link", "")),
+                "zstd": str(bool(wire.get("zstd", False))).lower()}
+        Info("diloco_worker", "Wire settings of this rank (value 1)", list(labels),
+             registry=self.registry).labels(**labels).info(info)
+        ratio = codec_ratio(str(wire["codec"]), int(wire.get("chunk_bytes", 1 << 20)), int(wire.get("codec_block", 0)))
+        Gauge("diloco_codec_compression_ratio", "fp32 bytes per wire byte of one full chunk's frame "
+              "(before the optional zstd stage)", list(labels), registry=self.registry).labels(**labels).set(ratio)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the HTTP endpoint (port 0 = any free port); returns the bound port."""
@@ -49,7 +137,26 @@ class WorkerMetrics:
         self._seen = {"sent": sent, "received": received}
 
     def close(self) -> None:
+        """Stop the HTTP endpoint. Idempotent."""
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+
+_process_wire: dict[str, Any] = {}
+
+
+def describe_process(*, codec: str, codec_block: int, link: str, zstd: bool, chunk_bytes: int) -> None:
+    """Wire settings for every ``WorkerMetrics`` this process makes later without its own."""
+    _process_wire.update(codec=codec, codec_block=codec_block, link=link, zstd=zstd, chunk_bytes=chunk_bytes)
+
+
+def codec_ratio(codec: str, chunk_bytes: int, codec_block: int = 0) -> float:
+    """fp32 bytes over frame bytes for one chunk of ``chunk_bytes`` of fp32 input, before zstd
+    (``codec_block`` 0: the codec's default block)."""
+    import compress
+
+    count = max(chunk_bytes // 4, 1)
+    params = {"block_size": codec_block} if codec_block else {}
+    return 4 * count / compress.get_codec(codec, **params).frame_size(count)

@@ -1,0 +1,72 @@
+"""One logging setup: text by default, JSON for collectors, group and rank on every worker line."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+import warnings
+
+import pytest
+
+from diloco import logs
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    yield
+    logs.teardown()
+
+
+def test_json_records_and_printed_lines_carry_component_group_and_rank():
+    out = io.StringIO()
+    stdout, stderr = sys.stdout, sys.stderr
+    logs.setup("json", component="worker", group=1, rank=3, stream=out)
+    logging.getLogger("diloco.test").info("joined epoch %d", 2, extra={"epoch": 2})
+    print("diloco worker group 1 rank 3: done")
+    print("diloco worker (group 1, rank 3): boom", file=sys.stderr)
+    warnings.warn("careful", UserWarning, stacklevel=1)
+    try:
+        raise ValueError("bad")
+    except ValueError:
+        logging.getLogger("diloco.test").exception("failed")
+    logs.teardown()
+    assert sys.stdout is stdout and sys.stderr is stderr
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert all(r["component"] == "worker" and r["group"] == 1 and r["rank"] == 3 for r in records)
+    assert records[0]["msg"] == "joined epoch 2" and records[0]["epoch"] == 2 and records[0]["level"] == "INFO"
+    assert records[1] == {**records[1], "logger": "diloco.stdout", "level": "INFO",
+                          "msg": "diloco worker group 1 rank 3: done"}
+    assert records[2]["logger"] == "diloco.stderr" and records[2]["level"] == "ERROR"
+    assert records[3]["level"] == "WARNING" and "careful" in records[3]["msg"]
+    assert records[4]["msg"] == "failed" and "ValueError: bad" in records[4]["exc"]
+    assert records[0]["ts"].endswith("Z") and len(records) == 5
+
+
+def test_text_lines_name_the_group_and_rank_and_leave_prints_alone(capsys):
+    out = io.StringIO()
+    logs.setup("text", component="worker", group=0, rank=1, stream=out)
+    logging.getLogger("transport.core").warning("lost %s", "peer")
+    print("plain")
+    line = out.getvalue().strip()
+    assert line.endswith("WARNING transport.core [worker group 0 rank 1] lost peer"), line
+    assert capsys.readouterr().out == "plain\n"
+
+
+def test_a_process_without_group_shows_only_its_component():
+    out = io.StringIO()
+    logs.setup("json", component="coordinator", stream=out)
+    logging.getLogger("diloco.coordinator").info("up")
+    record = json.loads(out.getvalue())
+    assert record["component"] == "coordinator" and "group" not in record and "rank" not in record
+
+
+def test_setup_replaces_itself_and_rejects_unknown_formats():
+    first, second = io.StringIO(), io.StringIO()
+    logs.setup("text", component="run", stream=first)
+    logs.setup("text", component="run", stream=second)
+    logging.getLogger("x").info("once")
+    assert first.getvalue() == "" and second.getvalue().count("once") == 1
+    with pytest.raises(ValueError, match="log format must be one of text, json"):
+        logs.setup("xml", component="run")
