@@ -66,9 +66,13 @@ class JobFinished(RuntimeError):
 class FaultStats:
     """What fault tolerance did on this rank (seconds are wall time)."""
 
+    committed: int = 0  # exchanges committed
     rollbacks: int = 0  # attempts of exchanges that were rolled back and retried
     retried_exchanges: int = 0  # exchanges that needed more than one attempt
-    stall_seconds: list[float] = field(default_factory=list)  # wall time of each retried exchange
+    failures_seen: int = 0  # exchanges run by fewer groups than the one before (a member was lost)
+    # wall time, from asking for the quorum to the commit, of each exchange a failure disturbed
+    # (retried, or run by fewer groups than the one before); the last MAX_EXCHANGES_KEPT
+    stall_seconds: list[float] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)  # this group's refused contributions (why)
     healed: bool = False
     heal_seconds: float = 0.0
@@ -79,9 +83,18 @@ class FaultStats:
     exchanges: list[list[float]] = field(default_factory=list)
 
     def record(self, exchange: int, seconds: float, attempts: int, groups: int) -> None:
+        """A committed exchange: ``seconds`` from asking to commit, ``groups`` in its quorum."""
+        shrank = bool(self.quorum_sizes) and groups < self.quorum_sizes[-1]
+        self.committed += 1
+        self.failures_seen += shrank
+        if attempts > 1:
+            self.retried_exchanges += 1
+        if attempts > 1 or shrank:
+            self.stall_seconds.append(round(seconds, 4))
         self.quorum_sizes.append(groups)
         self.exchanges.append([exchange, round(seconds, 4), attempts, groups])
-        del self.quorum_sizes[:-MAX_EXCHANGES_KEPT], self.exchanges[:-MAX_EXCHANGES_KEPT]
+        for kept in (self.quorum_sizes, self.exchanges, self.stall_seconds):
+            del kept[:-MAX_EXCHANGES_KEPT]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -404,11 +417,7 @@ class _QuorumPending:
                 ok, why = (ok and self._fetch[0]), (why or self._fetch[1])
             decision = avg.vote(resp, ok, why)
             if decision.committed:
-                seconds = time.perf_counter() - self._started
-                avg.stats.record(resp.exchange, seconds, attempts, len(resp.members))
-                if attempts > 1:
-                    avg.stats.retried_exchanges += 1
-                    avg.stats.stall_seconds.append(seconds)
+                avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))
                 return out, sp, me
             avg.stats.rollbacks += 1
             log.warning("group %d rank %d: %s rolled back (%s)", avg.group, avg.rank, resp.id, decision.reason)

@@ -82,7 +82,7 @@ class CoordinatorState:
         self._group_failed: dict[int, str] = {}  # group -> why (until it starts again)
         self._healing: set[int] = set()  # joined while the job ran; a member once a quorum commits
         self._asks: dict[int, dict[int, dict[int, QuorumRequest]]] = {}  # exchange -> group -> rank
-        self._answers: dict[tuple[int, int], tuple[str, Any]] = {}  # (group, rank) -> answer
+        self._answers: dict[tuple[int, int, int], tuple[str, Any]] = {}  # (group, rank, exchange asked) -> answer
         self._quorums: OrderedDict[str, tuple[rounds.Quorum, dict[str, Any]]] = OrderedDict()
         self._latest: OrderedDict[int, str] = OrderedDict()  # exchange -> id of its latest quorum
         self._votes: dict[str, dict[tuple[int, int], tuple[bool, str]]] = {}
@@ -90,6 +90,8 @@ class CoordinatorState:
         self._offers: dict[tuple[str, int, int], StateOffer] = {}
         self._norms: dict[int, list[float]] = {}
         self._asked_exchange: dict[int, int] = {}  # group -> latest exchange its rank 0 asked for
+        self._first_ask: dict[int, float] = {}  # exchange -> when its first quorum request came
+        self._last_members = 0  # contributing groups of the last committed quorum
         self._stop_reason: str | None = None
         self._counts = {"committed": 0, "rolled_back": 0, "heals": 0, "failures": 0, "rejected": 0,
                         "evicted": 0}
@@ -241,9 +243,9 @@ class CoordinatorState:
             self._last_heard.pop((g, r), None)
         self._members.pop(g, None)
         self._healing.discard(g)
-        for asks in self._asks.values():
+        for exchange, asks in self._asks.items():
             for r in asks.pop(g, {}):
-                self._answers[(g, r)] = ("evicted", reason)
+                self._answers[(g, r, exchange)] = ("evicted", reason)
         self._epoch += 1
         self._cond.notify_all()
 
@@ -373,12 +375,12 @@ class CoordinatorState:
         a healer (exchange -1) waits for the next quorum that forms. Raises QuorumError:
         DEADLINE_EXCEEDED naming the groups still awaited (the caller asks again),
         FAILED_PRECONDITION for a failed or stale member."""
-        key = (req.group, req.rank)
+        key = (req.group, req.rank, req.exchange)  # a rank may ask for several exchanges at once
         with self._cond:
             self._check_open()
             self._sweep()
             self._check_member(req.group, req.rank, req.incarnation)
-            self._last_heard[key] = self._clock()
+            self._last_heard[(req.group, req.rank)] = self._clock()
             if not self._started:
                 raise quorum.QuorumError("FAILED_PRECONDITION", "the job has not started: join first")
             if req.group in self._healing and req.exchange != rounds.HEAL:
@@ -387,6 +389,9 @@ class CoordinatorState:
             self._asks.setdefault(req.exchange, {}).setdefault(req.group, {})[req.rank] = req
             if req.rank == 0 and req.exchange >= 0:
                 self._asked_exchange[req.group] = req.exchange
+                self._first_ask.setdefault(req.exchange, self._clock())
+                while len(self._first_ask) > MAX_ROUNDS_KEPT:
+                    del self._first_ask[next(iter(self._first_ask))]
             self._answers.pop(key, None)
             self._decide_quorums()
             try:
@@ -433,7 +438,7 @@ class CoordinatorState:
         live = self._live()
         if heal_asks and self._summaries and not live:  # the others finished: nobody trains on
             for g in heal_asks:
-                self._answer(g, self._asks[rounds.HEAL].pop(g), ("finished", None))
+                self._answer(g, self._asks[rounds.HEAL].pop(g), rounds.HEAL, ("finished", None))
             return
         for exchange in sorted(x for x in self._asks if x >= 0):
             asks = self._group_asks(exchange)
@@ -469,7 +474,7 @@ class CoordinatorState:
             self._remember_quorum(q, meta)
             for g in q.groups:
                 source = rounds.HEAL if g in q.healers else exchange
-                self._answer(g, self._asks[source].pop(g), ("quorum", q.id))
+                self._answer(g, self._asks[source].pop(g), source, ("quorum", q.id))
             for g, why in q.rejected.items():
                 self._counts["rejected"] += 1
                 self._event("rejected", group=g, exchange=exchange, reason=why)
@@ -477,14 +482,14 @@ class CoordinatorState:
                 self._evict(g, exchange, why)
             heal_asks = {g: a for g, a in heal_asks.items() if g not in q.healers}
 
-    def _answer(self, g: int, by_rank: dict[int, QuorumRequest], answer: tuple[str, Any]) -> None:
+    def _answer(self, g: int, by_rank: dict[int, QuorumRequest], exchange: int, answer: tuple[str, Any]) -> None:
         for r in by_rank:
-            self._answers[(g, r)] = answer
+            self._answers[(g, r, exchange)] = answer
         self._cond.notify_all()
 
     def _evict(self, g: int, exchange: int, why: str) -> None:
         by_rank = self._asks.get(exchange, {}).pop(g, {})
-        self._answer(g, by_rank, ("evicted", why))
+        self._answer(g, by_rank, exchange, ("evicted", why))
         self._counts["evicted"] += 1
         self._event("evicted", group=g, exchange=exchange, reason=why)
         self._fail_group(g, f"evicted: {why}")
@@ -570,6 +575,13 @@ class CoordinatorState:
         self._decisions[q.id] = outcome
         if committed:
             self._counts["committed"] += 1
+            members = len(q.groups) - len(q.healers)
+            asked = self._first_ask.pop(q.exchange, None)
+            if asked is not None and (q.attempt > 0 or members < self._last_members):
+                # an exchange a failure disturbed: retried, or run by fewer groups than the last one
+                self._event("stall", exchange=q.exchange, seconds=round(self._clock() - asked, 4),
+                            attempts=q.attempt + 1, groups=len(q.groups))
+            self._last_members = members
             for g in q.healers:
                 if g in self._healing:
                     self._healing.discard(g)
