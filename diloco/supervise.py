@@ -84,9 +84,11 @@ class Supervisor:
         self.attempts[g] = self.attempts.get(g, -1) + 1
         self.procs[g] = self.spawn(g, self.attempts[g])
 
-    def poll(self, *, live: set[int], progress: float) -> bool:
+    def poll(self, *, live: set[int], progress: float, committed: int = 1) -> bool:
         """Check every group, restart the failed ones, run the drill; True once every group
-        exited 0. Raises GroupFailed when a group is out of restarts."""
+        exited 0. Raises GroupFailed when a group is out of restarts, or fails before the job
+        committed its first exchange (``committed`` 0: a setup error, which a restart would
+        only repeat)."""
         down = self.chaos.down if self.chaos is not None else set()
         for g, p in list(self.procs.items()):
             code = p.proc.poll()
@@ -97,6 +99,9 @@ class Supervisor:
                 continue
             if g in self.finished:
                 continue
+            if not committed:
+                raise GroupFailed(f"group {g} exited with code {code} before the job's first exchange "
+                                  f"committed; last lines of {p.log_path}:\n{p.tail()}")
             if self.restarts.get(g, 0) >= self.max_restarts:
                 raise GroupFailed(f"group {g} exited with code {code} and was restarted {self.max_restarts} "
                                   f"time(s) already (--max-restarts); last lines of {p.log_path}:\n{p.tail()}")
