@@ -155,6 +155,7 @@ class QuorumAverager(StripedAverager):
         self._needs_heal = heal
         self._engine = None
         self._evicted: str | None = None
+        self.round_timeout_s = round_timeout_s
         self._retry = _Retry(self, round_timeout_s)
         self._rejoin_lock = threading.Lock()
         self._serving: list[threading.Thread] = []
@@ -427,7 +428,10 @@ class _QuorumPending:
 
     def wait(self) -> torch.Tensor:
         if self._value is None:
-            self._thread.join()
+            # every step of an attempt has its own deadline; this bounds a pathological chain of them
+            self._thread.join(4 * self._avg.round_timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"exchange {self._resp.tag} did not commit within {4 * self._avg.round_timeout_s:g}s")
             if self._error is not None:
                 raise self._error
             out, sp, me = self._result
