@@ -44,6 +44,30 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a crash leaves the old file or the new one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(target, lambda f: f.write(text.encode()))
+    return target
+
+
+def recorded_digest(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 (hex) that ``save`` recorded beside ``path``; CheckpointError if there is none."""
+    sidecar = Path(path).with_name(Path(path).name + ".sha256")
+    if not Path(path).is_file() or not sidecar.is_file():
+        raise CheckpointError(f"{path}: missing, or its checksum file {sidecar.name} is")
+    return sidecar.read_text().strip()
+
+
+def verify(path: str | os.PathLike[str]) -> str:
+    """Check ``path`` against the SHA-256 recorded beside it; returns it (CheckpointError if not)."""
+    expected = recorded_digest(path)
+    if _digest(Path(path)) != expected:
+        raise CheckpointError(f"{path}: contents do not match {Path(path).name}.sha256 (truncated or altered)")
+    return expected
+
+
 def save(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
     """Write ``state`` (tensors, numbers, strings, lists, dicts) atomically; returns the path."""
     target = Path(path)

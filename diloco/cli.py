@@ -8,8 +8,10 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from diloco import config as config_mod
+from diloco import logs
 
 DESCRIPTION = """\
 Low-bandwidth local-update training (DiLoCo) across worker groups.
@@ -17,6 +19,17 @@ Low-bandwidth local-update training (DiLoCo) across worker groups.
   diloco run           coordinator + groups on this machine (the embedded default)
   diloco coordinator   the membership service alone (one per job, e.g. on Kubernetes)
   diloco worker        one rank of one group; start it under torchrun
+  diloco status        ask a running coordinator (its --metrics-port) how the job is doing
+"""
+
+
+QUORUM_HELP = """\
+fault tolerance: every exchange between groups runs among a quorum of the groups alive then. A
+group silent for --heartbeat-timeout seconds (or restarted) is left out of the next quorum and the
+others go on; a round is applied only if every rank of every member finished it, otherwise no one
+applies it and it is retried; a restarted group heals (fetches the job's state from a live member)
+and rejoins. The mean is weighted by the tokens each group trained. NaN/Inf or outlier
+pseudo-gradients (--outlier-factor) are refused. See docs/fault_tolerance.md.
 """
 
 
@@ -30,22 +43,35 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="train on this machine: a coordinator and several groups on loopback",
         description="Start a coordinator and --groups torchrun jobs of --ranks-per-group ranks on "
-        "loopback, train the demo GPT (or your own model: --entry package.module:function), and print a summary.",
+        "loopback, train the demo GPT (or your own model: --entry package.module:function), and print a summary. "
+        "Groups that fail are started again (--max-restarts) and heal; --chaos N kills N random groups "
+        "during the run as a drill.",
+        epilog=QUORUM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH [default: none]")
     run.add_argument("--run-dir", metavar="DIR", default=None, help="folder for logs and the resolved config [default: a new temp folder]")
     run.add_argument("--no-progress", action="store_true", help="no progress bar [default: show it]")
     run.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long [default: no limit]")
+    run.add_argument("--resume", metavar="DIR", default=None,
+                     help="continue the job of a checkpoint folder (--checkpoint-dir; the newest step every group "
+                     "completed) or of one step-N folder in it; the config is the checkpoint's, and flags may only "
+                     "change settings that do not change the math (paths, logging, checkpoints, addresses) [default: none]")
     config_mod.add_arguments(run)
 
     worker = sub.add_parser(
         "worker", help="one rank of one worker group (run under torchrun)",
-        description="Run under torchrun, one job per group: torchrun --nproc-per-node R -m diloco worker "
-        "--coordinator HOST:PORT --group-id G [options]. Needs DILOCO_SECRET (hex) in the environment.",
+        description="Run under torchrun, one job per group: torchrun --nproc-per-node R --max-restarts N -m diloco "
+        "worker --coordinator HOST:PORT --group-id G [options]. Needs DILOCO_SECRET (hex) in the environment. "
+        "Exits 75 when the coordinator took the group out (restart it: it heals).",
+        epilog=QUORUM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     worker.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator")
     worker.add_argument("--group-id", required=True, type=int, help="this group's id, 0..groups-1")
     worker.add_argument("--json", metavar="PATH", default=None, help="rank 0 writes the group's summary here as JSON [default: none]")
+    worker.add_argument("--resume", metavar="DIR", default=None,
+                        help="continue from a job checkpoint: a step-N folder, or a folder of them (the newest step "
+                        "every group completed, else the newest this group completed); every group must resume "
+                        "from the same step [default: none]")
     config_mod.add_arguments(worker)
 
     coord = sub.add_parser(
@@ -53,26 +79,77 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the coordinator until every group has reported its summary, print the job's "
         "summary and exit: code 0, or 1 if the groups' global parameters diverged (or a group sent no "
         "parameter hash, or reported failure). SIGTERM or Ctrl-C stop it earlier, printing nothing, with "
-        "code 0. Reads an optional token from DILOCO_TOKEN.",
+        "code 0. Reads the token every call must carry from DILOCO_TOKEN. On a non-loopback --host it "
+        "refuses to start without both the token and mutual TLS (--tls-cert/--tls-key/--tls-ca, the same "
+        "kind of certificates as the workers' data plane), unless --insecure-coordinator is given.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     coord.add_argument("--host", default="127.0.0.1", help="address to listen on")
     coord.add_argument("--port", type=int, default=29400, help="port to listen on (0 = any free port)")
     coord.add_argument("--groups", type=int, default=2, help="groups the job waits for")
     coord.add_argument("--join-timeout", type=float, default=600.0, help="seconds a join waits for the others")
+    coord.add_argument("--heartbeat-timeout", type=float, default=15.0,
+                       help="seconds of silence from any rank of a group before the group is declared failed and "
+                       "left out of the next quorum (workers: the same --heartbeat-timeout)")
+    coord.add_argument("--min-groups", type=int, default=1, help="fewest groups an exchange may run with")
+    coord.add_argument("--outlier-factor", type=float, default=10.0,
+                       help="refuse a pseudo-gradient whose norm exceeds this multiple of its group's recent median "
+                       "(0: only NaN/Inf)")
     coord.add_argument("--keep-running", action="store_true",
                        help="once every group has reported, print the job summary but keep serving until "
                        "SIGTERM or Ctrl-C (the exit code is then still 0 or 1 as above); off: exit at once")
     coord.add_argument("--json", metavar="PATH", default=None,
                        help="also write the job summary as JSON to PATH once every group has reported")
+    coord.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus /metrics, the /status document (diloco status) and /healthz over "
+                       "HTTP on this port of --host (0 = off)")
+    coord.add_argument("--log-format", choices=config_mod.LOG_FORMATS, default="text",
+                       help="log lines: text for people, json (one object per line) for collectors")
+    coord.add_argument("--tls-cert", metavar="PEM", default=None,
+                       help="this coordinator's certificate; with --tls-key and --tls-ca it serves mutual TLS "
+                       "(it must name the host workers dial; workers use their own --tls-* files)")
+    coord.add_argument("--tls-key", metavar="PEM", default=None, help="this coordinator's private key")
+    coord.add_argument("--tls-ca", metavar="PEM", default=None,
+                       help="CA certificate that must have signed every client's certificate")
+    coord.add_argument("--insecure-coordinator", action="store_true",
+                       help="serve on a non-loopback --host without TLS or without DILOCO_TOKEN: anyone who "
+                       "reaches the port can join as a group, vote on rounds and rewrite the bandwidth table")
+
+    status = sub.add_parser(
+        "status", help="show a running job: membership, rounds, progress, bandwidth, ring order",
+        description="Read the /status document a coordinator serves on its --metrics-port (diloco run: "
+        "--metrics-port + the number of ranks) and print it. Sends $DILOCO_TOKEN if set.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    status.add_argument("--address", default="127.0.0.1:9400", metavar="HOST:PORT",
+                        help="the coordinator's metrics address (or an http:// URL)")
+    status.add_argument("--json", action="store_true", help="print the status document as JSON")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     return parser
+
+
+def _config(args: argparse.Namespace, group: int | None = None) -> tuple[config_mod.Config, Any]:
+    """``(config, resume point or None)``: from the flags, or with ``--resume`` from the checkpoint
+    with the flags' operational settings (``job_checkpoint.resume_config``)."""
+    if not args.resume:
+        return config_mod.from_args(args), None
+    from diloco import job_checkpoint
+
+    point = job_checkpoint.find(args.resume, group=group)
+    if group is None:  # diloco run: every file is checked before any process starts
+        job_checkpoint.verify_step(point.path)
+    cfg = job_checkpoint.resume_config(point.config, config_mod.explicit_settings(args), point.root, point.step)
+    return cfg, point
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from diloco import launcher
 
-    cfg = config_mod.from_args(args)
-    summary = launcher.run(cfg, run_dir=args.run_dir, progress=not args.no_progress, timeout_s=args.run_timeout)
+    cfg, point = _config(args)
+    logs.setup(cfg.train.log_format, component="run")
+    progress = not args.no_progress and cfg.train.log_format == "text"  # a bar is no log line
+    summary = launcher.run(cfg, run_dir=args.run_dir, progress=progress, timeout_s=args.run_timeout,
+                           resume=point)
     print(launcher.format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:
@@ -83,19 +160,36 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_worker(args: argparse.Namespace) -> int:
     from diloco import worker
 
-    return worker.main(config_mod.from_args(args), args.group_id, args.coordinator, json_path=args.json)
+    cfg, point = _config(args, group=args.group_id)
+    return worker.main(cfg, args.group_id, args.coordinator, json_path=args.json,
+                       resume=point.path if point is not None else None)
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from diloco.coordinator import CoordinatorServer
+    from diloco.coordinator import metrics as coordinator_metrics
     from diloco.coordinator.finish import FINISH_GRACE_S, report_job, wait_for_job
+
+    logs.setup(args.log_format, component="coordinator")
+    tls_files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(tls_files) and not all(tls_files):
+        raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
+    from transport.tls import TlsConfig
 
     server = CoordinatorServer(
         host=args.host, port=args.port, expected_groups=args.groups,
         token=os.environ.get("DILOCO_TOKEN") or None, join_timeout_s=args.join_timeout,
+        tls=TlsConfig(*tls_files) if all(tls_files) else None, allow_insecure=args.insecure_coordinator,
+        heartbeat_timeout_s=args.heartbeat_timeout, min_groups=args.min_groups, outlier_factor=args.outlier_factor,
     )
     address = server.start()
     print(f"diloco coordinator listening on {address} for {args.groups} groups", flush=True)
+    http = None
+    if args.metrics_port:
+        http = coordinator_metrics.serve(server, host=args.host, port=args.metrics_port,
+                                         token=os.environ.get("DILOCO_TOKEN") or None)
+        print(f"diloco coordinator metrics and status on http://{args.host}:{http.port} "
+              "(/metrics, /status, /healthz)", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     code = 0
@@ -109,12 +203,21 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         pass
     finally:  # calls in flight (the last summary's Ack) get up to FINISH_GRACE_S to finish
         server.stop(grace_s=FINISH_GRACE_S)
+        if http is not None:
+            http.close()
     return code
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from diloco import status
+
+    return status.main(args.address, as_json=args.json, timeout_s=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": _cmd_run, "worker": _cmd_worker, "coordinator": _cmd_coordinator}[args.command]
+    handler = {"run": _cmd_run, "worker": _cmd_worker, "coordinator": _cmd_coordinator,
+               "status": _cmd_status}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:
@@ -123,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     except (config_mod.ConfigError, ValueError, RuntimeError, OSError) as e:
         print(f"diloco {args.command}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
+    finally:  # the command's logging setup (logs.setup) ends with it
+        logs.teardown()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
 SCHEDULES = ("fixed", "qsr")
 LR_SCHEDULES = ("cosine", "constant")
+LOG_FORMATS = ("text", "json")
 BACKENDS = ("auto", "gloo", "nccl")
 OUTER_DEVICES = ("model", "cpu")
 LINKS = ("tcp", "grpc")
@@ -137,6 +138,10 @@ class TrainConfig:
         0, "serve Prometheus /metrics on this port + local rank (diloco run offsets each group); 0 = off",
         flag="--metrics-port",
     )
+    log_format: str = opt(
+        "text", "log lines: text for people, json (one object per line, with group and rank) for collectors",
+        flag="--log-format", choices=LOG_FORMATS,
+    )
     save: str = opt("", "write the final global model here (atomic; group 0 writes it); empty = don't", flag="--save")
     entry: str = opt(
         "", "what to train: package.module:function taking a diloco.TaskContext and returning a "
@@ -146,6 +151,19 @@ class TrainConfig:
     initial_sync: str = opt(
         "check", "start: check that every group built the same initial parameters (refuse if not), "
         "or copy group 0's to all", flag="--initial-sync", choices=INITIAL_SYNCS,
+    )
+    checkpoint_every: int = opt(
+        0, "write a job checkpoint (everything needed to resume) every N inner steps; 0 = off",
+        flag="--checkpoint-every",
+    )
+    checkpoint_dir: str = opt(
+        "", "folder of job checkpoints (diloco run: RUN_DIR/checkpoints when checkpoints are on; "
+        "diloco run --resume DIR: DIR)", flag="--checkpoint-dir",
+    )
+    checkpoint_keep: int = opt(3, "job checkpoints kept, newest first (>= 2; 0 = keep all)", flag="--checkpoint-keep")
+    stop_after: int = opt(
+        0, "stop after this inner step (< --steps; the lr schedule still follows --steps), write a job "
+        "checkpoint and exit 0; 0 = run to --steps", flag="--stop-after",
     )
 
 
@@ -171,6 +189,21 @@ class TransportConfig:
 
 
 @dataclass
+class FaultConfig:
+    heartbeat_timeout: float = opt(
+        15.0, "seconds without a message from any rank of a group before the group is declared failed "
+        "and left out of the next quorum (ranks heartbeat every fifth of it)", flag="--heartbeat-timeout",
+    )
+    min_groups: int = opt(1, "fewest groups an exchange may run with; below it the survivors wait", flag="--min-groups")
+    outlier_factor: float = opt(
+        10.0, "refuse a group's pseudo-gradient whose norm exceeds this multiple of the median of its last "
+        "8 accepted (0 = only NaN/Inf are refused)", flag="--outlier-factor",
+    )
+    max_restarts: int = opt(3, "diloco run: times each group is restarted after it fails (it then heals)", flag="--max-restarts")
+    chaos: int = opt(0, "diloco run: kill N random groups at random moments and restart them (a fault drill)", flag="--chaos")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -180,6 +213,7 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -200,6 +234,12 @@ class Config:
                 problems.append(msg)
 
         m, d, i, o, s, t = self.model, self.data, self.inner, self.outer, self.sync, self.topology
+        fl = self.fault
+        need(fl.heartbeat_timeout > 0, f"--heartbeat-timeout must be > 0 seconds, got {fl.heartbeat_timeout}")
+        need(1 <= fl.min_groups <= t.groups, f"--min-groups must be in [1, --groups={t.groups}], got {fl.min_groups}")
+        need(fl.outlier_factor >= 0, f"--outlier-factor must be >= 0 (0 = off), got {fl.outlier_factor}")
+        need(fl.max_restarts >= 0 and fl.chaos >= 0, "--max-restarts and --chaos must be >= 0")
+        need(fl.chaos == 0 or fl.max_restarts >= 1, "--chaos needs --max-restarts >= 1 (killed groups are restarted)")
         need(m.n_layer >= 1, f"--n-layer must be >= 1, got {m.n_layer}")
         need(m.n_head >= 1 and m.n_embd % max(m.n_head, 1) == 0,
              f"--n-embd ({m.n_embd}) must be a positive multiple of --n-head ({m.n_head})")
@@ -252,6 +292,12 @@ class Config:
         need(self.train.steps >= 1, f"--steps must be >= 1, got {self.train.steps}")
         need(0 <= self.train.metrics_port <= 65535 - 64 * 64, f"--metrics-port out of range: {self.train.metrics_port}")
         need(self.train.log_every >= 1, f"--log-every must be >= 1, got {self.train.log_every}")
+        tc = self.train
+        need(tc.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {tc.checkpoint_every}")
+        need(tc.checkpoint_keep == 0 or tc.checkpoint_keep >= 2,
+             f"--checkpoint-keep must be 0 (all) or >= 2 (the newest complete one survives a crash mid-write), "
+             f"got {tc.checkpoint_keep}")
+        need(0 <= tc.stop_after < tc.steps, f"--stop-after must be in [0, --steps ({tc.steps})), got {tc.stop_after}")
         try:
             codec = make_codec(self.transport)
             need(not getattr(codec, "requires_error_feedback", False),
@@ -321,19 +367,21 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
     return cfg
 
 
-def load_file(path: str | Path) -> Config:
-    """Load a Config from a ``.toml`` or ``.json`` file (sections as tables/objects)."""
+def _read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
         if p.suffix == ".json":
-            data = json.loads(p.read_text())
-        else:
-            data = tomllib.loads(p.read_text())
+            return json.loads(p.read_text())
+        return tomllib.loads(p.read_text())
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot parse config file {p}: {e}") from e
-    return from_dict(data)
+
+
+def load_file(path: str | Path) -> Config:
+    """Load a Config from a ``.toml`` or ``.json`` file (sections as tables/objects)."""
+    return from_dict(_read_file(path))
 
 
 def parse_bool(text: str) -> bool:
@@ -361,6 +409,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar=None if f.metadata.get("choices") else ("BOOL" if kind is parse_bool else kind.__name__.upper()),
             help=f"{f.metadata['help']} [{section}.{f.name}, default: {shown}]",
         )
+
+
+def explicit_settings(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
+    """The settings a command line names itself: ``(section, field) -> value`` for every key of
+    its ``--config`` file and every flag given (later wins), without the defaults."""
+    out: dict[tuple[str, str], Any] = {}
+    if getattr(args, "config", None):
+        raw = _read_file(args.config)
+        parsed = from_dict(raw)
+        for section, values in raw.items():
+            for key in values:
+                out[(section, key)] = getattr(getattr(parsed, section), key)
+    for section, f in iter_fields(Config()):
+        value = getattr(args, f"{section}.{f.name}", None)
+        if value is not None:
+            out[(section, f.name)] = value
+    return out
 
 
 def from_args(args: argparse.Namespace) -> Config:

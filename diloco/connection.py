@@ -22,6 +22,7 @@ counts metrics, re-probes bandwidth in the background and reports round hashes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import secrets
 import time
@@ -31,12 +32,15 @@ import torch
 import torch.distributed as dist
 
 from diloco.config import ConfigError, TransportConfig, make_codec
-from diloco.coordinator import CoordinatorClient
+from diloco.coordinator import CoordinatorClient, CoordinatorError
 from diloco.metrics import WorkerMetrics
 from diloco.network_plan import BandwidthMonitor, measure_rates
 from diloco.quorum_averager import QuorumAverager
 import transport as transport_pkg
 from transport import TcpTransport, TlsConfig
+from transport.tcp import is_loopback
+
+log = logging.getLogger(__name__)
 
 SECRET_ENV = "DILOCO_SECRET"
 TOKEN_ENV = "DILOCO_TOKEN"
@@ -69,6 +73,15 @@ def make_transport(t: TransportConfig, secret: bytes):
     link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
     return link(host=t.host, port=0, secret=secret, timeout_s=t.timeout_s, tls=tls,
                 allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes)
+
+
+def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:
+    """The TLS files this rank dials the coordinator ``host:port`` with: the data plane's own
+    (``--tls-cert/--tls-key/--tls-ca``), so one PKI covers both; none without them, or when the
+    coordinator is on a loopback address (``diloco run`` serves it there in plain text)."""
+    if not t.tls_cert or is_loopback(coordinator.rsplit(":", 1)[0]):
+        return None
+    return TlsConfig(t.tls_cert, t.tls_key, t.tls_ca)
 
 
 class _Reprobe:
@@ -138,6 +151,8 @@ class GroupConnection:
         self.averager, self.reprobe, self.metrics = averager, reprobe, metrics
         self.group, self.rank, self.group_size, self.process_group = group, rank, group_size, process_group
         self.round_hashes: list[str] = []
+        self.round_keys: list[int] = []  # engine.round at each of round_hashes
+        self._faults_counted: dict[str, float] = {}
         self.bytes_sent = self.bytes_received = 0  # the whole group's, as of the last commit
         self.inner_steps = 0
         self.periods: list[int] = []  # H of each round of fragment 0, as the engine set them
@@ -206,15 +221,39 @@ class GroupConnection:
             self.bytes_sent, self.bytes_received = self._group_bytes()
         # eager groups' global copies differ until close() reconciles them: only the final hash counts
         report = engine.finished if engine.mode == "eager" else committed
-        if report and self.rank == 0:
+        if report and self.rank == 0:  # keyed by the syncs launched so far: the same point on every group
             self.round_hashes.append(engine.global_hash())
-            self.client.report_round(self.group, len(self.round_hashes) - 1, self.round_hashes[-1])
+            self.round_keys.append(engine.round)
+            self._report("round hash", lambda: self.client.report_round(self.group, engine.round, self.round_hashes[-1]))
         self.metrics.outer_rounds.inc(engine.round - self._rounds_counted)
         self._rounds_counted = engine.round
         self.metrics.wire_totals(self.transport.bytes_sent, self.transport.bytes_received)
+        self._count_faults()
         if self.periods:
             self.metrics.sync_period.set(self.periods[-1])
         self._last_observe = time.perf_counter()
+
+    def _count_faults(self) -> None:
+        """Bring the fault-tolerance series up to this rank's FaultStats."""
+        st = self.averager.stats
+        now = {"rounds_committed": st.committed, "rounds_rolled_back": st.rollbacks, "heals": int(st.healed),
+               "group_failures": st.failures_seen, "rejected_contributions": len(st.rejected),
+               "stall_seconds": sum(st.stall_seconds)}
+        for name, value in now.items():
+            delta = value - self._faults_counted.get(name, 0)
+            if delta > 0:
+                getattr(self.metrics, name).inc(delta)
+                self._faults_counted[name] = value
+        if st.quorum_sizes:
+            self.metrics.quorum_groups.set(st.quorum_sizes[-1])
+
+    def _report(self, what: str, call) -> None:
+        """A best-effort report: a coordinator that is away (or restarted and does not know us yet)
+        costs a warning, never the training step."""
+        try:
+            call()
+        except CoordinatorError as e:
+            log.warning("%s report skipped: %s", what, e)
 
     def _group_bytes(self) -> tuple[int, int]:
         """Bytes this group's ranks sent and received between groups (a collective in the group)."""
@@ -253,7 +292,7 @@ class GroupConnection:
             snapshot["loss"] = round(self.loss, 4)
         if lr is not None:
             snapshot["lr"] = lr
-        self.client.report_progress(self.group, self.rank, snapshot)
+        self._report("progress", lambda: self.client.report_progress(self.group, self.rank, snapshot))
 
     def summary(self, engine, **extra: Any) -> dict[str, Any]:
         """This group's summary (rank 0 reports it to the coordinator; other ranks get their own
@@ -269,8 +308,8 @@ class GroupConnection:
             "fragments": len(engine.fragments), "fault": self.averager.stats.to_dict(),
             "incarnation": self.averager.incarnation, **extra,
         }
-        if self.rank == 0:
-            self.client.report_summary(self.group, out)
+        if self.rank == 0:  # the job's summary needs it: retried while the coordinator is away
+            self.averager.call_coordinator("summary", lambda: self.client.report_summary(self.group, out))
         return out
 
     def close(self) -> None:
@@ -310,7 +349,8 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, 
     group's ranks (default: the whole torch.distributed world, or none when it is not
     initialized: a one-rank group). ``token``: the coordinator's (default ``$DILOCO_TOKEN``).
     ``settings``: links, TLS, connections, probes, timeouts (``diloco.config.TransportConfig``,
-    the same fields as the ``--host``, ``--link``, ``--tls-*`` ... flags). ``metrics_port``:
+    the same fields as the ``--host``, ``--link``, ``--tls-*`` ... flags); its TLS files also
+    secure the coordinator calls when the coordinator is not on loopback (``coordinator_tls``). ``metrics_port``:
     serve Prometheus metrics on this port + the local rank (0 = off). ``heartbeat_timeout``: the
     coordinator's (seconds; this rank heartbeats every fifth of it). ``tokens_per_step``: what one
     inner step of this group weighs in the mean (default: its number of ranks). Every rank of every
@@ -332,7 +372,8 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, 
     try:
         transport = make_transport(t, key)
         opened.append(transport)
-        client = CoordinatorClient(coordinator, token=token or os.environ.get(TOKEN_ENV) or None, timeout_s=t.timeout_s)
+        client = CoordinatorClient(coordinator, token=token or os.environ.get(TOKEN_ENV) or None,
+                                   tls=coordinator_tls(t, coordinator), timeout_s=t.timeout_s)
         opened.append(client)
         device = _comm_device(process_group)
         incarnation = _incarnation(process_group, size, device)

@@ -111,13 +111,29 @@ class BatchSampler:
         self.batch_size = batch_size
         self.block_size = block_size
         self.gen = torch.Generator().manual_seed(seed)
+        self.drawn = 0  # batches returned so far
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         hi = len(self.tokens) - self.block_size - 1
         starts = torch.randint(0, hi + 1, (self.batch_size,), generator=self.gen).tolist()
+        self.drawn += 1
         rows = np.stack([np.asarray(self.tokens[s : s + self.block_size + 1]) for s in starts])
         batch = torch.from_numpy(rows.astype(np.int64))
         return batch[:, :-1], batch[:, 1:]
+
+    def state_dict(self) -> dict[str, object]:
+        """The position in the stream (generator state, batches drawn) and what it samples from."""
+        return {"generator": self.gen.get_state(), "drawn": self.drawn, "tokens": len(self.tokens),
+                "batch_size": self.batch_size, "block_size": self.block_size}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Continue the stream where ``state_dict`` was taken; DataError if it sampled other data."""
+        mine = (len(self.tokens), self.batch_size, self.block_size)
+        saved = (state.get("tokens"), state.get("batch_size"), state.get("block_size"))
+        if saved != mine:
+            raise DataError(f"sampler state is for (tokens, batch, block) = {saved}, this sampler has {mine}")
+        self.gen.set_state(state["generator"])  # type: ignore[arg-type]
+        self.drawn = int(state["drawn"])  # type: ignore[call-overload]
 
 
 def eval_batches(

@@ -7,7 +7,11 @@ On Kubernetes the same pieces run separately (``diloco coordinator``, ``diloco w
 
 from __future__ import annotations
 
+import copy
 import json
+import math
+import statistics
+import logging
 import os
 import secrets
 import signal
@@ -20,9 +24,12 @@ from pathlib import Path
 from typing import Callable
 
 from diloco import data as data_mod
+from diloco.chaos import ChaosMonkey
 from diloco.config import Config
 from diloco.coordinator import CoordinatorServer
-from diloco.connection import SECRET_ENV, TOKEN_ENV
+from diloco.supervise import GroupFailed, Supervisor, descendants
+from diloco.connection import SECRET_ENV, TOKEN_ENV, coordinator_tls
+from diloco.job_checkpoint import ResumePoint
 from diloco.task import DEMO_ENTRY, load_entry, parse_entry_args
 
 
@@ -87,15 +94,17 @@ class Placement:
 
 
 def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env: dict, run_dir: Path,
-                 placement: Placement) -> GroupProcess:
-    log_path = run_dir / f"group-{group}.log"
+                 placement: Placement, resume: Path | None = None, attempt: int = 0) -> GroupProcess:
+    log_path = run_dir / (f"group-{group}.log" if attempt == 0 else f"group-{group}.restart-{attempt}.log")
     host = placement.host(group)
     cmd = [
         *placement.prefix(group), sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={cfg.topology.sizes()[group]}", "--monitor-interval=0.5",
+        "--max-restarts=0",  # the supervisor restarts the whole group (see diloco/supervise.py)
         "-m", "diloco", "worker", "--config", str(cfg_path),
         "--group-id", str(group), "--coordinator", coordinator,
         *(["--host", host] if host else []),
+        *(["--resume", str(resume)] if resume is not None else []),
         *(["--metrics-port", str(cfg.train.metrics_port + sum(cfg.topology.sizes()[:group]))]
           if cfg.train.metrics_port else []),
     ]
@@ -103,25 +112,6 @@ def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
     return GroupProcess(group, proc, log_path)
-
-
-def _descendants(pid: int) -> list[int]:
-    """PIDs of every process below ``pid`` (Linux /proc), children first found first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # the process ended while we listed /proc
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -132,9 +122,25 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``text`` (e.g. a run folder): what a
+    run leaked if any are left after it ended."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:  # ended while we looked
+                continue
+            if text in cmdline and state != "Z":
+                out.append(int(entry.name))
+    return out
+
+
 def _stop(groups: list[GroupProcess], grace_s: float = 5.0) -> None:
     """Stop every group's whole process tree: SIGTERM, then SIGKILL what is left after grace_s."""
-    trees = {g.proc.pid: [g.proc.pid, *_descendants(g.proc.pid)] for g in groups if g.proc.poll() is None}
+    trees = {g.proc.pid: [g.proc.pid, *descendants(g.proc.pid)] for g in groups if g.proc.poll() is None}
     for pids in trees.values():
         _signal(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -152,13 +158,13 @@ def _stop(groups: list[GroupProcess], grace_s: float = 5.0) -> None:
 class _Progress:
     """A tqdm bar over group 0's reported steps (or silent when disabled)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, start: int = 0) -> None:
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="diloco")
-        self.done = 0
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, desc="diloco")
+        self.done = start
 
     def update(self, snapshot: dict) -> None:
         progress = snapshot.get("progress", {})
@@ -190,12 +196,20 @@ def _human_bytes(n: float) -> str:
 
 
 def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeout_s: float | None = None,
-        placement: Placement | None = None) -> dict:
-    """Run a whole job on this machine; returns the summary dict (see ``format_summary``)."""
+        placement: Placement | None = None, resume: ResumePoint | None = None,
+        chaos: ChaosMonkey | None = None) -> dict:
+    """Run a whole job on this machine; returns the summary dict (see ``format_summary``).
+    ``resume``: continue from this job checkpoint (``job_checkpoint.find``; ``cfg`` from
+    ``job_checkpoint.resume_config``). ``chaos``: a fault drill (default: ``--chaos N`` kills).
+    Groups that fail are started again (``--max-restarts``) and heal. With checkpoints on and no ``--checkpoint-dir``, they go
+    to ``RUN_DIR/checkpoints``."""
     placement = placement or Placement()
     corpus = preflight(cfg)
     out_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="diloco-run-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.train.checkpoint_dir and (cfg.train.checkpoint_every or cfg.train.stop_after):
+        cfg = copy.deepcopy(cfg)
+        cfg.train.checkpoint_dir = str((out_dir / "checkpoints").resolve())
     cfg_path = out_dir / "config.json"
     cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
     token = secrets.token_hex(16)
@@ -203,53 +217,109 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     env[SECRET_ENV] = secrets.token_hex(32)
     env[TOKEN_ENV] = token
     env.setdefault("OMP_NUM_THREADS", str(cfg.topology.threads_per_rank))
+    host = placement.coordinator_host or cfg.transport.host
     server = CoordinatorServer(
-        host=placement.coordinator_host or cfg.transport.host, port=0,
-        expected_groups=cfg.topology.groups, token=token,
-        join_timeout_s=max(cfg.transport.timeout_s, 120.0),
+        host=host, port=0, expected_groups=cfg.topology.groups, token=token,
+        tls=coordinator_tls(cfg.transport, f"{host}:0"), allow_insecure=cfg.transport.plaintext,
+        join_timeout_s=max(cfg.transport.timeout_s, 120.0), heartbeat_timeout_s=cfg.fault.heartbeat_timeout,
+        min_groups=cfg.fault.min_groups, outlier_factor=cfg.fault.outlier_factor,
     )
+    if chaos is None and cfg.fault.chaos:
+        hb = cfg.fault.heartbeat_timeout
+        chaos = ChaosMonkey(cfg.fault.chaos, seed=cfg.train.seed, gap_s=(hb, 3 * hb), pause_s=(0.5, hb))
     address = server.start()
-    groups: list[GroupProcess] = []
-    bar = _Progress(cfg.train.steps, progress)
-    started = time.perf_counter()
     try:
-        for g in range(cfg.topology.groups):
-            groups.append(_spawn_group(cfg_path, cfg, g, address, env, out_dir, placement))
+        http = _serve_coordinator_http(cfg, server, placement)
+    except BaseException:
+        server.stop()
+        raise
+    bar = _Progress(cfg.train.steps, progress, start=resume.step if resume is not None else 0)
+    started = time.perf_counter()
+
+    def spawn(g: int, attempt: int) -> GroupProcess:  # a restarted group heals: it does not resume
+        point = resume.path.resolve() if resume is not None and attempt == 0 else None
+        return _spawn_group(cfg_path, cfg, g, address, env, out_dir, placement, resume=point, attempt=attempt)
+
+    supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos)
+    try:
+        supervisor.start()
         while True:
-            codes = [g.proc.poll() for g in groups]
-            failed = [g for g, c in zip(groups, codes) if c not in (None, 0)]
-            if failed:
-                f = failed[0]
-                raise LaunchError(
-                    f"group {f.group} exited with code {f.proc.returncode}; stopped all groups. "
-                    f"Last lines of {f.log_path}:\n{f.tail()}"
-                )
-            bar.update(server.snapshot())
-            if all(c == 0 for c in codes):
-                break
+            snapshot = server.snapshot()
+            bar.update(snapshot)
+            try:
+                rs = snapshot["rounds_state"]
+                if supervisor.poll(live=set(rs["live_groups"]), progress=_job_progress(snapshot, cfg.train.steps),
+                                   committed=rs["committed"]):
+                    break
+            except GroupFailed as e:
+                raise LaunchError(f"{e}\nstopped all groups.") from None
             if timeout_s is not None and time.perf_counter() - started > timeout_s:
                 raise LaunchError(f"run exceeded its {timeout_s:.0f} s limit; stopped all groups (logs in {out_dir})")
-            time.sleep(0.25)
+            time.sleep(0.1 if chaos is not None else 0.25)
         summaries = server.wait_for_summaries(cfg.topology.groups, timeout_s=10.0)
         bar.update(server.snapshot())
         snapshot = server.snapshot()
     finally:
         bar.close()
-        _stop(groups)
+        _stop(supervisor.all_procs())
         server.stop()
-    return _summarize(cfg, corpus, summaries, snapshot, time.perf_counter() - started, out_dir)
+        if http is not None:
+            http.close()
+    summary = _summarize(cfg, corpus, summaries, snapshot, time.perf_counter() - started, out_dir)
+    summary["fault"] = _fault_summary(snapshot, supervisor)
+    summary["summaries"] = summaries
+    return summary
+
+
+def _job_progress(snapshot: dict, steps: int) -> float:
+    """Fraction of the job's steps done by the slowest reporting group (0 before any report)."""
+    done = [int(p.get("step", 0)) for p in snapshot.get("progress", {}).values()]
+    return min(done) / steps if done and steps else 0.0
+
+
+def _fault_summary(snapshot: dict, supervisor: Supervisor) -> dict:
+    """What fault tolerance did in the job: the coordinator's counts and events (with the seconds of
+    each exchange a failure disturbed, from its first quorum request to its commit), and the
+    supervisor's kills and restarts."""
+    rs = snapshot["rounds_state"]
+    stalls = [e["seconds"] for e in rs["events"] if e["kind"] == "stall"]
+    return {
+        "kills": len(supervisor.kills), "restarts": sum(supervisor.restarts.values()),
+        "failures": rs["failures"], "heals": rs["heals"], "rolled_back": rs["rolled_back"],
+        "committed": rs["committed"], "rejected": rs["rejected"], "evicted": rs["evicted"],
+        "stall_seconds": stalls, "events": rs["events"], "process_failures": supervisor.failures,
+    }
+
+
+def _serve_coordinator_http(cfg: Config, server: CoordinatorServer, placement: Placement):
+    """With ``--metrics-port N``: the coordinator's /metrics, /status and /healthz on the port after
+    the ranks' (N + every rank); else None."""
+    if not cfg.train.metrics_port:
+        return None
+    from diloco.coordinator import metrics as coordinator_metrics
+
+    host = placement.coordinator_host or cfg.transport.host
+    http = coordinator_metrics.serve(server, host=host, port=cfg.train.metrics_port + sum(cfg.topology.sizes()))
+    logging.getLogger("diloco.run").info("coordinator metrics on http://%s:%d/metrics, status: "
+                                         "diloco status --address %s:%d", host, http.port, host, http.port)
+    return http
 
 
 def _summarize(cfg: Config, corpus, summaries: dict, snapshot: dict, seconds: float, out_dir: Path) -> dict:
-    per_group = [summaries[g] for g in sorted(summaries)]
+    per_group = [summaries[g] for g in sorted(summaries) if not summaries[g].get("joined_late")]
+    if not per_group:
+        raise LaunchError("no group finished the job (every summary came from a group that joined too late)")
     n = int(per_group[0]["num_parameters"])
     sent = sum(int(s["bytes_sent"]) for s in per_group)
-    dp = dp_bytes(n, cfg.topology.groups, cfg.train.steps)
+    # the steps this run took (a resumed or stopped run: its own part; otherwise --steps)
+    steps_run = int(per_group[0].get("inner_steps", cfg.train.steps)) - int(per_group[0].get("resumed_at_step", 0))
+    dp = dp_bytes(n, cfg.topology.groups, steps_run)
     hashes = {int(s["group"]): s["param_hash"] for s in per_group}
     return {
         "eval_loss": per_group[0]["eval_loss"],
         "eval_loss_per_group": {int(s["group"]): s["eval_loss"] for s in per_group},
-        "initial_eval_loss": per_group[0]["initial_eval_loss"],
+        "initial_eval_loss": next((x for x in (float(g["initial_eval_loss"]) for g in per_group) if math.isfinite(x)),
+                                  float("nan")),  # a group that healed in did not see the start
         "round_hashes_per_group": {int(s["group"]): s["round_hashes"] for s in per_group},
         "outer_rounds": per_group[0]["outer_rounds"],
         "inner_steps": per_group[0]["inner_steps"],
@@ -274,6 +344,8 @@ def _summarize(cfg: Config, corpus, summaries: dict, snapshot: dict, seconds: fl
         "entry": cfg.train.entry or DEMO_ENTRY,
         "run_dir": str(out_dir),
         "config": cfg.to_dict(),
+        **{k: per_group[0][k] for k in ("resumed_from", "resumed_at_step", "stopped_at_step", "job_checkpoint")
+           if k in per_group[0]},
     }
 
 
@@ -297,6 +369,20 @@ def format_summary(s: dict) -> str:
         f"  wall time                : {s['seconds']:.1f} s",
         f"  logs                     : {s['run_dir']}",
     ]
+    f = s.get("fault")
+    if f and (f["kills"] or f["failures"] or f["rolled_back"] or f["rejected"]):
+        stalls = f["stall_seconds"]
+        stall = (f"; exchanges a failure disturbed took median {statistics.median(stalls):.2f} s, "
+                 f"max {max(stalls):.2f} s") if stalls else ""
+        lines.insert(-2, f"  faults                   : {f['kills']} killed by --chaos, {f['failures']} group failures, "
+                         f"{f['restarts']} restarts, {f['heals']} heals, {f['rolled_back']} rounds rolled back, "
+                         f"{f['rejected']} contributions refused{stall}")
+    if s.get("resumed_from"):
+        lines.insert(6, f"  resumed from             : {s['resumed_from']}")
+    if s.get("stopped_at_step") is not None:
+        root = Path(s["job_checkpoint"]).parent
+        lines.insert(6, f"  stopped at step          : {s['stopped_at_step']} of {s['config']['train']['steps']}, "
+                        f"checkpoint {s['job_checkpoint']} (continue: diloco run --resume {root})")
     return "\n".join(lines)
 
 

@@ -185,7 +185,7 @@ class QuorumAverager(StripedAverager):
         engine = self._engine
         ask = QuorumRequest(
             self.group, self.rank, self.incarnation, exchange, tag=tag, numel=src.numel(),
-            weight=max(weight, 0.0) * self.tokens_per_step,
+            weight=1.0 if exact else max(weight, 0.0) * self.tokens_per_step,  # control exchanges: a plain mean
             state_hash=engine.global_hash() if lead and engine is not None and engine.mode != "eager" else "",
             delta_norm=float(src.norm()) if lead else 0.0, retry=False)
         resp = self._ask(ask, healable=not exact)

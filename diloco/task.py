@@ -61,6 +61,12 @@ class Task:
     throughput and the summary's ``tokens`` count per batch (tokens, samples, ...); default the
     leading dimension of the batch's first tensor. ``fragments``: parameter-name lists for
     ``--fragments`` (default ``diloco.fragments.partition(model, P)``).
+
+    Resuming (``--resume``): ``data_state()`` returns the position of ``train_batches`` after the
+    batches taken so far (tensors and plain values: it is saved with ``torch.save`` and read
+    with ``weights_only=True``), ``load_data_state(state)`` restores it before the next batch is
+    taken. A task without them is resumed by drawing and discarding the batches already used,
+    which continues exactly when ``train_batches`` is a deterministic stream (seeded).
     """
 
     model: nn.Module
@@ -69,12 +75,16 @@ class Task:
     eval_batches: Sequence[Any] | None = None
     tokens_per_batch: int | None = None
     fragments: Callable[[nn.Module, int], list[list[str]]] | None = None
+    data_state: Callable[[], dict[str, Any]] | None = None
+    load_data_state: Callable[[dict[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise TaskError(f"Task.model must be an nn.Module, got {type(self.model).__name__}")
         if not callable(self.loss):
             raise TaskError("Task.loss must be callable as loss(model, batch) -> scalar tensor")
+        if (self.data_state is None) != (self.load_data_state is None):
+            raise TaskError("Task.data_state and Task.load_data_state go together (give both or neither)")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -166,6 +176,7 @@ def gpt_task(ctx: TaskContext) -> Task:
         eval_batches=data_mod.eval_batches(val, cfg.data.batch_size, m.block_size, cfg.data.eval_batches),
         tokens_per_batch=cfg.data.batch_size * m.block_size,
         fragments=lambda net, p: gpt_fragments(net, p, cfg.sync.fragment_pattern),
+        data_state=sampler.state_dict, load_data_state=sampler.load_state_dict,
     )
 
 

@@ -15,24 +15,31 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco import checkpoint
+from diloco import checkpoint, job_checkpoint, rank_state
 from diloco.config import Config
 from diloco.connection import SECRET_ENV, TOKEN_ENV, GroupConnection, connect, read_secret
 from diloco.data_parallel import DataParallelAcrossGroups
 from diloco.engine import DiLoCo
 from diloco.outer import by_name, co2
+from diloco.quorum_averager import GroupEvicted, JobFinished
 from diloco.schedule import FixedSchedule, QSRSchedule, SyncSchedule, inner_lr
 from diloco.task import DEMO_ENTRY, Task, TaskContext, batch_items, build_task, parse_entry_args, to_device
 
 __all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]
+
+
+EXIT_RESTART_TO_HEAL = 75  # the coordinator took this group out; a restart joins again and heals
 
 
 class WorkerError(RuntimeError):
@@ -102,8 +109,23 @@ def _device(backend: str, local_rank: int) -> torch.device:
     return device
 
 
-def run_worker(cfg: Config, group: int, coordinator: str) -> dict:
-    """Train this rank; returns this rank's summary (rank 0's carries the eval loss)."""
+def _init_group(backend: str, timeout: datetime.timedelta) -> None:
+    """The group's process group. Under torchrun each restart of the workers gets its own key space
+    in the rendezvous store: Gloo would otherwise read the dead workers' addresses and fail."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"diloco/restart-{restart}/", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | None = None) -> dict:
+    """Train this rank; returns this rank's summary (rank 0's carries the eval loss). ``resume``:
+    a job checkpoint (a step folder, or a folder of them) to continue from."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -111,13 +133,21 @@ def run_worker(cfg: Config, group: int, coordinator: str) -> dict:
         raise WorkerError(f"--group-id {group} outside [0, {cfg.topology.groups})")
     if world != cfg.topology.sizes()[group]:
         raise WorkerError(f"torchrun started {world} ranks but the config gives group {group} {cfg.topology.sizes()[group]}")
+    if (cfg.train.checkpoint_every or cfg.train.stop_after) and not cfg.train.checkpoint_dir:
+        raise WorkerError("--checkpoint-every and --stop-after need --checkpoint-dir (diloco run sets one)")
     torch.set_num_threads(cfg.topology.threads_per_rank)
     backend = _resolve_backend(cfg.topology.backend)
     device = _device(backend, local_rank)
     secret = read_secret()
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.transport.timeout_s))
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm_handler = signal.getsignal(signal.SIGTERM) if main_thread else None
+    _init_group(backend, datetime.timedelta(seconds=cfg.transport.timeout_s))
     link = None
     try:
+        restored = None
+        if resume is not None:  # read and check the file before joining the job
+            point = job_checkpoint.find(resume, group=group)
+            restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
         ctx = TaskContext(group=group, num_groups=cfg.topology.groups, rank=rank, group_size=world, device=device,
                           seed=cfg.train.seed, steps=cfg.train.steps, batch_size=cfg.data.batch_size,
                           data_path=cfg.data.path, args=parse_entry_args(cfg.train.entry_args), config=cfg)
@@ -125,26 +155,74 @@ def run_worker(cfg: Config, group: int, coordinator: str) -> dict:
         model = task.model.to(device)
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
         inner = make_inner_optimizer(cfg, model)
-        link = connect(coordinator, group, secret=secret, settings=cfg.transport, metrics_port=cfg.train.metrics_port)
-        engine = make_engine(cfg, model, inner, link, task.fragments)
-        return _train(cfg, group, rank, device, ddp, task, inner, engine, link)
+        link = connect(coordinator, group, secret=secret, settings=cfg.transport, metrics_port=cfg.train.metrics_port,
+                       heartbeat_timeout=cfg.fault.heartbeat_timeout)
+        try:
+            engine = make_engine(cfg, model, inner, link, task.fragments)  # a group joining a running job heals here
+        except JobFinished as e:
+            late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
+            if rank == 0:
+                link.averager.call_coordinator("summary", lambda: link.client.report_summary(group, late))
+            return late
+        if restored is not None:  # every group resumes from the same step, or all refuse
+            rank_state.agree_on_step(link, restored.step, tag=f"resume/{restored.step}")
+        return _train(cfg, group, rank, device, ddp, task, inner, engine, link, restored)
     finally:
+        if sigterm_handler is not None:
+            signal.signal(signal.SIGTERM, sigterm_handler)
         if link is not None:
             link.close()
         dist.destroy_process_group()
 
 
+def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.Progress:
+    try:
+        return rank_state.restore(restored.state, **objects)
+    except (ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise checkpoint.CheckpointError(f"{restored.path}: cannot be restored here: {e}") from e
+
+
+def _on_sigterm(keeper: job_checkpoint.JobCheckpointer) -> None:
+    """SIGTERM (main thread only): the first asks ``keeper`` to checkpoint and stop at the next
+    step the job agrees on (a periodic checkpoint, or the connection's ``stop_requested``); a
+    second one ends the process at once, as without checkpoints."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame) -> None:
+        if keeper.stop_signalled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        keeper.request_stop()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Module, task: Task,
-           inner: torch.optim.Optimizer, engine, link: GroupConnection) -> dict:
+           inner: torch.optim.Optimizer, engine, link: GroupConnection,
+           restored: job_checkpoint.RankCheckpoint | None = None) -> dict:
     c = cfg.inner
     steps = cfg.train.steps
     data_parallel = isinstance(engine, DataParallelAcrossGroups)
     evaluate = functools.partial(_evaluate, ddp.module, task, device)
-    initial_eval = evaluate() if rank == 0 else float("nan")
     batches = iter(task.train_batches)
     items_per_batch = task.tokens_per_batch
-    loss_ema = None
-    for t in range(steps):
+    if restored is None:
+        # a group that healed into a running job continues at the job's step, with a fresh data stream
+        start_step, loss_ema = engine.inner_step, None
+        initial_eval = evaluate() if rank == 0 and start_step == 0 else float("nan")
+    else:  # engine, local model, inner optimizer, data position, then the RNG states
+        progress = _restore(restored, engine=engine, model=ddp.module, inner=inner, task=task, batches=batches,
+                            device=device)
+        start_step, loss_ema, initial_eval = progress.step, progress.loss_ema, progress.initial_eval_loss
+    keeper = None
+    if cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir:
+        keeper = job_checkpoint.JobCheckpointer(
+            cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=ddp.module, inner=inner,
+            task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval)
+        _on_sigterm(keeper)  # run_worker puts the old handler back
+    stopped_at = None
+    for t in range(start_step, steps):
         lr = inner_lr(t, peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
                       schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
         for pg in inner.param_groups:
@@ -178,13 +256,22 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
         if (t + 1) % cfg.train.log_every == 0 or t + 1 == steps or events:
             link.report_progress(loss=loss_ema, step=t + 1, steps=steps, lr=nxt,
                                  tokens_per_step=(items_per_batch or 0) * link.group_size)
+        if keeper is not None and keeper.after_step(t + 1, loss_ema=loss_ema):
+            stopped_at = t + 1  # checkpoint written: leave the job here, to be resumed
+            break
     with engine.global_weights():
         eval_loss = evaluate() if rank == 0 else float("nan")
+    extra = {}
+    if restored is not None:
+        extra.update(resumed_from=str(restored.path.parent), resumed_at_step=start_step)
+    if stopped_at is not None:
+        extra.update(stopped_at_step=stopped_at, job_checkpoint=str(keeper.last))
     summary = link.summary(
         engine, eval_loss=eval_loss, initial_eval_loss=initial_eval, final_train_loss=loss_ema,
-        tokens=steps * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
+        tokens=(stopped_at or steps) * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
+        **extra,
     )
-    if cfg.train.save and group == 0 and rank == 0:
+    if cfg.train.save and group == 0 and rank == 0 and stopped_at is None:
         checkpoint.save(cfg.train.save, {
             "global": engine.global_state_dict(), "config": cfg.to_dict(),
             "inner_steps": steps, "eval_loss": eval_loss, "param_hash": summary["param_hash"],
@@ -225,19 +312,34 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None) -> int:
-    """Entry point of ``diloco worker``; returns the process exit code. Prints this rank's
-    summary line; rank 0 writes the group's summary to ``json_path`` if given."""
+def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None,
+         resume: str | Path | None = None) -> int:
+    """Entry point of ``diloco worker``; returns the process exit code (0 also when it stopped
+    early with a job checkpoint). Prints this rank's summary line; rank 0 writes the group's
+    summary to ``json_path`` if given. ``resume``: a job checkpoint to continue from."""
+    from diloco import logs, metrics as metrics_mod
+
+    logs.setup(cfg.train.log_format, component="worker", group=group, rank=int(os.environ.get("RANK", "0")))
+    t = cfg.transport
+    metrics_mod.describe_process(codec=t.codec, codec_block=t.codec_block, link=t.link, zstd=t.zstd,
+                                 chunk_bytes=t.chunk_bytes)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _die_with_parent()
     try:
-        summary = run_worker(cfg, group, coordinator)
+        summary = run_worker(cfg, group, coordinator, resume)
+    except GroupEvicted as e:  # the job goes on without this group: restart it and it heals
+        print(f"diloco worker (group {group}, rank {os.environ.get('RANK', '?')}): left the job: {e}; "
+              f"exit {EXIT_RESTART_TO_HEAL} (restart to heal)", file=sys.stderr, flush=True)
+        return EXIT_RESTART_TO_HEAL
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear line and exit code 1
         rank = os.environ.get("RANK", "?")
         if os.environ.get("DILOCO_TRACEBACK"):
             traceback.print_exc()
         print(f"diloco worker (group {group}, rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
+    if summary.get("joined_late"):
+        print(f"diloco worker (group {group}, rank {summary['rank']}): {summary['reason']}", flush=True)
+        return 0
     print(format_worker_line(summary), flush=True)
     if json_path and summary.get("rank") == 0:
         with open(json_path, "w") as f:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from .errors import CoordinatorError
 from .membership import Membership
-from .messages import (Ack, BandwidthRequest, CommitRequest, CommitResponse, HeartbeatRequest,
+from .messages import (RPCS, SERVICE, Ack, BandwidthRequest, CommitRequest, CommitResponse, HeartbeatRequest,
                        JoinRequest, JoinResponse, Message, MessageError, OfferQuery, Ping, PlanRequest,
                        PlanResponse, ProgressRequest, QuorumRequest, QuorumResponse, RoundRequest,
                        StateOffer, StopRequest, SummaryRequest)
-from .server import GRPC_MAX_MESSAGE_BYTES, SERVICE
+from .server import GRPC_MAX_MESSAGE_BYTES, PemFiles, read_tls
+
+if TYPE_CHECKING:
+    from transport.tls import TlsConfig
 
 JOIN_DEADLINE_S = 3600.0  # default client-side bound on a join; the server's join_timeout_s is
                           # normally the tighter one and answers with the missing members
@@ -33,30 +36,61 @@ class CoordinatorClient:
     Pings the coordinator, waiting up to ``timeout_s`` seconds for it to be reachable, and raises
     CoordinatorError if it is not or if it refuses ``token`` (sent as ``authorization: Bearer
     <token>`` metadata). Afterwards every call waits for a connection up to the same deadline.
+
+    ``tls``: speak mutual TLS with these PEM files (a ``transport.TlsConfig``): this client's
+    certificate and key, and the CA that must have signed the coordinator's certificate, which
+    must also name the host of ``address`` (gRPC checks it). Without it the channel is plain text:
+    a coordinator that serves TLS is then unreachable, and the error says so.
     """
 
-    def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, *, token: str | None = None, tls: PemFiles | TlsConfig | None = None,
+                 timeout_s: float = 30.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
+        self.tls = tls is not None
         self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._calls = {name: self._channel.unary_unary(f"/{SERVICE}/{name}")
-                       for name in ("Ping", "Join", "Heartbeat", "ReportProgress", "ReportRound",
-                                    "ReportSummary", "ReportBandwidth", "GetPlan", "Quorum", "Commit",
-                                    "OfferState", "WaitOffer", "RequestStop")}
+        if tls is not None:
+            cert, key, ca = read_tls(tls)
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            self._channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._calls = {name: self._channel.unary_unary(f"/{SERVICE}/{name}") for name in RPCS}
         # A real call rather than channel_ready_future: subscribing to connectivity starts a
         # polling thread in grpcio that can raise "Channel closed!" when the channel closes.
         try:
             self._call("Ping", Ping(), Ack)
         except CoordinatorError as exc:
-            self._channel.close()
-            if exc.code in ("DEADLINE_EXCEEDED", "UNAVAILABLE"):
-                why = str(exc).split(" failed: ", 1)[-1]
-                raise CoordinatorError(f"cannot reach coordinator at {address} within "
-                                       f"{timeout_s:g}s: {why}", exc.code) from None
-            raise
+            try:
+                if exc.code in ("DEADLINE_EXCEEDED", "UNAVAILABLE"):
+                    raise CoordinatorError(f"cannot reach coordinator at {address} within {timeout_s:g}s: "
+                                           f"{self._last_error(exc)}", exc.code) from None
+                raise
+            finally:
+                self._channel.close()
+
+    def _last_error(self, exc: CoordinatorError) -> str:
+        """Why the channel cannot connect (a TLS handshake that failed, say), with a hint."""
+        why = str(exc).split(" failed: ", 1)[-1]
+        try:  # without wait_for_ready a channel that keeps failing answers at once with its last error
+            self._calls["Ping"](Ping().encode(), timeout=1.0, metadata=self._metadata)
+        except grpc.RpcError as probe:
+            details = probe.details() if hasattr(probe, "details") else ""
+            if details and "last error" in details:
+                why = details
+        except ValueError:
+            pass
+        else:
+            return why  # reachable now: the coordinator was slow to start
+        if "Connection refused" in why:  # nothing listens there: TLS is not the question
+            return why
+        if self.tls:
+            return (f"{why} (this side speaks TLS: the coordinator must serve TLS with a certificate signed "
+                    "by our CA that names the host we dial, and accept ours)")
+        return (f"{why} (plain text: if the coordinator serves TLS, give this side its TLS files: "
+                "--tls-cert/--tls-key/--tls-ca, or tls=)")
 
     # --- calls --------------------------------------------------------------------------------
 
@@ -143,6 +177,7 @@ class CoordinatorClient:
 
     def _call(self, name: str, request: Message, reply_type: type[Message],
               timeout_s: float | None = None) -> Message:
+        assert (type(request), reply_type) == RPCS[name], name
         try:
             data = request.encode()
         except MessageError as exc:

@@ -1,10 +1,17 @@
-"""Wire messages of the coordinator: typed dataclasses with strict JSON decoding.
+"""Wire messages of the coordinator: typed dataclasses, protobuf on the wire, strict validation.
 
-Every message is one UTF-8 JSON object. ``decode`` never trusts its input: size, encoding,
-syntax, required and unknown fields, types (``bool`` is not an ``int``) and ranges are checked,
-and any mismatch raises :class:`MessageError`, which the server answers with INVALID_ARGUMENT.
-Non-finite floats (``NaN``, ``Infinity``) are accepted in progress and summaries: a NaN loss is
-a fact worth reporting, and both ends are this package's Python ``json``.
+The schema is ``coordinator.proto`` (package ``diloco.coordinator.v1``); its generated code,
+``coordinator_pb2``, is committed (``python -m diloco.coordinator.protogen`` regenerates it).
+The dataclasses below are what the coordinator's logic consumes and produces; the edge converts:
+``encode`` builds the protobuf message (``to_pb``) and ``decode`` parses one (``from_pb``).
+
+``decode`` never trusts its input: size, protobuf syntax, UTF-8, unknown fields (and fields sent
+with the wrong wire type), missing required fields, ranges, patterns and the limits of the
+free-form trees are checked, and any mismatch raises :class:`MessageError` naming the field,
+which the server answers with INVALID_ARGUMENT. Each message is first turned into the dict of its
+fields (``to_obj``/``from_obj``: the shape of its JSON form, group ids as string keys), which one
+validator per message checks. Non-finite floats (``NaN``, ``Infinity``) are accepted in progress,
+summaries and ``delta_norm``: a NaN loss is a fact worth reporting.
 """
 
 from __future__ import annotations
@@ -15,6 +22,12 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, TypeVar
+
+from google.protobuf import message as pb_message
+from google.protobuf import unknown_fields
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+from . import coordinator_pb2 as pb
 
 MAX_REQUEST_BYTES = 64 * 1024  # every message but summaries
 MAX_SUMMARY_BYTES = 1024 * 1024
@@ -47,25 +60,6 @@ class MessageError(ValueError):
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
-
-
-def _load_object(data: bytes, limit: int, what: str) -> dict[str, Any]:
-    """Parse ``data`` (at most ``limit`` bytes) as one JSON object."""
-    if not isinstance(data, (bytes, bytearray)):
-        raise MessageError(f"{what}: expected bytes, got {_type_name(data)}")
-    if len(data) > limit:
-        raise MessageError(f"{what}: message is {len(data)} bytes, the limit is {limit}")
-    try:
-        text = bytes(data).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise MessageError(f"{what}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError, huge ints
-        raise MessageError(f"{what}: not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise MessageError(f"{what}: expected a JSON object, got {_type_name(obj)}")
-    return obj
 
 
 def _check_fields(obj: Mapping[str, Any], what: str, fields: tuple[str, ...],
@@ -212,34 +206,284 @@ def _by_group(raw: Any, what: str, item) -> dict[int, Any]:
     return {_group_id(k, what): item(v, f"{what}[{k}]") for k, v in raw.items()}
 
 
+# --- protobuf <-> the dicts the validators check ----------------------------------------------
+#
+# A message becomes the dict of its fields: a field with explicit presence that is not set is left
+# out (the validator then reports it missing, or takes its default); a map becomes a dict with
+# string keys (group ids as in JSON), a repeated field a list, JsonValue/JsonObject the Python
+# value, and a message of a single field (RankAddresses, GroupRates, Rates) that field's value.
+
+_JSON_VALUE = pb.JsonValue.DESCRIPTOR.full_name
+_JSON_OBJECT = pb.JsonObject.DESCRIPTOR.full_name
+_WIRE_TYPES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group start", 4: "group end", 5: "32-bit"}
+
+
+def _parse(pb_type: type[pb_message.Message], data: bytes, limit: int, what: str) -> pb_message.Message:
+    """Parse ``data`` (at most ``limit`` bytes) as one ``pb_type`` with no unknown fields."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise MessageError(f"{what}: expected bytes, got {_type_name(data)}")
+    if len(data) > limit:
+        raise MessageError(f"{what}: message is {len(data)} bytes, the limit is {limit}")
+    msg = pb_type()
+    try:
+        msg.ParseFromString(bytes(data))
+    except (pb_message.DecodeError, UnicodeDecodeError) as exc:  # the latter: the pure-Python runtime
+        raise MessageError(f"{what}: not a valid {pb_type.DESCRIPTOR.full_name} message ({exc})") from None
+    fields = {f.number: f.name for f in msg.DESCRIPTOR.fields}
+    unknown = sorted({(f.field_number, f.wire_type) for f in unknown_fields.UnknownFieldSet(msg)})
+    for number, wire_type in unknown:  # a known number here was sent with the wrong wire type
+        if number in fields:
+            raise MessageError(f"{what}: {fields[number]}: wrong type on the wire "
+                               f"({_WIRE_TYPES.get(wire_type, wire_type)})")
+    if unknown:
+        raise MessageError(f"{what}: unknown field(s) {', '.join(str(n) for n, _ in unknown)}")
+    size = msg.ByteSize()
+    msg.DiscardUnknownFields()  # recursive: the nested messages' unknown fields
+    if msg.ByteSize() != size:
+        raise MessageError(f"{what}: unknown or mistyped fields in a nested message")
+    return msg
+
+
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _pb_to_obj(msg: pb_message.Message, path: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        if field.has_presence and not msg.HasField(field.name):
+            continue
+        out[field.name] = _pb_field(field, getattr(msg, field.name), _join(path, field.name))
+    return out
+
+
+def _pb_field(field: FieldDescriptor, value: Any, path: str) -> Any:
+    if _is_map(field):
+        item = field.message_type.fields_by_name["value"]
+        return {str(k): _pb_item(item, value[k], f"{path}[{k}]") for k in sorted(value)}
+    if field.is_repeated:
+        return [_pb_item(field, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return _pb_item(field, value, path)
+
+
+def _pb_item(field: FieldDescriptor, value: Any, path: str) -> Any:
+    kind: Descriptor | None = field.message_type
+    if kind is None:
+        return value
+    if kind.full_name == _JSON_VALUE:
+        return _json_from_pb(value, path, 0)
+    if kind.full_name == _JSON_OBJECT:
+        return _object_from_pb(value, path, 0)
+    if len(kind.fields) == 1:  # a wrapper: its one field stands for it
+        return _pb_field(kind.fields[0], getattr(value, kind.fields[0].name), path)
+    return _pb_to_obj(value, path)
+
+
+def _json_from_pb(value: pb.JsonValue, path: str, depth: int) -> Any:
+    """The Python value; ``depth`` counts as ``_json_tree`` does (the root object is 0)."""
+    if depth > MAX_SUMMARY_DEPTH:
+        raise MessageError(f"{path}: nested deeper than {MAX_SUMMARY_DEPTH}")
+    kind = value.WhichOneof("kind")
+    if kind is None:
+        raise MessageError(f"{path}: a JsonValue with no kind set")
+    if kind == "null_value":
+        return None
+    if kind == "list_value":
+        return [_json_from_pb(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value.list_value.values)]
+    if kind == "object_value":
+        return _object_from_pb(value.object_value, path, depth)
+    return getattr(value, kind)
+
+
+def _object_from_pb(obj: pb.JsonObject, path: str, depth: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for entry in obj.fields:
+        where = f"{path}[{entry.key[:40]!r}]"
+        if entry.key in out:
+            raise MessageError(f"{where}: repeated key")
+        if not entry.HasField("value"):
+            raise MessageError(f"{where}: no value")
+        out[entry.key] = _json_from_pb(entry.value, where, depth + 1)
+    return out
+
+
+def _fill(msg: pb_message.Message, obj: Mapping[str, Any], path: str) -> None:
+    """Set ``msg``'s fields from the dict of fields ``obj`` (the inverse of ``_pb_to_obj``)."""
+    fields = msg.DESCRIPTOR.fields_by_name
+    for name, value in obj.items():
+        field = fields.get(name)
+        where = _join(path, name)
+        if field is None:
+            raise MessageError(f"{where}: no such field in {msg.DESCRIPTOR.full_name}")
+        if _is_map(field):
+            key_field, item = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+            if not isinstance(value, Mapping):
+                raise MessageError(f"{where}: expected a mapping, got {_type_name(value)}")
+            container = getattr(msg, name)
+            for k, v in value.items():
+                key = _map_key(key_field, k, where)
+                if item.message_type is not None:
+                    _fill_item(item, container[key], v, f"{where}[{k}]")
+                else:
+                    container[key] = _scalar(item, v, f"{where}[{k}]")
+        elif field.is_repeated:
+            if not isinstance(value, (list, tuple)):
+                raise MessageError(f"{where}: expected a list, got {_type_name(value)}")
+            container = getattr(msg, name)
+            for i, v in enumerate(value):
+                if field.message_type is not None:
+                    _fill_item(field, container.add(), v, f"{where}[{i}]")
+                else:
+                    container.append(_scalar(field, v, f"{where}[{i}]"))
+        elif field.message_type is not None:
+            sub = getattr(msg, name)
+            sub.SetInParent()
+            _fill_item(field, sub, value, where)
+        else:
+            setattr(msg, name, _scalar(field, value, where))
+
+
+def _fill_item(field: FieldDescriptor, target: pb_message.Message, value: Any, path: str) -> None:
+    kind = field.message_type
+    if kind.full_name == _JSON_VALUE:
+        _json_to_pb(value, target, path)
+    elif kind.full_name == _JSON_OBJECT:
+        _object_to_pb(value, target, path)
+    elif len(kind.fields) == 1:
+        _fill(target, {kind.fields[0].name: value}, path)
+    else:
+        _fill(target, value, path)
+
+
+def _map_key(field: FieldDescriptor, key: Any, path: str) -> Any:
+    if field.cpp_type == FieldDescriptor.CPPTYPE_STRING:
+        return _scalar(field, key, path)
+    try:  # group and rank ids: string keys in the dicts, integers on the wire
+        return _scalar(field, int(key) if isinstance(key, str) else key, path)
+    except ValueError:
+        raise MessageError(f"{path}: key {key!r} is not an integer") from None
+
+
+def _scalar(field: FieldDescriptor, value: Any, path: str) -> Any:
+    """``value`` checked against the field's type (no silent conversions: a bool is no integer)."""
+    cpp = field.cpp_type
+    if cpp in (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_INT32):
+        if type(value) is not int:
+            raise MessageError(f"{path}: expected an integer, got {_type_name(value)}")
+        if not -MAX_INT64 - 1 <= value <= MAX_INT64:
+            raise MessageError(f"{path}: {value} does not fit in 64 bits")
+    elif cpp == FieldDescriptor.CPPTYPE_DOUBLE:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MessageError(f"{path}: expected a number, got {_type_name(value)}")
+        return float(value)
+    elif cpp == FieldDescriptor.CPPTYPE_BOOL:
+        if not isinstance(value, bool):
+            raise MessageError(f"{path}: expected true or false, got {_type_name(value)}")
+    elif cpp == FieldDescriptor.CPPTYPE_STRING:
+        if not isinstance(value, str):
+            raise MessageError(f"{path}: expected a string, got {_type_name(value)}")
+    else:  # pragma: no cover - the schema has no other scalar types
+        raise MessageError(f"{path}: unsupported field type {field.type}")
+    return value
+
+
+def _json_key(key: Any, path: str) -> str:
+    """An object key as ``json.dumps`` writes it: numbers, bools and None become their JSON text."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, (bool, int, float)):
+        return json.dumps(key)
+    raise MessageError(f"{path}: object key {key!r} is not a string")
+
+
+def _json_to_pb(value: Any, out: pb.JsonValue, path: str) -> None:
+    if value is None:
+        out.null_value = 0  # google.protobuf.NULL_VALUE
+    elif isinstance(value, bool):
+        out.bool_value = value
+    elif isinstance(value, int):
+        if not -MAX_INT64 - 1 <= value <= MAX_INT64:
+            raise MessageError(f"{path}: {value} does not fit in 64 bits")
+        out.int_value = int(value)
+    elif isinstance(value, float):
+        out.double_value = float(value)
+    elif isinstance(value, str):
+        out.string_value = value
+    elif isinstance(value, (list, tuple)):
+        out.list_value.SetInParent()
+        for i, item in enumerate(value):
+            _json_to_pb(item, out.list_value.values.add(), f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        out.object_value.SetInParent()
+        _object_to_pb(value, out.object_value, path)
+    else:
+        raise MessageError(f"{path}: cannot encode {_type_name(value)} as a JSON value")
+
+
+def _object_to_pb(value: Any, out: pb.JsonObject, path: str) -> None:
+    if not isinstance(value, Mapping):
+        raise MessageError(f"{path}: expected an object, got {_type_name(value)}")
+    for key, item in value.items():
+        entry = out.fields.add()
+        entry.key = _json_key(key, path)
+        _json_to_pb(item, entry.value, f"{path}[{entry.key[:40]!r}]")
+
+
 # --- messages ---------------------------------------------------------------------------------
 
 M = TypeVar("M", bound="Message")
 
 
 class Message:
-    """Base of all wire messages: ``encode`` to bytes, ``decode`` with validation."""
+    """Base of all wire messages: ``encode`` to protobuf bytes, ``decode`` with validation."""
 
-    LIMIT: ClassVar[int] = MAX_REQUEST_BYTES
+    LIMIT: ClassVar[int] = MAX_REQUEST_BYTES  # bytes of the encoded message
+    PB: ClassVar[type[pb_message.Message]]  # its protobuf message class
 
     @classmethod
     def from_obj(cls: type[M], obj: dict[str, Any]) -> M:
+        """Validate the dict of fields (the message's JSON shape) and build the message."""
         raise NotImplementedError
 
     def to_obj(self) -> dict[str, Any]:
+        """The dict of fields (the message's JSON shape, group ids as string keys)."""
         raise NotImplementedError
+
+    @classmethod
+    def from_pb(cls: type[M], msg: pb_message.Message) -> M:
+        """Validate a protobuf message of type ``PB``; raises MessageError."""
+        if msg.DESCRIPTOR.full_name != cls.PB.DESCRIPTOR.full_name:
+            raise MessageError(f"{cls.__name__}: expected {cls.PB.DESCRIPTOR.full_name}, "
+                               f"got {msg.DESCRIPTOR.full_name}")
+        try:
+            obj = _pb_to_obj(msg, "")
+        except RecursionError:
+            raise MessageError(f"{cls.__name__}: nested too deeply") from None
+        return cls.from_obj(obj)
+
+    def to_pb(self) -> pb_message.Message:
+        """The protobuf message (not validated: ``encode`` is)."""
+        msg = self.PB()
+        try:
+            _fill(msg, self.to_obj(), "")
+        except MessageError as exc:
+            raise MessageError(f"{type(self).__name__}: {exc}") from None
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise MessageError(f"{type(self).__name__}: cannot encode ({exc})") from None
+        return msg
 
     @classmethod
     def decode(cls: type[M], data: bytes) -> M:
         """Parse and validate ``data``; raises MessageError."""
-        return cls.from_obj(_load_object(data, cls.LIMIT, cls.__name__))
+        return cls.from_pb(_parse(cls.PB, data, cls.LIMIT, cls.__name__))
 
     def encode(self) -> bytes:
         """Serialize and check the result against the same rules the receiver applies."""
-        try:
-            data = json.dumps(self.to_obj(), separators=(",", ":"), allow_nan=True).encode()
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise MessageError(f"{type(self).__name__}: cannot encode as JSON ({exc})") from None
+        data = self.to_pb().SerializeToString()
         type(self).decode(data)
         return data
 
@@ -248,6 +492,8 @@ class Message:
 class JoinRequest(Message):
     """A rank announces itself: its group, its rank in the group, the group's size, and the
     data-plane address ``host:port`` other groups will dial."""
+
+    PB: ClassVar[type[pb_message.Message]] = pb.JoinRequest
 
     group: int
     rank: int
@@ -279,6 +525,8 @@ class JoinRequest(Message):
 class JoinResponse(Message):
     """The complete membership: addresses by rank for every group, ring order, epoch."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.JoinResponse
+
     epoch: int
     members: dict[int, tuple[str, ...]]
     ring_order: tuple[int, ...]
@@ -306,6 +554,8 @@ class JoinResponse(Message):
 class HeartbeatRequest(Message):
     """A rank is alive at inner step ``step``."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.HeartbeatRequest
+
     group: int
     rank: int
     step: int
@@ -327,6 +577,8 @@ class HeartbeatRequest(Message):
 class ProgressRequest(Message):
     """Latest progress of a rank: a flat dict (step, loss, tokens_per_s, bytes_sent, round, H ...)."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.ProgressRequest
+
     group: int
     rank: int
     progress: dict[str, int | float | str | bool]
@@ -345,6 +597,8 @@ class ProgressRequest(Message):
 @dataclass(frozen=True)
 class RoundRequest(Message):
     """A group committed outer round ``round``; ``param_hash`` digests its global parameters."""
+
+    PB: ClassVar[type[pb_message.Message]] = pb.RoundRequest
 
     group: int
     round: int
@@ -365,6 +619,7 @@ class RoundRequest(Message):
 class SummaryRequest(Message):
     """A group's final summary: any JSON tree up to MAX_SUMMARY_BYTES and MAX_SUMMARY_DEPTH."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.SummaryRequest
     LIMIT: ClassVar[int] = MAX_SUMMARY_BYTES
 
     group: int
@@ -387,6 +642,8 @@ class SummaryRequest(Message):
 class Ping(Message):
     """An empty request: is the coordinator there, and does it accept our token?"""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.PingRequest
+
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> Ping:
         _check_fields(obj, "Ping", ())
@@ -399,6 +656,8 @@ class Ping(Message):
 @dataclass(frozen=True)
 class Ack(Message):
     """Reply to heartbeats and reports: the current membership epoch (0 before the quorum)."""
+
+    PB: ClassVar[type[pb_message.Message]] = pb.Ack
 
     epoch: int
 
@@ -429,6 +688,8 @@ def _rates(value: Any, what: str) -> dict[int, float]:
 class BandwidthRequest(Message):
     """What one rank measured towards each other group: bytes/s by group id."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.BandwidthRequest
+
     group: int
     rank: int
     rates: dict[int, float]
@@ -449,6 +710,8 @@ class BandwidthRequest(Message):
 class PlanRequest(Message):
     """Which bandwidth table governs exchange number ``exchange`` (0, 1, 2, ... per job)."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.PlanRequest
+
     exchange: int
 
     @classmethod
@@ -467,6 +730,7 @@ class PlanResponse(Message):
     Version 0 is the empty table (no measurements yet): every rank plans with equal bandwidths.
     """
 
+    PB: ClassVar[type[pb_message.Message]] = pb.PlanResponse
     LIMIT: ClassVar[int] = MAX_SUMMARY_BYTES
 
     version: int
@@ -516,6 +780,8 @@ class QuorumRequest(Message):
     ``healable``: healers may join it (a fragment sync, not a control exchange).
     """
 
+    PB: ClassVar[type[pb_message.Message]] = pb.QuorumRequest
+
     group: int
     rank: int
     incarnation: str
@@ -556,6 +822,7 @@ class QuorumResponse(Message):
     not). ``stop``: the job asked every group to checkpoint and stop after this exchange.
     ``finished``: nothing to heal into, the job's groups have finished."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.QuorumResponse
     LIMIT: ClassVar[int] = MAX_SUMMARY_BYTES
 
     id: str
@@ -613,6 +880,8 @@ class CommitRequest(Message):
     """A rank's vote on quorum ``quorum_id``: ``ok`` if its collective finished. ``exchange`` and
     ``groups`` repeat the quorum, so a restarted coordinator can still decide the vote."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.CommitRequest
+
     group: int
     rank: int
     incarnation: str
@@ -646,6 +915,8 @@ class CommitRequest(Message):
 class CommitResponse(Message):
     """The quorum's decision: apply the result (``committed``) or roll back; ``reason`` says why."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.CommitResponse
+
     committed: bool
     reason: str = ""
 
@@ -662,6 +933,8 @@ class CommitResponse(Message):
 class StateOffer(Message):
     """A donor rank serves its state (``nbytes`` bytes, SHA-256 ``digest`` in hex) to one healer
     rank for quorum ``quorum_id``. Sent by the donor; returned to the healer that waits for it."""
+
+    PB: ClassVar[type[pb_message.Message]] = pb.StateOffer
 
     quorum_id: str
     donor_group: int
@@ -693,6 +966,8 @@ class StateOffer(Message):
 class OfferQuery(Message):
     """A healer rank waits for the offer its donor rank makes for quorum ``quorum_id``."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.OfferQuery
+
     quorum_id: str
     healer_group: int
     healer_rank: int
@@ -712,6 +987,8 @@ class OfferQuery(Message):
 class StopRequest(Message):
     """Ask every group to checkpoint and stop after its next exchange; ``reason`` is logged."""
 
+    PB: ClassVar[type[pb_message.Message]] = pb.StopRequest
+
     reason: str = ""
 
     @classmethod
@@ -721,3 +998,17 @@ class StopRequest(Message):
 
     def to_obj(self) -> dict[str, Any]:
         return {"reason": self.reason}
+
+
+# --- the service ------------------------------------------------------------------------------
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
+SERVICE = _SERVICE.full_name  # "diloco.coordinator.v1.Coordinator"
+_BY_PB: dict[str, type[Message]] = {cls.PB.DESCRIPTOR.full_name: cls for cls in (
+    Ping, Ack, JoinRequest, JoinResponse, HeartbeatRequest, ProgressRequest, RoundRequest, SummaryRequest,
+    BandwidthRequest, PlanRequest, PlanResponse, QuorumRequest, QuorumResponse, CommitRequest,
+    CommitResponse, StateOffer, OfferQuery, StopRequest)}
+RPCS: dict[str, tuple[type[Message], type[Message]]] = {
+    method.name: (_BY_PB[method.input_type.full_name], _BY_PB[method.output_type.full_name])
+    for method in _SERVICE.methods}
+"""Every RPC of ``coordinator.proto``: name -> (request message, reply message)."""

@@ -1,28 +1,38 @@
-"""The coordinator's gRPC service: JSON messages over unary calls, no generated code.
+"""The coordinator's gRPC service: the unary calls of ``coordinator.proto``, protobuf on the wire.
 
 It holds membership, liveness, progress, round hashes and summaries (see ``state.py``); it never
-touches tensors. Transport is plaintext gRPC: the optional shared token is sent in clear, so run it
-on a trusted network (TLS is future work).
+touches tensors. Requests are decoded and validated here (``messages.py``), so a malformed one is
+answered with INVALID_ARGUMENT naming the field, never reaches the state and never stops serving.
+
+Security, as on the data plane: with ``tls`` the service speaks mutual TLS (clients must show a
+certificate signed by the CA; the same PEM files as ``transport.TlsConfig``), and with ``token``
+every call must carry ``authorization: Bearer <token>``. On a non-loopback host both are required,
+and the server refuses to start without them unless ``allow_insecure=True`` (``diloco coordinator
+--insecure-coordinator``) accepts that anyone who reaches it can take a group's place.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
 import time
 from concurrent import futures
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import grpc
 
 from .errors import CoordinatorError
-from .messages import (Ack, BandwidthRequest, CommitRequest, HeartbeatRequest, JoinRequest, JoinResponse,
-                       Message, MessageError, OfferQuery, Ping, PlanRequest, PlanResponse, ProgressRequest,
-                       QuorumRequest, RoundRequest, StateOffer, StopRequest, SummaryRequest,
-                       MAX_SUMMARY_BYTES)
+from .messages import (RPCS, SERVICE, Ack, JoinRequest, JoinResponse, Message, MessageError, PlanResponse,
+                       StopRequest, MAX_SUMMARY_BYTES)
 from .quorum import QuorumError
 from .state import CoordinatorState
 
-SERVICE = "diloco.coordinator.v1.Coordinator"
+if TYPE_CHECKING:  # the coordinator never imports the transport package (it imports torch)
+    from transport.tls import TlsConfig
+
+log = logging.getLogger(__name__)
+
 GRPC_MAX_MESSAGE_BYTES = 4 * MAX_SUMMARY_BYTES  # above our own limits, so those answer first
 DEADLINE_MARGIN_S = 1.0  # a join answers this much before the caller's deadline (at most 10 %)
 SERVER_OPTIONS = [
@@ -38,10 +48,54 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+class PemFiles(Protocol):
+    """What the coordinator needs of a TLS setting (``transport.TlsConfig`` is one)."""
+
+    def read_pem(self) -> tuple[bytes, bytes, bytes]:
+        """(certificate, private key, CA certificate) PEM bytes."""
+
+
+def read_tls(tls: PemFiles) -> tuple[bytes, bytes, bytes]:
+    """(certificate, key, CA) PEM bytes; ValueError naming the file that cannot be read."""
+    try:
+        return tls.read_pem()
+    except OSError as exc:
+        raise ValueError(f"coordinator TLS: cannot read {exc.filename}: {exc.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (the same rule as the data plane's)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, *, token: str | None, tls: PemFiles | None, allow_insecure: bool) -> None:
+    """Refuse a coordinator that other machines can reach without both mutual TLS and a token,
+    unless ``allow_insecure`` accepts the risk (ValueError naming what is missing)."""
+    if allow_insecure or is_loopback(host):
+        return
+    missing = [what for what, given in (("mutual TLS (--tls-cert, --tls-key, --tls-ca)", tls is not None),
+                                        ("a token ($DILOCO_TOKEN)", token is not None)) if not given]
+    if missing:
+        raise ValueError(
+            f"refusing to serve the coordinator on non-loopback host {host!r} without "
+            f"{' and '.join(missing)}: anyone who reaches it could join as a group, vote on rounds or "
+            "rewrite the bandwidth table. Give them, listen on 127.0.0.1, or accept the risk with "
+            "--insecure-coordinator (allow_insecure=True)")
+
+
 class CoordinatorServer:
     """Coordinator for ``expected_groups`` groups (ids 0..expected_groups-1).
 
     ``token``: if set, every call must carry ``authorization: Bearer <token>`` metadata.
+    ``tls``: serve mutual TLS with these PEM files (a ``transport.TlsConfig``): this server's
+    certificate and key, and the CA whose signature admits a client. Clients check that the
+    certificate names the host they dial (gRPC always does). ``allow_insecure``: serve on a
+    non-loopback ``host`` without TLS or without a token (refused otherwise: ValueError).
     ``join_timeout_s``: longest a join waits for the quorum (seconds).
     ``heartbeat_timeout_s``: silence of any rank after which its group is declared failed and
     left out of every later quorum (seconds). ``min_groups``: fewest groups a quorum may have;
@@ -52,14 +106,18 @@ class CoordinatorServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, expected_groups: int = 2, *,
-                 token: str | None = None, join_timeout_s: float = 120.0,
+                 token: str | None = None, tls: PemFiles | TlsConfig | None = None,
+                 allow_insecure: bool = False, join_timeout_s: float = 120.0,
                  heartbeat_timeout_s: float = 15.0, max_group_size: int = 64, min_groups: int = 1,
                  outlier_factor: float = 10.0) -> None:
         if token is not None and (not token or not token.isascii() or not token.isprintable()):
             raise ValueError("token must be a non-empty printable ASCII string")
+        check_exposure(host, token=token, tls=tls, allow_insecure=allow_insecure)
         self.host = host
         self.port = port
         self._token = token
+        self._tls_pem = read_tls(tls) if tls is not None else None
+        self._insecure_exposed = not is_loopback(host) and (tls is None or token is None)
         self._state = CoordinatorState(expected_groups, join_timeout_s=join_timeout_s,
                                        heartbeat_timeout_s=heartbeat_timeout_s,
                                        max_group_size=max_group_size, min_groups=min_groups,
@@ -80,7 +138,13 @@ class CoordinatorServer:
         server.add_generic_rpc_handlers((self._handlers(),))
         target = f"{_bracket(self.host)}:{self.port}"
         try:
-            port = server.add_insecure_port(target)
+            if self._tls_pem is not None:
+                cert, key, ca = self._tls_pem
+                creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                    require_client_auth=True)
+                port = server.add_secure_port(target, creds)
+            else:
+                port = server.add_insecure_port(target)
         except RuntimeError as exc:
             raise CoordinatorError(f"cannot bind coordinator to {target}: {exc}") from None
         if port == 0:
@@ -88,7 +152,17 @@ class CoordinatorServer:
         server.start()
         self._server = server
         self._address = f"{_bracket(self.host)}:{port}"
+        if self._insecure_exposed:
+            log.warning("coordinator on %s without %s (--insecure-coordinator): anyone who reaches "
+                        "it can take a group's place", self._address,
+                        " and ".join(w for w, missing in (("TLS", self._tls_pem is None),
+                                                          ("a token", self._token is None)) if missing))
         return self._address
+
+    @property
+    def tls(self) -> bool:
+        """True if the service speaks mutual TLS."""
+        return self._tls_pem is not None
 
     @property
     def address(self) -> str:
@@ -169,29 +243,31 @@ class CoordinatorServer:
             state.request_stop(req.reason)
             return Ack(state.epoch)
 
-        methods: dict[str, tuple[type[Message], Callable[[Any, grpc.ServicerContext], Message]]] = {
-            "Ping": (Ping, lambda r, c: Ack(state.epoch)),
-            "Join": (JoinRequest, join),
-            "Heartbeat": (HeartbeatRequest, lambda r, c: Ack(state.heartbeat(r))),
-            "ReportProgress": (ProgressRequest, lambda r, c: Ack(state.progress(r))),
-            "ReportRound": (RoundRequest, lambda r, c: Ack(state.round(r))),
-            "ReportSummary": (SummaryRequest, lambda r, c: Ack(state.summary(r))),
-            "ReportBandwidth": (BandwidthRequest, lambda r, c: Ack(state.bandwidth(r))),
-            "GetPlan": (PlanRequest, lambda r, c: PlanResponse(*state.plan(r.exchange))),
-            "Quorum": (QuorumRequest, lambda r, c: state.quorum(
-                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active)),
-            "Commit": (CommitRequest, lambda r, c: state.commit(
-                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active)),
-            "OfferState": (StateOffer, lambda r, c: Ack(state.offer(r))),
-            "WaitOffer": (OfferQuery, lambda r, c: state.wait_offer(
-                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active)),
-            "RequestStop": (StopRequest, stop),
+        methods: dict[str, Callable[[Any, grpc.ServicerContext], Message]] = {
+            "Ping": lambda r, c: Ack(state.epoch),
+            "Join": join,
+            "Heartbeat": lambda r, c: Ack(state.heartbeat(r)),
+            "ReportProgress": lambda r, c: Ack(state.progress(r)),
+            "ReportRound": lambda r, c: Ack(state.round(r)),
+            "ReportSummary": lambda r, c: Ack(state.summary(r)),
+            "ReportBandwidth": lambda r, c: Ack(state.bandwidth(r)),
+            "GetPlan": lambda r, c: PlanResponse(*state.plan(r.exchange)),
+            "Quorum": lambda r, c: state.quorum(
+                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active),
+            "Commit": lambda r, c: state.commit(
+                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active),
+            "OfferState": lambda r, c: Ack(state.offer(r)),
+            "WaitOffer": lambda r, c: state.wait_offer(
+                r, deadline=deadline(c, state.join_timeout_s), active=c.is_active),
+            "RequestStop": stop,
         }
+        if set(methods) != set(RPCS):  # the .proto's service is the contract
+            raise CoordinatorError(f"handlers {sorted(methods)} do not match the service {sorted(RPCS)}")
         return grpc.method_handlers_generic_handler(SERVICE, {
-            name: grpc.unary_unary_rpc_method_handler(self._wrap(name, cls, fn))
-            for name, (cls, fn) in methods.items()})
+            name: grpc.unary_unary_rpc_method_handler(self._wrap(name, *RPCS[name], fn))
+            for name, fn in methods.items()})
 
-    def _wrap(self, name: str, cls: type[Message],
+    def _wrap(self, name: str, request_type: type[Message], reply_type: type[Message],
               fn: Callable[[Any, grpc.ServicerContext], Message]
               ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         """Authenticate, decode and validate the raw request, run ``fn``, encode the reply.
@@ -203,13 +279,16 @@ class CoordinatorServer:
         def behavior(raw: bytes, context: grpc.ServicerContext) -> bytes:
             self._authorize(context)
             try:
-                req = cls.decode(raw)
+                req = request_type.decode(raw)
             except MessageError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {exc}")
             try:
-                return fn(req, context).encode()
+                reply = fn(req, context)
             except QuorumError as exc:
                 context.abort(grpc.StatusCode[exc.code], f"{name}: {exc}")
+            if not isinstance(reply, reply_type):
+                raise TypeError(f"{name} answered {type(reply).__name__}, not {reply_type.__name__}")
+            return reply.encode()
 
         return behavior
 

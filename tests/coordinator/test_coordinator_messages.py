@@ -1,10 +1,10 @@
-"""Wire messages: round trips and strict validation of untrusted bytes."""
+"""Wire messages: round trips and strict validation of untrusted protobuf bytes."""
 
-import json
 import math
 
 import pytest
 
+from diloco.coordinator import coordinator_pb2 as pb
 from diloco.coordinator.messages import (
     MAX_SUMMARY_BYTES, Ack, HeartbeatRequest, JoinRequest, JoinResponse, MessageError,
     Ping, ProgressRequest, RoundRequest, SummaryRequest, check_address)
@@ -29,31 +29,36 @@ def test_nan_loss_is_reported_not_refused():
     assert math.isnan(ProgressRequest.decode(data).progress["loss"])
 
 
-def raw(obj) -> bytes:
-    return json.dumps(obj).encode()
+def join(**fields) -> bytes:
+    """A JoinRequest on the wire with exactly these fields set (no validation on this side)."""
+    return pb.JoinRequest(**fields).SerializeToString()
+
+
+OK = {"group": 0, "rank": 0, "group_size": 1, "address": "h:1"}
 
 
 @pytest.mark.parametrize("data,pattern", [
-    (b"{not json", "not valid JSON"),
-    (b"\xff\xfe", "not UTF-8"),
-    (b"[1, 2]", "expected a JSON object, got list"),
-    (raw({"group": 0, "rank": 0, "group_size": 1}), "missing field.*address"),
-    (raw({"group": 0, "rank": 0, "group_size": 1, "address": "h:1", "x": 1}), "unknown field.*x"),
-    (raw({"group": "0", "rank": 0, "group_size": 1, "address": "h:1"}),
-     "group: expected an integer, got str"),
-    (raw({"group": True, "rank": 0, "group_size": 1, "address": "h:1"}),
-     "group: expected an integer, got bool"),
-    (raw({"group": 0, "rank": 1, "group_size": 1, "address": "h:1"}), r"rank: 1 is out of range"),
-    (raw({"group": 0, "rank": 0, "group_size": 0, "address": "h:1"}), "group_size: 0 is out"),
-    (raw({"group": 0, "rank": 0, "group_size": 1, "address": "h"}), "is not host:port"),
-    (raw({"group": 0, "rank": 0, "group_size": 1, "address": "h:70000"}), "port 70000"),
-    (raw({"group": 0, "rank": 0, "group_size": 1, "address": "0.0.0.0:5"}), "wildcard"),
-    (b'{"group": 0, "rank": 0, "group_size": 1, "address": "h:1", "group": 1' + b"0" * 5000 + b"}",
-     "not valid JSON"),
+    (b"{not json", "not a valid diloco.coordinator.v1.JoinRequest message"),
+    (b"\x22\x02\xff\xfe", "(?i)not a valid .*utf-8"),  # address = 2 bytes that are not UTF-8
+    (join(group=0, rank=0, group_size=1), "missing field.*address"),
+    (join(**OK) + b"\x98\x06\x01", "unknown field.*99"),  # field 99 = 1
+    (join(rank=0, group_size=1, address="h:1") + b"\x0a\x01\x30",  # group sent as the string "0"
+     "group: wrong type on the wire"),
+    (join(**{**OK, "group": 2**62}), "group: 4611686018427387904 is out of range"),
+    (join(**{**OK, "rank": 1}), r"rank: 1 is out of range"),
+    (join(**{**OK, "group_size": 0}), "group_size: 0 is out"),
+    (join(**{**OK, "address": "h"}), "is not host:port"),
+    (join(**{**OK, "address": "h:70000"}), "port 70000"),
+    (join(**{**OK, "address": "0.0.0.0:5"}), "wildcard"),
 ])
 def test_join_request_rejects(data, pattern):
     with pytest.raises(MessageError, match=pattern):
         JoinRequest.decode(data)
+
+
+def test_unset_optional_fields_take_the_dataclass_defaults():
+    assert JoinRequest.decode(join(**OK)) == JoinRequest(0, 0, 1, "h:1", incarnation="", exchange=-1)
+    assert JoinRequest.decode(join(**OK, exchange=0)).exchange == 0  # set to 0 is not unset
 
 
 @pytest.mark.parametrize("progress,pattern", [
@@ -65,7 +70,11 @@ def test_join_request_rejects(data, pattern):
 ])
 def test_progress_rejects(progress, pattern):
     with pytest.raises(MessageError, match=pattern):
-        ProgressRequest.decode(raw({"group": 0, "rank": 0, "progress": progress}))
+        ProgressRequest.decode(ProgressRequest(0, 0, progress).to_pb().SerializeToString())
+
+
+def summary_bytes(group: int, summary) -> bytes:
+    return SummaryRequest(group, summary).to_pb().SerializeToString()
 
 
 def test_summary_limits():
@@ -75,30 +84,30 @@ def test_summary_limits():
         node["x"] = {}
         node = node["x"]
     with pytest.raises(MessageError, match="nested deeper than 8"):
-        SummaryRequest.decode(raw({"group": 0, "summary": deep}))
-    big = raw({"group": 0, "summary": {"blob": "x" * MAX_SUMMARY_BYTES}})
+        SummaryRequest.decode(summary_bytes(0, deep))
+    big = summary_bytes(0, {"blob": "x" * MAX_SUMMARY_BYTES})
     with pytest.raises(MessageError, match="the limit is 1048576"):
         SummaryRequest.decode(big)
-    with pytest.raises(MessageError, match="summary: expected an object, got list"):
-        SummaryRequest.decode(raw({"group": 0, "summary": []}))
+    with pytest.raises(MessageError, match="missing field.*summary"):
+        SummaryRequest.decode(pb.SummaryRequest(group=0).SerializeToString())
 
 
 def test_other_requests_are_limited_to_64_kib():
-    data = raw({"group": 0, "round": 1, "param_hash": "h" * 70_000})
+    data = RoundRequest(0, 1, "h" * 70_000).to_pb().SerializeToString()
     with pytest.raises(MessageError, match="the limit is 65536"):
         RoundRequest.decode(data)
 
 
 def test_round_hash_must_be_printable_without_spaces():
     with pytest.raises(MessageError, match="param_hash"):
-        RoundRequest.decode(raw({"group": 0, "round": 1, "param_hash": "a b"}))
+        RoundRequest.decode(RoundRequest(0, 1, "a b").to_pb().SerializeToString())
 
 
 def test_join_response_ring_must_be_permutation():
     with pytest.raises(MessageError, match="not a permutation"):
-        JoinResponse.decode(raw({"epoch": 1, "members": {"0": ["h:1"]}, "ring_order": [0, 1]}))
+        JoinResponse.decode(JoinResponse(1, {0: ("h:1",)}, (0, 1)).to_pb().SerializeToString())
     with pytest.raises(MessageError, match="not a group id"):
-        JoinResponse.decode(raw({"epoch": 1, "members": {"-1": ["h:1"]}, "ring_order": [-1]}))
+        JoinResponse.decode(JoinResponse(1, {-1: ("h:1",)}, (-1,)).to_pb().SerializeToString())
 
 
 def test_encode_refuses_values_json_cannot_carry():

@@ -1,6 +1,5 @@
 """Coordinator over real gRPC on 127.0.0.1 ephemeral ports: joins, auth, validation, reports."""
 
-import json
 import re
 import socket
 import threading
@@ -10,6 +9,7 @@ import grpc
 import pytest
 
 from diloco.coordinator import CoordinatorClient, CoordinatorError, CoordinatorServer
+from diloco.coordinator import coordinator_pb2 as pb
 from diloco.coordinator.server import SERVICE
 
 
@@ -108,8 +108,8 @@ def test_token_is_required_and_checked():
                 CoordinatorClient(srv.address, token=token, timeout_s=5.0)
             assert info.value.code == "UNAUTHENTICATED"
         with pytest.raises(grpc.RpcError) as raw:  # every method checks, not only Ping
-            raw_call(srv.address, "Join", json.dumps(
-                {"group": 0, "rank": 0, "group_size": 1, "address": "h:1"}).encode())
+            raw_call(srv.address, "Join", pb.JoinRequest(
+                group=0, rank=0, group_size=1, address="h:1").SerializeToString())
         assert raw.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert srv.snapshot()["groups"] == {}
         with CoordinatorClient(srv.address, token="s3cret", timeout_s=5.0) as c:
@@ -121,12 +121,14 @@ def raw_call(address: str, method: str, payload: bytes) -> bytes:
         return channel.unary_unary(f"/{SERVICE}/{method}")(payload, timeout=5.0)
 
 
-@pytest.mark.parametrize("method,payload,pattern", ids=["json", "type", "field", "size"], argvalues=[
-    ("Join", b"{not json", "Join: JoinRequest: not valid JSON"),
-    ("Join", json.dumps({"group": 0, "rank": "0", "group_size": 1, "address": "h:1"}).encode(),
-     "rank: expected an integer, got str"),
-    ("Heartbeat", json.dumps({"group": 0, "rank": 0}).encode(), "missing field.*step"),
-    ("ReportSummary", json.dumps({"group": 0, "summary": {"x": "y" * 2_000_000}}).encode(),
+@pytest.mark.parametrize("method,payload,pattern", ids=["syntax", "type", "field", "size"], argvalues=[
+    ("Join", b"{not protobuf", "Join: JoinRequest: not a valid diloco.coordinator.v1.JoinRequest"),
+    ("Join", pb.JoinRequest(group=0, group_size=1, address="h:1").SerializeToString()
+     + b"\x12\x01\x30",  # rank sent as the string "0"
+     "rank: wrong type on the wire"),
+    ("Heartbeat", pb.HeartbeatRequest(group=0, rank=0).SerializeToString(), "missing field.*step"),
+    ("ReportSummary", pb.SummaryRequest(group=0, summary=pb.JsonObject(fields=[pb.JsonField(
+        key="x", value=pb.JsonValue(string_value="y" * 2_000_000))])).SerializeToString(),
      "the limit is 1048576"),
 ])
 def test_malformed_requests_are_invalid_argument_and_server_keeps_serving(
