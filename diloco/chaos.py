@@ -6,9 +6,9 @@ is), so a drill is reproducible from its seed; the caller does the killing (SIGK
 group's whole process tree, wherever it stands: inside a collective, a vote, a heal) and the
 restarting.
 
-Rules: a group is killed only while it is up and a live member of the job (not healing), only if
-at least one other live group would remain (someone must hold the state to heal from), and only
-before ``stop_fraction`` of the job's steps; a killed group is restarted after a pause drawn from
+Rules: a group is killed only while it is up and a healthy live member of the job (not healing,
+not killed earlier and not yet healed back), only if at least one other such group would remain
+(someone must hold the state to heal from), and only before ``stop_fraction`` of the job's steps; a killed group is restarted after a pause drawn from
 ``pause_s``; kills are spaced by gaps drawn from ``gap_s`` (seconds).
 """
 
@@ -41,12 +41,22 @@ class ChaosMonkey:
         self.gap_s, self.pause_s, self.stop_fraction = gap_s, pause_s, stop_fraction
         self._next_kill_at: float | None = None
         self._down: dict[int, float] = {}  # group -> when to restart it
+        # killed groups not yet back: "drop" until the coordinator no longer counts them live (it
+        # noticed), then "heal" until it counts them live again (healed). Only groups outside this
+        # map count as healthy, so a stale "live" from the coordinator never lets the drill kill
+        # the last group holding the job's state.
+        self._recovering: dict[int, str] = {}
 
     def tick(self, now: float, *, live: set[int], running: set[int], progress: float) -> ChaosPlan:
         """``now``: seconds (any monotonic clock). ``live``: groups the coordinator counts as live
         members. ``running``: groups whose processes run. ``progress``: fraction of the job's steps
         done (0..1). Returns the kills and restarts to do now."""
         plan = ChaosPlan()
+        for g, phase in list(self._recovering.items()):
+            if phase == "drop" and g not in live:
+                self._recovering[g] = "heal"
+            elif phase == "heal" and g in live:
+                del self._recovering[g]
         for g, at in sorted(self._down.items()):
             if now >= at:
                 plan.restart.append(g)
@@ -55,12 +65,13 @@ class ChaosMonkey:
             self._next_kill_at = now + self.rng.uniform(*self.gap_s)
         if self.kills_left <= 0 or now < self._next_kill_at or progress >= self.stop_fraction:
             return plan
-        candidates = sorted(g for g in live & running if g not in self._down)
-        if len(live & running) < 2 or not candidates:
+        healthy = sorted(g for g in live & running if g not in self._down and g not in self._recovering)
+        if len(healthy) < 2:
             return plan
-        victim = self.rng.choice(candidates)
+        victim = self.rng.choice(healthy)
         plan.kill.append(victim)
         self._down[victim] = now + self.rng.uniform(*self.pause_s)
+        self._recovering[victim] = "drop"
         self.kills_left -= 1
         self.kills_done += 1
         self._next_kill_at = now + self.rng.uniform(*self.gap_s)

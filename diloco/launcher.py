@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         return _spawn_group(cfg_path, cfg, g, address, env, out_dir, placement, resume=point, attempt=attempt)
 
     supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos)
+    restore_sigterm = _stop_on_sigterm(server, checkpoints=bool(cfg.train.checkpoint_dir))
     try:
         supervisor.start()
         while True:
@@ -260,6 +262,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         bar.update(server.snapshot())
         snapshot = server.snapshot()
     finally:
+        restore_sigterm()
         bar.close()
         _stop(supervisor.all_procs())
         server.stop()
@@ -269,6 +272,29 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     summary["fault"] = _fault_summary(snapshot, supervisor)
     summary["summaries"] = summaries
     return summary
+
+
+def _stop_on_sigterm(server: CoordinatorServer, *, checkpoints: bool) -> Callable[[], None]:
+    """With job checkpoints on, a first SIGTERM asks every group, through the coordinator, to
+    checkpoint at the same step and stop (``diloco run --resume`` continues); a second one, or
+    any SIGTERM without checkpoints, stops every process at once. Returns what restores the
+    previous handler. Only in the main thread (signals can be handled nowhere else)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+    asked = []
+
+    def handler(signum, frame) -> None:
+        if checkpoints and not asked:
+            asked.append(True)
+            logging.getLogger("diloco.run").warning(
+                "SIGTERM: every group checkpoints at its next exchange and stops (SIGTERM again: stop now)")
+            server.request_stop("SIGTERM to diloco run")
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _job_progress(snapshot: dict, steps: int) -> float:

@@ -223,7 +223,7 @@ class QuorumAverager(StripedAverager):
     def _ask(self, req: QuorumRequest, *, healable: bool) -> QuorumResponse:
         req = dataclasses.replace(req, healable=healable)
         resp = self._retry(f"quorum for exchange {req.exchange}", lambda: self.client.quorum(req))
-        if resp.stop:
+        if resp.stop and not req.retry:  # a first attempt is asked at the same step on every group
             self.stop_requested = True
         if resp.evicted:
             self._evicted = resp.evicted
@@ -337,6 +337,9 @@ class QuorumAverager(StripedAverager):
                 TypeError) as e:
             pending.fetch_result(False, f"healing fetch failed: {e}"[:400])
             return None
+        except BaseException as e:  # the vote must still happen (no), then the error goes on
+            pending.fetch_result(False, f"healing fetch failed: {type(e).__name__}: {e}"[:400])
+            raise
 
     # --- liveness -------------------------------------------------------------------------------
 
@@ -414,7 +417,8 @@ class _QuorumPending:
                             resp.tag, resp.rejected[avg.group])
             out, sp, me, ok, why = avg.run_rings(self._src, resp, self._exact)
             if self._fetched is not None:  # healing: the state fetch is part of this rank's vote
-                self._fetched.wait()
+                if not self._fetched.wait(2 * avg.timeout_s + avg.round_timeout_s):
+                    self._fetch = (False, "the state fetch did not finish in time")
                 ok, why = (ok and self._fetch[0]), (why or self._fetch[1])
             decision = avg.vote(resp, ok, why)
             if decision.committed:

@@ -52,6 +52,10 @@ class CoordinatorState:
         self.min_groups = min_groups
         self.outlier_factor = outlier_factor
         self.boot = secrets.token_hex(4)  # names this coordinator's quorums apart from a predecessor's
+        # a backstop: a member alive (heartbeating) but silent this long after a quorum's first vote
+        # is stuck, and the round rolls back (members' rings end together; a healer's vote also
+        # waits for its state transfer, which must fit in this)
+        self.vote_timeout_s = join_timeout_s
         self.join_timeout_s = join_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_group_size = max_group_size
@@ -455,7 +459,9 @@ class CoordinatorState:
                     continue
             attempt = sum(1 for q, _ in self._quorums.values() if q.exchange == exchange)
             if latest is None:
-                awaited = live
+                # a healer in an earlier exchange still being voted on joins this one if that commits
+                awaited = live | {g for q, _ in self._quorums.values() if q.id not in self._decisions
+                                  and q.exchange < exchange for g in q.healers}
                 extra = {g: a for g, a in heal_asks.items()}
             else:
                 awaited = live & set(self._quorums[latest][0].groups)
@@ -470,7 +476,7 @@ class CoordinatorState:
             meta = {"members": members, "sizes": {g: self._sizes[g] for g in q.groups},
                     "incarnations": {g: self._incarnations[g] for g in q.groups},
                     "norms": {g: asks[g].delta_norm for g in q.groups if g in asks}, "orphan": False,
-                    "decided_at": self._clock()}
+                    "decided_at": self._clock(), "stop": self._stop_reason is not None}
             self._remember_quorum(q, meta)
             for g in q.groups:
                 source = rounds.HEAL if g in q.healers else exchange
@@ -516,10 +522,11 @@ class CoordinatorState:
         if kind == "finished":
             return QuorumResponse(id="", exchange=-1, attempt=0, tag="", numel=0, members={}, weights={},
                                   stop=stop, finished=True)
-        q, meta = self._quorums[value]
+        q, meta = self._quorums[value]  # stop is frozen when the quorum forms: every member stops at it
         return QuorumResponse(id=q.id, exchange=q.exchange, attempt=q.attempt, tag=q.tag, numel=q.numel,
                               members=dict(meta["members"]), weights=dict(q.weights), healers=q.healers,
-                              donor=q.donor, rejected=dict(q.rejected), state_hash=q.state_hash, stop=stop)
+                              donor=q.donor, rejected=dict(q.rejected), state_hash=q.state_hash,
+                              stop=meta.get("stop", False))
 
     def commit(self, req: CommitRequest, *, deadline: float,
                active: Callable[[], bool] = lambda: True) -> CommitResponse:
@@ -568,7 +575,12 @@ class CoordinatorState:
                 failed[g] = "it did not rejoin after the coordinator restarted"
         sizes = meta["sizes"] or {g: self._sizes.get(g, 1) for g in q.groups}
         since = {g: self._asked_exchange[g] for g in q.groups if g in self._asked_exchange} if meta["orphan"] else None
-        outcome = rounds.commit_outcome(q, sizes, self._votes.get(q.id, {}), failed, since)
+        votes = self._votes.get(q.id, {})
+        outcome = rounds.commit_outcome(q, sizes, votes, failed, since)
+        first_vote = meta.setdefault("first_vote", self._clock())
+        if outcome is None and self._clock() - first_vote > self.vote_timeout_s:
+            silent = sorted({g for g in q.groups for r in range(sizes[g]) if (g, r) not in votes})
+            outcome = (False, f"groups {silent} did not vote within {self.vote_timeout_s:g}s of the first vote")
         if outcome is None:
             return
         committed, why = outcome
