@@ -251,7 +251,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
             try:
                 rs = snapshot["rounds_state"]
                 if supervisor.poll(live=set(rs["live_groups"]), progress=_job_progress(snapshot, cfg.train.steps),
-                                   committed=rs["committed"]):
+                                   committed=rs["committed_training"]):
                     break
             except GroupFailed as e:
                 raise LaunchError(f"{e}\nstopped all groups.") from None

@@ -87,8 +87,8 @@ class Supervisor:
     def poll(self, *, live: set[int], progress: float, committed: int = 1) -> bool:
         """Check every group, restart the failed ones, run the drill; True once every group
         exited 0. Raises GroupFailed when a group is out of restarts, or fails before the job
-        committed its first exchange (``committed`` 0: a setup error, which a restart would
-        only repeat)."""
+        committed its first training exchange (``committed`` 0: a setup error such as groups
+        with different initial weights, which a restart would only repeat)."""
         down = self.chaos.down if self.chaos is not None else set()
         for g, p in list(self.procs.items()):
             code = p.proc.poll()
@@ -100,7 +100,7 @@ class Supervisor:
             if g in self.finished:
                 continue
             if not committed:
-                raise GroupFailed(f"group {g} exited with code {code} before the job's first exchange "
+                raise GroupFailed(f"group {g} exited with code {code} before the job's first training exchange "
                                   f"committed; last lines of {p.log_path}:\n{p.tail()}")
             if self.restarts.get(g, 0) >= self.max_restarts:
                 raise GroupFailed(f"group {g} exited with code {code} and was restarted {self.max_restarts} "

@@ -97,7 +97,7 @@ class CoordinatorState:
         self._first_ask: dict[int, float] = {}  # exchange -> when its first quorum request came
         self._last_members = 0  # contributing groups of the last committed quorum
         self._stop_reason: str | None = None
-        self._counts = {"committed": 0, "rolled_back": 0, "heals": 0, "failures": 0, "rejected": 0,
+        self._counts = {"committed": 0, "committed_training": 0, "rolled_back": 0, "heals": 0, "failures": 0, "rejected": 0,
                         "evicted": 0}
         self._events: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._event_seq = 0
@@ -476,7 +476,8 @@ class CoordinatorState:
             meta = {"members": members, "sizes": {g: self._sizes[g] for g in q.groups},
                     "incarnations": {g: self._incarnations[g] for g in q.groups},
                     "norms": {g: asks[g].delta_norm for g in q.groups if g in asks}, "orphan": False,
-                    "decided_at": self._clock(), "stop": self._stop_reason is not None}
+                    "decided_at": self._clock(), "stop": self._stop_reason is not None,
+                    "training": all(a.healable for g, a in asks.items() if g in q.groups)}
             self._remember_quorum(q, meta)
             for g in q.groups:
                 source = rounds.HEAL if g in q.healers else exchange
@@ -587,6 +588,7 @@ class CoordinatorState:
         self._decisions[q.id] = outcome
         if committed:
             self._counts["committed"] += 1
+            self._counts["committed_training"] += bool(meta.get("training", True))
             members = len(q.groups) - len(q.healers)
             asked = self._first_ask.pop(q.exchange, None)
             if asked is not None and (q.attempt > 0 or members < self._last_members):

@@ -131,8 +131,10 @@ def _pids_with(marker: str) -> list[int]:
     return pids
 
 
-def test_a_group_killed_mid_run_stops_every_process(tmp_path):
+def test_a_group_killed_with_no_restarts_left_stops_every_process(tmp_path):
+    """With --max-restarts 0 a lost group ends the run (with restarts it heals: test_churn.py)."""
     cfg = Config()
+    cfg.fault.max_restarts = 0
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size = 1, 64, 32
     cfg.data.batch_size, cfg.data.eval_batches = 8, 4
     cfg.train.steps, cfg.sync.h, cfg.topology.ranks_per_group = 100000, 10, 1
