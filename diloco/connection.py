@@ -38,7 +38,9 @@ from diloco.network_plan import BandwidthMonitor, measure_rates
 from diloco.quorum_averager import QuorumAverager
 import transport as transport_pkg
 from transport import TcpTransport, TlsConfig
+from transport.identity import GroupKeys
 from transport.tcp import is_loopback
+from diloco.coordinator.credentials import for_group
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +52,23 @@ class ConnectError(RuntimeError):
     """This rank cannot join the job; the message says why."""
 
 
-def read_secret(value: bytes | str | None = None) -> bytes:
-    """The data plane's shared secret: ``value`` (bytes, or hex text) or ``$DILOCO_SECRET`` (hex)."""
+def read_secret(value: bytes | str | GroupKeys | None = None) -> bytes | GroupKeys:
+    """The data plane's job secret: ``value`` (bytes, or hex text) or ``$DILOCO_SECRET`` (hex); or
+    one group's keyring (``GroupKeys``, or its ``to_text()`` form), which lets a rank be only
+    that group (see ``transport.identity``)."""
+    if isinstance(value, GroupKeys):
+        return value
     if isinstance(value, bytes):
         secret = value
     else:
         text = value if value is not None else os.environ.get(SECRET_ENV, "")
         if not text:
             raise ConnectError(f"no secret: pass secret= or set {SECRET_ENV} (hex, 16+ bytes)")
+        if GroupKeys.is_text(text):
+            try:
+                return GroupKeys.from_text(text)
+            except ValueError as e:
+                raise ConnectError(str(e)) from None
         try:
             secret = bytes.fromhex(text)
         except ValueError as e:
@@ -67,7 +78,17 @@ def read_secret(value: bytes | str | None = None) -> bytes:
     return secret
 
 
-def make_transport(t: TransportConfig, secret: bytes):
+def group_keys(secret: bytes | GroupKeys, group: int) -> GroupKeys:
+    """Group ``group``'s data-plane credentials: derived from the job secret, or the keyring given
+    (which must be that group's). Its handshakes then prove the group to every peer."""
+    if isinstance(secret, GroupKeys):
+        if secret.group != group:
+            raise ConnectError(f"the data-plane keyring is group {secret.group}'s, not group {group}'s")
+        return secret
+    return GroupKeys.derive(secret, group)
+
+
+def make_transport(t: TransportConfig, secret: bytes | GroupKeys):
     """This rank's data-plane endpoint (tcp or grpc), listening on ``t.host``, as configured."""
     tls = TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None
     link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
@@ -337,17 +358,19 @@ def _incarnation(process_group, size: int, device: torch.device) -> str:
     return f"{int(value.item()):016x}"
 
 
-def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, codec: str | None = None,
+def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | None = None, codec: str | None = None,
             process_group: "dist.ProcessGroup | None" = None, token: str | None = None,
             settings: TransportConfig | None = None, metrics_port: int = 0, heartbeat_timeout: float = 15.0,
             tokens_per_step: float | None = None) -> GroupConnection:
     """Join the job as this rank of ``group``; returns the connection (the engine's averager).
 
-    ``coordinator``: ``host:port``. ``secret``: the data plane's shared secret (bytes or hex;
-    default ``$DILOCO_SECRET``). ``codec``: wire codec name (``fp32``, ``bf16``, ``int8``,
+    ``coordinator``: ``host:port``. ``secret``: the data plane's job secret (bytes or hex;
+    default ``$DILOCO_SECRET``), from which this rank derives its group's keys; or the group's own
+    keyring (``transport.identity.GroupKeys``). ``codec``: wire codec name (``fp32``, ``bf16``, ``int8``,
     ``int4``, ``fp4-e2m1``, ``fp4-e3m0``; default ``settings.codec``). ``process_group``: this
     group's ranks (default: the whole torch.distributed world, or none when it is not
-    initialized: a one-rank group). ``token``: the coordinator's (default ``$DILOCO_TOKEN``).
+    initialized: a one-rank group). ``token``: the coordinator's job token or this group's
+    credential (default ``$DILOCO_TOKEN``); the rank shows the coordinator only its group's.
     ``settings``: links, TLS, connections, probes, timeouts (``diloco.config.TransportConfig``,
     the same fields as the ``--host``, ``--link``, ``--tls-*`` ... flags); its TLS files also
     secure the coordinator calls when the coordinator is not on loopback (``coordinator_tls``). ``metrics_port``:
@@ -367,13 +390,17 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | None = None, 
     if getattr(wire, "requires_error_feedback", False):
         raise ConfigError(f"codec {t.codec!r} needs error feedback, which the ring all-reduce does not carry")
     rank, size = _group_rank(process_group)
-    key = read_secret(secret)
+    key = group_keys(read_secret(secret), group)  # identity: this group's keys and coordinator credential only
+    try:
+        credential = for_group(token or os.environ.get(TOKEN_ENV) or None, group)
+    except ValueError as e:
+        raise ConnectError(str(e)) from None
     opened: list[Any] = []
     try:
         transport = make_transport(t, key)
         opened.append(transport)
-        client = CoordinatorClient(coordinator, token=token or os.environ.get(TOKEN_ENV) or None,
-                                   tls=coordinator_tls(t, coordinator), timeout_s=t.timeout_s)
+        client = CoordinatorClient(coordinator, token=credential, tls=coordinator_tls(t, coordinator),
+                                   timeout_s=t.timeout_s)
         opened.append(client)
         device = _comm_device(process_group)
         incarnation = _incarnation(process_group, size, device)

@@ -108,11 +108,12 @@ class StripedAverager:
         ranks = [addresses[g] for g in plan.groups]
         order = [plan.groups.index(g) for g in plan.ring_order]
         index = order.index(me)
+        ring_groups = [plan.groups[o] for o in order]  # each ring member's group: its neighbours must prove it
         handles = [
             (s, self.transport.all_reduce(
                 src[s.start : s.stop], sp.ring(s.index, ranks, order), index,
                 tag=f"{tag}/s{s.index}", codec=None if exact else self.codec, timeout_s=self.timeout_s,
-                out=out[s.start : s.stop],
+                out=out[s.start : s.stop], groups=ring_groups, finite=not exact,
             ))
             for s in sp.stripes_of(me, self.rank) if s.size
         ]

@@ -299,7 +299,7 @@ class QuorumAverager(StripedAverager):
                 if h_rank % self.group_size != self.rank:
                     continue
                 handle = self.transport.all_reduce(values, [me, address], 0, tag=f"heal/{resp.id}/{healer}/{h_rank}",
-                                                   timeout_s=self.timeout_s)
+                                                   timeout_s=self.timeout_s, groups=[self.group, healer])
                 self._retry("state offer", lambda h=healer, r=h_rank: self.client.offer_state(
                     StateOffer(resp.id, self.group, self.rank, h, r, len(blob), digest)))
                 t = threading.Thread(target=self._watch_serve, args=(handle, resp.id, healer, h_rank), daemon=True)
@@ -323,7 +323,8 @@ class QuorumAverager(StripedAverager):
             zeros = torch.zeros(state_blob.num_values(offer.nbytes), dtype=torch.float32)
             me = resp.members[self.group][self.rank]
             values = self.transport.all_reduce(zeros, [donor, me], 1, tag=f"heal/{resp.id}/{self.group}/{self.rank}",
-                                               timeout_s=self.timeout_s).wait(self.timeout_s)
+                                               timeout_s=self.timeout_s,
+                                               groups=[offer.donor_group, self.group]).wait(self.timeout_s)
             blob = state_blob.from_values(values, offer.nbytes)
             if hashlib.sha256(blob).hexdigest() != offer.digest:
                 raise state_blob.StateFormatError("the state's SHA-256 differs from the donor's offer")

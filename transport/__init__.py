@@ -4,7 +4,8 @@
     h = t.all_reduce(x, ring=[...], index=i, tag="r12/s3")
     mean = h.wait()
 
-Modules: wire (message format), auth (shared-secret handshake), tls / certs (mutual TLS),
+Modules: wire (message format), auth (the handshake), identity (per-group credentials derived
+from a job secret, `GroupKeys`), tls / certs (mutual TLS),
 conn (sender threads), core (collectives and dispatch, any link type), tcp and grpclink (the
 link types), ring (the all-reduce), shaping (token bucket), plan (stripes), probe (ring order),
 faultproxy (a fault-injecting TCP relay for tests and benchmarks).
@@ -14,6 +15,7 @@ from typing import Any
 
 from .errors import CollectiveAborted, PeerAuthError, PeerDisconnected, TransportError, WireError
 from .faultproxy import FaultProxy
+from .identity import GroupKeys
 from .plan import Stripe, StripePlan, stripe_plan
 from .probe import ring_order
 from .ring import Handle
@@ -24,6 +26,7 @@ from .tls import TlsConfig
 __all__ = [
     "CollectiveAborted",
     "FaultProxy",
+    "GroupKeys",
     "GrpcTransport",
     "Handle",
     "PeerAuthError",

@@ -50,8 +50,10 @@ class Connection:
         count_sent: Callable[[int], None],
         shaper: TokenBucket | None = None,
         join: bool = False,
+        peer_group: int | None = None,
     ) -> None:
         self.sock = sock
+        self.peer_group = peer_group  # the group the peer proved in the handshake (None: none)
         self._join = join
         self.peer = peer
         self._count_sent = count_sent
@@ -170,6 +172,11 @@ class Link:
     @property
     def alive(self) -> bool:
         return all(c.alive for c in self.conns)
+
+    @property
+    def peer_group(self) -> int | None:
+        """The group the peer proved when these connections were opened (None: no group identity)."""
+        return self.conns[0].peer_group
 
     def send(self, buffers: Buffers, on_error: OnError | None, on_done: OnDone | None = None) -> None:
         with self._lock:

@@ -19,9 +19,10 @@ from typing import Any, Mapping
 
 import torch
 
-from .auth import client_handshake, server_handshake
+from .auth import accept_handshake, dial_handshake
 from .conn import Connection, Link, close_socket
 from .errors import PeerAuthError, PeerDisconnected, TransportError, WireError
+from .identity import Credentials, as_credentials
 from .guard import (DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
                     AdmissionGuard, Ticket)
 from .ring import Handle, RingAllReduce, check_out, default_codec
@@ -52,7 +53,7 @@ class TransportBase:
     def __init__(
         self,
         *,
-        secret: bytes,
+        secret: "bytes | Credentials",
         timeout_s: float,
         chunk_bytes: int,
         connections_per_peer: int,
@@ -66,8 +67,7 @@ class TransportBase:
         pending_ttl_s: float | None = None,
         dial_overrides: Mapping[str, str] | None = None,
     ) -> None:
-        if not isinstance(secret, (bytes, bytearray)) or len(secret) == 0:
-            raise ValueError("secret must be non-empty bytes")
+        self._creds = as_credentials(secret)  # ValueError for empty bytes
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if chunk_bytes < 4:
@@ -87,7 +87,8 @@ class TransportBase:
         #: `FaultProxy`); peers are still named, and authenticated, by their advertised address.
         #: May be changed at any time; it applies to connections dialed afterwards.
         self.dial_overrides: dict[str, str] = dict(dial_overrides or {})
-        self._secret = bytes(secret)
+        #: the group this side proves in every handshake (None: a job-wide shared secret, no identity)
+        self.group: int | None = self._creds.group
         self.timeout_s = float(timeout_s)
         self.chunk_elems = chunk_bytes // 4
         # Largest frame of one chunk under any codec (8 bytes per value: fp32 values and indices).
@@ -101,6 +102,7 @@ class TransportBase:
         self._stats_lock = threading.Lock()
         self._bytes_sent = 0
         self._bytes_received = 0
+        self._ignored_messages = 0
         self._closed = False
         self._ops: dict[str, RingAllReduce] = {}
         self._pending: collections.OrderedDict[str, _Pending] = collections.OrderedDict()  # oldest first
@@ -110,7 +112,8 @@ class TransportBase:
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._links: dict[str, Link] = {}
         self._dial_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
-        self._incoming: dict[str, set[int]] = collections.defaultdict(set)  # peer -> live connection ids
+        # peer address -> {live connection id: the group it proved}
+        self._incoming: dict[str, dict[int, int | None]] = collections.defaultdict(dict)
         self._conn_ids = itertools.count()
         self._incoming_socks: set[Any] = set()
         self._probes: dict[int, threading.Event] = {}
@@ -169,6 +172,13 @@ class TransportBase:
         return self._guard.peak
 
     @property
+    def ignored_messages(self) -> int:
+        """Data messages and aborts dropped because they did not come from the collective's left
+        neighbour (by address and, with group credentials, by proved group)."""
+        with self._stats_lock:
+            return self._ignored_messages
+
+    @property
     def pending_bytes(self) -> int:
         """Bytes buffered now for collectives that have not started here (at most max_pending_bytes)."""
         with self._lock:
@@ -199,6 +209,8 @@ class TransportBase:
         codec: Any = None,
         timeout_s: float | None = None,
         out: torch.Tensor | None = None,
+        groups: list[int] | None = None,
+        finite: bool = False,
     ) -> Handle:
         """Start a ring all-reduce of the 1-D float32 tensor x; `Handle.wait()` gives the mean.
 
@@ -213,6 +225,14 @@ class TransportBase:
         frames cross to the host (received into pinned buffers, see `pin_memory`), and the
         mean is on x's device.
         Tags must not be reused: messages for a tag that finished here recently are dropped.
+        groups: the group of each ring member (groups[i] is ring[i]'s), as the membership says.
+        With group credentials (see `transport.identity`) the collective then sends only to a
+        right neighbour that proved groups[index + 1] and takes data and aborts only from
+        connections that proved groups[index - 1] from its left neighbour's address; anything
+        else is read, dropped and counted (`ignored_messages`). Without groups it trusts the
+        address a peer claims (any holder of the credentials can claim any address).
+        finite: refuse (abort on) a received frame that holds NaN or Inf: for vectors that are
+        finite by construction, so a broken or hostile neighbour cannot slip them in.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.float32:
             raise ValueError(f"x must be a 1-D float32 tensor, got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
@@ -222,6 +242,12 @@ class TransportBase:
             raise ValueError(f"ring[{index}] = {ring[index]!r} is not this transport's address {self.address!r}")
         if len(set(ring)) != len(ring):
             raise ValueError(f"ring has duplicate addresses: {ring}")
+        if groups is not None:
+            groups = [int(g) for g in groups]
+            if len(groups) != len(ring):
+                raise ValueError(f"groups has {len(groups)} entries for a ring of {len(ring)}")
+            if self.group is not None and groups[index] != self.group:
+                raise ValueError(f"groups[{index}] = {groups[index]} is not this transport's group {self.group}")
         if codec is None:
             codec = default_codec()
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
@@ -239,7 +265,8 @@ class TransportBase:
         if xs.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(xs.device))
-        op = RingAllReduce(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out, ready=ready)
+        op = RingAllReduce(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out, ready=ready,
+                           groups=groups if self.group is not None else None, finite=finite)
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
@@ -247,7 +274,7 @@ class TransportBase:
                 raise ValueError(f"a collective with tag {tag!r} is already running")
             self._finished.pop(tag, None)
             self._ops[tag] = op
-            live = set(self._incoming.get(op.left, ()))
+            live = {c for c, g in self._incoming.get(op.left, {}).items() if op.from_left(op.left, g)}
             op.watch = set(live)
             pending = self._pending.pop(tag, None)
             if pending is not None:
@@ -255,10 +282,10 @@ class TransportBase:
                 gone = set()
                 for ev in pending.events:
                     op.deliver(ev)
-                    if ev[0] == "msg" and ev[2] not in live:
-                        gone.add((ev[1], ev[2]))
-                for peer, conn_id in gone:  # those connections closed before this collective started
-                    op.deliver(("lost", peer, conn_id, True, "connection closed before this collective started"))
+                    if ev[0] == "msg" and ev[2] not in self._incoming.get(ev[1], {}):
+                        gone.add((ev[1], ev[2], ev[4]))
+                for peer, conn_id, group in gone:  # those connections closed before this collective started
+                    op.deliver(("lost", peer, conn_id, True, "connection closed before this collective started", group))
         threading.Thread(target=op.run, name=f"all_reduce[{tag}]", daemon=True).start()
         return op.handle
 
@@ -300,7 +327,7 @@ class TransportBase:
             with self._lock:
                 self._probes.pop(pid, None)
 
-    def _on_probe(self, peer: str, msg) -> None:
+    def _on_probe(self, peer: str, msg, group: int | None = None) -> None:
         if msg.type == MsgType.PROBE_ACK:
             with self._lock:
                 done = self._probes.get(msg.seg)
@@ -311,6 +338,8 @@ class TransportBase:
         def answer() -> None:
             try:
                 link = self._get_link(peer, time.monotonic() + self.timeout_s)
+                if link.peer_group != group:  # answer only the group that asked, not whoever its address is
+                    raise PeerAuthError(f"the probe came from group {group}, {peer} proved group {link.peer_group}")
                 link.send([pack_header(MsgType.PROBE_ACK, b"", msg.seg, 0, 0, 0)], None)
             except Exception as e:
                 log.warning("%s: could not answer a probe from %s: %s", self.address, peer, e)
@@ -351,10 +380,11 @@ class TransportBase:
         with self._lock:
             return self._links.get(peer)
 
-    def _incoming_count(self, peer: str) -> int:
-        """Number of live authenticated connections from peer."""
+    def _incoming_count(self, peer: str, group: Any = "any") -> int:
+        """Number of live authenticated connections from peer (that proved group, if given)."""
         with self._lock:
-            return len(self._incoming.get(peer, ()))
+            conns = self._incoming.get(peer, {})
+            return len(conns) if group == "any" else sum(1 for g in conns.values() if g == group)
 
     def _unregister(self, tag: str, op: RingAllReduce) -> None:
         with self._lock:
@@ -387,6 +417,11 @@ class TransportBase:
                 for c in conns:
                     c.close(0.0)
                 raise
+            if len({c.peer_group for c in conns}) > 1:
+                for c in conns:
+                    c.close(0.0)
+                raise PeerAuthError(f"{peer}: its connections proved different groups "
+                                    f"{sorted({str(c.peer_group) for c in conns})}")
             link = Link(peer, conns)
             with self._lock:
                 if self._closed:
@@ -408,10 +443,12 @@ class TransportBase:
             try:
                 sock = self._open(self.dial_overrides.get(peer, peer), min(remaining, 10.0))
                 sock.settimeout(min(max(remaining, 0.5), self.handshake_timeout_s))
-                self._count_sent(client_handshake(sock, self._secret, self.address, peer, self._count_received))
+                sent, peer_group = dial_handshake(sock, self._creds, self.address, peer, self._count_received)
+                self._count_sent(sent)
                 self._on_authenticated(sock)
                 sock.settimeout(max(self.timeout_s, 1.0))  # bounds one blocked write
-                return Connection(sock, peer, self._count_sent, self._shaper, join=self._join_buffers)
+                return Connection(sock, peer, self._count_sent, self._shaper, join=self._join_buffers,
+                                  peer_group=peer_group)
             except (PeerAuthError, WireError) as e:
                 if sock is not None:
                     close_socket(sock)
@@ -456,7 +493,7 @@ class TransportBase:
         try:
             try:
                 sock.settimeout(self.handshake_timeout_s)
-                peer = server_handshake(sock, self._secret, self._count_received, self._count_sent)
+                peer, peer_group = accept_handshake(sock, self._creds, self._count_received, self._count_sent)
             except Exception as e:
                 self._guard.release(ticket)  # no-op once expired
                 if ticket.state == "expired":
@@ -471,19 +508,20 @@ class TransportBase:
                 return
             self._on_authenticated(sock)
             sock.settimeout(None)
-            self._read_messages(sock, peer)
+            self._read_messages(sock, peer, peer_group)
         finally:
             with self._lock:
                 self._incoming_socks.discard(sock)
             close_socket(sock)
 
-    def _read_messages(self, sock: Any, peer: str) -> None:
-        """Dispatch the data messages of an authenticated stream until it ends."""
+    def _read_messages(self, sock: Any, peer: str, group: int | None = None) -> None:
+        """Dispatch the data messages of an authenticated stream (from peer, which proved group)
+        until it ends."""
         conn_id = next(self._conn_ids)
         with self._lock:
-            self._incoming[peer].add(conn_id)
+            self._incoming[peer][conn_id] = group
         reason, clean = "connection closed by peer", True
-        admit = lambda *h: self._admit_payload(peer, *h)  # noqa: E731
+        admit = lambda *h: self._admit_payload(peer, group, *h)  # noqa: E731
         try:
             while True:
                 first = read_first_header(sock, self._count_received)
@@ -491,18 +529,21 @@ class TransportBase:
                     break
                 msg = read_message(sock, self.max_message_bytes, DATA_TYPES, self._count_received, first=first,
                                    alloc=self._pool.get, admit=admit)
-                self._dispatch(peer, conn_id, msg)
+                self._dispatch(peer, conn_id, msg, group)
         except Exception as e:  # garbage, truncation, reset, or our own close
             reason, clean = f"{type(e).__name__}: {e}", False
             if not self._closed:
                 log.warning("%s: connection from %s failed: %s", self.address, peer, reason)
         with self._lock:
-            self._incoming[peer].discard(conn_id)
+            self._incoming[peer].pop(conn_id, None)
+            if not self._incoming[peer]:
+                del self._incoming[peer]
             ops = list(self._ops.values())
         for op in ops:
-            op.deliver(("lost", peer, conn_id, clean, reason))
+            op.deliver(("lost", peer, conn_id, clean, reason, group))
 
-    def _admit_payload(self, peer: str, mtype: MsgType, tag: str, seg: int, chunk: int, aux: int, nbytes: int) -> bool:
+    def _admit_payload(self, peer: str, group: int | None, mtype: MsgType, tag: str, seg: int, chunk: int, aux: int,
+                       nbytes: int) -> bool:
         """Check a data message's payload length against what this side expects, before any byte
         of it is allocated. True: receive it; False: read and discard it (the message is still
         dispatched, with an empty payload); WireError: the length cannot be right (the
@@ -521,6 +562,8 @@ class TransportBase:
             op = self._ops.get(tag)
             if op is None:
                 return self._admit_pending(peer, mtype, tag, nbytes)
+        if not op.from_left(peer, group):
+            return False  # not this collective's left neighbour: dropped unread (the collective counts it)
         limit = op.max_frame_bytes(seg, chunk, aux)
         if limit is None:
             return False  # not a chunk of this collective: the collective aborts on it, unread
@@ -558,11 +601,11 @@ class TransportBase:
         with self._lock:
             self._expire_pending()
 
-    def _dispatch(self, peer: str, conn_id: int, msg) -> None:
+    def _dispatch(self, peer: str, conn_id: int, msg, group: int | None = None) -> None:
         if msg.type in (MsgType.PROBE, MsgType.PROBE_ACK):
-            self._on_probe(peer, msg)
+            self._on_probe(peer, msg, group)
             return
-        ev = ("msg", peer, conn_id, msg)
+        ev = ("msg", peer, conn_id, msg, group)
         with self._lock:
             op = self._ops.get(msg.tag)
             if op is None:

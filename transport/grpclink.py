@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
+from .identity import Credentials
 from .core import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PENDING_BYTES, TransportBase
 from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE
 from .errors import PeerDisconnected
@@ -179,7 +180,7 @@ class GrpcTransport(TransportBase):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        secret: bytes,
+        secret: "bytes | Credentials",
         timeout_s: float = 60.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         connections_per_peer: int = 1,

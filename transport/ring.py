@@ -226,6 +226,8 @@ class RingAllReduce:
         chunk_elems: int,
         out: torch.Tensor | None = None,
         ready: Any = None,
+        groups: list[int] | None = None,
+        finite: bool = False,
     ) -> None:
         self.core = core
         self.out = out
@@ -245,6 +247,12 @@ class RingAllReduce:
         g = len(ring)
         self.left = ring[(index - 1) % g]
         self.right = ring[(index + 1) % g]
+        # the groups the neighbours must have proved in the handshake (None: not checked)
+        self.left_group = None if groups is None else groups[(index - 1) % g]
+        self.right_group = None if groups is None else groups[(index + 1) % g]
+        self.finite = finite
+        self.ignored = 0  # messages (data or aborts) from anyone but the left neighbour, dropped
+        self._ignored_from: str | None = None
         self._link: Link | None = None
         self._raw: _RawFp32 | None = None
         self._into = _decodes_into(codec)
@@ -254,6 +262,22 @@ class RingAllReduce:
         self.watch: set[int] = set()
         self._chunks = [chunk_bounds(a, b, chunk_elems) for a, b in segment_bounds(x.numel(), g)]
         self._frame_bytes = _frame_bound(codec, core.max_chunk_frame_bytes)
+
+    def from_left(self, peer: str, group: int | None) -> bool:
+        """Whether a connection from address peer that proved group is this collective's left
+        neighbour: the only one it takes data and aborts from."""
+        return peer == self.left and (self.left_group is None or group == self.left_group)
+
+    def _ignore(self, peer: str, group: int | None, what: str) -> None:
+        """Drop a message from someone who is not the left neighbour (logged once per collective)."""
+        self.ignored += 1
+        if self._ignored_from is None:
+            self._ignored_from = f"{peer} (group {group})"
+            log.warning("all_reduce %r on %s: ignored %s from %s: only the left neighbour %s (group %s) may "
+                        "send data or aborts", self.tag, self.core.address, what, self._ignored_from, self.left,
+                        self.left_group)
+        with self.core._stats_lock:
+            self.core._ignored_messages += 1
 
     def max_frame_bytes(self, seg: int, chunk: int, aux: int) -> int | None:
         """Largest payload, in bytes, that chunk (seg, chunk) of this collective can take from a
@@ -358,6 +382,7 @@ class RingAllReduce:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != want:
             raise _Abort(f"frame for {what} from {self.left} decodes to {getattr(t, 'shape', type(t))}, want {want} fp32 "
                 "(do all members use the same chunk_bytes?)")
+        self._check_finite(t, what)
         if out is not None and t is not out:
             out.copy_(t.reshape(-1))
         return t.reshape(-1)
@@ -375,9 +400,18 @@ class RingAllReduce:
         if self._raw is None:
             return None
         try:
-            return self._raw.values(payload, want)
+            v = self._raw.values(payload, want)
         except Exception as e:
             raise _Abort(f"bad frame for {what} from {self.left}: {e!r}") from e
+        if v is not None:
+            self._check_finite(v, what)
+        return v
+
+    def _check_finite(self, values: torch.Tensor, what: str) -> None:
+        """With finite=True, abort on a received frame holding NaN or Inf (nothing applied)."""
+        if self.finite and not bool(torch.isfinite(values).all()):
+            raise _Abort(f"bad frame for {what} from {self.left}: it holds NaN or Inf values, which this "
+                         "collective's inputs never do (finite=True)")
 
     def _run(self) -> torch.Tensor:
         x, g, r, n = self.x, len(self.ring), self.index, self.x.numel()
@@ -391,6 +425,12 @@ class RingAllReduce:
             self._link = self.core._get_link(self.right, deadline)
         except TransportError as e:
             raise _Abort(f"cannot reach right peer {self.right}: {e}") from e
+        if self.right_group is not None and self._link.peer_group != self.right_group:
+            link, self._link = self._link, None  # never send to it, not even our abort
+            raise _Abort(f"right peer {self.right} proved group {link.peer_group}, the ring says group "
+                         f"{self.right_group}: not sending to it")
+        if self.finite and not bool(torch.isfinite(x).all()):
+            raise _Abort("this member's own input holds NaN or Inf (finite=True)")
         # On a GPU every chunk goes through the codec there: only encoded frames reach the host.
         self._raw = raw_fp32(self.codec) if self.device.type == "cpu" else None
         for c, (a, b) in enumerate(chunks[first]):
@@ -412,20 +452,24 @@ class RingAllReduce:
             if kind == "abort":
                 raise _Abort(ev[1])
             if kind == "lost":
-                peer, conn_id, clean, reason = ev[1:]
-                if peer != self.left:
+                peer, conn_id, clean, reason = ev[1:5]
+                if not self.from_left(peer, ev[5] if len(ev) > 5 else None):
                     continue
                 # A broken stream may have carried our data; a clean close matters only for a
                 # connection we depend on, once no other connection from that peer is left.
-                if not clean or (conn_id in self.watch and self.core._incoming_count(peer) == 0):
+                left_now = self.core._incoming_count(peer, "any" if self.left_group is None else self.left_group)
+                if not clean or (conn_id in self.watch and left_now == 0):
                     raise _Abort(f"lost the connection from left peer {peer}: {reason}")
                 continue
             peer, conn_id, msg = ev[1], ev[2], ev[3]
+            group = ev[4] if len(ev) > 4 else None
+            if not self.from_left(peer, group):  # only the left neighbour may send data or abort
+                self._ignore(peer, group, msg.type.name)
+                self.core._pool.put(msg.payload)
+                continue
             if msg.type == MsgType.ABORT:
                 text = bytes(msg.payload).decode("utf-8", "replace")
                 raise _Abort(f"aborted by peer {text}", remote=True)
-            if peer != self.left:
-                raise _Abort(f"protocol error: {msg.type.name} from {peer}, expected data only from left peer {self.left}")
             self.watch.add(conn_id)
             if msg.aux != n:
                 raise _Abort(f"length mismatch: left peer {peer} reduces {msg.aux} elements, this member {n}")
@@ -486,9 +530,11 @@ class RingAllReduce:
         if not rs_todo and not ag_todo:
             return (f"timed out after {self.timeout_s:g} s: right peer {self.right} has not taken "
                     f"{self._unsent} chunk messages")
-        connected = self.core._incoming_count(self.left) > 0
+        connected = self.core._incoming_count(self.left, "any" if self.left_group is None else self.left_group) > 0
+        ignored = f"; ignored {self.ignored} messages from non-neighbours such as {self._ignored_from}" \
+            if self.ignored else ""
         return (
             f"timed out after {self.timeout_s:g} s without progress from left peer {self.left} "
             f"({'connected' if connected else 'not connected'}); "
-            f"{len(rs_todo) + len(ag_todo)} chunk messages still missing"
+            f"{len(rs_todo) + len(ag_todo)} chunk messages still missing{ignored}"
         )

@@ -16,6 +16,7 @@ import time
 from typing import Any, Mapping
 
 from .conn import close_socket
+from .identity import Credentials
 from .core import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PENDING_BYTES, TransportBase
 from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE, Ticket
 from .shaping import TokenBucket
@@ -57,7 +58,9 @@ class TcpTransport(TransportBase):
     """Collectives over TCP (see `TransportBase.all_reduce`).
 
     host/port: where to listen (port 0 = ephemeral); `address` is the real "host:port".
-    secret: shared secret for the mutual HMAC handshake (every peer holds the same one).
+    secret: the credentials of the mutual HMAC handshake: bytes (a job-wide shared secret, every
+    peer holds the same one, nobody has a group identity) or this group's `transport.identity.
+    GroupKeys` (the handshake then proves each side's group; rings given `groups=` check them).
     timeout_s: default deadline in seconds for connecting and for each wait without progress.
     chunk_bytes: pipelining unit, in bytes of fp32 input per chunk (same on every peer).
     connections_per_peer: TCP connections opened to each peer; chunks are spread across them.
@@ -89,7 +92,7 @@ class TcpTransport(TransportBase):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        secret: bytes,
+        secret: "bytes | Credentials",
         timeout_s: float = 60.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         connections_per_peer: int = 1,

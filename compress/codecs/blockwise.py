@@ -6,7 +6,11 @@ element 2i in the low nibble. int4 nibbles are offset binary (code = q + 8, q in
 4-bit float nibbles are sign-magnitude (bit 3 = sign, bits 0-2 = E2M1 or E3M0 magnitude).
 
 Scales are never below 2^-100 / qmax, so they stay normal floats; values in blocks smaller than
-that are coded against that floor (absolute error below 2^-100).
+that are coded against that floor (absolute error below 2^-100). A decoder therefore refuses
+(FrameError) a scale that is zero or below that floor, above the largest the encoder can write
+(float32 max / q), NaN, infinite or negative -- none can come from an encoder, and a zero scale
+would silently turn any codes into zeros -- and, where a scale is so large that a code the
+encoder never writes (int8 -128, int4 nibble 0) would overflow, that code.
 
 On CPU, round-to-nearest encoding and 4-bit decoding run in the optional C kernels of
 ``compress/_native.c`` when they are built (``pip install -e .``): one pass per block instead of
@@ -29,6 +33,7 @@ from .common import (BlockSizeParam, check_block, check_scales, header_block, ma
 from .packing import pack_nibbles, unpack_nibbles
 
 TINY = 2.0 ** -100
+FLT_MAX = float(torch.finfo(torch.float32).max)
 #: Adding 1.5 * 2^23 to a float of magnitude < 2^22 rounds it to an integer (half to even) that
 #: then sits in the low bits of the sum's int32 view.
 MAGIC = 12582912.0
@@ -168,6 +173,33 @@ class BlockScaled(BlockSizeParam, Codec):
 
     def validate(self, parts: Parts, count: int) -> None:
         check_scales(self.name, parts[0])
+        scale = parts[0]
+        if not scale.numel():
+            return
+        lo, hi = (float(v) for v in torch.aminmax(scale))
+        floor, ceiling = self.scale_bounds()
+        if lo < floor:
+            raise FrameError(f"{self.name} frame has a scale of {lo:g}, below the smallest its encoder writes "
+                             f"({floor:g} = 2^-100 / {max(self.qmax, self.q_nearest):g}): a zero or tiny scale "
+                             "would decode its block's codes to 0 instead of their values")
+        if hi > ceiling:
+            raise FrameError(f"{self.name} frame has a scale of {hi:g}, above the largest its encoder writes "
+                             f"({ceiling:g} = float32 max / {min(self.qmax, self.q_nearest):g})")
+        self.validate_codes(parts, count, hi)
+
+    def scale_bounds(self) -> tuple[float, float]:
+        """(smallest, largest) scale the encoder writes, under either rounding (fp32, as it computes them)."""
+        bounds = self.__dict__.get("_scale_bounds")
+        if bounds is None:
+            qs = torch.tensor([self.qmax, self.q_nearest], dtype=torch.float32)
+            floor = float((torch.tensor(TINY, dtype=torch.float32) / qs).min())
+            ceiling = float((torch.tensor(FLT_MAX, dtype=torch.float32) / qs).max())
+            bounds = self.__dict__.setdefault("_scale_bounds", (floor, ceiling))
+        return bounds
+
+    def validate_codes(self, parts: Parts, count: int, max_scale: float) -> None:
+        """Raise FrameError for codes the encoder never writes, where they could decode to +-inf
+        (``max_scale``: the frame's largest scale). Default: every code is one it may write."""
 
     # ---- per family ----
     def code_blocks(self, xb: torch.Tensor, xa: torch.Tensor, inv: torch.Tensor,
@@ -207,6 +239,17 @@ def _signbit8(xb: torch.Tensor) -> torch.Tensor:
 
 class _IntBlock(BlockScaled):
     offset: float = 0.0
+    #: the code the encoder never writes (int8 -128, int4 nibble 0 = -8) and its magnitude
+    unused_code: int = -128
+    unused_magnitude: float = 128.0
+
+    def validate_codes(self, parts: Parts, count: int, max_scale: float) -> None:
+        if max_scale * self.unused_magnitude <= FLT_MAX:
+            return  # no code can overflow: nothing to check (the usual case, at no cost)
+        codes = parts[1] if self.bits == 8 else unpack_nibbles(parts[1], count)
+        if bool((codes == self.unused_code).any()):
+            raise FrameError(f"{self.name} frame has a code its encoder never writes ({self.unused_code}) "
+                             "in a block whose scale would make it overflow to infinity")
 
     def code_blocks(self, xb, xa, inv, noise):
         y = torch.mul(xb, inv, out=xa)  # |xb| is not needed any more: reuse its memory
@@ -244,6 +287,8 @@ class Int4(_IntBlock):
     qmax = 7.0
     q_nearest = 7.49
     offset = 8.0
+    unused_code = 0  # nibble 0 = -8
+    unused_magnitude = 8.0
     native_kind = 1
     native_add = MAGIC + 8.0
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from .credentials import GROUP_FIELDS, GROUP_HEADER, group_token, parse_group_token
 from .errors import CoordinatorError
 from .membership import Membership
 from .messages import (RPCS, SERVICE, Ack, BandwidthRequest, CommitRequest, CommitResponse, HeartbeatRequest,
@@ -34,8 +36,15 @@ class CoordinatorClient:
     """Connects to the coordinator at ``address`` (``host:port``).
 
     Pings the coordinator, waiting up to ``timeout_s`` seconds for it to be reachable, and raises
-    CoordinatorError if it is not or if it refuses ``token`` (sent as ``authorization: Bearer
-    <token>`` metadata). Afterwards every call waits for a connection up to the same deadline.
+    CoordinatorError if it is not or if it refuses ``token``. Afterwards every call waits for a
+    connection up to the same deadline, and a call the coordinator is too busy for
+    (RESOURCE_EXHAUSTED) is retried with backoff within the call's own deadline.
+
+    ``token``: the job token, or one group's credential (``credentials.group_token``). Calls for
+    a group carry that group's credential (derived here from the job token, so the job token
+    itself travels only with Ping, GetPlan and RequestStop); with a group's credential the client
+    can act only for that group. Sent as ``authorization: Bearer <credential>`` metadata; without
+    a token, calls for a group name it in ``diloco-group`` metadata (the coordinator's fair share).
 
     ``tls``: speak mutual TLS with these PEM files (a ``transport.TlsConfig``): this client's
     certificate and key, and the CA that must have signed the coordinator's certificate, which
@@ -50,7 +59,9 @@ class CoordinatorClient:
         self.address = address
         self.timeout_s = timeout_s
         self.tls = tls is not None
-        self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+        self._token = token
+        self._group_tokens: dict[int, tuple[tuple[str, str], ...]] = {}
+        self._own_group = parse_group_token(token) if token is not None else None
         if tls is not None:
             cert, key, ca = read_tls(tls)
             creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
@@ -75,7 +86,7 @@ class CoordinatorClient:
         """Why the channel cannot connect (a TLS handshake that failed, say), with a hint."""
         why = str(exc).split(" failed: ", 1)[-1]
         try:  # without wait_for_ready a channel that keeps failing answers at once with its last error
-            self._calls["Ping"](Ping().encode(), timeout=1.0, metadata=self._metadata)
+            self._calls["Ping"](Ping().encode(), timeout=1.0, metadata=self._metadata("Ping", Ping()))
         except grpc.RpcError as probe:
             details = probe.details() if hasattr(probe, "details") else ""
             if details and "last error" in details:
@@ -175,6 +186,18 @@ class CoordinatorClient:
 
     # --- plumbing -----------------------------------------------------------------------------
 
+    def _metadata(self, name: str, request: Message) -> tuple[tuple[str, str], ...]:
+        """The credential a call carries: its group's for a group's call, else the token as given."""
+        field = GROUP_FIELDS.get(name)
+        group = getattr(request, field) if field is not None else None
+        if self._token is None:
+            return ((GROUP_HEADER, str(group)),) if group is not None else ()
+        if group is None or self._own_group is not None:  # not a group's call, or we are one group
+            return (("authorization", f"Bearer {self._token}"),)
+        if group not in self._group_tokens:
+            self._group_tokens[group] = (("authorization", f"Bearer {group_token(self._token, group)}"),)
+        return self._group_tokens[group]
+
     def _call(self, name: str, request: Message, reply_type: type[Message],
               timeout_s: float | None = None) -> Message:
         assert (type(request), reply_type) == RPCS[name], name
@@ -182,17 +205,26 @@ class CoordinatorClient:
             data = request.encode()
         except MessageError as exc:
             raise CoordinatorError(f"invalid {name} request: {exc}") from None
-        try:
-            raw = self._calls[name](data, timeout=self.timeout_s if timeout_s is None else timeout_s,
-                                    metadata=self._metadata, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            code_name = code.name if code is not None else None
-            raise CoordinatorError(f"coordinator {self.address}: {name} failed: "
-                                   f"{code_name}: {details}", code_name) from None
-        except ValueError as exc:  # grpc raises ValueError on a closed channel
-            raise CoordinatorError(f"coordinator {self.address}: {name}: {exc}") from None
+        metadata = self._metadata(name, request)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        delay = 0.05
+        while True:
+            try:
+                raw = self._calls[name](data, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata,
+                                        wait_for_ready=True)
+                break
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                code_name = code.name if code is not None else None
+                if code_name == "RESOURCE_EXHAUSTED" and deadline - time.monotonic() > delay:
+                    time.sleep(delay)  # the coordinator is busy (its call caps): back off and retry
+                    delay = min(2 * delay, 1.0)
+                    continue
+                raise CoordinatorError(f"coordinator {self.address}: {name} failed: "
+                                       f"{code_name}: {details}", code_name) from None
+            except ValueError as exc:  # grpc raises ValueError on a closed channel
+                raise CoordinatorError(f"coordinator {self.address}: {name}: {exc}") from None
         try:
             return reply_type.decode(raw)
         except MessageError as exc:

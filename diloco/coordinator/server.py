@@ -6,23 +6,34 @@ answered with INVALID_ARGUMENT naming the field, never reaches the state and nev
 
 Security, as on the data plane: with ``tls`` the service speaks mutual TLS (clients must show a
 certificate signed by the CA; the same PEM files as ``transport.TlsConfig``), and with ``token``
-every call must carry ``authorization: Bearer <token>``. On a non-loopback host both are required,
-and the server refuses to start without them unless ``allow_insecure=True`` (``diloco coordinator
---insecure-coordinator``) accepts that anyone who reaches it can take a group's place.
+every call must carry ``authorization: Bearer <credential>``: the job token, or a group's
+credential derived from it (``credentials.py``), which may act only for its own group. On a
+non-loopback host TLS and a token are required, and the server refuses to start without them
+unless ``allow_insecure=True`` (``diloco coordinator --insecure-coordinator``) accepts that anyone
+who reaches it can take a group's place.
+
+Availability (``limits.py``): blocking calls (Join, Quorum, Commit, WaitOffer) and quick calls are
+capped per caller (its group, or the job token) and overall before a request byte is read, a
+request must arrive within ``request_timeout_s``, and the thread pool has room beyond the caps, so
+floods and slow clients get RESOURCE_EXHAUSTED or are cut off while ``Ping`` and the other
+callers' calls are still answered at once.
 """
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
 import time
 from concurrent import futures
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import grpc
 
+from . import credentials
+from .credentials import ADMIN_ONLY, GROUP_FIELDS, GROUP_HEADER, Caller
 from .errors import CoordinatorError
+from .limits import (BLOCKING, DEFAULT_MAX_QUICK_CALLS, DEFAULT_MAX_QUICK_PER_CALLER, DEFAULT_REQUEST_TIMEOUT_S,
+                     QUEUED_CALLS, SPARE_THREADS, CallLimits, Deadlines)
 from .messages import (RPCS, SERVICE, Ack, JoinRequest, JoinResponse, Message, MessageError, PlanResponse,
                        StopRequest, MAX_SUMMARY_BYTES)
 from .quorum import QuorumError
@@ -101,15 +112,26 @@ class CoordinatorServer:
     left out of every later quorum (seconds). ``min_groups``: fewest groups a quorum may have;
     below it the survivors wait. ``outlier_factor``: a contribution whose norm exceeds this
     multiple of its group's recent median is rejected (0: only NaN/Inf are).
-    ``max_group_size``: largest group accepted; sizes the thread pool so that every member can
-    block in a join (or a quorum, or a vote) at once (threads start on demand).
+    ``max_group_size``: largest group accepted.
+
+    Limits (see ``limits.py``; over a cap a call is answered RESOURCE_EXHAUSTED at once):
+    ``max_blocking_per_caller`` (default 4 x max_group_size: each member of a group may block in
+    four calls at once) and ``max_blocking_calls`` (default (expected_groups + 1) x that) bound
+    concurrent Join/Quorum/Commit/WaitOffer calls per caller and overall; ``max_quick_per_caller``
+    (16) and ``max_quick_calls`` (64) bound the other calls but Ping; ``request_timeout_s`` (5 s)
+    is how long a call may take to send its request. A caller is the group whose credential it
+    shows (without a token: the group it names, unverified), or the job token. The thread pool
+    holds every capped call plus spare threads (started on demand), so Ping never waits for one.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, expected_groups: int = 2, *,
                  token: str | None = None, tls: PemFiles | TlsConfig | None = None,
                  allow_insecure: bool = False, join_timeout_s: float = 120.0,
                  heartbeat_timeout_s: float = 15.0, max_group_size: int = 64, min_groups: int = 1,
-                 outlier_factor: float = 10.0) -> None:
+                 outlier_factor: float = 10.0, max_blocking_calls: int | None = None,
+                 max_blocking_per_caller: int | None = None, max_quick_calls: int = DEFAULT_MAX_QUICK_CALLS,
+                 max_quick_per_caller: int = DEFAULT_MAX_QUICK_PER_CALLER,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
         if token is not None and (not token or not token.isascii() or not token.isprintable()):
             raise ValueError("token must be a non-empty printable ASCII string")
         check_exposure(host, token=token, tls=tls, allow_insecure=allow_insecure)
@@ -118,11 +140,23 @@ class CoordinatorServer:
         self._token = token
         self._tls_pem = read_tls(tls) if tls is not None else None
         self._insecure_exposed = not is_loopback(host) and (tls is None or token is None)
+        self._unauthenticated = 0  # calls refused for a missing or wrong credential
+        self._denied = 0  # calls refused for acting for another group (or admin calls of a group)
         self._state = CoordinatorState(expected_groups, join_timeout_s=join_timeout_s,
                                        heartbeat_timeout_s=heartbeat_timeout_s,
                                        max_group_size=max_group_size, min_groups=min_groups,
                                        outlier_factor=outlier_factor)
-        self._workers = max(16, 4 * expected_groups * max_group_size + 4)
+        if request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        per_caller = max_blocking_per_caller if max_blocking_per_caller is not None else 4 * max_group_size
+        total = max_blocking_calls if max_blocking_calls is not None else (expected_groups + 1) * per_caller
+        if per_caller < max_group_size or total < per_caller:
+            raise ValueError(f"need max_group_size ({max_group_size}) <= max_blocking_per_caller ({per_caller}) <= "
+                             f"max_blocking_calls ({total}): every rank of a group must be able to wait in its join")
+        self._limits = CallLimits(total, per_caller, max_quick_calls, max_quick_per_caller)
+        self._request_timeout_s = float(request_timeout_s)
+        self._deadlines: Deadlines | None = None
+        self._workers = total + max_quick_calls + SPARE_THREADS
         self._server: grpc.Server | None = None
         self._address: str | None = None
 
@@ -134,7 +168,7 @@ class CoordinatorServer:
             raise CoordinatorError("coordinator already started")
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._workers,
                                                         thread_name_prefix="coordinator"),
-                             options=SERVER_OPTIONS)
+                             options=SERVER_OPTIONS, maximum_concurrent_rpcs=self._workers + QUEUED_CALLS)
         server.add_generic_rpc_handlers((self._handlers(),))
         target = f"{_bracket(self.host)}:{self.port}"
         try:
@@ -149,6 +183,7 @@ class CoordinatorServer:
             raise CoordinatorError(f"cannot bind coordinator to {target}: {exc}") from None
         if port == 0:
             raise CoordinatorError(f"cannot bind coordinator to {target}")
+        self._deadlines = Deadlines()
         server.start()
         self._server = server
         self._address = f"{_bracket(self.host)}:{port}"
@@ -177,6 +212,21 @@ class CoordinatorServer:
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
+        if self._deadlines is not None:
+            self._deadlines.close()  # kept: a call still finishing may arm one (it never fires)
+
+    @property
+    def call_stats(self) -> dict[str, int]:
+        """Counters of the call limits: ``rejected`` (over a cap), ``request_timeouts`` (requests
+        that did not arrive in time), ``unauthenticated``, ``denied`` (a call for another group),
+        ``blocking_now``, ``blocking_peak``, ``quick_peak``, and the caps."""
+        lim = self._limits
+        return {"rejected": lim.rejected, "request_timeouts": self._deadlines.fired if self._deadlines else 0,
+                "unauthenticated": self._unauthenticated, "denied": self._denied,
+                "blocking_now": lim.in_progress(True), "blocking_peak": lim.peak[True], "quick_peak": lim.peak[False],
+                "max_blocking_calls": lim.caps[True][0], "max_blocking_per_caller": lim.caps[True][1],
+                "max_quick_calls": lim.caps[False][0], "max_quick_per_caller": lim.caps[False][1],
+                "threads": self._workers}
 
     @property
     def stopped(self) -> bool:
@@ -263,43 +313,103 @@ class CoordinatorServer:
         }
         if set(methods) != set(RPCS):  # the .proto's service is the contract
             raise CoordinatorError(f"handlers {sorted(methods)} do not match the service {sorted(RPCS)}")
+        # Registered as stream-unary (the wire is the same as unary): gRPC then starts our code as
+        # soon as a call arrives, before its request, so the caps and the request deadline apply
+        # to callers that send their request slowly or never.
         return grpc.method_handlers_generic_handler(SERVICE, {
-            name: grpc.unary_unary_rpc_method_handler(self._wrap(name, *RPCS[name], fn))
+            name: grpc.stream_unary_rpc_method_handler(self._wrap(name, *RPCS[name], fn))
             for name, fn in methods.items()})
 
     def _wrap(self, name: str, request_type: type[Message], reply_type: type[Message],
               fn: Callable[[Any, grpc.ServicerContext], Message]
-              ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
-        """Authenticate, decode and validate the raw request, run ``fn``, encode the reply.
+              ) -> Callable[[Iterator[bytes], grpc.ServicerContext], bytes]:
+        """Authenticate, take a call slot, read, decode and validate the raw request, check that
+        the caller may act for the request's group, run ``fn``, encode the reply.
 
         Decoding happens here rather than in a request_deserializer because gRPC answers a
         failing deserializer with INTERNAL, not INVALID_ARGUMENT.
         """
+        blocking = name in BLOCKING
 
-        def behavior(raw: bytes, context: grpc.ServicerContext) -> bytes:
-            self._authorize(context)
+        def behavior(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+            caller = self._authorize(context)
+            if name in ADMIN_ONLY and not caller.admin:
+                self._denied += 1
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{name}: only the job token may call it, not {caller.key}'s credential")
+            if name == "Ping":  # no slot and no request to wait for: always answered at once
+                return Ack(self._state.epoch).encode()
+            why = self._limits.enter(blocking, caller.key)
+            if why is not None:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: coordinator busy: {why}")
             try:
-                req = request_type.decode(raw)
-            except MessageError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {exc}")
-            try:
-                reply = fn(req, context)
-            except QuorumError as exc:
-                context.abort(grpc.StatusCode[exc.code], f"{name}: {exc}")
-            if not isinstance(reply, reply_type):
-                raise TypeError(f"{name} answered {type(reply).__name__}, not {reply_type.__name__}")
-            return reply.encode()
+                raw = self._read_request(name, requests, context)
+                try:
+                    req = request_type.decode(raw)
+                except MessageError as exc:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {exc}")
+                self._check_group(name, req, caller, context)
+                try:
+                    reply = fn(req, context)
+                except QuorumError as exc:
+                    context.abort(grpc.StatusCode[exc.code], f"{name}: {exc}")
+                if not isinstance(reply, reply_type):
+                    raise TypeError(f"{name} answered {type(reply).__name__}, not {reply_type.__name__}")
+                return reply.encode()
+            finally:
+                self._limits.leave(blocking, caller.key)
 
         return behavior
 
-    def _authorize(self, context: grpc.ServicerContext) -> None:
+    def _read_request(self, name: str, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """The call's one request message; the call is cancelled if it has not arrived within
+        request_timeout_s."""
+        deadlines = self._deadlines
+        assert deadlines is not None  # set by start(), before any call can come
+        peer = context.peer()
+        token = deadlines.arm(time.monotonic() + self._request_timeout_s, context.cancel)
+        try:
+            raw = next(requests, None)
+        except grpc.RpcError:
+            raw = None
+        finally:
+            late = not deadlines.disarm(token)
+        if late:
+            log.warning("%s from %s: the request did not arrive within %g s; call cancelled", name, peer,
+                        self._request_timeout_s)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"{name}: the request did not arrive within {self._request_timeout_s:g} s")
+        if raw is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the call carried no request message")
+        return raw
+
+    def _check_group(self, name: str, req: Message, caller: Caller, context: grpc.ServicerContext) -> None:
+        """Refuse a group-scoped call for another group than the caller's (PERMISSION_DENIED)."""
+        field = GROUP_FIELDS.get(name)
+        if field is None or caller.group is None:
+            return  # not group-scoped, or the job token (or no token and no group named)
+        group = getattr(req, field)
+        if group != caller.group:
+            self._denied += 1
+            who = f"{caller.key}'s credential" if caller.verified else f"a caller naming {caller.key}"
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name} for group {group} from {who}: a group "
+                          "acts only for itself")
+
+    def _authorize(self, context: grpc.ServicerContext) -> Caller:
+        """Who the caller is; aborts UNAUTHENTICATED without a valid credential (when a token is set)."""
+        metadata = context.invocation_metadata() or ()
         if self._token is None:
-            return
-        given = next((v for k, v in context.invocation_metadata() or ()
-                      if k == "authorization"), None)
+            named = next((v for k, v in metadata if k == GROUP_HEADER), None)
+            group = int(named) if isinstance(named, str) and named.isdigit() and len(named) <= 9 else None
+            return Caller(admin=True, group=group, verified=False)
+        given = next((v for k, v in metadata if k == "authorization"), None)
         if given is None:
+            self._unauthenticated += 1
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing authorization metadata")
-        expected = f"Bearer {self._token}".encode()
-        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
-        if not hmac.compare_digest(given_bytes, expected):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong coordinator token")
+        text = given if isinstance(given, str) else bytes(given).decode("ascii", "replace")
+        scheme, _, bearer = text.partition(" ")
+        caller = credentials.check(self._token, bearer) if scheme == "Bearer" else None
+        if caller is None:
+            self._unauthenticated += 1
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong coordinator token (or group credential)")
+        return caller
