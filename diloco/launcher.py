@@ -28,9 +28,11 @@ from diloco import data as data_mod
 from diloco.chaos import ChaosMonkey
 from diloco.config import Config
 from diloco.coordinator import CoordinatorServer
+from diloco.coordinator.credentials import group_token
 from diloco.supervise import GroupFailed, Supervisor, descendants
 from diloco.connection import SECRET_ENV, TOKEN_ENV, coordinator_tls
 from diloco.job_checkpoint import ResumePoint
+from transport.identity import GroupKeys
 from diloco.task import DEMO_ENTRY, load_entry, parse_entry_args
 
 
@@ -237,9 +239,14 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     bar = _Progress(cfg.train.steps, progress, start=resume.step if resume is not None else 0)
     started = time.perf_counter()
 
+    job_secret = bytes.fromhex(env[SECRET_ENV])
+
     def spawn(g: int, attempt: int) -> GroupProcess:  # a restarted group heals: it does not resume
         point = resume.path.resolve() if resume is not None and attempt == 0 else None
-        return _spawn_group(cfg_path, cfg, g, address, env, out_dir, placement, resume=point, attempt=attempt)
+        # each group gets only its own credentials: it can prove it is group g, and be nobody else
+        own = {**env, SECRET_ENV: GroupKeys.derive(job_secret, g, peers=range(cfg.topology.groups)).to_text(),
+               TOKEN_ENV: group_token(token, g)}
+        return _spawn_group(cfg_path, cfg, g, address, own, out_dir, placement, resume=point, attempt=attempt)
 
     supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos)
     restore_sigterm = _stop_on_sigterm(server, checkpoints=bool(cfg.train.checkpoint_dir))
