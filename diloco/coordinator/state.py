@@ -82,6 +82,7 @@ class CoordinatorState:
         self._pins: OrderedDict[int, int] = OrderedDict()  # exchange -> version
         # fault tolerance (see rounds.py)
         self._started = False  # the job runs: the first membership formed, or a member rejoined us
+        self._rejoin_grace_until = 0.0  # after our restart: no quorum before members could rejoin
         self._incarnations: dict[int, str] = {}
         self._group_failed: dict[int, str] = {}  # group -> why (until it starts again)
         self._healing: set[int] = set()  # joined while the job ran; a member once a quorum commits
@@ -123,6 +124,9 @@ class CoordinatorState:
             self._check_open()
             if not self._started and req.exchange >= 0:
                 self._start_running()  # our predecessor's job goes on: members rejoin us
+                # every member rejoins within a heartbeat or so: no quorum forms before they could,
+                # else the first to rejoin would run an exchange the others then find committed
+                self._rejoin_grace_until = self._clock() + self.heartbeat_timeout_s
             if self._started:
                 return self._join_running(req, deadline, active)
             if self._incarnations.get(req.group, req.incarnation) != req.incarnation:
@@ -440,6 +444,8 @@ class CoordinatorState:
         """Hand out every quorum that can be decided now (lock held)."""
         heal_asks = self._group_asks(rounds.HEAL)
         live = self._live()
+        if len(live) < self.expected_groups and self._clock() < self._rejoin_grace_until:
+            return
         if heal_asks and self._summaries and not live:  # the others finished: nobody trains on
             for g in heal_asks:
                 self._answer(g, self._asks[rounds.HEAL].pop(g), rounds.HEAL, ("finished", None))
