@@ -1,7 +1,6 @@
 """The coordinator process is SIGKILLed while two groups train and started again on the same
 address: the workers retry, rejoin, finish, and the new coordinator reports the job's summary."""
 
-import json
 import os
 import secrets
 import signal
@@ -11,8 +10,8 @@ import sys
 import time
 
 import pytest
+from diloco_helpers import write_small_job
 
-from diloco.config import Config
 from diloco.connection import SECRET_ENV, TOKEN_ENV
 
 pytestmark = pytest.mark.slow
@@ -25,15 +24,8 @@ def free_port() -> int:
 
 
 def test_workers_survive_a_coordinator_kill_and_restart(tmp_path):
-    cfg = Config()
-    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.block_size = 1, 32, 2, 32
-    cfg.data.batch_size, cfg.data.eval_batches = 8, 2
-    cfg.train.steps, cfg.sync.h, cfg.train.log_every = 3000, 10, 50
-    cfg.topology.groups, cfg.topology.ranks_per_group = 2, 1
-    cfg.transport.timeout_s, cfg.transport.probe_bytes = 5.0, 0
-    cfg.fault.heartbeat_timeout = 2.0
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg.validate().to_dict()))
+    write_small_job(path, steps=3000, ranks_per_group=1)
     port = free_port()
     env = {**os.environ, SECRET_ENV: secrets.token_hex(32), TOKEN_ENV: secrets.token_hex(8), "OMP_NUM_THREADS": "1"}
     coordinator = [sys.executable, "-m", "diloco", "coordinator", "--port", str(port), "--groups", "2",

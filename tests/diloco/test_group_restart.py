@@ -3,7 +3,6 @@ group's workers, which join again under a new incarnation and heal; the job goes
 every group identical. (This is how a group runs on Kubernetes; `diloco run` restarts whole groups
 itself, see tests/diloco/test_churn.py.)"""
 
-import json
 import os
 import secrets
 import signal
@@ -13,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from diloco_helpers import write_small_job
 
-from diloco.config import Config
 from diloco.connection import SECRET_ENV, TOKEN_ENV
 from diloco.coordinator import CoordinatorServer
 from diloco.launcher import processes_mentioning
@@ -38,15 +37,8 @@ def worker_pid(marker: str, group: int, rank: int) -> int | None:
 
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_its_group_heals(tmp_path):
-    cfg = Config()
-    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.block_size = 1, 32, 2, 32
-    cfg.data.batch_size, cfg.data.eval_batches = 8, 2
-    cfg.train.steps, cfg.sync.h, cfg.train.log_every = 2500, 10, 50
-    cfg.topology.groups, cfg.topology.ranks_per_group = 2, 2
-    cfg.transport.timeout_s, cfg.transport.probe_bytes = 5.0, 0
-    cfg.fault.heartbeat_timeout = 2.0
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg.validate().to_dict()))
+    write_small_job(path, steps=2500, ranks_per_group=2)
     token = secrets.token_hex(8)
     env = {**os.environ, SECRET_ENV: secrets.token_hex(32), TOKEN_ENV: token, "OMP_NUM_THREADS": "1"}
     server = CoordinatorServer("127.0.0.1", 0, expected_groups=2, token=token, heartbeat_timeout_s=2.0)
