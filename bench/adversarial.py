@@ -11,16 +11,22 @@ more. Each attack gives one record:
   rss_growth_mb     peak growth of this process's resident memory during the attack, over the
                     level after a warm-up round (honest members *and* attacker live in this
                     process, so it is an upper bound for a member)
-  unauth_slots_max  the most unauthenticated connections (or gRPC streams) any honest listener
-                    held at once (its cap: max_unauthenticated)
-  ...               attack-specific counts: rejected / timed-out connections, the longest life
-                    of an unauthenticated connection, messages ignored, Ping latency, ...
+  unauth_slots_max  the most unauthenticated connections (or gRPC streams) from strangers any
+                    honest listener held at once (the shared slots; cap: max_unauthenticated)
+  reserved_slots_max  the same for connections from members' addresses (their reserved slots;
+                    cap: transport.guard.DEFAULT_MAX_PER_KNOWN_SOURCE per address)
+  unauth_life_max_s the longest any honest listener held a connection unauthenticated, from
+                    accepting it to having closed it (the deadline: handshake_timeout_s)
+  ...               attack-specific counts: rejected / timed-out connections, how long the
+                    attacker saw its connections live (client_life_max_s: the listener's close
+                    plus the attacker's ~10 ms polling), messages ignored, Ping latency, ...
 
     python bench/adversarial.py --json bench/results/adversarial.json
     python bench/adversarial.py --quick --only slowloris-tcp abort-forgery
 
 Attackers bind loopback addresses 127.0.0.2.. (per-source caps tell them from the members on
-127.0.0.1), except over gRPC, whose Python client cannot choose its source address.
+127.0.0.1), except over gRPC, whose Python client cannot choose its source address: its streams
+come from the members' own address and so meet the reserved slots' cap.
 """
 
 from __future__ import annotations
@@ -208,7 +214,13 @@ class Honest:
             th.join(self.s.timeout_s * 4)
 
     def unauth_peak(self) -> int:
+        """The most strangers' connections (shared slots) any member held unauthenticated."""
         return max(t.max_unauthenticated_seen for t in self.ts)
+
+    def listener_view(self) -> dict[str, Any]:
+        """Reserved slots used and the longest any member held a connection unauthenticated."""
+        return {"reserved_slots_max": max(t.max_reserved_seen for t in self.ts),
+                "unauth_life_max_s": round(max(t.longest_unauthenticated_s for t in self.ts), 3)}
 
     def counters(self) -> dict[str, int]:
         return {"rejected_connections": sum(t.rejected_connections for t in self.ts),
@@ -350,7 +362,7 @@ def slowloris_tcp(h: Honest, s: Settings) -> dict[str, Any]:
                     pass
         time.sleep(0.05)
     conns.close_all()
-    return {"connections_cut": len(conns.lives), "unauth_life_max_s": conns.max_life_s,
+    return {"connections_cut": len(conns.lives), "client_life_max_s": conns.max_life_s,
             "handshake_deadline_s": s.handshake_timeout_s}
 
 
@@ -407,7 +419,7 @@ def idle_flood_tcp(h: Honest, s: Settings) -> dict[str, Any]:
         time.sleep(0.05)
     th.join(s.timeout_s * 3)
     conns.close_all()
-    return {"connections_opened": opened, "unauth_life_max_s": conns.max_life_s,
+    return {"connections_opened": opened, "client_life_max_s": conns.max_life_s,
             "newcomer_ok": newcomer.get("ok", False), "newcomer_s": newcomer.get("seconds"),
             **({"newcomer_error": newcomer["error"]} if "error" in newcomer else {})}
 
@@ -797,7 +809,7 @@ def run_attack(name: str, s: Settings) -> dict[str, Any]:
             after = h.round()
             during = h.rounds[1:-1]
             ok = warm[0] and after[0] and bool(during) and all(r[0] for r in during)
-            extra = h.counters()
+            extra = {**h.counters(), **h.listener_view()}
             unauth = h.unauth_peak()
         finally:
             h.close()
@@ -813,7 +825,7 @@ def run_attack(name: str, s: Settings) -> dict[str, Any]:
             ok = after and bool(during) and all(r[0] for r in during) and job.coordinator_ok()
             extra = {"ping_max_s": round(max(job.latency["ping"], default=0), 3),
                      "heartbeat_max_s": round(max(job.latency["heartbeat"], default=0), 3),
-                     "failures": job.failures[:5]}
+                     "failures": job.failures[:5], **job.h.listener_view()}
             unauth = job.h.unauth_peak()
         finally:
             job.close()
@@ -830,7 +842,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             "|---|---|---|---|---|---|---|"]
     for r in records:
         notes = []
-        for key in ("unauth_life_max_s", "rejected_connections", "handshake_timeouts", "ignored_messages",
+        for key in ("unauth_life_max_s", "client_life_max_s", "reserved_slots_max", "rejected_connections", "handshake_timeouts", "ignored_messages",
                     "dropped_pending", "refused", "newcomer_ok", "ping_max_s", "heartbeat_max_s"):
             if key in r and r[key] not in (0, None, {}):
                 notes.append(f"{key}={r[key]}")

@@ -168,8 +168,20 @@ class TransportBase:
 
     @property
     def max_unauthenticated_seen(self) -> int:
-        """The most incoming connections that were unauthenticated at one time."""
+        """The most incoming connections from strangers (the shared slots, capped by
+        max_unauthenticated) that were unauthenticated at one time."""
         return self._guard.peak
+
+    @property
+    def max_reserved_seen(self) -> int:
+        """The most incoming connections from members' addresses (reserved slots) that were
+        unauthenticated at one time."""
+        return self._guard.peak_reserved
+
+    @property
+    def longest_unauthenticated_s(self) -> float:
+        """The longest an incoming connection was held unauthenticated, admission to close (s)."""
+        return self._guard.longest_s
 
     @property
     def ignored_messages(self) -> int:
@@ -248,6 +260,9 @@ class TransportBase:
                 raise ValueError(f"groups has {len(groups)} entries for a ring of {len(ring)}")
             if self.group is not None and groups[index] != self.group:
                 raise ValueError(f"groups[{index}] = {groups[index]} is not this transport's group {self.group}")
+        for peer in ring:  # members: their connections take reserved slots (transport.guard)
+            if peer != self.address:
+                self._guard.know(peer.rpartition(":")[0].strip("[]"))
         if codec is None:
             codec = default_codec()
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)

@@ -32,6 +32,10 @@ MAX_PINS_KEPT = 4096  # exchange -> plan version pins kept, oldest dropped first
 _POLL_S = 0.25  # how often a waiting call re-checks liveness and whether its caller is still there
 MAX_EVENTS_KEPT = 1024  # failures, rejections, rollbacks kept for snapshots, oldest dropped first
 NORM_HISTORY = 8  # accepted contribution norms kept per group for the outlier screen
+# votes on quorums of a previous coordinator (it restarted) that one group may make us remember: an
+# honest group has at most a few exchanges in flight; without a bound, a group could push the
+# other groups' live quorums out of memory with votes on made-up quorum ids
+MAX_ORPHANS_PER_GROUP = 16
 
 
 class CoordinatorState:
@@ -89,6 +93,7 @@ class CoordinatorState:
         self._asks: dict[int, dict[int, dict[int, QuorumRequest]]] = {}  # exchange -> group -> rank
         self._answers: dict[tuple[int, int, int], tuple[str, Any]] = {}  # (group, rank, exchange asked) -> answer
         self._quorums: OrderedDict[str, tuple[rounds.Quorum, dict[str, Any]]] = OrderedDict()
+        self._orphans_by_group: dict[int, int] = {}  # group -> orphan quorums it made us remember
         self._latest: OrderedDict[int, str] = OrderedDict()  # exchange -> id of its latest quorum
         self._votes: dict[str, dict[tuple[int, int], tuple[bool, str]]] = {}
         self._decisions: dict[str, tuple[bool, str]] = {}
@@ -548,6 +553,14 @@ class CoordinatorState:
             if req.quorum_id not in self._quorums:
                 if req.quorum_id.startswith(f"{self.boot}-"):
                     raise quorum.QuorumError("NOT_FOUND", f"quorum {req.quorum_id} is unknown or too old")
+                if req.group not in req.groups:
+                    raise quorum.QuorumError("INVALID_ARGUMENT", f"group {req.group} votes on quorum "
+                                             f"{req.quorum_id} of groups {sorted(req.groups)} without being in it")
+                made = self._orphans_by_group.get(req.group, 0)
+                if made >= MAX_ORPHANS_PER_GROUP:
+                    raise quorum.QuorumError("FAILED_PRECONDITION", f"group {req.group} already voted on "
+                                             f"{made} quorums of a previous coordinator; refusing {req.quorum_id}")
+                self._orphans_by_group[req.group] = made + 1
                 q = rounds.Quorum(id=req.quorum_id, exchange=req.exchange, attempt=0, tag="", numel=0,
                                   groups=tuple(sorted(req.groups)), weights={g: 1.0 for g in req.groups})
                 self._remember_quorum(q, {"members": {}, "sizes": {}, "incarnations": {}, "norms": {},

@@ -114,3 +114,27 @@ def test_wait_for_summaries_times_out_naming_silent_groups():
         state.wait_for_summaries(2, 0.1)
     with pytest.raises(ValueError):
         state.wait_for_summaries(3, 0.1)
+
+
+def test_votes_on_made_up_quorums_of_a_previous_coordinator_are_bounded_per_group():
+    """A group may make the coordinator remember only MAX_ORPHANS_PER_GROUP quorums it never
+    formed (a predecessor's), so it cannot push the other groups' quorums out of memory."""
+    from diloco.coordinator.messages import CommitRequest
+    from diloco.coordinator.state import MAX_ORPHANS_PER_GROUP
+
+    state, _ = formed(groups=2)
+
+    def vote(group, quorum_id, groups):
+        return state.commit(CommitRequest(group, 0, "", quorum_id, 7, groups, True), deadline=1e9)
+
+    assert vote(1, "old-7-0", (1,)).committed  # an honest group's vote on its predecessor's quorum
+    for i in range(MAX_ORPHANS_PER_GROUP):
+        assert vote(0, f"forged-{i}", (0,)).committed
+    with pytest.raises(QuorumError) as e:
+        vote(0, "forged-one-too-many", (0,))
+    assert e.value.code == "FAILED_PRECONDITION" and "group 0" in str(e.value)
+    with pytest.raises(QuorumError) as e:
+        vote(0, "not-mine", (1,))
+    assert e.value.code == "INVALID_ARGUMENT"
+    assert vote(1, "old-7-0", (1,)).committed  # still remembered, still decided the same way
+    assert vote(1, "old-8-0", (1,)).committed  # the flood did not use up group 1's share

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from transport.guard import DEFAULT_MAX_PER_KNOWN_SOURCE
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,8 +35,10 @@ def check_common(rec: dict) -> None:
     assert rec["honest_rounds"] >= 2 and rec["honest_max_s"] <= SETTINGS.timeout_s
     assert rec["rss_growth_mb"] <= RSS_BOUND_MB, rec
     assert rec["unauth_slots_max"] <= SETTINGS.max_unauthenticated
-    if "unauth_life_max_s" in rec:  # no unauthenticated connection outlives the handshake deadline
-        assert rec["unauth_life_max_s"] <= SETTINGS.handshake_timeout_s + 0.6, rec
+    assert rec["reserved_slots_max"] <= DEFAULT_MAX_PER_KNOWN_SOURCE  # the members' one address
+    # no listener holds an unauthenticated connection past the handshake deadline (it closes them
+    # REAP_LEAD_S early; the slack is for a thread woken late on a loaded 2-core host)
+    assert rec["unauth_life_max_s"] <= SETTINGS.handshake_timeout_s + 0.05, rec
 
 
 @pytest.mark.parametrize("attack", list(bench.DATA_ATTACKS))

@@ -70,6 +70,7 @@ def test_slow_loris_tcp_is_cut_at_the_handshake_deadline() -> None:
         assert 0.9 <= cut < 2.5, f"cut after {cut:.2f} s, deadline 1 s"
         assert t.handshake_timeouts == 1
         assert _wait_for(lambda: t.unauthenticated_connections == 0, 2.0)
+        assert 0.9 <= t.longest_unauthenticated_s <= 1.0, "held past the deadline by the listener"
 
 
 def test_slow_loris_grpc_is_cut_at_the_handshake_deadline() -> None:
@@ -127,6 +128,36 @@ def test_per_source_cap_leaves_room_for_other_sources() -> None:
             for s in flood + other:
                 s.close()
         assert _wait_for(lambda: ts[0].unauthenticated_connections == 0, 3.0)
+
+
+def test_members_keep_reserved_slots_when_strangers_fill_the_listener() -> None:
+    """Strangers from many addresses fill every shared slot; a member still connects at once,
+    because a collective named it (its host is then known) or it authenticated before."""
+    with transports(2, max_unauthenticated=4, max_unauthenticated_per_source=2, handshake_timeout_s=5.0) as ts:
+        flood = [_raw(ts[0].address, f"127.0.0.{2 + i // 2}") for i in range(4)]
+        try:
+            assert _wait_for(lambda: ts[0].unauthenticated_connections == 4, 3.0)
+            assert _closed_by_peer(_raw(ts[0].address, "127.0.0.9"), 1.0)  # the shared pool is full
+            assert ts[0].rejected_connections == 1
+            ring = [t.address for t in ts]
+            start = time.monotonic()
+            # member 0 learns its ring before member 1 dials it: member 1's first dial gets in
+            hs = [ts[0].all_reduce(torch.ones(8), ring, 0, tag="t"), ts[1].all_reduce(torch.full((8,), 3.0), ring, 1, tag="t")]
+            outs = [h.wait() for h in hs]
+            assert all(o.tolist() == [2.0] * 8 for o in outs)
+            assert time.monotonic() - start < 2.0, "a member waited for a stranger's slot to expire"
+            assert ts[0].rejected_connections == 1
+            # a member's address has its own slots, outside the shared cap, capped per source
+            mine = [_raw(ts[0].address, "127.0.0.1") for _ in range(10)]
+            try:
+                assert _wait_for(lambda: ts[0].unauthenticated_connections == 4 + 8, 3.0)
+                assert _wait_for(lambda: ts[0].rejected_connections == 1 + 2, 3.0)
+            finally:
+                for s in mine:
+                    s.close()
+        finally:
+            for s in flood:
+                s.close()
 
 
 @pytest.mark.parametrize("started", [True, False], ids=["running-tag", "unknown-tag"])
@@ -224,13 +255,16 @@ def test_grpc_caps_unauthenticated_streams() -> None:
         return
         yield b""
 
+    # gRPC's Python client cannot choose its source address: these streams come from the members'
+    # own address (127.0.0.1), known once the ring ran, so its reserved slots' cap is what holds
+    from transport.guard import DEFAULT_MAX_PER_KNOWN_SOURCE as known_cap
     with transports(2, "grpc", max_unauthenticated=3, max_unauthenticated_per_source=100, handshake_timeout_s=5.0) as ts:
         run_ring(ts, [torch.ones(8), torch.zeros(8)], tag="before")
         channel = grpc.insecure_channel(ts[0].address)
-        calls = [channel.stream_stream(METHOD)(idle(), timeout=10) for _ in range(6)]
+        calls = [channel.stream_stream(METHOD)(idle(), timeout=10) for _ in range(known_cap + 3)]
         try:
             assert _wait_for(lambda: ts[0].rejected_connections >= 3, 5.0)
-            assert ts[0].unauthenticated_connections == 3
+            assert ts[0].unauthenticated_connections == known_cap
             codes = []
             for c in calls:
                 if c.done() or _wait_for(c.done, 0.1):
