@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a coordinator and --groups torchrun jobs of --ranks-per-group ranks on "
         "loopback, train the demo GPT (or your own model: --entry package.module:function), and print a summary. "
         "Groups that fail are started again (--max-restarts) and heal; --chaos N kills N random groups "
-        "during the run as a drill.",
+        "during the run as a drill. With GPUs (backend nccl) every rank of a group gets its own GPU and the "
+        "groups are spread over the host's GPUs before any GPU is shared between groups; where a group has "
+        "more ranks than the host has GPUs, the default --ranks-per-group is cut to the GPU count (the "
+        "summary's placement line says so) and an explicit --ranks-per-group or --group-sizes stops with an "
+        "error before any process starts (groups under torchrun by hand: DILOCO_GPU_OFFSET, see diloco "
+        "worker --help).",
         epilog=QUORUM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH [default: none]")
@@ -62,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "worker", help="one rank of one worker group (run under torchrun)",
         description="Run under torchrun, one job per group: torchrun --nproc-per-node R --max-restarts N -m diloco "
         "worker --coordinator HOST:PORT --group-id G [options]. Needs DILOCO_SECRET (hex) in the environment. "
-        "Exits 75 when the coordinator took the group out (restart it: it heals).",
+        "Exits 75 when the coordinator took the group out (restart it: it heals). With NCCL, local rank i "
+        "uses GPU i + $DILOCO_GPU_OFFSET (default 0): give each group on a shared host its own offset, e.g. 0 "
+        "and 4 for two groups of 4 ranks on 8 GPUs ($DILOCO_DEVICE_MAP=\"2,3\", a GPU per local rank, "
+        "overrides it; diloco run sets that).",
         epilog=QUORUM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     worker.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator")
@@ -148,8 +156,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg, point = _config(args)
     logs.setup(cfg.train.log_format, component="run")
     progress = not args.no_progress and cfg.train.log_format == "text"  # a bar is no log line
+    # ranks per group the user did not name (flag or --config key) may be cut to the host's GPUs
+    named = config_mod.explicit_settings(args).keys() & {("topology", "ranks_per_group"), ("topology", "group_sizes")}
     summary = launcher.run(cfg, run_dir=args.run_dir, progress=progress, timeout_s=args.run_timeout,
-                           resume=point)
+                           resume=point, fit_ranks=point is None and not named)
     print(launcher.format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:

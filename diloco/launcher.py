@@ -29,6 +29,7 @@ from diloco.chaos import ChaosMonkey
 from diloco.config import Config
 from diloco.coordinator import CoordinatorServer
 from diloco.coordinator.credentials import group_token
+from diloco.device_placement import DEVICE_MAP_ENV, DevicePlan, place_ranks
 from diloco.supervise import GroupFailed, Supervisor, descendants
 from diloco.connection import SECRET_ENV, TOKEN_ENV, coordinator_tls
 from diloco.job_checkpoint import ResumePoint
@@ -71,6 +72,28 @@ def preflight(cfg: Config) -> data_mod.Corpus | None:
     if corpus.vocab_size > 65536:
         raise data_mod.DataError(f"vocabulary of {corpus.vocab_size} tokens is too large")
     return corpus
+
+
+def place_devices(cfg: Config, *, fit_ranks: bool = False) -> tuple[Config, DevicePlan]:
+    """``(config, plan)``: where every rank of every group runs on this host (see
+    ``device_placement.place_ranks``; the GPUs are ``torch.cuda.device_count()`` when the backend
+    resolves to nccl). ``fit_ranks``: a group with more ranks than GPUs is cut to the GPU count and
+    the returned config says so (else a PlacementError, before any process starts)."""
+    import torch
+
+    backend = cfg.topology.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    gpus = torch.cuda.device_count() if backend == "nccl" and torch.cuda.is_available() else 0
+    plan = place_ranks(gpus, cfg.topology.sizes(), backend=backend, fit=fit_ranks)
+    if plan.reduced:
+        cfg = copy.deepcopy(cfg)
+        if cfg.topology.group_sizes:
+            cfg.topology.group_sizes = ",".join(map(str, plan.sizes))
+        else:
+            cfg.topology.ranks_per_group = plan.sizes[0]
+        logging.getLogger("diloco.run").warning("placement: %s", plan.describe())
+    return cfg, plan
 
 
 def dp_bytes(num_parameters: int, groups: int, steps: int, bytes_per_value: int = 4) -> int:
@@ -200,14 +223,16 @@ def _human_bytes(n: float) -> str:
 
 def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeout_s: float | None = None,
         placement: Placement | None = None, resume: ResumePoint | None = None,
-        chaos: ChaosMonkey | None = None) -> dict:
+        chaos: ChaosMonkey | None = None, fit_ranks: bool = False) -> dict:
     """Run a whole job on this machine; returns the summary dict (see ``format_summary``).
     ``resume``: continue from this job checkpoint (``job_checkpoint.find``; ``cfg`` from
     ``job_checkpoint.resume_config``). ``chaos``: a fault drill (default: ``--chaos N`` kills).
     Groups that fail are started again (``--max-restarts``) and heal. With checkpoints on and no ``--checkpoint-dir``, they go
-    to ``RUN_DIR/checkpoints``."""
+    to ``RUN_DIR/checkpoints``. Each rank gets its device from ``place_devices`` (``fit_ranks``:
+    fewer ranks per group where the host has fewer GPUs, rather than an error)."""
     placement = placement or Placement()
     corpus = preflight(cfg)
+    cfg, devices = place_devices(cfg, fit_ranks=fit_ranks)
     out_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="diloco-run-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.train.checkpoint_dir and (cfg.train.checkpoint_every or cfg.train.stop_after):
@@ -246,6 +271,9 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         # each group gets only its own credentials: it can prove it is group g, and be nobody else
         own = {**env, SECRET_ENV: GroupKeys.derive(job_secret, g, peers=range(cfg.topology.groups)).to_text(),
                TOKEN_ENV: group_token(token, g)}
+        own.pop(DEVICE_MAP_ENV, None)
+        if devices.device_map(g) is not None:
+            own[DEVICE_MAP_ENV] = devices.device_map(g)
         return _spawn_group(cfg_path, cfg, g, address, own, out_dir, placement, resume=point, attempt=attempt)
 
     supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos)
@@ -277,6 +305,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
             http.close()
     summary = _summarize(cfg, corpus, summaries, snapshot, time.perf_counter() - started, out_dir)
     summary["fault"] = _fault_summary(snapshot, supervisor)
+    summary["placement"] = devices.describe()
     summary["summaries"] = summaries
     return summary
 
@@ -393,6 +422,7 @@ def format_summary(s: dict) -> str:
         f"  outer rounds             : {s['outer_rounds']} (H per round: {_compact(s['periods'])})",
         f"  inner steps per rank     : {s['inner_steps']}",
         f"  groups (ranks each)      : {s['groups']} ({', '.join(map(str, s['ranks_per_group']))})",
+        *([f"  placement                : {s['placement']}"] if s.get("placement") else []),
         f"  parameters               : {s['num_parameters']:,}",
         f"  bytes between groups     : {_human_bytes(s['bytes_sent'])} ({s['bytes_sent']:,} B)",
         f"  data parallel would send : {_human_bytes(s['dp_bytes'])} ({s['dp_bytes']:,} B)"

@@ -5,7 +5,9 @@ each rank opens its own data-plane endpoint, joins the coordinator with its addr
 DiLoCo engine averages pseudo-gradients through ``StripedAverager`` every H inner steps.
 
 Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (set by torchrun), ``DILOCO_SECRET``
-(hex shared secret of the data plane) and optionally ``DILOCO_TOKEN`` (coordinator token).
+(hex shared secret of the data plane) and optionally ``DILOCO_TOKEN`` (coordinator token). With
+NCCL, the GPU of each rank: ``DILOCO_DEVICE_MAP`` (set by ``diloco run``) or ``LOCAL_RANK`` +
+``DILOCO_GPU_OFFSET`` (see ``diloco.device_placement``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco import checkpoint, job_checkpoint, rank_state
+from diloco import checkpoint, device_placement, job_checkpoint, rank_state
 from diloco.config import Config
 from diloco.connection import SECRET_ENV, TOKEN_ENV, GroupConnection, connect, read_secret
 from diloco.data_parallel import DataParallelAcrossGroups
@@ -101,10 +103,14 @@ def _resolve_backend(requested: str) -> str:
     return requested
 
 
-def _device(backend: str, local_rank: int) -> torch.device:
+def _device(backend: str, local_rank: int, *, group: int, rank: int) -> torch.device:
+    """This rank's device: the CPU with gloo; with nccl the GPU ``device_placement.rank_cuda_index``
+    picks (checked against the GPUs this process sees, made the current one)."""
     if backend != "nccl":
         return torch.device("cpu")
-    device = torch.device(f"cuda:{local_rank}")
+    index = device_placement.rank_cuda_index(local_rank, torch.cuda.device_count(), os.environ,
+                                             group=group, rank=rank)
+    device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
 
@@ -137,7 +143,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         raise WorkerError("--checkpoint-every and --stop-after need --checkpoint-dir (diloco run sets one)")
     torch.set_num_threads(cfg.topology.threads_per_rank)
     backend = _resolve_backend(cfg.topology.backend)
-    device = _device(backend, local_rank)
+    device = _device(backend, local_rank, group=group, rank=rank)
     secret = read_secret()
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm_handler = signal.getsignal(signal.SIGTERM) if main_thread else None
@@ -153,7 +159,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                           data_path=cfg.data.path, args=parse_entry_args(cfg.train.entry_args), config=cfg)
         task = build_task(cfg.train.entry or DEMO_ENTRY, ctx)
         model = task.model.to(device)
-        ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         inner = make_inner_optimizer(cfg, model)
         link = connect(coordinator, group, secret=secret, settings=cfg.transport, metrics_port=cfg.train.metrics_port,
                        heartbeat_timeout=cfg.fault.heartbeat_timeout)
