@@ -186,6 +186,15 @@ class TransportConfig:
     tls_key: str = opt("", "this rank's TLS private key (PEM)", flag="--tls-key")
     tls_ca: str = opt("", "CA certificate that signs every peer (PEM)", flag="--tls-ca")
     plaintext: bool = opt(False, "allow an unencrypted data plane on non-loopback addresses (explicit opt-in)", flag="--plaintext")
+    # what a stranger can hold on this rank's listener before it authenticates (transport.guard)
+    handshake_timeout: float = opt(10.0, "seconds from accept in which an incoming connection must finish its "
+                                   "whole handshake (TLS included), however slowly bytes arrive", flag="--handshake-timeout")
+    max_unauthenticated: int = opt(64, "incoming connections from strangers' addresses that may be unauthenticated "
+                                   "at once (members' addresses have reserved slots besides)", flag="--max-unauthenticated")
+    max_unauthenticated_per_source: int = opt(8, "of those, how many from one source address",
+                                              flag="--max-unauthenticated-per-source")
+    max_pending_bytes: int = opt(256 << 20, "bytes of frames kept for exchanges not yet started here (kept at most "
+                                 "2 x --timeout)", flag="--max-pending-bytes")
 
 
 @dataclass
@@ -235,6 +244,11 @@ class Config:
 
         m, d, i, o, s, t = self.model, self.data, self.inner, self.outer, self.sync, self.topology
         fl = self.fault
+        tr = self.transport
+        need(tr.handshake_timeout > 0, f"--handshake-timeout must be > 0 seconds, got {tr.handshake_timeout}")
+        need(tr.max_unauthenticated >= 1 and tr.max_unauthenticated_per_source >= 1,
+             "--max-unauthenticated and --max-unauthenticated-per-source must be >= 1")
+        need(tr.max_pending_bytes >= 0, f"--max-pending-bytes must be >= 0, got {tr.max_pending_bytes}")
         need(fl.heartbeat_timeout > 0, f"--heartbeat-timeout must be > 0 seconds, got {fl.heartbeat_timeout}")
         need(1 <= fl.min_groups <= t.groups, f"--min-groups must be in [1, --groups={t.groups}], got {fl.min_groups}")
         need(fl.outlier_factor >= 0, f"--outlier-factor must be >= 0 (0 = off), got {fl.outlier_factor}")

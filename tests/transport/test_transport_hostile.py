@@ -277,3 +277,31 @@ def test_grpc_caps_unauthenticated_streams() -> None:
             for c in calls:
                 c.cancel()
             channel.close()
+
+
+def test_listener_limits_are_settings_that_reach_the_transport() -> None:
+    """--handshake-timeout and the caps are Config settings; make_transport applies them and
+    validate() refuses values that would disable them."""
+    from diloco.config import Config, ConfigError
+    from diloco.connection import make_transport
+
+    cfg = Config()
+    cfg.transport.handshake_timeout = 0.7
+    cfg.transport.max_unauthenticated = 2
+    cfg.transport.max_unauthenticated_per_source = 1
+    t = make_transport(cfg.validate().transport, SECRET)
+    try:
+        assert t.handshake_timeout_s == 0.7
+        first, second = _raw(t.address, "127.0.0.2"), _raw(t.address, "127.0.0.2")
+        try:
+            assert _closed_by_peer(second, 1.0)  # one per source
+            assert _closed_by_peer(first, 2.0)  # cut at the 0.7 s deadline
+            assert t.rejected_connections == 1 and t.handshake_timeouts == 1
+        finally:
+            first.close()
+            second.close()
+    finally:
+        t.close(flush_timeout_s=1.0)
+    cfg.transport.max_unauthenticated = 0
+    with pytest.raises(ConfigError, match="--max-unauthenticated"):
+        cfg.validate()
