@@ -61,7 +61,7 @@ def grpc_loris(target: str, streams: int, duration_s: float, hello_hex: str) -> 
     stop.set()
     for t in threads:
         t.join(5)
-    return {"streams_cut": len(lives), "unauth_life_max_s": round(max(lives, default=0.0), 2)}
+    return {"streams_cut": len(lives), "client_life_max_s": round(max(lives, default=0.0), 2)}
 
 
 def grpc_idle(target: str, streams: int, duration_s: float) -> dict[str, Any]:

@@ -123,6 +123,7 @@ class TransportBase:
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
         self._pool = BufferPool(_POOL_BYTES, pinned=pin_memory)
+        self._refusal_logged = -1.0  # time.monotonic() of the last "refused a connection" line
         self._guard = AdmissionGuard(handshake_timeout_s, max_unauthenticated, max_unauthenticated_per_source,
                                      on_tick=self._expire_pending_now)
 
@@ -489,9 +490,13 @@ class TransportBase:
         closer() ends the stream; it is called if the handshake deadline passes first."""
         ticket = self._guard.admit(source, closer)
         if ticket is None:
-            log.warning("%s: refused a connection from %s: too many unauthenticated connections "
-                        "(%d per listener, %d per source)", self.address, source,
-                        self._guard.max_unauthenticated, self._guard.max_per_source)
+            now = time.monotonic()
+            if now - self._refusal_logged >= 1.0:  # a flood is one line a second, not one per connection
+                log.warning("%s: refused %d connection(s) so far, now from %s: too many unauthenticated connections "
+                            "(%d per listener, %d per source, %d per member address)", self.address,
+                            self._guard.rejected, source, self._guard.max_unauthenticated,
+                            self._guard.max_per_source, self._guard.max_per_known_source)
+                self._refusal_logged = now
         return ticket
 
     def _serve_connection(self, sock: Any, ticket: Ticket) -> None:
