@@ -25,6 +25,7 @@ from .errors import PeerAuthError, PeerDisconnected, TransportError, WireError
 from .identity import Credentials, as_credentials
 from .guard import (DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
                     AdmissionGuard, Ticket)
+from .ratelog import RateLimitedLog
 from .ring import Handle, RingAllReduce, check_out, default_codec
 from .shaping import TokenBucket
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
@@ -123,7 +124,7 @@ class TransportBase:
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
         self._pool = BufferPool(_POOL_BYTES, pinned=pin_memory)
-        self._refusal_logged = -1.0  # time.monotonic() of the last "refused a connection" line
+        self._flood_log = RateLimitedLog(log)  # warnings a peer can trigger at will
         self._guard = AdmissionGuard(handshake_timeout_s, max_unauthenticated, max_unauthenticated_per_source,
                                      on_tick=self._expire_pending_now)
 
@@ -490,13 +491,10 @@ class TransportBase:
         closer() ends the stream; it is called if the handshake deadline passes first."""
         ticket = self._guard.admit(source, closer)
         if ticket is None:
-            now = time.monotonic()
-            if now - self._refusal_logged >= 1.0:  # a flood is one line a second, not one per connection
-                log.warning("%s: refused %d connection(s) so far, now from %s: too many unauthenticated connections "
-                            "(%d per listener, %d per source, %d per member address)", self.address,
-                            self._guard.rejected, source, self._guard.max_unauthenticated,
-                            self._guard.max_per_source, self._guard.max_per_known_source)
-                self._refusal_logged = now
+            self._flood_log.warning("refused", "%s: refused a connection from %s: too many unauthenticated connections "
+                                    "(%d per listener, %d per source, %d per member address)", self.address, source,
+                                    self._guard.max_unauthenticated, self._guard.max_per_source,
+                                    self._guard.max_per_known_source)
         return ticket
 
     def _serve_connection(self, sock: Any, ticket: Ticket) -> None:
@@ -516,11 +514,9 @@ class TransportBase:
                 peer, peer_group = accept_handshake(sock, self._creds, self._count_received, self._count_sent)
             except Exception as e:
                 self._guard.release(ticket)  # no-op once expired
-                if ticket.state == "expired":
-                    log.warning("%s: closed an incoming connection from %s: no authentication within %g s",
-                                self.address, ticket.source, self.handshake_timeout_s)
-                else:
-                    log.warning("%s: rejected an incoming connection from %s: %s", self.address, ticket.source, e)
+                if ticket.state != "expired":  # expiries: the guard writes one line per batch
+                    self._flood_log.warning("handshake", "%s: rejected an incoming connection from %s: %s",
+                                            self.address, ticket.source, e)
                 return
             if not self._guard.authenticated(ticket):
                 log.warning("%s: %s authenticated after the %g s handshake deadline; closed",
@@ -641,8 +637,9 @@ class TransportBase:
         size = len(msg.payload) + _PENDING_OVERHEAD
         if msg.discarded or self._pending_bytes + size > self.max_pending_bytes:
             self._dropped_pending += 1
-            log.warning("%s: dropped %s from %s for not-yet-started tag %r: pending buffers full (max_pending_bytes=%d)",
-                        self.address, msg.type.name, peer, msg.tag, self.max_pending_bytes)
+            self._flood_log.warning("pending", "%s: dropped %s from %s for not-yet-started tag %r: pending buffers "
+                                    "full (max_pending_bytes=%d)", self.address, msg.type.name, peer, msg.tag,
+                                    self.max_pending_bytes)
             return
         pending = self._pending.get(msg.tag)
         if pending is None:
