@@ -251,6 +251,7 @@ class GroupConnection:
         self.metrics.outer_rounds.inc(engine.round - self._rounds_counted)
         self._rounds_counted = engine.round
         self.metrics.wire_totals(self.transport.bytes_sent, self.transport.bytes_received)
+        self.metrics.listener_totals(self.transport)
         self._count_faults()
         if self.periods:
             self.metrics.sync_period.set(self.periods[-1])

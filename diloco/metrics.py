@@ -39,6 +39,7 @@ WORKER_SERIES: dict[str, str] = {
     "diloco_heals_total": "counter",
     "diloco_group_failures_total": "counter",
     "diloco_rejected_contributions_total": "counter",
+    "diloco_listener_refusals_total": "counter",
     "diloco_quorum_groups": "gauge",
     "diloco_compute_utilization_ratio": "gauge",
     "diloco_train_loss": "gauge",
@@ -47,6 +48,11 @@ WORKER_SERIES: dict[str, str] = {
     "diloco_codec_compression_ratio": "gauge",
     "diloco_worker_info": "gauge",
 }
+
+
+#: reason label of diloco_listener_refusals_total -> the transport's cumulative counter of it
+LISTENER_REFUSALS = {"rejected_connection": "rejected_connections", "handshake_timeout": "handshake_timeouts",
+                     "ignored_message": "ignored_messages", "dropped_pending": "dropped_pending_messages"}
 
 
 class _Seconds:
@@ -99,6 +105,14 @@ class WorkerMetrics:
         self.group_failures = counter("diloco_group_failures", "Peer groups this rank saw fail")
         self.rejected_contributions = counter(
             "diloco_rejected_contributions", "Pseudo-gradient contributions refused (stale, non-finite, wrong round)")
+        self._refusals = Counter(
+            "diloco_listener_refusals", "What this rank's data-plane listener refused or dropped from peers, by reason: "
+            "rejected_connection (over a cap on unauthenticated connections), handshake_timeout, ignored_message "
+            "(data or an abort not from the collective's proven left neighbour), dropped_pending (frames for "
+            "exchanges not started here, over the pending bound)", names + ["reason"], registry=self.registry)
+        self._refusal_labels = labels
+        for reason in LISTENER_REFUSALS:
+            self._refusals.labels(**labels, reason=reason)
         self.quorum_groups = gauge("diloco_quorum_groups", "Groups in the quorum of the current round")
         self.loss = gauge("diloco_train_loss", "Smoothed inner training loss (nats/token for the demo)")
         self.sync_period = gauge("diloco_sync_period_steps", "H: inner steps between syncs of a fragment")
@@ -111,7 +125,7 @@ class WorkerMetrics:
         self._describe_wire(labels, {**_process_wire, **{k: v for k, v in {
             "codec": codec, "codec_block": codec_block, "link": link, "zstd": zstd,
             "chunk_bytes": chunk_bytes}.items() if v is not None}})
-        self._seen = {"sent": 0, "received": 0}
+        self._seen = {"sent": 0, "received": 0, **{r: 0 for r in LISTENER_REFUSALS}}
         self.server: Any = None
 
     def _describe_wire(self, labels: dict[str, str], wire: dict[str, Any]) -> None:
@@ -134,7 +148,14 @@ class WorkerMetrics:
         """Record the transport's cumulative byte counters."""
         self.bytes_sent.inc(max(sent - self._seen["sent"], 0))
         self.bytes_received.inc(max(received - self._seen["received"], 0))
-        self._seen = {"sent": sent, "received": received}
+        self._seen.update(sent=sent, received=received)
+
+    def listener_totals(self, transport: Any) -> None:
+        """Record the transport's cumulative refusal counters (``LISTENER_REFUSALS``: its attributes)."""
+        for reason, attr in LISTENER_REFUSALS.items():
+            value = int(getattr(transport, attr))
+            self._refusals.labels(**self._refusal_labels, reason=reason).inc(max(value - self._seen[reason], 0))
+            self._seen[reason] = value
 
     def close(self) -> None:
         """Stop the HTTP endpoint. Idempotent."""

@@ -128,3 +128,18 @@ def test_coordinator_collector_without_fault_tolerance_counts_live_joined_groups
     assert not any(name.startswith("diloco_coordinator_rounds_") for name, _ in s)
     empty = _samples(_coordinator_registry({}))  # before anything joined
     assert empty[("diloco_coordinator_quorum_groups", ())] == 0
+
+
+def test_listener_refusals_follow_the_transports_counters():
+    class FakeTransport:
+        rejected_connections, handshake_timeouts, ignored_messages, dropped_pending_messages = 3, 1, 0, 7
+
+    m = WorkerMetrics(group=0, rank=0)
+    t = FakeTransport()
+    m.listener_totals(t)
+    m.wire_totals(10, 20)  # the two kinds of totals keep their own baselines
+    t.rejected_connections = 5
+    m.listener_totals(t)
+    got = {dict(labels)["reason"]: v for (name, labels), v in _samples(m.registry).items()
+           if name == "diloco_listener_refusals_total"}
+    assert got == {"rejected_connection": 5, "handshake_timeout": 1, "ignored_message": 0, "dropped_pending": 7}
