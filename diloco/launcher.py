@@ -96,6 +96,13 @@ def place_devices(cfg: Config, *, fit_ranks: bool = False) -> tuple[Config, Devi
     return cfg, plan
 
 
+def bits_per_param_per_step(bytes_sent: int, num_parameters: int, steps: int) -> float:
+    """Bits all groups together sent to each other, per model parameter per inner step: what a run
+    spent on its links. Data parallel over a ring spends ``64 (G-1)`` (64 with two groups): see
+    ``dp_bytes``. 0 for a run of no steps."""
+    return 8.0 * bytes_sent / (num_parameters * steps) if num_parameters and steps else 0.0
+
+
 def dp_bytes(num_parameters: int, groups: int, steps: int, bytes_per_value: int = 4) -> int:
     """Bytes all groups together would send if they all-reduced fp32 gradients every step.
 
@@ -393,6 +400,8 @@ def _summarize(cfg: Config, corpus, summaries: dict, snapshot: dict, seconds: fl
         "bytes_sent": sent,
         "dp_bytes": dp,
         "reduction_vs_dp": (dp / sent) if sent else None,
+        "bits_per_param_per_step": bits_per_param_per_step(sent, n, steps_run),
+        "dp_bits_per_param_per_step": bits_per_param_per_step(dp, n, steps_run),
         "param_hash_per_group": hashes,
         "params_identical": len(set(hashes.values())) == 1,
         "divergence": snapshot.get("divergence", []),
@@ -427,6 +436,8 @@ def format_summary(s: dict) -> str:
         f"  bytes between groups     : {_human_bytes(s['bytes_sent'])} ({s['bytes_sent']:,} B)",
         f"  data parallel would send : {_human_bytes(s['dp_bytes'])} ({s['dp_bytes']:,} B)"
         + (f", {s['reduction_vs_dp']:.0f}x more" if s["reduction_vs_dp"] else ""),
+        *([f"  bits / parameter / step  : {_bits(s['bits_per_param_per_step'])} between groups "
+           f"(data parallel: {_bits(s['dp_bits_per_param_per_step'])})"] if "bits_per_param_per_step" in s else []),
         f"  global params identical  : {s['params_identical']} ({', '.join(s['param_hash_per_group'].values())})",
         f"  compute utilization      : {100 * s['utilization']:.1f}% (time in inner steps / wall, slowest group)",
         f"  wall time                : {s['seconds']:.1f} s",
@@ -447,6 +458,10 @@ def format_summary(s: dict) -> str:
         lines.insert(6, f"  stopped at step          : {s['stopped_at_step']} of {s['config']['train']['steps']}, "
                         f"checkpoint {s['job_checkpoint']} (continue: diloco run --resume {root})")
     return "\n".join(lines)
+
+
+def _bits(x: float) -> str:
+    return f"{x:.3g}" if x < 10 else f"{x:.0f}"
 
 
 def _compact(periods: list[int]) -> str:

@@ -217,3 +217,4 @@ def test_summary_shows_the_placement_line():
     assert "  placement                : 2 groups × 1 rank on 1 GPU" in "\n".join(lines)
     assert lines.index(next(x for x in lines if "placement" in x)) == 1 + lines.index(
         next(x for x in lines if "groups (ranks each)" in x))
+

@@ -44,6 +44,9 @@ def test_two_groups_of_two_ranks_stay_bit_identical_and_learn(tmp_path):
     payload = 2 * 4 * s["num_parameters"] * s["outer_rounds"]
     assert payload <= s["bytes_sent"] <= payload * 1.05
     assert s["dp_bytes"] == 2 * 4 * s["num_parameters"] * 40
+    # fp32 every 10 steps between 2 groups: 64 bits / 10 steps, plus framing; data parallel: 64
+    assert s["dp_bits_per_param_per_step"] == 64
+    assert 6.4 <= s["bits_per_param_per_step"] <= 6.4 * 1.05
 
 
 def test_qsr_schedule_runs_and_grows_h(tmp_path):
@@ -229,3 +232,12 @@ def test_failure_report_shows_the_workers_error_line_before_torchrun_noise(tmp_p
     plain = tmp_path / "group-0.log"
     plain.write_text("\n".join(f"line {i}" for i in range(30)))
     assert launcher.GroupProcess(0, None, plain).tail(3) == "line 27\nline 28\nline 29"
+
+
+def test_summary_states_bits_per_parameter_per_step_beside_data_parallel() -> None:
+    from diloco.launcher import bits_per_param_per_step, dp_bytes
+
+    assert bits_per_param_per_step(dp_bytes(1000, 2, 7), 1000, 7) == 64  # DP, two groups
+    assert bits_per_param_per_step(dp_bytes(1000, 4, 7), 1000, 7) == 192  # 64 (G-1)
+    assert bits_per_param_per_step(125, 1000, 20) == 0.05  # 1000 bits over 1000 params x 20 steps
+    assert bits_per_param_per_step(10, 1000, 0) == 0.0
