@@ -3,10 +3,10 @@
 Both travel over the groups' own averager as one lossless (fp32) exchange of exact small
 integers, so the mean the ring computes (a sum, then a division by G) can be undone exactly:
 
-* ``check``: each group contributes the 32 bytes of the SHA-256 of its parameters as values
+* ``check``: each group contributes the 16 bytes of the XXH3-128 of its parameters as values
   ``v`` and ``v²``. The mean equals this group's own ``(v, v²)`` everywhere exactly when the
   variance across groups is zero, i.e. when every group holds the same bytes; a difference is
-  seen by every group, so all of them refuse. Costs 256 bytes per group.
+  seen by every group, so all of them refuse. Costs 128 bytes per group.
 * ``copy``: group 0 contributes the bits of its fp32 parameters as two 16-bit halves (each an
   exact fp32 integer), the others zeros; ``round(mean · G)`` gives group 0's bits back exactly.
   Costs twice the fp32 model once, at start.

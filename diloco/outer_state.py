@@ -7,10 +7,10 @@ its own slice of outer-optimizer state (the momentum of fragment f only moves wh
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Iterator, Sequence
 
 import torch
+import xxhash
 import torch.nn as nn
 
 from diloco.outer import OuterOptimizerFactory, nesterov
@@ -102,10 +102,16 @@ class OuterFragment:
 
 
 def params_digest(tensors: Sequence[torch.Tensor]) -> bytes:
-    """SHA-256 (32 bytes) of the tensors' fp32 bytes, in order."""
-    h = hashlib.sha256()
+    """XXH3-128 (16 bytes) of the tensors' fp32 bytes, in order, read in place (no copy of a CPU
+    fp32 tensor). A checksum that tells apart groups whose parameters differ, taken every round:
+    ~16 GB/s on one core where SHA-256 ran at ~0.9 GB/s. Not a defence against forgery — a group
+    reports whatever hash it likes; state transfers carry their own SHA-256 (``state_blob``)."""
+    h = xxhash.xxh3_128()
     for t in tensors:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        c = t.detach()
+        if c.device.type != "cpu" or c.dtype != torch.float32:
+            c = c.to("cpu", torch.float32)
+        h.update(memoryview(c.contiguous().reshape(-1).numpy()).cast("B"))
     return h.digest()
 
 
