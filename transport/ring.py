@@ -174,6 +174,9 @@ class Handle:
     def __init__(self, tag: str) -> None:
         self.tag = tag
         self._event = threading.Event()
+        #: all_gather_mean: what every member decoded of this member's own contribution (valid
+        #: once wait() returned); None for other collectives
+        self.sent: torch.Tensor | None = None
         self._result: torch.Tensor | None = None
         self._error: BaseException | None = None
         self._op: RingAllReduce | None = None
@@ -214,6 +217,8 @@ class _Abort(Exception):
 class RingAllReduce:
     """State machine of one ring all-reduce on one member; `run` is its thread's body."""
 
+    kind = "all_reduce"  # the collective's name in errors and logs
+
     def __init__(
         self,
         core: Any,
@@ -234,6 +239,9 @@ class RingAllReduce:
         self.device = x.device
         self.ready = ready  # CUDA: an event on the caller's stream after which x (and out) may be used
         self.x = x
+        # the divisor as a tensor on x's device: CUDA divides by a CPU scalar through its
+        # reciprocal (one ulp off a third of the time), by a device tensor exactly as the CPU does
+        self._g = torch.full((), float(len(ring)), dtype=torch.float32, device=x.device)
         self.ring = ring
         self.index = index
         self.tag = tag
@@ -273,8 +281,8 @@ class RingAllReduce:
         self.ignored += 1
         if self._ignored_from is None:
             self._ignored_from = f"{peer} (group {group})"
-            log.warning("all_reduce %r on %s: ignored %s from %s: only the left neighbour %s (group %s) may "
-                        "send data or aborts", self.tag, self.core.address, what, self._ignored_from, self.left,
+            log.warning("%s %r on %s: ignored %s from %s: only the left neighbour %s (group %s) may "
+                        "send data or aborts", self.kind, self.tag, self.core.address, what, self._ignored_from, self.left,
                         self.left_group)
         with self.core._stats_lock:
             self.core._ignored_messages += 1
@@ -310,8 +318,8 @@ class RingAllReduce:
             err = self._error(e)
             self._propagate(e)
         except Exception as e:  # a bug or a codec error: still an abort, never a hang
-            log.exception("all_reduce %r failed", self.tag)
-            err = CollectiveAborted(f"all_reduce {self.tag!r} on {self.core.address}: internal error: {e!r}")
+            log.exception("%s %r failed", self.kind, self.tag)
+            err = CollectiveAborted(f"{self.kind} {self.tag!r} on {self.core.address}: internal error: {e!r}")
             err.__cause__ = e
             self._propagate(_Abort(f"internal error: {e!r}"))
         finally:
@@ -319,7 +327,7 @@ class RingAllReduce:
             self.handle._finish(out, err)
 
     def _error(self, e: _Abort) -> CollectiveAborted:
-        where = f"all_reduce {self.tag!r} on {self.core.address} (ring index {self.index} of {len(self.ring)})"
+        where = f"{self.kind} {self.tag!r} on {self.core.address} (ring index {self.index} of {len(self.ring)})"
         err = CollectiveAborted(f"{where}: {e.reason}")
         if e.__cause__ is not None:
             err.__cause__ = e.__cause__
@@ -420,6 +428,34 @@ class RingAllReduce:
         out = self.out if self.out is not None else torch.empty(n, dtype=torch.float32, device=self.device)
         rs_todo = {(k, c) for k in range(g) if k != first for c in range(len(chunks[k]))}
         ag_todo = {(k, c) for k in range(g) if k != r for c in range(len(chunks[k]))}
+        self._connect_right()
+        # On a GPU every chunk goes through the codec there: only encoded frames reach the host.
+        self._raw = raw_fp32(self.codec) if self.device.type == "cpu" else None
+        for c, (a, b) in enumerate(chunks[first]):
+            self._send_new(MsgType.RS, first, c, x[a:b])
+        last_progress = time.monotonic()
+        while rs_todo or ag_todo or self._unsent:
+            msg, last_progress = self._next_message(last_progress, lambda: self._stall_reason(rs_todo, ag_todo))
+            if msg is None:
+                continue
+            peer = self.left
+            key = (msg.seg, msg.chunk)
+            if msg.type == MsgType.RS:
+                if key not in rs_todo:
+                    raise _Abort(f"protocol error: unexpected reduce-scatter chunk {key} from {peer}")
+                rs_todo.discard(key)
+                self._on_reduce(msg, chunks[msg.seg][msg.chunk], msg.seg == r, out)
+            else:
+                if key not in ag_todo:
+                    raise _Abort(f"protocol error: unexpected all-gather chunk {key} from {peer}")
+                ag_todo.discard(key)
+                self._on_gather(msg, chunks[msg.seg][msg.chunk], (r + 1) % g != msg.seg, out)
+            last_progress = time.monotonic()
+        return out
+
+    def _connect_right(self) -> None:
+        """Open the link to the right neighbour (checking the group it proved) and, with
+        finite=True, refuse a non-finite input of our own: the start of every ring collective."""
         deadline = time.monotonic() + self.timeout_s
         try:
             self._link = self.core._get_link(self.right, deadline)
@@ -429,17 +465,20 @@ class RingAllReduce:
             link, self._link = self._link, None  # never send to it, not even our abort
             raise _Abort(f"right peer {self.right} proved group {link.peer_group}, the ring says group "
                          f"{self.right_group}: not sending to it")
-        if self.finite and not bool(torch.isfinite(x).all()):
+        if self.finite and not bool(torch.isfinite(self.x).all()):
             raise _Abort("this member's own input holds NaN or Inf (finite=True)")
-        # On a GPU every chunk goes through the codec there: only encoded frames reach the host.
-        self._raw = raw_fp32(self.codec) if self.device.type == "cpu" else None
-        for c, (a, b) in enumerate(chunks[first]):
-            self._send_new(MsgType.RS, first, c, x[a:b])
-        last_progress = time.monotonic()
-        while rs_todo or ag_todo or self._unsent:
+
+    def _next_message(self, last_progress: float, stall: Any) -> tuple[Any, float]:
+        """The next data message from the left neighbour (its sender and vector length checked),
+        handling on the way everything else the event queue holds. Returns (message, the time
+        of the last progress); the message is None when only an in-place send was taken.
+        Raises _Abort on an abort, a lost connection we depend on, or timeout_s without
+        progress (reason: ``stall()``)."""
+        n = self.x.numel()
+        while True:
             wait = last_progress + self.timeout_s - time.monotonic()
             if wait <= 0:
-                raise _Abort(self._stall_reason(rs_todo, ag_todo))
+                raise _Abort(stall())
             try:
                 ev = self.events.get(timeout=wait)
             except queue.Empty:
@@ -447,8 +486,7 @@ class RingAllReduce:
             kind = ev[0]
             if kind == "sent":
                 self._unsent -= 1
-                last_progress = time.monotonic()
-                continue
+                return None, time.monotonic()
             if kind == "abort":
                 raise _Abort(ev[1])
             if kind == "lost":
@@ -473,30 +511,18 @@ class RingAllReduce:
             self.watch.add(conn_id)
             if msg.aux != n:
                 raise _Abort(f"length mismatch: left peer {peer} reduces {msg.aux} elements, this member {n}")
-            key = (msg.seg, msg.chunk)
-            if msg.type == MsgType.RS:
-                if key not in rs_todo:
-                    raise _Abort(f"protocol error: unexpected reduce-scatter chunk {key} from {peer}")
-                rs_todo.discard(key)
-                self._on_reduce(msg, chunks[msg.seg][msg.chunk], msg.seg == r, out)
-            else:
-                if key not in ag_todo:
-                    raise _Abort(f"protocol error: unexpected all-gather chunk {key} from {peer}")
-                ag_todo.discard(key)
-                self._on_gather(msg, chunks[msg.seg][msg.chunk], (r + 1) % g != msg.seg, out)
-            last_progress = time.monotonic()
-        return out
+            return msg, last_progress
 
     def _on_reduce(self, msg: Any, bounds: tuple[int, int], owner: bool, out: torch.Tensor) -> None:
         """Add our slice to a received partial sum; pass it on (RS), or, as the owner, the mean (AG)."""
-        (a, b), g = bounds, len(self.ring)
+        a, b = bounds
         what = f"reduce-scatter chunk {(msg.seg, msg.chunk)}"
         v = self._raw_values(msg.payload, b - a, what)
         if v is None:  # any codec: decode to a new tensor, add, encode into a new frame
             s = self._decode(msg.payload, b - a, what).add_(self.x[a:b])  # a new tensor: ours to change
             self.core._pool.put(msg.payload)
             if owner:
-                self._send(MsgType.AG, msg.seg, msg.chunk, self._encode_mean(s.div_(g), out[a:b]))
+                self._send(MsgType.AG, msg.seg, msg.chunk, self._encode_mean(s.div_(self._g), out[a:b]))
             else:
                 self._send(MsgType.RS, msg.seg, msg.chunk, self.codec.encode(s))
             return
@@ -505,7 +531,7 @@ class RingAllReduce:
         # into out, and the all-gather frame is sent from there.
         torch.add(v, self.x[a:b], out=v)
         if owner:
-            torch.div(v, g, out=out[a:b])
+            torch.div(v, self._g, out=out[a:b])
             self.core._pool.put(msg.payload)
             self._send_in_place(MsgType.AG, msg.seg, msg.chunk, out[a:b])
             return
