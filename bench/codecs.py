@@ -1,18 +1,30 @@
-"""Benchmark every compress codec on real pseudo-gradients and on Gaussian data.
+"""Benchmark every compress codec on real pseudo-gradients and on heavy-tailed synthetic data.
 
 For each codec: bits per value on the wire (whole frames: header, scales and checksum included),
-the same with the zstd stage, relative L2 error, and encode / decode throughput in GB/s of fp32
-input on one CPU thread, next to a plain ``clone()`` of the same chunks timed in the same run.
+the same with the zstd stage, relative L2 error ``||decode(encode(x)) - x|| / ||x||`` on every
+vector, and encode / decode throughput in GB/s of fp32 input on one CPU thread, next to a plain
+``clone()`` of the same chunks timed in the same run. Every vector is cut into chunks as the
+transport does (1 MiB of fp32 by default) and every chunk is one frame.
 
-The real pseudo-gradient is ``theta_start - theta_end`` of a fresh demo GPT after H AdamW steps
-on the bundled Shakespeare corpus. The vector is cut into chunks as the transport does
-(1 MiB of fp32 by default) and every chunk is one frame.
+Real vectors (``diloco_vectors``): pseudo-gradients of a short DiLoCo run of the demo GPT on the
+bundled Shakespeare corpus, as the demo trains it (2 groups, H = 30 AdamW steps per round, outer
+Nesterov), at two sizes (2 layers d=128: 437,760 values; 4 layers d=256: 3,257,856 values):
+``early`` (round 1, fresh model), ``late`` (the last round, after 570 / 270 steps) and ``outer``
+(the last round's outer-momentum-applied update Delta + 0.9 v). They are cached in a .cache
+folder beside this script (git-ignored; the larger model takes 5-10 minutes on 2 CPU cores).
+Synthetic vectors: Gaussian, Student-t with 3 degrees of freedom, Laplace, and Gaussian with
+0.1 % of the values times 100.
 
-    python bench/codecs.py --quick                      # < 1 minute
+    python bench/codecs.py --quick                      # small model only, < 2 minutes
     python bench/codecs.py --json bench/results/codecs.json
+    python bench/codecs.py --compare bench/results/codecs-before.json bench/results/codecs.json
+    python bench/codecs.py --design-lloyd4              # re-derive lloyd4's levels
 
-The blockwise codecs run their C kernels on CPU when ``compress._native`` is built
-(``pip install -e .``); ``COMPRESS_NATIVE=0`` measures their pure-torch path instead.
+``--ablation`` adds the 4-bit variants that were measured before choosing (scale search off,
+other search windows, block sizes, stochastic rounding). ``--compress-root DIR`` imports
+``compress`` from another checkout (e.g. an older commit, to measure "before"). The blockwise
+codecs run their C kernels on CPU when ``compress._native`` is built (``pip install -e .``);
+``COMPRESS_NATIVE=0`` measures their pure-torch path instead.
 """
 from __future__ import annotations
 
@@ -25,12 +37,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+if "--compress-root" in sys.argv[1:-1]:  # before importing compress: another checkout's
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--compress-root") + 1]).resolve()))
 
 import compress  # noqa: E402
 from benchutil import pin_malloc  # noqa: E402
 from compress.codecs.blockwise import native_available  # noqa: E402
 
+FOUR_BIT = ["int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"]
 # codec rows: (label, name, params)
 CODECS = [
     ("fp32", "fp32", {}),
@@ -39,36 +55,131 @@ CODECS = [
     ("int4", "int4", {}),
     ("fp4-e2m1", "fp4-e2m1", {}),
     ("fp4-e3m0", "fp4-e3m0", {}),
+    ("lloyd4", "lloyd4", {}),
     ("sign1", "sign1", {}),
     ("topk (1.5%)", "topk", {"density": 0.015}),
 ]
+# 4-bit variants measured before choosing: (label, name, params, search window or None)
+ABLATION = [
+    *[(f"{n}{label}", n, params, None) for n in ("int4", "fp4-e2m1", "lloyd4") for label, params in (
+        (" no search", {"search": False}), ("", {}), (" block 16", {"block_size": 16}),
+        (" block 64", {"block_size": 64}), (" block 128", {"block_size": 128}),
+        (" stochastic", {"stochastic": True, "seed": 0}))],
+    *[(f"fp4-e3m0{label}", "fp4-e3m0", params, window) for label, params, window in (
+        (" no search", {"search": False}, None), (" search k0-1..k0+1", {}, (1, 1)),
+        (" search k0-2..k0+2", {}, (2, 2)), ("", {}, None), (" block 64", {"block_size": 64}, None),
+        (" stochastic", {"stochastic": True, "seed": 0}, None))],
+    ("int4 search k0..k0+1", "int4", {}, (0, 1)), ("int4 search k0-2..k0+1", "int4", {}, (2, 1)),
+]
 
 
-def pseudo_gradient(steps: int, n_layer: int, n_embd: int, block: int, batch: int,
-                    seed: int = 0) -> tuple[torch.Tensor, dict]:
-    """theta_start - theta_end (flattened fp32) of a fresh GPT after ``steps`` AdamW steps."""
-    from diloco.data import BatchSampler, load_corpus, split
+CACHE = Path(__file__).resolve().parent / ".cache"
+
+#: model sizes of the real vectors: (n_layer, n_embd, block, batch, outer rounds)
+SIZES = {"small": (2, 128, 64, 16, 20), "large": (4, 256, 128, 16, 10)}
+
+
+def diloco_vectors(n_layer: int, n_embd: int, block: int, batch: int, rounds: int, *,
+                   groups: int = 2, inner: int = 30, seed: int = 0) -> tuple[dict, dict]:
+    """Pseudo-gradients of a short DiLoCo run of the demo GPT, as the demo trains it.
+
+    ``groups`` workers, each on its own shard of the bundled Shakespeare corpus with its own
+    AdamW (lr 1e-3 peak, 20 warmup steps, cosine to 0.1 x over the run, weight decay 0.1,
+    gradient clipping at 1.0; state kept across rounds), ``inner`` steps per round, outer
+    Nesterov (lr 0.7, momentum 0.9) on the mean pseudo-gradient. Returns (vectors, info) with
+    vectors (flattened fp32):
+
+    - ``early``: group 0's pseudo-gradient ``theta_global - theta_local`` of round 1 (fresh model);
+    - ``late``: group 0's pseudo-gradient of the last round;
+    - ``outer``: the last round's outer update direction ``Delta + momentum * v`` (v the Nesterov
+      buffer after that round's ``v <- momentum * v + Delta``, Delta the mean pseudo-gradient):
+      what the outer step subtracts, times its lr.
+    """
+    from diloco.data import BatchSampler, load_corpus, shard_bounds, split
     from diloco.model import GPT, GPTConfig
+    from diloco.schedule import inner_lr
+    from torch.nn.utils import parameters_to_vector
 
-    torch.manual_seed(seed)
-    cfg = GPTConfig(block_size=block, n_layer=n_layer, n_head=4, n_embd=n_embd)
-    model = GPT(cfg)
-    start = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
     train, _ = split(load_corpus(), 0.1)
-    sampler = BatchSampler(train, batch, block, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    loss = None
-    for _ in range(steps):
-        x, y = sampler.next()
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    end = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    info = {"params": start.numel(), "inner_steps": steps, "n_layer": n_layer, "n_embd": n_embd,
-            "block_size": block, "batch": batch, "optimizer": "AdamW lr=1e-3 wd=0.1",
-            "final_loss": float(loss) if loss is not None else None}
-    return (start - end).contiguous(), info
+    cfg = GPTConfig(block_size=block, n_layer=n_layer, n_head=4, n_embd=n_embd)
+    torch.manual_seed(seed)
+    models = [GPT(cfg)]
+    models += [GPT(cfg) for _ in range(groups - 1)]
+    theta = parameters_to_vector(models[0].parameters()).detach().clone()
+    opts, samplers = [], []
+    for g, m in enumerate(models):
+        lo, hi = shard_bounds(len(train), groups, g)
+        samplers.append(BatchSampler(train[lo:hi], batch, block, seed + 7919 * (g + 1)))
+        opts.append(torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1))
+    total = rounds * inner
+    v = torch.zeros_like(theta)
+    out, losses = {}, []
+    for r in range(rounds):
+        deltas = []
+        for m, opt, sampler in zip(models, opts, samplers):
+            with torch.no_grad():  # copy (vector_to_parameters would alias theta)
+                off = 0
+                for p in m.parameters():
+                    p.copy_(theta[off:off + p.numel()].view_as(p))
+                    off += p.numel()
+            for h in range(inner):
+                lr = inner_lr(r * inner + h, peak=1e-3, warmup_steps=20, total_steps=total)
+                for pg in opt.param_groups:
+                    pg["lr"] = lr
+                x, y = sampler.next()
+                _, loss = m(x, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                opt.step()
+            deltas.append(theta - parameters_to_vector(m.parameters()).detach())
+            losses.append(loss.item())
+        delta = torch.stack(deltas).mean(dim=0)
+        v.mul_(0.9).add_(delta)
+        update = delta + 0.9 * v
+        theta -= 0.7 * update
+        if r == 0:
+            out["early"] = deltas[0].clone()
+    out["late"] = deltas[0].clone()
+    out["outer"] = update.clone()
+    info = {"params": theta.numel(), "n_layer": n_layer, "n_embd": n_embd, "block_size": block,
+            "batch": batch, "groups": groups, "inner_steps": inner, "rounds": rounds,
+            "inner_optimizer": "AdamW lr 1e-3 (20 warmup, cosine to 1e-4), wd 0.1, clip 1.0",
+            "outer_optimizer": "Nesterov lr 0.7 momentum 0.9",
+            "first_loss": losses[0], "final_loss": losses[-1]}
+    return {k: t.contiguous() for k, t in out.items()}, info
+
+
+def cached_vectors(size: str, seed: int = 0) -> tuple[dict, dict]:
+    """``diloco_vectors`` of a named size, cached in the .cache folder beside this script
+    (git-ignored by its own .gitignore) because the larger model takes minutes on CPU."""
+    n_layer, n_embd, block, batch, rounds = SIZES[size]
+    path = CACHE / f"diloco-{n_layer}x{n_embd}-b{block}-r{rounds}-s{seed}.pt"
+    if path.exists():
+        blob = torch.load(path)
+        return blob["vectors"], blob["info"]
+    t0 = time.perf_counter()
+    vectors, info = diloco_vectors(n_layer, n_embd, block, batch, rounds, seed=seed)
+    info["train_seconds"] = time.perf_counter() - t0
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (CACHE / ".gitignore").write_text("*\n")
+    torch.save({"vectors": vectors, "info": info}, path)
+    return vectors, info
+
+
+def synthetic_vectors(n: int, seed: int = 0) -> dict:
+    """Heavy-tailed (and Gaussian) test data of ``n`` values each, fixed seeds."""
+    g = torch.Generator().manual_seed(seed)
+    gauss = torch.randn(n, generator=g)
+    chi2 = torch.randn(3, n, generator=g).square().sum(0)  # Student-t, 3 dof: z / sqrt(chi2_3 / 3)
+    student = torch.randn(n, generator=g) / (chi2 / 3).sqrt()
+    u = torch.rand(n, generator=g) - 0.5
+    laplace = -u.sign() * torch.log1p(-2 * u.abs())
+    outliers = torch.randn(n, generator=g)
+    pick = torch.randperm(n, generator=g)[: max(1, n // 1000)]
+    outliers[pick] *= 100.0
+    return {"gaussian": gauss, "student-t3": student, "laplace": laplace,
+            "gauss+0.1%x100": outliers}
 
 
 def _cpu_name() -> str:
@@ -81,6 +192,17 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def vectors(quick: bool, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+    """name -> fp32 vector (real ones first), and what produced the real ones."""
+    out, info = {}, {}
+    for size in (("small",) if quick else ("small", "large")):
+        vs, meta = cached_vectors(size, seed)
+        info[size] = meta
+        out.update({f"{size}/{k}": v for k, v in vs.items()})
+    out.update(synthetic_vectors(1 << (18 if quick else 20), seed))
+    return out, info
+
+
 def _chunks(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     return [x[i:i + chunk] for i in range(0, x.numel(), chunk)]
 
@@ -91,10 +213,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def ef_error(parts: list[torch.Tensor], name: str, params: dict, rounds: int) -> float:
+def rel_error(codec, x: torch.Tensor, chunk: int) -> float:
+    """||decode(encode(x)) - x|| / ||x|| with one frame per chunk (fp64 sums)."""
+    err = sum(float((codec.decode(codec.encode(p)).double() - p.double()).square().sum())
+              for p in _chunks(x, chunk))
+    return (err / float(x.double().square().sum())) ** 0.5
+
+
+def ef_error(parts: list[torch.Tensor], codec_of, rounds: int) -> float:
     """Relative L2 error of the sum of ``rounds`` decoded sends of the same vector, each chunk
     through its own ErrorFeedback: what the residual recovers over time."""
-    efs = [compress.ErrorFeedback(compress.get_codec(name, **params)) for _ in parts]
+    efs = [compress.ErrorFeedback(codec_of()) for _ in parts]
     total = [torch.zeros_like(p, dtype=torch.float64) for p in parts]
     for _ in range(rounds):
         for ef, p, t in zip(efs, parts, total):
@@ -104,126 +233,211 @@ def ef_error(parts: list[torch.Tensor], name: str, params: dict, rounds: int) ->
     return (err / ref) ** 0.5
 
 
-def measure(x: torch.Tensor, chunk: int, repeats: int, with_speed: bool,
-            ef_rounds: int = 10) -> list[dict]:
-    """One row per codec for data ``x``; speeds are best-of-``repeats`` over all chunks."""
+def speed(codec, x: torch.Tensor, chunk: int, repeats: int) -> dict:
+    """Best-of-``repeats`` encode / decode GB/s over all chunks, interleaved with clone()."""
     parts = _chunks(x, chunk)
+    frames = [codec.encode(p) for p in parts]
     nbytes = x.numel() * 4
-    rows = []
-    for label, name, params in CODECS:
-        codec = compress.get_codec(name, **params)
-        zcodec = compress.get_codec(name, zstd=True, **params)
-        frames = [codec.encode(p) for p in parts]
-        decoded = torch.cat([codec.decode(f) for f in frames])
-        zbytes = sum(len(zcodec.encode(p)) for p in parts)
-        wire = sum(len(f) for f in frames)
-        row = {
-            "codec": label, "name": name, "params": codec.params,
-            "bits_per_value": wire * 8 / x.numel(),
-            "bits_per_value_zstd": zbytes * 8 / x.numel(),
-            "rel_l2_error": float((decoded - x).norm() / x.norm()),
-            f"rel_l2_error_ef_{ef_rounds}_rounds": ef_error(parts, name, params, ef_rounds),
-        }
-        if with_speed:
-            t_clone = t_enc = t_dec = float("inf")
-            for _ in range(repeats):  # interleaved so that machine noise hits all three alike
-                t_clone = min(t_clone, _timed(lambda: [p.clone() for p in parts]))
-                t_enc = min(t_enc, _timed(lambda: [codec.encode(p) for p in parts]))
-                t_dec = min(t_dec, _timed(lambda: [codec.decode(f) for f in frames]))
-            row.update({
-                "clone_GBps": nbytes / t_clone / 1e9,
-                "encode_GBps": nbytes / t_enc / 1e9, "decode_GBps": nbytes / t_dec / 1e9,
-                "encode_vs_clone": t_clone / t_enc, "decode_vs_clone": t_clone / t_dec,
-            })
-        rows.append(row)
-    return rows
+    t_clone = t_enc = t_dec = float("inf")
+    for _ in range(repeats):  # interleaved so that machine noise hits all three alike
+        t_clone = min(t_clone, _timed(lambda: [p.clone() for p in parts]))
+        t_enc = min(t_enc, _timed(lambda: [codec.encode(p) for p in parts]))
+        t_dec = min(t_dec, _timed(lambda: [codec.decode(f) for f in frames]))
+    return {"clone_GBps": nbytes / t_clone / 1e9, "encode_GBps": nbytes / t_enc / 1e9,
+            "decode_GBps": nbytes / t_dec / 1e9, "encode_vs_clone": t_clone / t_enc,
+            "decode_vs_clone": t_clone / t_dec}
 
 
-def table(real: list[dict], gauss: list[dict]) -> str:
-    """Markdown table: wire size, errors on both data sets, speed ratios on real data."""
-    out = ["| codec | bits/value | bits/value +zstd | rel. L2 error (real) | rel. L2 error "
-           "(Gaussian) | rel. error, 10 rounds with EF (real) | encode GB/s | decode GB/s "
-           "| encode / clone | decode / clone |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for r, g in zip(real, gauss):
-        out.append(f"| {r['codec']} | {r['bits_per_value']:.3f} | {r['bits_per_value_zstd']:.3f} "
-                   f"| {r['rel_l2_error']:.4f} | {g['rel_l2_error']:.4f} "
-                   f"| {r['rel_l2_error_ef_10_rounds']:.4f} "
-                   f"| {r['encode_GBps']:.2f} | {r['decode_GBps']:.2f} "
-                   f"| {r['encode_vs_clone']:.2f} | {r['decode_vs_clone']:.2f} |")
-    clone = min(r["clone_GBps"] for r in real), max(r["clone_GBps"] for r in real)
-    out.append(f"\nclone(): {clone[0]:.2f}-{clone[1]:.2f} GB/s (best per codec row)")
+def make_codec(name: str, params: dict, window=None):
+    codec = compress.get_codec(name, **params)
+    if window is not None:
+        codec.window = window  # bench only: another search window on this instance
+    return codec
+
+
+def measure(data: dict[str, torch.Tensor], speed_key: str, chunk: int, repeats: int,
+            rows: list, ef_rounds: int = 10, with_ef: bool = True) -> list[dict]:
+    """One result per codec row that this ``compress`` has: wire size and speed on
+    ``data[speed_key]``, relative error on every vector."""
+    names = set(compress.available_codecs())
+    x = data[speed_key]
+    out = []
+    for row in rows:
+        label, name, params = row[:3]
+        window = row[3] if len(row) > 3 else None
+        try:
+            codec = make_codec(name, params, window)
+        except ValueError:  # a codec or parameter this compress does not have ("before" runs)
+            continue
+        if name not in names:
+            continue
+        frames = [codec.encode(p) for p in _chunks(x, chunk)]
+        zcodec = make_codec(name, {**params, "zstd": True}, window)
+        r = {"codec": label, "name": name, "params": codec.params, "window": window,
+             "bits_per_value": sum(len(f) for f in frames) * 8 / x.numel(),
+             "bits_per_value_zstd": sum(len(zcodec.encode(p)) for p in _chunks(x, chunk)) * 8
+             / x.numel(),
+             "rel_l2_error": {k: rel_error(codec, v, chunk) for k, v in data.items()}}
+        if with_ef:
+            r[f"rel_l2_error_ef_{ef_rounds}_rounds"] = ef_error(
+                _chunks(x, chunk), lambda: make_codec(name, params, window), ef_rounds)
+        r.update(speed(codec, x, chunk, repeats))
+        out.append(r)
+        print(f"  {label}: {r['bits_per_value']:.3f} bits/value, encode {r['encode_GBps']:.2f} GB/s, "
+              f"error " + " ".join(f"{v:.4f}" for v in r["rel_l2_error"].values()), flush=True)
+    return out
+
+
+def _fmt(v: float) -> str:
+    return f"{100 * v:.2f}"
+
+
+def error_table(rows: list[dict], keys: list[str], speed_cols: bool) -> str:
+    """Markdown: bits/value, relative error (%) per vector, then speed (if asked)."""
+    head = ["codec", "bits/value"] + [f"{k} %" for k in keys]
+    if speed_cols:
+        head += ["bits +zstd", "10 rounds EF %", "encode GB/s", "decode GB/s", "enc / clone",
+                 "dec / clone"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["codec"], f"{r['bits_per_value']:.3f}"]
+        cells += [_fmt(r["rel_l2_error"][k]) for k in keys]
+        if speed_cols:
+            ef = r.get("rel_l2_error_ef_10_rounds")
+            cells += [f"{r['bits_per_value_zstd']:.3f}", _fmt(ef) if ef is not None else "",
+                      f"{r['encode_GBps']:.2f}", f"{r['decode_GBps']:.2f}",
+                      f"{r['encode_vs_clone']:.2f}", f"{r['decode_vs_clone']:.2f}"]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
-def plot(real: list[dict], path: Path) -> None:
-    """Bits/value against relative error (log-log), one point per codec."""
+def compare_table(before: dict, after: dict) -> str:
+    """Markdown: per codec present in both, before -> after relative error (%) per vector, bits
+    per value and speed."""
+    b_rows = {r["codec"]: r for r in before["rows"]}
+    keys = [k for k in after["rows"][0]["rel_l2_error"] if k in before["rows"][0]["rel_l2_error"]]
+    head = ["codec", "bits/value"] + [f"{k} %" for k in keys] + ["encode GB/s", "decode GB/s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in after["rows"]:
+        b = b_rows.get(r["codec"])
+        if b is None or r["name"] not in FOUR_BIT + ["int8"]:
+            continue
+        cells = [r["codec"], f"{b['bits_per_value']:.3f} → {r['bits_per_value']:.3f}"]
+        cells += [f"{_fmt(b['rel_l2_error'][k])} → **{_fmt(r['rel_l2_error'][k])}**" for k in keys]
+        cells += [f"{b['encode_GBps']:.2f} → {r['encode_GBps']:.2f}",
+                  f"{b['decode_GBps']:.2f} → {r['decode_GBps']:.2f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def design_lloyd4(iters: int = 60, n: int = 1 << 18, seed: int = 123) -> list[float]:
+    """lloyd4's levels: Lloyd-Max for N(0, 1) data under the codec's own block format. Alternates
+    the encoder (blocks of 32, scale search, nearest level) with the centroid update (each level
+    becomes the scale-weighted mean of the magnitudes it took: sum(u |x|) / sum(u^2)), top level
+    fixed at 7, starting from int4's uniform levels."""
+    from compress.codecs.blockwise import GROUP, Lloyd4
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    levels = tuple(float(v) for v in range(8))
+    for _ in range(iters):
+        codec = Lloyd4()
+        codec.levels = levels  # this instance only
+        anchors, scodes, codes = codec.quantize(x)
+        u = anchors.repeat_interleave(GROUP)[:scodes.numel()] * codec._tables(x.device)["U"][scodes.long()]
+        u = u.double().repeat_interleave(codec.block_size)[:n]
+        nib = torch.stack([codes & 15, codes >> 4], 1).reshape(-1)[:n].long()
+        m = nib & 7
+        num = torch.zeros(8, dtype=torch.float64).index_add_(0, m, u * x.double().abs())
+        den = torch.zeros(8, dtype=torch.float64).index_add_(0, m, u * u)
+        new = num / den.clamp(min=1e-300)
+        levels = tuple(0.0 if i == 0 else round(float(v / new[7] * 7), 3) for i, v in enumerate(new))
+    return list(levels)
+
+
+def plot(rows: list[dict], keys: list[str], path: Path) -> None:
+    """Bits/value against the mean relative error over the real vectors (log-log)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in real:
-        if r["rel_l2_error"] == 0:
+    for r in rows:
+        err = sum(r["rel_l2_error"][k] for k in keys) / len(keys)
+        if err == 0:
             continue  # lossless (fp32) has no place on a log scale
-        ax.scatter(r["bits_per_value"], r["rel_l2_error"])
-        ax.annotate(r["codec"], (r["bits_per_value"], r["rel_l2_error"]),
-                    fontsize=8, xytext=(4, 2), textcoords="offset points")
+        ax.scatter(r["bits_per_value"], err)
+        dy = {"fp4-e2m1": 8, "int4": -1, "lloyd4": -10}.get(r["name"], 2)  # 4-bit ones sit together
+        ax.annotate(r["codec"], (r["bits_per_value"], err), fontsize=8, xytext=(4, dy),
+                    textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bits per value on the wire")
-    ax.set_ylabel("relative L2 error (one shot, no error feedback)")
-    ax.set_title("compress codecs on a real pseudo-gradient")
+    ax.set_ylabel("relative L2 error (mean over the real vectors)")
+    ax.set_title("compress codecs on DiLoCo pseudo-gradients")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small model, few repeats (< 1 min)")
+    ap.add_argument("--quick", action="store_true", help="small model only, 2^18 synthetic values")
     ap.add_argument("--json", type=Path, help="write all figures to this JSON file")
     ap.add_argument("--plot", type=Path, help="write a bits-vs-error PNG here")
-    ap.add_argument("--steps", type=int, default=30, help="inner AdamW steps H")
-    ap.add_argument("--chunk", type=int, nargs="+", default=[1 << 18],
-                    help="elements per frame (several values: one table each)")
+    ap.add_argument("--chunk", type=int, default=1 << 18, help="elements per frame")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--ablation", action="store_true", help="also the 4-bit variants")
+    ap.add_argument("--compress-root", type=Path, help="import compress from this checkout")
+    ap.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="print a before/after table of two --json results and exit")
+    ap.add_argument("--design-lloyd4", action="store_true", help="print lloyd4's levels and exit")
     args = ap.parse_args(argv)
 
+    if args.compare:
+        before, after = (json.loads(p.read_text()) for p in args.compare)
+        print(compare_table(before, after))
+        return 0
+    if args.design_lloyd4:
+        print(design_lloyd4())
+        return 0
     torch.set_num_threads(1)
     malloc = pin_malloc()
-    if args.quick:
-        size = dict(n_layer=2, n_embd=128, block=64, batch=16)
-        repeats = args.repeats or 3
-    else:
-        size = dict(n_layer=4, n_embd=256, block=128, batch=16)
-        repeats = args.repeats or 7
+    repeats = args.repeats or (3 if args.quick else 7)
     t0 = time.perf_counter()
-    real, info = pseudo_gradient(args.steps, **size)
-    t_train = time.perf_counter() - t0
-    gauss = torch.randn(real.numel(), generator=torch.Generator().manual_seed(0)) * real.std()
-    print(f"pseudo-gradient: {info['params']} values after {args.steps} AdamW steps "
-          f"({t_train:.1f} s); {repeats} repeats; 1 thread; malloc {malloc}; "
-          f"C kernels {'on' if native_available() else 'off'}", flush=True)
-    runs = []
-    for chunk in args.chunk:
-        rows_real = measure(real, chunk, repeats, with_speed=True)
-        rows_gauss = measure(gauss, chunk, repeats, with_speed=False)
-        print(f"\nframes of {chunk} values ({chunk * 4 / 2**20:g} MiB of fp32):")
-        print(table(rows_real, rows_gauss), flush=True)
-        runs.append({"chunk_elements": chunk, "real": rows_real, "gaussian": rows_gauss})
+    data, info = vectors(args.quick)
+    speed_key = "small/late" if args.quick else "large/late"
+    real = [k for k in data if "/" in k]
+    synthetic = [k for k in data if "/" not in k]
+    print(f"{len(data)} vectors ({time.perf_counter() - t0:.1f} s); speed on {speed_key} "
+          f"({data[speed_key].numel()} values), {repeats} repeats; 1 thread; malloc {malloc}; "
+          f"C kernels {'on' if native_available() else 'off'}; compress from "
+          f"{Path(compress.__file__).parent}", flush=True)
+    rows = measure(data, speed_key, args.chunk, repeats, CODECS)
+    print(f"\nframes of {args.chunk} values; real pseudo-gradients:")
+    print(error_table(rows, real, speed_cols=True))
+    print("\nsynthetic:")
+    print(error_table(rows, synthetic, speed_cols=False))
+    ablation = []
+    if args.ablation:
+        print("\n4-bit variants:", flush=True)
+        ablation = measure(data, speed_key, args.chunk, max(1, repeats // 2), ABLATION,
+                           with_ef=False)
+        print(error_table(ablation, real + synthetic, speed_cols=False))
+        print("\n" + "\n".join(f"{r['codec']}: encode {r['encode_GBps']:.2f} GB/s, decode "
+                               f"{r['decode_GBps']:.2f} GB/s" for r in ablation))
     result = {
         "command": "python bench/codecs.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.machine(), "processor": _cpu_name(), "threads": 1,
         "repeats": repeats, "malloc": malloc, "native_kernels": native_available(),
-        "model": info, "runs": runs,
-        "seconds": time.perf_counter() - t0,
+        "chunk_elements": args.chunk, "speed_vector": speed_key,
+        "vectors": {k: v.numel() for k, v in data.items()}, "models": info,
+        "rows": rows, "ablation": ablation, "seconds": time.perf_counter() - t0,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:
-        plot(runs[0]["real"], args.plot)
+        plot(rows, real, args.plot)
     print(f"done in {result['seconds']:.1f} s")
     return 0
 

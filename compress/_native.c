@@ -6,7 +6,9 @@
  * bit-identity against the torch path, which stays the reference (and the path for CUDA tensors).
  *
  * Pointers are passed as integers (tensor.data_ptr()); the caller checks dtypes, contiguity and
- * sizes. encode returns 0, or 1 if the input holds a NaN or an infinity. Both release the GIL.
+ * sizes. encode (int8) and encode4 (the 4-bit codecs) return 0, or 1 if the input holds a NaN or
+ * an infinity; decode4s decodes the 4-bit codecs; has_nibble looks for a code no encoder writes.
+ * All release the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -62,37 +64,9 @@ INLINE int group_scales(const float *x, int64_t g, int64_t m, float q, float gai
     return 0;
 }
 
-/* low byte of bits(x * inv + add): the int codes (int8 and int4, add = MAGIC + offset) */
+/* low byte of bits(x * inv + add): the int8 codes (add = MAGIC) */
 INLINE void int_codes(const float *x, int64_t m, float inv, float add, uint8_t *c) {
     for (int64_t i = 0; i < m; i++) c[i] = (uint8_t)bits_of(x[i] * inv + add);
-}
-
-/* E2M1 sign-magnitude nibble. The torch path rounds the level index
- * idx(y) = y + clamp(y, -2, 2) - softshrink(y, 4) / 2 half to even and codes |q| | (q < 0) << 3.
- * idx is odd and every step rounds symmetrically, so this works on a = |y|: q = round(idx(a)),
- * and the sign bit is set when x is negative and q is not 0 (softshrink(a, 4) = a - min(a, 4)). */
-INLINE void e2m1_codes(const float *x, int64_t m, float inv, uint8_t *c) {
-    const uint32_t *u = (const uint32_t *)x;
-    for (int64_t i = 0; i < m; i++) {
-        float a = float_of(u[i] & 0x7fffffffu) * inv;
-        float c2 = a > 2.0f ? 2.0f : a;
-        float c4 = a > 4.0f ? 4.0f : a;
-        float idx = (c2 + a) + (-0.5f * (a - c4));
-        uint32_t q = bits_of(idx + MAGIC) - 0x4b400000u; /* round(idx) in [0, 7] */
-        c[i] = (uint8_t)(q | (((u[i] >> 31) & ((0u - q) >> 31)) << 3));
-    }
-}
-
-/* E3M0 nibble: z = max(|x| * inv, 2^-7) (inv includes the 4/3 gain); the low 3 bits of z's
- * exponent are the level; bit 3 is x's sign bit */
-INLINE void e3m0_codes(const float *x, int64_t m, float inv, uint8_t *c) {
-    const float lo = 0.0078125f; /* 2^-7 */
-    for (int64_t i = 0; i < m; i++) {
-        uint32_t u = bits_of(x[i]);
-        float z = float_of(u & 0x7fffffffu) * inv;
-        z = z < lo ? lo : z;
-        c[i] = (uint8_t)(((bits_of(z) >> 23) & 7u) | ((u >> 28) & 8u));
-    }
 }
 
 /* codes of 4-bit codecs: pairs into bytes, element 2i in the low nibble */
@@ -101,18 +75,17 @@ INLINE void pack_pairs(const uint8_t *c, int64_t m, uint8_t *out) {
         out[i] = (uint8_t)((c[2 * i] & 15u) | (uint8_t)(c[2 * i + 1] << 4));
 }
 
-enum { K_INT8 = 0, K_INT4 = 1, K_E2M1 = 2, K_E3M0 = 3 };
+enum { K_INT8 = 0 };
 
-#define CHUNK 4096 /* 4-bit codes go through a scratch of this many bytes (in L1) to be paired */
 #define GROUP 8192 /* values per group of blocks: the group's input stays in cache between passes */
 
-/* the scales and codes of n values in blocks of `block`: per group of blocks, all scales first,
- * then the codes block by block */
+/* int8: the scales and codes of n values in blocks of `block`: per group of blocks, all scales
+ * first, then the codes block by block */
 CLONES static int encode_blocks(int kind, const float *x, int64_t n, int64_t block, float q,
                                 float gain, float add, float *scales, uint8_t *codes) {
-    uint8_t tmp[CHUNK + 2];
     float inv[GROUP];
     int64_t nb = (n + block - 1) / block, per = block < GROUP ? GROUP / block : 1;
+    (void)kind;
     for (int64_t b0 = 0; b0 < nb; b0 += per) {
         int64_t g = nb - b0 < per ? nb - b0 : per, s = b0 * block;
         int64_t whole = s + g * block > n ? g - 1 : g; /* the frame's last block may be short */
@@ -121,17 +94,7 @@ CLONES static int encode_blocks(int kind, const float *x, int64_t n, int64_t blo
                                       scales + b0 + whole, inv + whole)) return 1;
         for (int64_t j = 0; j < g; j++) {
             int64_t s0 = (b0 + j) * block, m = n - s0 < block ? n - s0 : block;
-            if (kind == K_INT8) { int_codes(x + s0, m, inv[j], add, codes + s0); continue; }
-            /* 4-bit: code pieces of at most CHUNK values (block and s0 are even) */
-            for (int64_t o = 0; o < m; o += CHUNK) {
-                int64_t k = m - o < CHUNK ? m - o : CHUNK;
-                const float *xs = x + s0 + o;
-                if (kind == K_INT4) int_codes(xs, k, inv[j], add, tmp);
-                else if (kind == K_E2M1) e2m1_codes(xs, k, inv[j], tmp);
-                else e3m0_codes(xs, k, inv[j], tmp);
-                if (k % 2) tmp[k++] = 0; /* odd count: the last byte's high nibble is 0 */
-                pack_pairs(tmp, k, codes + (s0 + o) / 2);
-            }
+            int_codes(x + s0, m, inv[j], add, codes + s0);
         }
     }
     return 0;
@@ -143,8 +106,13 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     unsigned long long px, ps, pc;
     Py_ssize_t n, block;
     float q, gain, add;
+    (void)self;
     if (!PyArg_ParseTuple(args, "iKnnfffKK", &kind, &px, &n, &block, &q, &gain, &add, &ps, &pc))
         return NULL;
+    if (kind != K_INT8) {
+        PyErr_SetString(PyExc_ValueError, "encode: only int8 (kind 0)");
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     bad = encode_blocks(kind, (const float *)(uintptr_t)px, n, block, q, gain, add,
                         (float *)(uintptr_t)ps, (uint8_t *)(uintptr_t)pc);
@@ -152,43 +120,393 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     return PyLong_FromLong(bad);
 }
 
-/* out[i] = value of nibble i * vs, for the m values of one block: each byte's pair of values
- * comes from a 256-entry table, then one vectorized multiply */
-INLINE void decode4_block(const uint8_t *c, int64_t m, const float (*pairs)[2], float vs,
-                          float *out) {
-    for (int64_t i = 0; i < m / 2; i++) memcpy(out + 2 * i, pairs[c[i]], 8);
-    if (m % 2) out[m - 1] = pairs[c[m / 2]][0]; /* odd count: the low nibble only */
-    for (int64_t i = 0; i < m; i++) out[i] *= vs;
+/* ---- 4-bit codecs, layout 2: an fp32 anchor per group of blocks, an 8-bit scale code per block
+ *
+ * A group of G blocks has the anchor A = max(absmax of the group, floor); block b's scale is
+ * u = A * U[k_b] (fp32) with U a 256-entry table (the caller's: 2^(2 - k/8) / qn as fp32) and
+ * k_b its scale code. A magnitude a = |x| is coded from y = a * (1 / u) by the family's rule
+ * (below) to an index m in 0..7 whose level lev[m] decodes to lev[m] * u. k0 is the largest code
+ * whose scale maps the block's absmax to at most qn units: absmax <= (A * U[k0]) * qn. Round to
+ * nearest picks k_b among k0 - lo .. k0 + hi (clamped to the codes allowed): the one whose block
+ * error is smallest, measured exactly in fixed point -- each value's error (y - lev[m]) * w,
+ * with w = u * (256 / scale of the first candidate), rounded to an integer and squared (|.| <=
+ * 2^11); integer sums do not depend on the order of the additions, so the torch path finds the
+ * same minimum -- the first on ties. Codes whose top level would overflow (an anchor near float
+ * max) are never candidates.
+ *
+ * Family rules (the torch path does the same fp32 operations):
+ *   int4   r = min(y, 7) + MAGIC: m = the low bits of r, lev[m] = r - MAGIC (nearest, ties even);
+ *          nibble = round(clamp(x * (1/u), -7, 7)) + 8, offset binary (0 is never written)
+ *   e2m1   z = min(y, 6) rounded to 1 mantissa bit, steps no finer than 1/2: adding then
+ *          subtracting c = 2^22 * max(2^exponent(z), 1) (ties even); m from its bits
+ *   e3m0   z = min(max(y * 4/3, 2^-7), 1.5); m = the low 3 bits of z's exponent, lev[m] = 2^that
+ *          exponent (0 below 2^-6)
+ *   table  m = number of the 7 thresholds <= y (lloyd4: nearest level, ties up)
+ * and the last three write sign-magnitude nibbles m | sign << 3, the sign only where m > 0 (8,
+ * minus zero, is never written). */
+
+#define SEARCH_RES 256.0f
+#define CHUNK4 8192 /* codes are paired from a scratch of this many bytes (even) */
+#define MAXWIN 16   /* candidates per block at most */
+enum { F_INT4 = 0, F_E2M1 = 1, F_E3M0 = 2, F_TABLE = 3 };
+
+typedef struct {
+    float thr[7], lev[8];
+} levels4;
+
+/* per family: from y (>= 0) set uint32_t q (index) and float v (level, in units) */
+#define MAG_INT4(y)                                                                            \
+    float r_ = ((y) < 7.0f ? (y) : 7.0f) + MAGIC;                                              \
+    uint32_t q = bits_of(r_) - 0x4b400000u;                                                    \
+    float v = r_ - MAGIC;
+#define MAG_E2M1(y)                                                                            \
+    float z_ = (y) < 6.0f ? (y) : 6.0f;                                                        \
+    uint32_t e_ = bits_of(z_) & 0x7f800000u;                                                   \
+    float c_ = float_of((e_ > 0x3f800000u ? e_ : 0x3f800000u) + (22u << 23));                  \
+    float v = (z_ + c_) - c_;                                                                  \
+    uint32_t b_ = bits_of(v) >> 22;                                                            \
+    uint32_t q = v < 1.0f ? (uint32_t)(int32_t)(v + v) : b_ - 252u;
+#define MAG_E3M0(y)                                                                            \
+    float z_ = (y) * 1.33333337306976318359375f; /* fp32(4/3) */                               \
+    z_ = z_ > 0.0078125f ? z_ : 0.0078125f;                                                    \
+    z_ = z_ < 1.5f ? z_ : 1.5f;                                                                \
+    uint32_t p_ = bits_of(z_) & 0x7f800000u;                                                   \
+    uint32_t q = (p_ >> 23) & 7u;                                                              \
+    float l_ = float_of(p_);                                                                   \
+    float v = l_ >= 0.015625f ? l_ : 0.0f;
+#define MAG_TABLE(y)                                                                           \
+    uint32_t q = (uint32_t)((y) >= t0) + (uint32_t)((y) >= t1) + (uint32_t)((y) >= t2) +       \
+                 (uint32_t)((y) >= t3) + (uint32_t)((y) >= t4) + (uint32_t)((y) >= t5) +       \
+                 (uint32_t)((y) >= t6);                                                        \
+    float v = l0;                                                                              \
+    v = (y) >= t0 ? l1 : v; v = (y) >= t1 ? l2 : v; v = (y) >= t2 ? l3 : v;                   \
+    v = (y) >= t3 ? l4 : v; v = (y) >= t4 ? l5 : v; v = (y) >= t5 ? l6 : v;                   \
+    v = (y) >= t6 ? l7 : v;
+
+/* the thresholds and levels as locals, so that the selects compile to blends */
+#define LEVELS_LOCAL(L)                                                                        \
+    const float t0 = (L)->thr[0], t1 = (L)->thr[1], t2 = (L)->thr[2], t3 = (L)->thr[3],        \
+                t4 = (L)->thr[4], t5 = (L)->thr[5], t6 = (L)->thr[6];                          \
+    const float l0 = (L)->lev[0], l1 = (L)->lev[1], l2 = (L)->lev[2], l3 = (L)->lev[3],        \
+                l4 = (L)->lev[4], l5 = (L)->lev[5], l6 = (L)->lev[6], l7 = (L)->lev[7];        \
+    (void)t0; (void)t1; (void)t2; (void)t3; (void)t4; (void)t5; (void)t6;                      \
+    (void)l0; (void)l1; (void)l2; (void)l3; (void)l4; (void)l5; (void)l6; (void)l7
+
+/* one value's contribution to a candidate's error */
+#define ERR_TERM(MAG, a, inv, w, acc)                                                          \
+    {                                                                                          \
+        float y = (a) * (inv);                                                                 \
+        MAG(y)                                                                                 \
+        (void)q;                                                                               \
+        int32_t di = (int32_t)(bits_of((y - v) * (w) + MAGIC) - 0x4b400000u);                  \
+        acc += di * di;                                                                        \
+    }
+
+/* block_errors_F_N: N candidates' block errors (scales 1 / inv[c], weights w[c]) in one pass
+ * (256 squares of at most 2^22 fit an int32); block_errors_F: one candidate */
+#define FAMILY(NAME, MAG)                                                                      \
+    INLINE int64_t block_error_##NAME(const float *x, int64_t m, float inv, float w,            \
+                                      const levels4 *L) {                                     \
+        LEVELS_LOCAL(L);                                                                       \
+        const uint32_t *ux = (const uint32_t *)x;                                              \
+        int64_t acc = 0;                                                                       \
+        for (int64_t o = 0; o < m; o += 256) {                                                 \
+            int64_t e = m - o < 256 ? m - o : 256;                                             \
+            int32_t acc32 = 0;                                                                 \
+            for (int64_t i = o; i < o + e; i++) {                                              \
+                float a = float_of(ux[i] & 0x7fffffffu);                                       \
+                ERR_TERM(MAG, a, inv, w, acc32)                                                \
+            }                                                                                  \
+            acc += acc32;                                                                      \
+        }                                                                                      \
+        return acc;                                                                            \
+    }                                                                                          \
+    INLINE void block_codes_##NAME(const float *x, int64_t m, float inv, const levels4 *L,     \
+                                   uint8_t *c) {                                               \
+        LEVELS_LOCAL(L);                                                                       \
+        const uint32_t *ux = (const uint32_t *)x;                                              \
+        for (int64_t i = 0; i < m; i++) {                                                      \
+            float y = float_of(ux[i] & 0x7fffffffu) * inv;                                     \
+            MAG(y)                                                                             \
+            (void)v;                                                                           \
+            c[i] = (uint8_t)(q | (((ux[i] >> 31) & ((0u - q) >> 31)) << 3));                   \
+        }                                                                                      \
+    }
+#define FAMILY_N(NAME, MAG, N)                                                                 \
+    INLINE void block_errors_##NAME##_##N(const float *x, int64_t m, const float *inv,         \
+                                          const float *w, const levels4 *L, int64_t *err) {    \
+        LEVELS_LOCAL(L);                                                                       \
+        const uint32_t *ux = (const uint32_t *)x;                                              \
+        for (int c = 0; c < N; c++) err[c] = 0;                                                \
+        for (int64_t o = 0; o < m; o += 256) {                                                 \
+            int64_t e = m - o < 256 ? m - o : 256;                                             \
+            int32_t acc[N];                                                                    \
+            for (int c = 0; c < N; c++) acc[c] = 0;                                            \
+            for (int64_t i = o; i < o + e; i++) {                                              \
+                float a = float_of(ux[i] & 0x7fffffffu);                                       \
+                for (int c = 0; c < N; c++) ERR_TERM(MAG, a, inv[c], w[c], acc[c])             \
+            }                                                                                  \
+            for (int c = 0; c < N; c++) err[c] += acc[c];                                      \
+        }                                                                                      \
+    }
+
+FAMILY(int4, MAG_INT4)
+FAMILY(e2m1, MAG_E2M1)
+FAMILY(e3m0, MAG_E3M0)
+FAMILY(table, MAG_TABLE)
+FAMILY_N(int4, MAG_INT4, 3)
+FAMILY_N(e2m1, MAG_E2M1, 3)
+FAMILY_N(table, MAG_TABLE, 3)
+FAMILY_N(e3m0, MAG_E3M0, 8)
+
+/* int4's offset-binary nibbles: the low byte of clamp(x * inv, -7, 7) + (MAGIC + 8) */
+INLINE void block_codes_int4_ob(const float *x, int64_t m, float inv, uint8_t *c) {
+    for (int64_t i = 0; i < m; i++) {
+        float y = x[i] * inv;
+        y = y > -7.0f ? y : -7.0f;
+        y = y < 7.0f ? y : 7.0f;
+        c[i] = (uint8_t)bits_of(y + (MAGIC + 8.0f));
+    }
 }
 
-CLONES static void decode_blocks(const uint8_t *codes, int64_t n, int64_t block,
-                                 const float *table, const float *vs, float *out) {
-    float pairs[256][2]; /* byte -> (value of its low nibble, value of its high nibble) */
+/* the errors of nc candidates: one pass for the usual windows (a constant block of 32 unrolls) */
+#define ERRORS_N(M)                                                                            \
+    if (nc == 3 && fam == F_INT4) { block_errors_int4_3(x, M, inv, w, L, err); return; }       \
+    if (nc == 3 && fam == F_E2M1) { block_errors_e2m1_3(x, M, inv, w, L, err); return; }       \
+    if (nc == 3 && fam == F_TABLE) { block_errors_table_3(x, M, inv, w, L, err); return; }     \
+    if (nc == 8 && fam == F_E3M0) { block_errors_e3m0_8(x, M, inv, w, L, err); return; }
+INLINE void block_errors(int fam, const float *x, int64_t m, int nc, const float *inv,
+                         const float *w, const levels4 *L, int64_t *err) {
+    if (m == 32) { ERRORS_N(32) }
+    ERRORS_N(m)
+    for (int c = 0; c < nc; c++) {
+        switch (fam) {
+        case F_INT4: err[c] = block_error_int4(x, m, inv[c], w[c], L); break;
+        case F_E2M1: err[c] = block_error_e2m1(x, m, inv[c], w[c], L); break;
+        case F_E3M0: err[c] = block_error_e3m0(x, m, inv[c], w[c], L); break;
+        default: err[c] = block_error_table(x, m, inv[c], w[c], L);
+        }
+    }
+}
+
+INLINE void block_codes(int fam, const float *x, int64_t m, float inv, const levels4 *L,
+                        uint8_t *c) {
+    switch (fam) {
+    case F_INT4: block_codes_int4_ob(x, m, inv, c); break;
+    case F_E2M1: block_codes_e2m1(x, m, inv, L, c); break;
+    case F_E3M0: block_codes_e3m0(x, m, inv, L, c); break;
+    default: block_codes_table(x, m, inv, L, c);
+    }
+}
+
+CLONES static int encode4_blocks(int fam, const float *x, int64_t n, int64_t block, int64_t G,
+                                 const levels4 *L, const float *U, float qn, int lo, int hi,
+                                 float floor_, float *anchors, uint8_t *scodes,
+                                 uint8_t *codes) {
+    uint8_t tmp[CHUNK4 + 2];
+    int64_t tlen = 0, tstart = 0;
+    float am[256], su[256], sinv[256], reach[257];
+    int k0s[256];
+    int64_t nb = (n + block - 1) / block;
+    const float top = L->lev[7];
+    for (int64_t g0 = 0, gi = 0; g0 < nb; g0 += G, gi++) {
+        int64_t g = nb - g0 < G ? nb - g0 : G;
+        uint32_t mx = 0;
+        for (int64_t j = 0; j < g; j++) {
+            int64_t s0 = (g0 + j) * block, m = n - s0 < block ? n - s0 : block;
+            uint32_t a = absmax_bits(x + s0, m);
+            am[j] = float_of(a);
+            mx = a > mx ? a : mx;
+        }
+        if (mx >= 0x7f800000u) return 1;
+        float A = float_of(mx) < floor_ ? floor_ : float_of(mx);
+        anchors[gi] = A;
+        /* this group's 256 scales, their inverses and what k0 compares with (reach[256] < 0:
+         * no absmax is below it) */
+        for (int k = 0; k < 256; k++) su[k] = A * U[k];
+        for (int k = 0; k < 256; k++) sinv[k] = 1.0f / su[k];
+        for (int k = 0; k < 256; k++) reach[k] = su[k] * qn;
+        reach[256] = -1.0f;
+        /* kmin: the smallest code whose top level is finite (0 unless A is near float max) */
+        int kmin = 0;
+        while (!(su[kmin] * top <= 3.4028234663852886e38f)) kmin++;
+        /* k0 = the largest k with am <= reach[k] (reach falls with k; k = 0 always holds).
+         * reach[k] = A * 2^(2 - k/8) within rounding, so with am / A = 2^e * f (1 <= f < 2) and
+         * o = #{i in 1..7: f >= 2^(i/8)}, k0 is 16 - 8e - o - 1 or 16 - 8e - o, give or take
+         * one: start two below, step up while am <= reach[k + 1] (three times), and check the
+         * result (a binary search where it fails: never, short of a rounding surprise) */
+        int recheck = 0;
+        for (int64_t j = 0; j < g; j++) {
+            uint32_t b = bits_of(am[j] / A);
+            int e = (int)(b >> 23) - 127;
+            float f = float_of((b & 0x007fffffu) | 0x3f800000u);
+            int o = (f >= 1.0905077326652577f) + (f >= 1.189207115002721f) +
+                    (f >= 1.2968395546510096f) + (f >= 1.4142135623730951f) +
+                    (f >= 1.5422108254079407f) + (f >= 1.681792830507429f) +
+                    (f >= 1.8340080864093424f);
+            int k = 14 - 8 * e - o;
+            k = k < 0 ? 0 : k > 255 ? 255 : k;
+            k += am[j] <= reach[k + 1];
+            k += am[j] <= reach[k + 1];
+            k += am[j] <= reach[k + 1];
+            recheck |= !(am[j] <= reach[k]) | (am[j] <= reach[k + 1]);
+            k0s[j] = k;
+        }
+        for (int64_t j = 0; recheck && j < g; j++) {
+            int k = 0;
+            for (int step = 128; step; step >>= 1) k += step & -(int)(am[j] <= reach[k + step]);
+            k0s[j] = k;
+        }
+        for (int64_t j = 0; j < g; j++) {
+            int64_t s0 = (g0 + j) * block, m = n - s0 < block ? n - s0 : block;
+            const float *xs = x + s0;
+            int k0 = k0s[j];
+            int klo = k0 - lo < kmin ? kmin : k0 - lo, khi = k0 + hi > 255 ? 255 : k0 + hi;
+            if (klo > khi) klo = khi = kmin; /* only with hi = 0 next to float max */
+            int best = klo;
+            if (khi > klo) {
+                /* candidates k0 - lo .. k0 + hi, clamped into [klo, khi]: a repeated code has the
+                 * same error and never wins (the first minimum does) */
+                int nc = lo + hi + 1, ks[MAXWIN];
+                float inv[MAXWIN], w[MAXWIN];
+                int64_t err[MAXWIN];
+                float s = sinv[klo] * SEARCH_RES;
+                for (int c = 0; c < nc; c++) {
+                    int k = k0 - lo + c;
+                    ks[c] = k < klo ? klo : k > khi ? khi : k;
+                    inv[c] = sinv[ks[c]];
+                    w[c] = su[ks[c]] * s;
+                }
+                block_errors(fam, xs, m, nc, inv, w, L, err);
+                int64_t be = err[0];
+                for (int c = 1; c < nc; c++)
+                    if (err[c] < be) { be = err[c]; best = ks[c]; }
+            }
+            scodes[g0 + j] = (uint8_t)best;
+            /* codes go through tmp (blocks are contiguous: several per fill) to be paired */
+            for (int64_t o = 0; o < m;) {
+                if (tlen == CHUNK4) {
+                    pack_pairs(tmp, tlen, codes + tstart / 2);
+                    tlen = 0;
+                }
+                if (tlen == 0) tstart = s0 + o;
+                int64_t k = m - o < CHUNK4 - tlen ? m - o : CHUNK4 - tlen;
+                block_codes(fam, xs + o, k, sinv[best], L, tmp + tlen);
+                tlen += k;
+                o += k;
+            }
+        }
+    }
+    if (tlen % 2) tmp[tlen++] = 0; /* odd count: the last byte's high nibble is 0 */
+    if (tlen) pack_pairs(tmp, tlen, codes + tstart / 2);
+    return 0;
+}
+
+/* encode4(family, x, n, block, G, levels (15 floats: 7 thresholds, 8 levels), U, qn, lo, hi,
+ *         floor, anchors, scodes, codes) -> 0 / 1 (non-finite input) */
+static PyObject *encode4(PyObject *self, PyObject *args) {
+    int fam, bad, lo, hi;
+    unsigned long long px, pl, pu, pa, ps, pc;
+    Py_ssize_t n, block, G;
+    float qn, floor_;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iKnnnKKfiifKKK", &fam, &px, &n, &block, &G, &pl, &pu, &qn, &lo,
+                          &hi, &floor_, &pa, &ps, &pc))
+        return NULL;
+    if (fam < 0 || fam > 3 || G < 1 || G > 256 || block < 2 || lo < 0 || hi < 0 ||
+        lo + hi >= MAXWIN) {
+        PyErr_SetString(PyExc_ValueError, "encode4: bad family, block, group or window");
+        return NULL;
+    }
+    levels4 L;
+    memcpy(L.thr, (const float *)(uintptr_t)pl, sizeof L.thr);
+    memcpy(L.lev, (const float *)(uintptr_t)pl + 7, sizeof L.lev);
+    Py_BEGIN_ALLOW_THREADS
+    bad = encode4_blocks(fam, (const float *)(uintptr_t)px, n, block, G, &L,
+                         (const float *)(uintptr_t)pu, qn, lo, hi, floor_,
+                         (float *)(uintptr_t)pa, (uint8_t *)(uintptr_t)ps,
+                         (uint8_t *)(uintptr_t)pc);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(bad);
+}
+
+/* the scale of each block times the values already in out (m of them per block) */
+INLINE void scale_blocks(float *o, int64_t nv, int64_t block, int64_t nb, float A,
+                         const uint8_t *sc, const float *U) {
+    for (int64_t j = 0; j < nb; j++) {
+        float vs = A * U[sc[j]];
+        int64_t s = j * block, m = nv - s < block ? nv - s : block;
+        for (int64_t t = 0; t < m; t++) o[s + t] *= vs;
+    }
+}
+
+/* per group: the values of all its nibbles in one pass (a 256-entry table of pairs), then each
+ * block's values times its scale anchor * U[code] */
+CLONES static void decode4s_blocks(const uint8_t *codes, int64_t n, int64_t block, int64_t G,
+                                   const float *table, const float *anchors,
+                                   const uint8_t *scodes, const float *U, float *out) {
+    float pairs[256][2];
     for (int v = 0; v < 256; v++) {
         pairs[v][0] = table[v & 15];
         pairs[v][1] = table[v >> 4];
     }
-    for (int64_t start = 0, b = 0; start < n; start += block, b++) {
-        int64_t m = n - start < block ? n - start : block;
-        decode4_block(codes + start / 2, m, (const float (*)[2])pairs, vs[b], out + start);
+    int64_t span = G * block;
+    for (int64_t start = 0, g = 0; start < n; start += span, g++) {
+        int64_t nv = n - start < span ? n - start : span, nb = (nv + block - 1) / block;
+        float *o = out + start;
+        const uint8_t *c = codes + start / 2; /* start is even: block is */
+        for (int64_t i = 0; i < nv / 2; i++) memcpy(o + 2 * i, pairs[c[i]], 8);
+        if (nv % 2) o[nv - 1] = pairs[c[nv / 2]][0]; /* odd count: the low nibble only */
+        if (block == 32) /* the default: a constant trip count */
+            scale_blocks(o, nv, 32, nb, anchors[g], scodes + g * G, U);
+        else
+            scale_blocks(o, nv, block, nb, anchors[g], scodes + g * G, U);
     }
 }
 
-/* decode4(codes, n, block, table16, vscales, out) */
-static PyObject *decode4(PyObject *self, PyObject *args) {
-    unsigned long long pc, pt, pv, po;
-    Py_ssize_t n, block;
-    if (!PyArg_ParseTuple(args, "KnnKKK", &pc, &n, &block, &pt, &pv, &po)) return NULL;
+/* decode4s(codes, n, block, G, table16, anchors, scodes, U, out) */
+static PyObject *decode4s(PyObject *self, PyObject *args) {
+    unsigned long long pc, pt, pa, ps, pu, po;
+    Py_ssize_t n, block, G;
+    if (!PyArg_ParseTuple(args, "KnnnKKKKK", &pc, &n, &block, &G, &pt, &pa, &ps, &pu, &po))
+        return NULL;
+    if (G < 1 || block < 1) {
+        PyErr_SetString(PyExc_ValueError, "decode4s: bad block or group");
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    decode_blocks((const uint8_t *)(uintptr_t)pc, n, block, (const float *)(uintptr_t)pt,
-                  (const float *)(uintptr_t)pv, (float *)(uintptr_t)po);
+    decode4s_blocks((const uint8_t *)(uintptr_t)pc, n, block, G, (const float *)(uintptr_t)pt,
+                    (const float *)(uintptr_t)pa, (const uint8_t *)(uintptr_t)ps,
+                    (const float *)(uintptr_t)pu, (float *)(uintptr_t)po);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
+CLONES static int has_nibble_bytes(const uint8_t *c, int64_t nbytes, uint8_t nib) {
+    uint8_t acc = 0, hi = (uint8_t)(nib << 4);
+    for (int64_t i = 0; i < nbytes; i++)
+        acc |= (uint8_t)(((c[i] & 0x0f) == nib) | ((c[i] & 0xf0) == hi));
+    return acc;
+}
+
+/* has_nibble(codes, nbytes, nib) -> bool: whether any nibble of the packed codes is nib */
+static PyObject *has_nibble(PyObject *self, PyObject *args) {
+    unsigned long long pc;
+    Py_ssize_t nbytes;
+    int r, nib;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Kni", &pc, &nbytes, &nib)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    r = has_nibble_bytes((const uint8_t *)(uintptr_t)pc, nbytes, (uint8_t)(nib & 15));
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(r);
+}
+
 static PyMethodDef methods[] = {
-    {"encode", encode, METH_VARARGS, "blockwise encode: scales and codes (0 ok, 1 non-finite)"},
-    {"decode4", decode4, METH_VARARGS, "4-bit decode by a 16-entry table and block scales"},
+    {"encode", encode, METH_VARARGS, "int8 blockwise encode: scales and codes (0 ok, 1 non-finite)"},
+    {"encode4", encode4, METH_VARARGS, "4-bit layout-2 encode: anchors, scale codes, nibbles"},
+    {"decode4s", decode4s, METH_VARARGS, "4-bit layout-2 decode: anchors x scale table x levels"},
+    {"has_nibble", has_nibble, METH_VARARGS, "whether packed 4-bit codes hold a given nibble"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -67,11 +67,16 @@ class InProcessGroups:
 
     Contributions are matched by tag. Every member sums them in group order and divides by
     ``size``, so all members get bit-identical results, as the real ring guarantees.
+    ``codec``: a ``compress`` codec each member's contribution goes through (encoded once, as a
+    whole; exact exchanges skip it); one that needs error feedback makes the members require
+    ``error_feedback=True`` and report ``sent``, as ``StripedAverager`` does.
     """
 
-    def __init__(self, size: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, size: int, timeout_s: float = 60.0, codec=None) -> None:
         self.size = size
         self.timeout_s = timeout_s
+        self.codec = codec
+        self.error_feedback = bool(getattr(codec, "requires_error_feedback", False))
         self._cond = threading.Condition()
         self._slots: dict[str, dict[int, torch.Tensor]] = {}
         self._taken: dict[str, int] = {}
@@ -102,8 +107,9 @@ class InProcessGroups:
 
 
 class _InProcessPending:
-    def __init__(self, groups: InProcessGroups, tag: str) -> None:
+    def __init__(self, groups: InProcessGroups, tag: str, sent: torch.Tensor | None = None) -> None:
         self._groups, self._tag, self._value = groups, tag, None
+        self.sent = sent  # what the other members decoded of this member's contribution (codec only)
 
     def wait(self) -> torch.Tensor:
         if self._value is None:
@@ -118,9 +124,20 @@ class InProcessMember:
         self.group_index = index
         self.num_groups = groups.size
 
-    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
-        self._groups._post(tag, self.index, flat)
-        return _InProcessPending(self._groups, tag)
+    @property
+    def error_feedback(self) -> bool:
+        return self._groups.error_feedback
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, error_feedback: bool = False) -> PendingMean:
+        codec = self._groups.codec
+        if codec is None or exact:
+            self._groups._post(tag, self.index, flat)
+            return _InProcessPending(self._groups, tag)
+        if self.error_feedback and not error_feedback:
+            raise ValueError(f"codec {codec.name!r} needs error feedback: pass error_feedback=True and keep the residual")
+        sent = codec.encode_with_decoded(flat.detach().to(torch.float32).contiguous())[1]
+        self._groups._post(tag, self.index, sent)
+        return _InProcessPending(self._groups, tag, sent)
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
         return self.start(flat, tag=f"r{round}").wait()

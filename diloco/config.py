@@ -78,8 +78,13 @@ class InnerConfig:
 @dataclass
 class OuterConfig:
     optimizer: str = opt("nesterov", "outer optimizer on the pseudo-gradient", flag="--outer-optimizer", choices=OUTER_OPTIMIZERS)
-    lr: float = opt(0.7, "outer learning rate", flag="--outer-lr")
-    momentum: float = opt(0.9, "outer momentum (nesterov, sgd)", flag="--outer-momentum")
+    # -1: the sync mode's own default (diloco.outer.MODE_DEFAULTS, measurements in its module doc):
+    # a one-round-stale outer gradient under momentum 0.9 overshoots (eager: +11 % loss) or diverges (delayed)
+    lr: float = opt(-1.0, "outer learning rate; -1 = the mode's default (0.7)", flag="--outer-lr")
+    momentum: float = opt(
+        -1.0, "outer momentum (nesterov, sgd); -1 = the mode's default: 0.9 (DiLoCo's), 0.5 for eager and 0 "
+        "for delayed, whose stale outer gradients overshoot with 0.9 (delayed diverges)", flag="--outer-momentum",
+    )
     device: str = opt("model", "where the fp32 global copy lives", flag="--outer-device", choices=OUTER_DEVICES)
     alpha: float = opt(
         -1.0, "merge factor: local = alpha*local + (1-alpha)*global after a sync; "
@@ -89,6 +94,18 @@ class OuterConfig:
     co2_momentum: float = opt(0.0, "CO2 outer momentum (authors' default for <= 16 GPUs; 0.2-0.6 above)", flag="--co2-momentum")
     co2_penalty: str = opt("adaptive", "CO2 staleness-gap penalty: 'adaptive' or a constant >= 1", flag="--co2-penalty")
     co2_clip: float = opt(1.0, "CO2 element-wise outer-momentum clip (0 = off)", flag="--co2-clip")
+
+    def outer_lr(self, mode: str) -> float:
+        """The outer lr in force for a sync mode (not co2: --co2-lr)."""
+        from diloco.outer import mode_lr
+
+        return self.lr if self.lr >= 0 else mode_lr(mode)
+
+    def outer_momentum(self, mode: str) -> float:
+        """The outer momentum in force for a sync mode (not co2: --co2-momentum)."""
+        from diloco.outer import mode_momentum
+
+        return self.momentum if self.momentum >= 0 else mode_momentum(mode)
 
     def merge_alpha(self, mode: str) -> float:
         """The merge factor in force for a sync mode."""
@@ -174,8 +191,12 @@ class TransportConfig:
     link: str = opt("tcp", "data-plane link type between groups", flag="--link", choices=LINKS)
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
     chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
-    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0)", flag="--codec")
-    codec_block: int = opt(0, "values per scale block of a blockwise codec (0 = the codec's default)", flag="--codec-block")
+    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0; sign1 and "
+                     "topk with error feedback: each group's own frames are all-gathered)", flag="--codec")
+    codec_block: int = opt(0, "values per scale block of a blockwise codec or sign1, values per chunk of topk "
+                           "(0 = the codec's default)", flag="--codec-block")
+    topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
+                              "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
     zstd: bool = opt(False, "zstd entropy stage on every frame", flag="--zstd")
     zstd_level: int = opt(1, "zstd level", flag="--zstd-level")
     probe_bytes: int = opt(1 << 19, "bytes per bandwidth probe to each other group (0 = no probes: equal stripes, sorted ring)", flag="--probe-bytes")
@@ -267,8 +288,9 @@ class Config:
         need(i.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {i.warmup_steps}")
         need(0.0 <= i.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {i.min_lr_ratio}")
         need(i.grad_clip >= 0, f"--grad-clip must be >= 0, got {i.grad_clip}")
-        need(o.lr > 0, f"--outer-lr must be > 0, got {o.lr}")
-        need(0.0 <= o.momentum < 1.0, f"--outer-momentum must be in [0, 1), got {o.momentum}")
+        need(o.lr == -1.0 or o.lr > 0, f"--outer-lr must be > 0 (or -1 for the mode's default), got {o.lr}")
+        need(o.momentum == -1.0 or 0.0 <= o.momentum < 1.0,
+             f"--outer-momentum must be in [0, 1) (or -1 for the mode's default), got {o.momentum}")
         need(o.alpha == -1.0 or 0.0 <= o.alpha <= 1.0, f"--merge-alpha must be in [0, 1] (or -1 for the mode's default), got {o.alpha}")
         need(o.co2_lr > 0, f"--co2-lr must be > 0, got {o.co2_lr}")
         need(0.0 <= o.co2_momentum < 1.0, f"--co2-momentum must be in [0, 1), got {o.co2_momentum}")
@@ -314,9 +336,11 @@ class Config:
         need(0 <= tc.stop_after < tc.steps, f"--stop-after must be in [0, --steps ({tc.steps})), got {tc.stop_after}")
         try:
             codec = make_codec(self.transport)
-            need(not getattr(codec, "requires_error_feedback", False),
-                 f"--codec {self.transport.codec} needs error feedback, which the ring all-reduce "
-                 "does not carry (it re-encodes partial sums); use fp32, bf16, int8, int4 or fp4-*")
+            need(not getattr(codec, "requires_error_feedback", False) or s.mode not in ("eager", "dp"),
+                 f"--codec {self.transport.codec} needs error feedback, which --mode {s.mode} does not keep "
+                 "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
+            need(self.transport.topk_density == 0.0 or self.transport.codec == "topk",
+                 f"--topk-density applies to --codec topk only, not {self.transport.codec}")
         except ValueError as e:
             problems.append(f"--codec {self.transport.codec}: {e}")
         tr = self.transport
@@ -343,7 +367,9 @@ def make_codec(t: TransportConfig):
 
     params: dict[str, Any] = {"zstd": t.zstd, "zstd_level": t.zstd_level}
     if t.codec_block:
-        params["block_size"] = t.codec_block
+        params["chunk" if t.codec == "topk" else "block_size"] = t.codec_block
+    if t.codec == "topk" and t.topk_density:
+        params["density"] = t.topk_density
     return compress.get_codec(t.codec, **params)
 
 

@@ -205,8 +205,14 @@ class GroupConnection:
     def heal(self, engine) -> None:
         self.averager.heal(engine)
 
-    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0):
-        return self.averager.start(flat, tag=tag, exact=exact, weight=weight)
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
+              error_feedback: bool = False):
+        return self.averager.start(flat, tag=tag, exact=exact, weight=weight, error_feedback=error_feedback)
+
+    @property
+    def error_feedback(self) -> bool:
+        """The codec needs error feedback (sign1, topk): the engine keeps a residual per fragment."""
+        return self.averager.error_feedback
 
     @property
     def stop_requested(self) -> bool:
@@ -370,7 +376,9 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
     ``coordinator``: ``host:port``. ``secret``: the data plane's job secret (bytes or hex;
     default ``$DILOCO_SECRET``), from which this rank derives its group's keys; or the group's own
     keyring (``transport.identity.GroupKeys``). ``codec``: wire codec name (``fp32``, ``bf16``, ``int8``,
-    ``int4``, ``fp4-e2m1``, ``fp4-e3m0``; default ``settings.codec``). ``process_group``: this
+    ``int4``, ``fp4-e2m1``, ``fp4-e3m0``, or ``sign1`` / ``topk``, which need error feedback: their
+    exchanges gather every group's own encoded Δ and ``DiLoCo`` keeps the residual; default
+    ``settings.codec``). ``process_group``: this
     group's ranks (default: the whole torch.distributed world, or none when it is not
     initialized: a one-rank group). ``token``: the coordinator's job token or this group's
     credential (default ``$DILOCO_TOKEN``); the rank shows the coordinator only its group's.
@@ -387,11 +395,9 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
     if codec is not None:
         t = dataclasses.replace(t, codec=codec)
     try:
-        wire = make_codec(t)
+        make_codec(t)
     except ValueError as e:
         raise ConfigError(f"codec {t.codec!r}: {e}") from None
-    if getattr(wire, "requires_error_feedback", False):
-        raise ConfigError(f"codec {t.codec!r} needs error feedback, which the ring all-reduce does not carry")
     rank, size = _group_rank(process_group)
     key = group_keys(read_secret(secret), group)  # identity: this group's keys and coordinator credential only
     try:

@@ -45,8 +45,9 @@ import torch
 import torch.nn as nn
 
 from diloco.averaging import Averager, Done, PendingMean
+from diloco.error_feedback import Residuals
 from diloco.initial import InitialSync, agree
-from diloco.outer import OuterOptimizerFactory
+from diloco.outer import OuterOptimizerFactory, by_mode
 from diloco.outer_state import OuterFragment, global_weights_loaded, params_hash
 from diloco.schedule import FixedSchedule, SyncSchedule
 
@@ -91,9 +92,10 @@ class DiLoCo:
 
     ``sync_every``: H (inner steps) or a ``SyncSchedule``. ``mode``: one of ``MODES``.
     ``fragments``: None (one), a count P (``diloco.fragments.partition``), or name lists.
-    ``overlap_steps``: τ for ``overlap`` (default 1). ``merge_alpha``: α (default 0 for
-    ``blocking``, 0.5 otherwise). ``outer_optimizer``: a factory (``diloco.nesterov()`` by
-    default). ``averager``: how Δ is averaged across groups — required: ``diloco.connect(...)``
+    ``overlap_steps``: τ for ``overlap`` (default 1). ``merge_alpha``: α (default 0.5 for
+    ``overlap``, 0 otherwise). ``outer_optimizer``: a factory (default
+    ``diloco.outer.by_mode(mode)``: Nesterov 0.7/0.9, eager 0.7/0.5, delayed 0.7/0, co2 ``co2()``).
+    ``averager``: how Δ is averaged across groups — required: ``diloco.connect(...)``
     for real groups, ``diloco.SingleGroup()`` to train one group alone. ``global_device``:
     ``"model"`` or a device for the fp32 global copy. ``hook_optimizer``: run ``step()`` after
     every ``inner_optimizer.step()``. ``initial_sync``: ``"check"`` or ``"copy"`` (see module doc).
@@ -119,7 +121,12 @@ class DiLoCo:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if averager is None:
             raise ValueError("averager is required: diloco.connect(...) for groups, diloco.SingleGroup() for one")
-        merge_alpha = (0.0 if mode == "blocking" else 0.5) if merge_alpha is None else merge_alpha
+        if getattr(averager, "error_feedback", False) and mode == "eager":
+            raise ValueError("mode 'eager' cannot use a codec that needs error feedback (sign1, topk): its "
+                             "own-share correction assumes the mean holds this group's exact Δ")
+        # α = 0.5 only where τ local steps ran since Δ was measured (overlap); the other modes step at
+        # the sync itself, and their papers start the next round from the new θ_global (α = 0).
+        merge_alpha = (0.5 if mode == "overlap" else 0.0) if merge_alpha is None else merge_alpha
         if not 0.0 <= merge_alpha <= 1.0:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
         tau = (1 if mode == "overlap" else 0) if overlap_steps is None else overlap_steps
@@ -140,7 +147,7 @@ class DiLoCo:
         groups = self._fragment_names(model, named, fragments)
         device = None if str(global_device) == "model" else torch.device(global_device)
         self.fragments = [
-            OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer, device=device)
+            OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer or by_mode(mode), device=device)
             for f in groups
         ]
         attach = getattr(averager, "attach", None)  # fault-tolerant averagers: a late group heals instead
@@ -162,6 +169,8 @@ class DiLoCo:
         self._launched_at = [0] * len(self.fragments)  # inner step of each fragment's last launch
         self._weighted = bool(getattr(averager, "weighted", False))
         self._screened = bool(getattr(averager, "screens_contributions", False))
+        # sign1/topk: each fragment's residual of what this group's exchanges have not delivered yet
+        self.error_feedback = Residuals(len(self.fragments)) if getattr(averager, "error_feedback", False) else None
         self.finished = False
         self.sync_seconds = 0.0  # time spent inside step()/close() on syncs
         self.last_events: list[SyncEvent] = []
@@ -301,6 +310,8 @@ class DiLoCo:
     def _launch(self, p: int, delta: torch.Tensor) -> SyncEvent:
         r = self.rounds[p]
         extra = {"weight": float(self.inner_step - self._launched_at[p])} if self._weighted else {}
+        if self.error_feedback is not None:  # sends Δ + residual; the residual moves when it lands
+            return self._launched(p, self.error_feedback.start(self.averager, p, delta, tag=f"f{p}/r{r}", **extra))
         pending = self.averager.start(delta, tag=f"f{p}/r{r}", **extra)
         return self._launched(p, pending)
 
@@ -451,6 +462,7 @@ class DiLoCo:
                 **frag.state_dict(), "names": list(frag.names), "round": self.rounds[p],
                 "next_sync": self.next_sync[p], "launched_at": self._launched_at[p], "in_flight": landed,
                 "own_previous": None if own is None else own.detach().clone(),
+                "residual": None if self.error_feedback is None else self.error_feedback.state_of(p),
             })
         return {"version": STATE_VERSION, "mode": self.mode, "inner_step": self.inner_step,
                 "finished": self.finished, "fragments": frags}
@@ -476,6 +488,8 @@ class DiLoCo:
                 Done(landed["mean"].to(frag.global_params[0].device)), int(landed["round"]), int(landed["apply_at"]))
             own = saved["own_previous"]
             self._own_previous[p] = None if own is None else own.to(frag.global_params[0].device)
+            if self.error_feedback is not None:  # absent (None) in states saved without error feedback
+                self.error_feedback.load(p, saved.get("residual"), frag.numel, frag.global_params[0].device)
             frag.merge_into_model(0.0)
         self.inner_step = int(state["inner_step"])
         self.finished = bool(state["finished"])

@@ -57,6 +57,9 @@ class StripedAverager:
         self.plans = plans if plans is not None else (lambda exchange, _p=equal_plan(sizes): _p)
         self.stripes_per_rank = stripes_per_rank
         self.codec = codec
+        #: the codec needs error feedback (sign1, topk): exchanges run as all-gathers of each
+        #: group's own encoded contribution, and the caller keeps the residual (``DiLoCo`` does)
+        self.error_feedback = bool(getattr(codec, "requires_error_feedback", False))
         self.timeout_s = timeout_s
         self.process_group = process_group
         self.comm_device = torch.device(comm_device)
@@ -85,23 +88,44 @@ class StripedAverager:
         """This group's position among the member groups (sorted ids), 0-based."""
         return sorted(self.membership.groups).index(self.group)
 
-    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> "_StripedPending":
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False,
+              error_feedback: bool = False) -> "_StripedPending":
         """Launch the cross-group rings of this rank's stripes; every rank of the group calls it,
         in the same order as every other rank of every group. ``exact``: fp32 on the wire
-        whatever ``codec`` is (control exchanges such as the initial-parameter check)."""
+        whatever ``codec`` is (control exchanges such as the initial-parameter check).
+        ``error_feedback``: the caller keeps a residual (required for a codec that needs one);
+        the pending result's ``sent`` then says what the other groups decoded of ``flat``."""
+        gather = self.gathers(exact, error_feedback)
         plan = self.plans(self.exchanges)
         self.exchanges += 1
         # On a GPU the vector stays there: the rings encode it there and only frames cross to the host.
         src = flat.detach().to(torch.float32).contiguous()
         out = torch.empty_like(src)
+        sent = torch.empty_like(src) if gather else None
         addresses = {g: self.membership.ranks(g) for g in plan.groups}
-        sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact)
-        return _StripedPending(self, out, sp, me, handles, flat.device)
+        sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact, sent=sent)
+        return _StripedPending(self, out, sp, me, handles, flat.device, sent=sent)
+
+    def gathers(self, exact: bool, error_feedback: bool) -> bool:
+        """Whether an exchange runs as an all-gather of each group's own encoded contribution
+        (``transport`` ``all_gather_mean``) instead of the ring all-reduce: for a codec that
+        needs error feedback, except exact (fp32) exchanges. ValueError when such a codec is
+        used by a caller that keeps no residual: without one, its bias is never corrected."""
+        if exact or not self.error_feedback:
+            return False
+        if not error_feedback:
+            raise ValueError(f"codec {getattr(self.codec, 'name', self.codec)!r} needs error feedback: the caller "
+                             "must keep the residual and say so (error_feedback=True, as diloco.DiLoCo does)")
+        return True
 
     def launch(self, src: torch.Tensor, out: torch.Tensor, plan: NetworkPlan, addresses: dict[int, list[str]],
-               *, tag: str, exact: bool = False) -> tuple[StripePlan, int, list]:
+               *, tag: str, exact: bool = False, sent: torch.Tensor | None = None,
+               scales: dict[int, float] | None = None) -> tuple[StripePlan, int, list]:
         """Start the rings of this rank's stripes of ``src`` among ``plan.groups`` (data-plane
         ``addresses`` by group, by rank); each writes its stripe of the mean into ``out``.
+        With ``sent`` the rings are all-gathers of each group's own encoded stripe, and each
+        writes what the others decoded of ours into its stripe of ``sent``; ``scales``: each
+        group's weight in their mean (by group id; default 1).
         Returns the stripe plan, this group's index in ``plan.groups`` and the ring handles."""
         sp = self.stripe_plan_for(plan, src.numel())
         me = plan.groups.index(self.group)
@@ -109,6 +133,17 @@ class StripedAverager:
         order = [plan.groups.index(g) for g in plan.ring_order]
         index = order.index(me)
         ring_groups = [plan.groups[o] for o in order]  # each ring member's group: its neighbours must prove it
+        if sent is not None:
+            weights = None if scales is None else [scales[g] for g in ring_groups]
+            return sp, me, [
+                (s, self.transport.all_gather_mean(
+                    src[s.start : s.stop], sp.ring(s.index, ranks, order), index,
+                    tag=f"{tag}/s{s.index}", codec=self.codec, timeout_s=self.timeout_s,
+                    out=out[s.start : s.stop], sent=sent[s.start : s.stop], groups=ring_groups, finite=True,
+                    scales=weights,
+                ))
+                for s in sp.stripes_of(me, self.rank) if s.size
+            ]
         handles = [
             (s, self.transport.all_reduce(
                 src[s.start : s.stop], sp.ring(s.index, ranks, order), index,
@@ -140,10 +175,15 @@ class StripedAverager:
 
 
 class _StripedPending:
-    """Cross-group rings in flight; ``wait`` collects them and shares the stripes in the group."""
+    """Cross-group rings in flight; ``wait`` collects them and shares the stripes in the group.
+    With error feedback, ``sent`` (after ``wait``) is the whole of what the other groups
+    decoded of this group's contribution (each rank's stripes, shared in the group)."""
 
-    def __init__(self, averager: StripedAverager, out, sp: StripePlan, me: int, handles, device) -> None:
+    def __init__(self, averager: StripedAverager, out, sp: StripePlan, me: int, handles, device,
+                 sent: torch.Tensor | None = None) -> None:
         self._avg, self._out, self._sp, self._me, self._handles, self._device = averager, out, sp, me, handles, device
+        self._sent = sent
+        self.sent: torch.Tensor | None = None
         self._value: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
@@ -151,7 +191,12 @@ class _StripedPending:
             out = self._out  # each ring wrote its stripe of the mean here
             for _, h in self._handles:
                 h.wait(self._avg.timeout_s)
+            sent = self._sent
             if self._avg.group_size > 1:
                 out = self._avg.share_in_group(out, self._sp, self._me)
+                if sent is not None:
+                    sent = self._avg.share_in_group(sent, self._sp, self._me)
+            if sent is not None:
+                self.sent = sent.to(self._device)
             self._value = out.to(self._device)
         return self._value

@@ -179,5 +179,5 @@ def codec_ratio(codec: str, chunk_bytes: int, codec_block: int = 0) -> float:
     import compress
 
     count = max(chunk_bytes // 4, 1)
-    params = {"block_size": codec_block} if codec_block else {}
+    params = {"chunk" if codec == "topk" else "block_size": codec_block} if codec_block else {}  # as make_codec
     return 4 * count / compress.get_codec(codec, **params).frame_size(count)

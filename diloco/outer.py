@@ -3,6 +3,54 @@
 The engine owns the fp32 global copy, so the user passes a factory rather than an optimizer:
 ``DiLoCo(..., outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9,
 nesterov=True))``. Any ``torch.optim`` optimizer works; the pseudo-gradient is its ``.grad``.
+Without one the engine takes ``by_mode(mode)``: each sync mode's own default (below).
+
+Update rules, per fragment, with Δ = θ_global − θ_local (a descent direction), M groups, Δ̄ the
+mean over groups, t the round; tags as in docs/algorithms.md ([V] verified, [S] secondary source).
+
+* Outer Nesterov, every DiLoCo implementation (docs/algorithms.md §0.1 [V]), on an outer gradient u::
+
+      v ← μ·v + u;   θ_global ← θ_global − η·(u + μ·v)          (torch SGD(nesterov=True))
+
+* ``blocking`` DiLoCo (§1.1 [V]): u(t) = Δ̄(t); then θ_local ← θ_global.
+* ``overlap``, Streaming DiLoCo (§3.3 [V]): u(t) = Δ̄(t) applied τ steps after the launch, then
+  θ_local ← α·θ_local + (1−α)·θ_global (α = 0.5).
+* ``eager`` (Kale et al. 2025, §4, formula [S]), group m at the sync of round t::
+
+      u_m(t) = ( Δ_m(t) + Σ_{m'≠m} Δ_m'(t−1) ) / M = Δ̄(t−1) + ( Δ_m(t) − Δ_m(t−1) ) / M
+      (round 0: u_m(0) = Δ_m(0)/M);   θ_local ← θ_global  (α = 0)
+
+  the groups' θ_global copies differ during training and are averaged once at the end.
+* ``delayed``, the naive 1-outer-step delay (§4 [V]): u(t) = Δ̄(t−1), round 0 applies nothing, the
+  last mean is applied when training ends; θ_local ← θ_global.
+* ``co2`` (Sun et al. 2024, §5 [S]; released code [V]): the stale g = Δ̄(t−1) of ``delayed``, then
+  ``CO2Outer`` (heavy-ball momentum with a staleness-gap penalty Λ and element-wise clipping φ)::
+
+      Λ = 1 + η·‖m‖/‖g‖ (adaptive; or a constant ≥ 1);  m ← clamp(β·m + g/Λ, −φ, φ);  θ ← θ − η·m
+
+Per-mode defaults (``MODE_DEFAULTS``; measured with ``diloco run``, 2 groups, H = 30, 300 steps,
+the demo GPT; eval loss, blocking 0.7/0.9 = 2.2906):
+
+* blocking, overlap: Nesterov η 0.7, μ 0.9 — DiLoCo's published values (§1.2 [V]).
+* eager: Nesterov η 0.7, **μ 0.5**. Half of u is one round old, and a one-round-old gradient fed
+  to μ = 0.9 overshoots and rings (on a quadratic where a round closes a fraction c = 0.6 of the
+  gap, the contraction per round is 0.72 for blocking, 0.90 for eager at μ 0.9, 0.71 at μ 0.5).
+  μ 0.9 → 2.5417, 0.7 → 2.4064, **0.5 → 2.3631**, 0.3 → 2.3699, SGD η 1 → 2.3634;
+  at H = 10: μ 0.9 → 2.8502, 0.5 → 2.3049.
+* delayed: **η 0.7, μ 0** (plain SGD). With Nesterov 0.7/0.9 the whole update is stale and training
+  diverges (5.8942, above the initial 5.49); the Eager paper also lowers the outer step for this
+  variant (Table 2: 3.01 → 2.73 "lowered LR"). μ 0.5 → 2.6894, η 0.35/μ 0.9 → 2.9254,
+  η 0.5/μ 0.3 → 2.4866, SGD η 1.0 → 2.5292, **0.7 → 2.4793**, 0.5 → 2.4921, 0.4 → 2.5278.
+* co2: the authors' released defaults for ≤ 16 workers (§5.1 [V]): η 1.0, β 0.0, φ 1.0, with the
+  adaptive penalty: 2.4793; β 0.5 → 2.5769, η 0.7 → 2.5071, η 0.7/β 0.3 → 2.4961.
+
+Seed 7, same setting: blocking 2.2924; eager 2.3803 (μ 0.9: 2.6333); delayed 2.4796 (Nesterov
+0.7/0.9: 4.3411, diverging); co2 2.4831. What is left of the gaps at this size (0.44M parameters,
+10 outer rounds): eager +3 to +4 % against blocking (+2.9 % with 4 layers of width 256, 3.2M
+parameters; at H = 10 eager 2.3049 against blocking 2.3419), about what the Eager paper reports
+against DiLoCo at its smallest scale (35M: 3.62 vs 3.54, +2.3 %; under 1 % only at 1B;
+docs/algorithms.md §3.5, §4 [V]); delayed and co2 about +8 % (+5 % at H = 10), where the paper's naive delay costs +2.2 % with a
+lowered lr at 500M and +12.7 % without.
 """
 
 from __future__ import annotations
@@ -15,7 +63,10 @@ OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def nesterov(lr: float = 0.7, momentum: float = 0.9) -> OuterOptimizerFactory:
-    """Outer Nesterov (DiLoCo default: lr 0.7, momentum 0.9)."""
+    """Outer Nesterov (DiLoCo default: lr 0.7, momentum 0.9). Momentum 0 is plain SGD (the same
+    update; torch refuses ``nesterov=True`` without momentum)."""
+    if momentum == 0:
+        return lambda params: torch.optim.SGD(params, lr=lr)
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
 
 
@@ -27,6 +78,42 @@ def sgd(lr: float = 1.0, momentum: float = 0.0) -> OuterOptimizerFactory:
 def adam(lr: float = 1e-3, eps: float = 0.1) -> OuterOptimizerFactory:
     """Outer Adam (FedOpt); DiLoCo found it unstable unless eps is large (0.1)."""
     return lambda params: torch.optim.Adam(params, lr=lr, eps=eps)
+
+
+# Outer Nesterov (lr, momentum) each sync mode uses unless told otherwise; why: the module doc.
+MODE_DEFAULTS: dict[str, tuple[float, float]] = {
+    "blocking": (0.7, 0.9),
+    "overlap": (0.7, 0.9),
+    "eager": (0.7, 0.5),  # half of the update is one round stale: μ 0.9 overshoots
+    "delayed": (0.7, 0.0),  # all of it is: Nesterov 0.7/0.9 diverges
+}
+# CO2's own outer step: the authors' released defaults for <= 16 workers (docs/algorithms.md §5.1 [V]).
+CO2_DEFAULTS: dict = {"lr": 1.0, "momentum": 0.0, "clip": 1.0, "penalty": "adaptive"}
+
+
+def mode_lr(mode: str) -> float:
+    """Default outer lr of a sync mode (``co2``: ``--co2-lr``'s)."""
+    return CO2_DEFAULTS["lr"] if mode == "co2" else _mode(mode)[0]
+
+
+def mode_momentum(mode: str) -> float:
+    """Default outer momentum of a sync mode (``co2``: ``--co2-momentum``'s)."""
+    return CO2_DEFAULTS["momentum"] if mode == "co2" else _mode(mode)[1]
+
+
+def _mode(mode: str) -> tuple[float, float]:
+    if mode not in MODE_DEFAULTS:
+        known = ", ".join([*MODE_DEFAULTS, "co2"])
+        raise ValueError(f"no outer-optimizer default for mode {mode!r}; modes: {known}")
+    return MODE_DEFAULTS[mode]
+
+
+def by_mode(mode: str) -> OuterOptimizerFactory:
+    """The outer optimizer a sync mode uses by default: ``co2()`` for ``co2``, else Nesterov with
+    ``MODE_DEFAULTS[mode]``."""
+    if mode == "co2":
+        return co2()
+    return nesterov(*_mode(mode))
 
 
 def by_name(name: str, lr: float, momentum: float) -> OuterOptimizerFactory:
@@ -59,7 +146,7 @@ class CO2Outer(torch.optim.Optimizer):
     clamp is applied.
     """
 
-    def __init__(self, params, lr: float = 1.0, momentum: float = 0.5, clip: float = 1.0,
+    def __init__(self, params, lr: float = 1.0, momentum: float = 0.0, clip: float = 1.0,
                  penalty: str | float = "adaptive", eps: float = 1e-12) -> None:
         if penalty != "adaptive" and not (isinstance(penalty, (int, float)) and penalty >= 1.0):
             raise ValueError(f"penalty must be 'adaptive' or a number >= 1, got {penalty!r}")
@@ -93,6 +180,7 @@ class CO2Outer(torch.optim.Optimizer):
                 p.add_(buf, alpha=-group["lr"])
 
 
-def co2(lr: float = 1.0, momentum: float = 0.5, clip: float = 1.0, penalty: str | float = "adaptive") -> OuterOptimizerFactory:
-    """Factory for ``CO2Outer``."""
+def co2(lr: float = 1.0, momentum: float = 0.0, clip: float = 1.0, penalty: str | float = "adaptive") -> OuterOptimizerFactory:
+    """Factory for ``CO2Outer``; the defaults are ``CO2_DEFAULTS`` (the authors' for <= 16 workers:
+    momentum 0; it was 0.5 here, unlike ``--co2-momentum``, and measured worse: module doc)."""
     return lambda params: CO2Outer(params, lr=lr, momentum=momentum, clip=clip, penalty=penalty)

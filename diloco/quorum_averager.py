@@ -172,11 +172,14 @@ class QuorumAverager(StripedAverager):
         self._engine = engine
         return self._needs_heal
 
-    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0) -> "_QuorumPending":
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
+              error_feedback: bool = False) -> "_QuorumPending":
         """Ask for this exchange's quorum and launch it; the result is voted on and retried in the
-        background. ``weight``: inner steps since this fragment's last exchange."""
+        background. ``weight``: inner steps since this fragment's last exchange.
+        ``error_feedback``: see ``StripedAverager.start`` (the committed attempt's ``sent``)."""
         if self._evicted is not None:
             raise GroupEvicted(self._evicted)
+        gather = self.gathers(exact, error_feedback)
         asked = time.perf_counter()
         exchange = self.exchanges
         self.exchanges += 1
@@ -191,7 +194,7 @@ class QuorumAverager(StripedAverager):
         resp = self._ask(ask, healable=not exact)
         if resp.healers and resp.donor == self.group:
             self._serve(resp)
-        return _QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked)
+        return _QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather)
 
     def heal(self, engine) -> None:
         """Join the job: fetch a live member's state in the next quorum and finish its exchange."""
@@ -201,7 +204,9 @@ class QuorumAverager(StripedAverager):
             if resp.finished:
                 raise JobFinished(f"group {self.group}: the job's groups finished before this group could heal")
             zeros = torch.zeros(resp.numel, dtype=torch.float32, device=engine.fragments[0].global_params[0].device)
-            pending = _QuorumPending(self, zeros, None, resp, zeros.device, fetched=threading.Event())
+            # with an error-feedback codec the quorum gathers: this group takes part with zeros
+            pending = _QuorumPending(self, zeros, None, resp, zeros.device, fetched=threading.Event(),
+                                     gather=self.error_feedback)
             state = self._fetch(resp, pending)
             try:
                 mean = pending.wait()
@@ -249,15 +254,23 @@ class QuorumAverager(StripedAverager):
         except ValueError:  # a member measured nothing towards the quorum's others
             return equal_plan(sizes)
 
-    def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool):
+    def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool, gather: bool = False):
         """One attempt: this rank's stripes of the weighted contribution, among the quorum's groups.
-        Returns (out, stripe plan, group index, ok, why)."""
+        ``gather``: all-gathers of each group's own encoded contribution, weighted on arrival
+        (error feedback: ``sent`` is then what the others decoded of ``src``, or of zeros when
+        this group's weight is 0). Returns (out, stripe plan, group index, ok, why, sent)."""
         scale = weighted_scale(resp.weights, self.group)
-        x = src if scale == 1.0 else (torch.zeros_like(src) if scale == 0.0 else src * scale)
+        sent = scales = None
+        if gather:
+            x = torch.zeros_like(src) if scale == 0.0 else src  # a refused contribution may hold NaN
+            sent = torch.empty_like(src)
+            scales = {g: weighted_scale(resp.weights, g) for g in resp.members}
+        else:
+            x = src if scale == 1.0 else (torch.zeros_like(src) if scale == 0.0 else src * scale)
         out = torch.empty_like(src)
         plan = self._plan(resp)
         sp, me, handles = self.launch(x, out, plan, {g: list(a) for g, a in resp.members.items()},
-                                      tag=f"{resp.tag}/{resp.id}", exact=exact)
+                                      tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales)
         why = ""
         for s, h in handles:
             try:
@@ -266,7 +279,7 @@ class QuorumAverager(StripedAverager):
                     why = why or f"the mean of stripe {s.index} holds NaN/Inf"
             except (CollectiveAborted, TransportError) as e:
                 why = why or str(e)[:400]
-        return out, sp, me, not why, why
+        return out, sp, me, not why, why, sent
 
     def vote(self, resp: QuorumResponse, ok: bool, why: str) -> CommitResponse:
         """This rank's vote; returns the quorum's decision."""
@@ -290,7 +303,11 @@ class QuorumAverager(StripedAverager):
         this rank (healer rank h is served by donor rank h mod donor size)."""
         if self._engine is None:
             return
-        blob = state_blob.pack(self._engine.state_dict())
+        state = self._engine.state_dict()
+        for frag in state.get("fragments", []):  # error-feedback residuals are the donor group's own
+            if isinstance(frag, dict) and "residual" in frag:
+                frag["residual"] = None
+        blob = state_blob.pack(state)
         digest = hashlib.sha256(blob).hexdigest()
         values = state_blob.to_values(blob)
         me = resp.members[self.group][self.rank]
@@ -383,9 +400,13 @@ class _QuorumPending:
 
     def __init__(self, avg: QuorumAverager, src: torch.Tensor, ask: QuorumRequest | None, resp: QuorumResponse,
                  device, *, exact: bool = False, fetched: threading.Event | None = None,
-                 asked: float | None = None) -> None:
+                 asked: float | None = None, gather: bool = False) -> None:
         self._avg, self._src, self._ask, self._resp, self._device = avg, src, ask, resp, device
         self._exact = exact
+        self._gather = gather
+        #: error feedback: after ``wait``, what the other groups decoded of this group's contribution
+        #: in the attempt that committed (each rank's stripes, shared in the group)
+        self.sent: torch.Tensor | None = None
         self._fetched, self._fetch = fetched, (False, "not fetched")
         self.own_rejected = avg.group in resp.rejected
         self._value: torch.Tensor | None = None
@@ -416,7 +437,7 @@ class _QuorumPending:
                 avg.stats.rejected.append(resp.rejected[avg.group])
                 log.warning("group %d: the quorum refused this group's contribution to %s: %s", avg.group,
                             resp.tag, resp.rejected[avg.group])
-            out, sp, me, ok, why = avg.run_rings(self._src, resp, self._exact)
+            out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather)
             if self._fetched is not None:  # healing: the state fetch is part of this rank's vote
                 if not self._fetched.wait(2 * avg.timeout_s + avg.round_timeout_s):
                     self._fetch = (False, "the state fetch did not finish in time")
@@ -424,7 +445,7 @@ class _QuorumPending:
             decision = avg.vote(resp, ok, why)
             if decision.committed:
                 avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))
-                return out, sp, me
+                return out, sp, me, sent
             avg.stats.rollbacks += 1
             log.warning("group %d rank %d: %s rolled back (%s)", avg.group, avg.rank, resp.id, decision.reason)
             if self._ask is None:
@@ -439,8 +460,12 @@ class _QuorumPending:
                 raise TimeoutError(f"exchange {self._resp.tag} did not commit within {4 * self._avg.round_timeout_s:g}s")
             if self._error is not None:
                 raise self._error
-            out, sp, me = self._result
+            out, sp, me, sent = self._result
             if self._avg.group_size > 1:
                 out = self._avg.share_in_group(out, sp, me)
+                if sent is not None:
+                    sent = self._avg.share_in_group(sent, sp, me)
+            if sent is not None:
+                self.sent = sent.to(self._device)
             self._value = out.to(self._device)
         return self._value

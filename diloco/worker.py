@@ -85,7 +85,7 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
         penalty = o.co2_penalty if o.co2_penalty == "adaptive" else float(o.co2_penalty)
         outer = co2(o.co2_lr, o.co2_momentum, o.co2_clip, penalty)
     else:
-        outer = by_name(o.optimizer, o.lr, o.momentum)
+        outer = by_name(o.optimizer, o.outer_lr(s.mode), o.outer_momentum(s.mode))
     split = None if s.fragments == 1 else (fragments(model, s.fragments) if fragments else s.fragments)
     return DiLoCo(
         model, inner, averager=averager, sync_every=make_schedule(cfg), mode=s.mode, fragments=split,

@@ -7,7 +7,7 @@
 Modules: wire (message format), auth (the handshake), identity (per-group credentials derived
 from a job secret, `GroupKeys`), tls / certs (mutual TLS),
 conn (sender threads), core (collectives and dispatch, any link type), tcp and grpclink (the
-link types), ring (the all-reduce), shaping (token bucket), plan (stripes), probe (ring order),
+link types), ring (the all-reduce), gather (the all-gather mean, for error-feedback codecs), shaping (token bucket), plan (stripes), probe (ring order),
 faultproxy (a fault-injecting TCP relay for tests and benchmarks).
 """
 

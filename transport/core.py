@@ -26,6 +26,7 @@ from .identity import Credentials, as_credentials
 from .guard import (DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
                     AdmissionGuard, Ticket)
 from .ratelog import RateLimitedLog
+from .gather import RingAllGather, check_scales, reduce_in_order
 from .ring import Handle, RingAllReduce, check_out, default_codec
 from .shaping import TokenBucket
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
@@ -248,6 +249,65 @@ class TransportBase:
         finite: refuse (abort on) a received frame that holds NaN or Inf: for vectors that are
         finite by construction, so a broken or hostile neighbour cannot slip them in.
         """
+        groups, codec, timeout = self._check_collective(x, ring, index, codec, timeout_s, out, groups)
+        xs = x.detach().contiguous()  # stays on its device: a GPU tensor is encoded on the GPU
+        if len(ring) == 1 or x.numel() == 0:
+            h = Handle(tag)
+            mean = torch.empty(0, device=x.device) if x.numel() == 0 else codec.encode_with_decoded(xs)[1].reshape(-1)
+            h._finish(out.copy_(mean) if out is not None else mean, None)
+            return h
+        op = RingAllReduce(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out,
+                           ready=_ready_event(xs), groups=groups if self.group is not None else None, finite=finite)
+        return self._start(op)
+
+    def all_gather_mean(
+        self,
+        x: torch.Tensor,
+        ring: list[str],
+        index: int,
+        *,
+        tag: str,
+        codec: Any = None,
+        timeout_s: float | None = None,
+        out: torch.Tensor | None = None,
+        sent: torch.Tensor | None = None,
+        groups: list[int] | None = None,
+        finite: bool = False,
+        scales: list[float] | None = None,
+    ) -> Handle:
+        """Start a ring all-gather of every member's own encoded x; `Handle.wait()` gives the mean
+        of the decoded contributions, bit-identical on every member (see `transport.gather`).
+
+        Unlike `all_reduce`, each member's x is encoded once, by that member, and never re-encoded,
+        so a member knows exactly what the others received of it: `Handle.sent` (or `sent`, a
+        float32 buffer of x's shape not overlapping x or out) holds those decoded values once
+        wait() returned -- what error feedback needs. scales: one weight >= 0 per ring member
+        (ring-index order, the same list on every member); the result is then
+        sum(scales[i] * decoded_i) / G. The other arguments are those of `all_reduce`.
+        """
+        groups, codec, timeout = self._check_collective(x, ring, index, codec, timeout_s, out, groups)
+        scales = check_scales(scales, len(ring))
+        if sent is not None:
+            check_out(sent, x)
+            if out is not None and sent.numel() and sent.data_ptr() < out.data_ptr() + 4 * out.numel() \
+                    and out.data_ptr() < sent.data_ptr() + 4 * sent.numel():
+                raise ValueError("sent must not overlap out")
+        xs = x.detach().contiguous()
+        if len(ring) == 1 or x.numel() == 0:
+            h = Handle(tag)
+            mine = codec.encode_with_decoded(xs)[1].reshape(-1) if x.numel() else torch.empty(0, device=x.device)
+            h.sent = sent.copy_(mine) if sent is not None else mine
+            result = out if out is not None else torch.empty_like(mine)
+            h._finish(reduce_in_order([h.sent], scales, result), None)
+            return h
+        op = RingAllGather(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out, sent=sent,
+                           ready=_ready_event(xs), groups=groups if self.group is not None else None, finite=finite,
+                           scales=scales)
+        return self._start(op)
+
+    def _check_collective(self, x: torch.Tensor, ring: list[str], index: int, codec: Any, timeout_s: float | None,
+                          out: torch.Tensor | None, groups: list[int] | None) -> tuple[list[int] | None, Any, float]:
+        """Validate a collective's arguments; returns (groups, codec, timeout_s) with defaults filled in."""
         if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.float32:
             raise ValueError(f"x must be a 1-D float32 tensor, got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
         if not ring or not 0 <= index < len(ring):
@@ -272,18 +332,12 @@ class TransportBase:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if out is not None:
             check_out(out, x)
-        xs = x.detach().contiguous()  # stays on its device: a GPU tensor is encoded on the GPU
-        if len(ring) == 1 or x.numel() == 0:
-            h = Handle(tag)
-            mean = torch.empty(0, device=x.device) if x.numel() == 0 else codec.encode_with_decoded(xs)[1].reshape(-1)
-            h._finish(out.copy_(mean) if out is not None else mean, None)
-            return h
-        ready = None
-        if xs.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(xs.device))
-        op = RingAllReduce(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out, ready=ready,
-                           groups=groups if self.group is not None else None, finite=finite)
+        return groups, codec, timeout
+
+    def _start(self, op: RingAllReduce) -> Handle:
+        """Register a collective under its tag, hand it the messages that arrived before it
+        started, and run it in a thread of its own."""
+        tag = op.tag
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
@@ -303,7 +357,7 @@ class TransportBase:
                         gone.add((ev[1], ev[2], ev[4]))
                 for peer, conn_id, group in gone:  # those connections closed before this collective started
                     op.deliver(("lost", peer, conn_id, True, "connection closed before this collective started", group))
-        threading.Thread(target=op.run, name=f"all_reduce[{tag}]", daemon=True).start()
+        threading.Thread(target=op.run, name=f"{op.kind}[{tag}]", daemon=True).start()
         return op.handle
 
     def connect(self, peer: str, timeout_s: float | None = None) -> None:
@@ -647,6 +701,15 @@ class TransportBase:
         pending.events.append(ev)
         pending.nbytes += size
         self._pending_bytes += size
+
+
+def _ready_event(xs: torch.Tensor) -> Any:
+    """CUDA: an event on the caller's stream after which xs may be read (None on the CPU)."""
+    if xs.device.type != "cuda":
+        return None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(xs.device))
+    return ready
 
 
 class _Pending:

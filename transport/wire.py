@@ -40,10 +40,11 @@ class MsgType(enum.IntEnum):
     ABORT = 18  # the sender aborted this tag; payload is a UTF-8 reason
     PROBE = 19  # bandwidth probe: payload is filler; the receiver answers PROBE_ACK with the same seg
     PROBE_ACK = 20
+    GATHER = 21  # all-gather: one member's own frame of one chunk (seg = its ring index), forwarded verbatim
 
 
 HANDSHAKE_TYPES = frozenset({MsgType.HELLO, MsgType.CHALLENGE, MsgType.PROOF, MsgType.ACCEPT, MsgType.REJECT})
-DATA_TYPES = frozenset({MsgType.RS, MsgType.AG, MsgType.ABORT, MsgType.PROBE, MsgType.PROBE_ACK})
+DATA_TYPES = frozenset({MsgType.RS, MsgType.AG, MsgType.ABORT, MsgType.PROBE, MsgType.PROBE_ACK, MsgType.GATHER})
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,8 @@ def test_unknown_codec_is_a_clear_value_error():
     ("topk", {"chunk": 16, "k": 17}), ("topk", {"k": 4, "density": 0.1}),
     ("topk", {"density": 1.5}), ("topk", {"value_bits": 9}), ("bf16", {"zstd": "yes"}),
     ("int8", {"zstd_level": 99}), ("int8", {"stochastic": 1}), ("fp16", {"stochastic": True}),
-    ("sign1", {"stochastic": True}), ("int8", {"seed": -1}),
+    ("sign1", {"stochastic": True}), ("int8", {"seed": -1}), ("int4", {"search": 1}),
+    ("lloyd4", {"block_size": 0}), ("int8", {"search": True}),
 ])
 def test_bad_parameters_are_value_errors(name, params):
     with pytest.raises(ValueError):
@@ -129,7 +130,10 @@ def test_frame_size_matches_encode_and_bits_per_value():
         codec = compress.get_codec(name)
         assert len(codec.encode(torch.randn(4096))) == codec.frame_size(4096), name
     assert compress.get_codec("int8").frame_size(4096) == 52 + 16 * 4 + 4096
-    assert compress.get_codec("int4").frame_size(4096) == 52 + 32 * 4 + 2048
+    # 4-bit: one fp32 anchor per 256 blocks of 32, one scale code per block, two codes per byte
+    for name in ("int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"):
+        assert compress.get_codec(name).frame_size(4096) == 52 + 4 + 128 + 2048
+        assert compress.get_codec(name).frame_size(1 << 18) * 8 / (1 << 18) < 4.26
     assert compress.get_codec("sign1").frame_size(4096) == 52 + 16 * 4 + 512
     assert compress.get_codec("topk").frame_size(4096) == 52 + 8 + 16 + 96
 

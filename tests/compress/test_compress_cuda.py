@@ -37,3 +37,17 @@ def test_decode_to_an_explicit_cpu_device():
     frame, mine = codec.encode_with_decoded(torch.randn(300))
     assert torch.equal(codec.decode(frame, device="cpu"), mine)
     assert torch.equal(codec.decode(frame, device=torch.device("cpu")), mine)
+
+
+@cuda
+@pytest.mark.parametrize("name", ["int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"])
+@pytest.mark.parametrize("search", [False, True])
+def test_cuda_encode_writes_the_cpu_frame(name, search):
+    """The torch path on a GPU makes the same choices (scale search included) as the C kernels
+    on CPU: a ring of CPU and GPU members sends the same bytes."""
+    params = {} if name == "int8" else {"search": search}
+    codec = compress.get_codec(name, **params)
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 1001, 70001):
+        x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
+        assert codec.encode(x.cuda()) == codec.encode(x)

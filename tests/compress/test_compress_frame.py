@@ -73,8 +73,25 @@ def test_header_fields_are_checked(int8_frame, offset, fmt, value, message):
 
 def test_wrong_codec_id_for_the_payload_is_caught():
     f = compress.get_codec("int8", block_size=2).encode(torch.randn(8))
-    with pytest.raises(compress.FrameError, match="int4 payload"):
+    with pytest.raises(compress.FrameError, match="int4 header has group size 0"):
         compress.decode_frame(edit(f, 5, "B", 5))
+    f = compress.get_codec("int4", block_size=2).encode(torch.randn(8))
+    with pytest.raises(compress.FrameError, match="int8 payload"):
+        compress.decode_frame(edit(edit(f, 12, "<I", 0), 5, "B", 4))
+
+
+def test_4bit_layout_is_in_the_header():
+    """The 4-bit codecs' frames say their layout (p1 = 256 blocks per anchor): a build that reads
+    another layout refuses them instead of misreading the payload, and this build refuses the
+    older layout (p1 = 0, one fp32 scale per block)."""
+    for name in ("int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"):
+        f = compress.get_codec(name).encode(torch.randn(100))
+        assert fr.HEADER.unpack_from(f)[5:8] == (32, 256, 0)
+        for p1 in (0, 128, 257):
+            with pytest.raises(compress.FrameError, match=f"group size {p1}, this build reads 256"):
+                compress.decode_frame(edit(f, 12, "<I", p1))
+        with pytest.raises(compress.FrameError, match="nonzero unused parameter 1"):
+            compress.decode_frame(edit(f, 16, "<I", 1))
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])

@@ -18,7 +18,8 @@ def _native_on():
     before, blockwise.USE_NATIVE = blockwise.USE_NATIVE, True
     yield
     blockwise.USE_NATIVE = before
-NAMES = ["int8", "int4", "fp4-e2m1", "fp4-e3m0"]
+NAMES = ["int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"]
+FOUR_BIT = NAMES[1:]
 
 
 def both_paths(codec, x):
@@ -59,18 +60,55 @@ def test_native_matches_torch_on_random_inputs(name, block):
 
 
 @native
-@pytest.mark.parametrize("name", NAMES)
-def test_native_matches_torch_on_level_boundaries(name):
-    # values on and next to every rounding boundary of every codec, in blocks of absmax 1
-    codec = compress.get_codec(name, block_size=64)
+@pytest.mark.parametrize("block", [2, 8, 128, 20000])
+def test_native_matches_torch_without_and_with_search(block):
+    g = torch.Generator().manual_seed(block + 1)
+    for name in FOUR_BIT:
+        for search in (False, True):
+            codec = compress.get_codec(name, block_size=block, search=search)
+            for n in (1, 3, 1001, 70001):
+                # magnitudes over 80 octaves: every scale code, and blocks far below their group
+                x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
+                x[::9] = 0.0
+                assert_same(*both_paths(codec, x))
+
+
+def test_native_matches_torch_on_level_boundaries_int8():
+    # values on and next to every rounding boundary, in blocks of absmax 1
+    codec = compress.get_codec("int8", block_size=64)
     mids = torch.tensor([k + 0.5 for k in range(8)] + [2.0 ** -k * 0.75 for k in range(9)])
-    unit = {"int8": 1 / 127, "int4": 1 / 7.49, "fp4-e2m1": 1 / 6.5, "fp4-e3m0": 1.0}[name]
-    v = torch.cat([mids * unit, torch.tensor([0.25, 1.25, 1.75, 2.5, 3.5, 5.0]) * unit])
+    v = torch.cat([mids / 127, torch.tensor([0.25, 1.25, 1.75, 2.5, 3.5, 5.0]) / 127])
     v = torch.cat([v, v.nextafter(torch.tensor(0.0)), v.nextafter(torch.tensor(9.0))])
     v = torch.cat([v, -v])
-    v = v[v.abs() <= 1.0]
     x = torch.cat([torch.cat([torch.ones(1), chunk]) for chunk in v.split(63)])
     assert_same(*both_paths(codec, x))
+
+
+@native
+@pytest.mark.parametrize("name", FOUR_BIT)
+@pytest.mark.parametrize("search", [False, True])
+def test_native_matches_torch_on_level_boundaries(name, search):
+    """Values on and next to every boundary between two levels (and the clipping point), in units
+    of the scale each block gets without search: blocks of 64 led by the group's absmax."""
+    codec = compress.get_codec(name, block_size=64, search=search)
+    t = codec._tables(torch.device("cpu"))
+    lev = torch.tensor(codec.levels, dtype=torch.float64)
+    bounds = torch.cat([(lev[1:] + lev[:-1]) / 2, lev, torch.tensor([codec.qn])])
+    if name == "fp4-e3m0":  # its boundaries: 0.75 * 2^k (and 2^-7 for zero)
+        bounds = torch.cat([bounds, 0.75 * torch.exp2(-torch.arange(8.0)).double()])
+    xs = []
+    for absmax in (1.0, 3.0e-20, 7.5e30):
+        A = torch.tensor(absmax)
+        k0 = max(k for k in range(256) if absmax <= float(A * t["U"][k] * codec.qn))
+        u = float(A * t["U"][k0])
+        v = (bounds * u).float()
+        v = torch.cat([v, v.nextafter(torch.tensor(0.0)), v.nextafter(torch.tensor(float("inf")))])
+        v = v[(v > 0) & (v <= absmax)]
+        v = torch.cat([v, -v])
+        group = torch.cat([torch.cat([torch.full((1,), absmax), chunk]) for chunk in v.split(63)])
+        assert group.numel() <= 256 * 64
+        xs.append(torch.cat([group, torch.zeros(256 * 64 - group.numel())]))  # its own anchor
+    assert_same(*both_paths(codec, torch.cat(xs)))
 
 
 @native

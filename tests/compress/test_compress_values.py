@@ -1,5 +1,6 @@
 """Values no encoder writes are refused at decode (FrameError), while every frame an encoder does
-write still decodes: the scale bounds of the blockwise codecs (compress/codecs/blockwise.py)."""
+write still decodes: the scale bounds and unused codes of the blockwise codecs
+(compress/codecs/blockwise.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import compress
 from compress import frame as fr
 from compress.codecs.blockwise import FLT_MAX
 
-BLOCKWISE = ["int8", "int4", "fp4-e2m1", "fp4-e3m0"]
+BLOCKWISE = ["int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"]
+FOUR_BIT = BLOCKWISE[1:]
 
 
 def with_scale(frame: bytes, value: float, block: int = 0) -> bytes:
-    """The frame with one block's fp32 scale replaced (checksum redone)."""
+    """The frame with one block's fp32 scale (int8) or one group's fp32 anchor (4-bit codecs)
+    replaced (checksum redone)."""
     buf = bytearray(frame)
     struct.pack_into("<f", buf, fr.HEADER_SIZE + 4 * block, value)
     fr.seal(memoryview(buf))
@@ -38,10 +41,9 @@ def test_extreme_but_real_inputs_still_decode(name: str, stochastic: bool) -> No
         assert torch.equal(y, codec.encode_with_decoded(x)[1]) or stochastic
 
 
-@pytest.mark.parametrize("name", BLOCKWISE)
 @pytest.mark.parametrize("scale", [0.0, 1e-40, 2.0 ** -140])
-def test_zero_or_tiny_scale_over_codes_is_refused(name: str, scale: float) -> None:
-    codec = compress.get_codec(name)
+def test_zero_or_tiny_int8_scale_over_codes_is_refused(scale: float) -> None:
+    codec = compress.get_codec("int8")
     frame = with_scale(codec.encode(torch.randn(300)), scale)
     with pytest.raises(compress.FrameError, match="below the smallest its encoder writes"):
         codec.decode(frame)
@@ -49,31 +51,80 @@ def test_zero_or_tiny_scale_over_codes_is_refused(name: str, scale: float) -> No
         codec.decode(with_scale(codec.encode(torch.zeros(300)), scale, block=1))  # zeros too: never written
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
-def test_scale_above_what_the_encoder_writes_is_refused(name: str) -> None:
-    codec = compress.get_codec(name)
+@pytest.mark.parametrize("name", FOUR_BIT)
+@pytest.mark.parametrize("scale", [0.0, 1e-40, 2.0 ** -81, 2.0 ** -140])
+def test_zero_or_tiny_4bit_anchor_is_refused(name: str, scale: float) -> None:
+    """The anchors (one fp32 per 256 blocks) are at least 2^-80: below, a zero or tiny anchor
+    would turn its blocks' codes into zeros or subnormals."""
+    codec = compress.get_codec(name, block_size=2)  # 1000 values: 500 blocks, two anchors
+    for x, group in ((torch.randn(1000), 0), (torch.zeros(1000), 1)):
+        with pytest.raises(compress.FrameError, match="below the smallest its encoder writes"):
+            codec.decode(with_scale(codec.encode(x), scale, block=group))
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(1000))), torch.zeros(1000))
+
+
+def test_scale_above_what_the_encoder_writes_is_refused() -> None:
+    codec = compress.get_codec("int8")
     with pytest.raises(compress.FrameError, match="above the largest its encoder writes"):
         codec.decode(with_scale(codec.encode(torch.randn(300)), FLT_MAX / 2))
 
 
-@pytest.mark.parametrize("name,code,where", [("int8", -128, None), ("int4", 0x08, "low nibble = -8")])
-def test_a_code_never_written_is_refused_where_it_would_overflow(name: str, code: int, where: str | None) -> None:
-    """The largest scale an encoder writes times its largest code is finite, but times the one
-    code it never writes (int8 -128, int4 -8) it would be -inf."""
+@pytest.mark.parametrize("name", FOUR_BIT)
+def test_4bit_scale_code_that_would_overflow_is_refused(name: str) -> None:
+    """Next to float max the smallest scale codes (the largest scales) would decode the top level
+    to infinity: the encoder never picks them, and the decoder refuses them."""
     codec = compress.get_codec(name)
+    x = torch.full((64,), -FLT_MAX)
+    x[1::2] = FLT_MAX / 3
+    frame = codec.encode(x)
+    good = codec.decode(frame)
+    assert torch.isfinite(good).all() and torch.equal(good, codec.encode_with_decoded(x)[1])
+    buf = bytearray(frame)
+    buf[fr.HEADER_SIZE + 4] = 0  # block 0's scale code: the largest scale, 4 / qn x the anchor
+    fr.seal(memoryview(buf))
+    with pytest.raises(compress.FrameError, match="scale code its encoder never writes"):
+        codec.decode(bytes(buf))
+    # the same code under an ordinary anchor is one the encoder may write
+    small = bytearray(codec.encode(torch.randn(64)))
+    small[fr.HEADER_SIZE + 4] = 0
+    fr.seal(memoryview(small))
+    assert torch.isfinite(codec.decode(bytes(small))).all()
+
+
+def test_int8_code_never_written_is_refused_where_it_would_overflow() -> None:
+    """The largest scale an encoder writes times its largest code is finite, but times the one
+    code it never writes (int8 -128) it would be -inf."""
+    codec = compress.get_codec("int8")
     x = torch.full((256,), -FLT_MAX)  # the largest scale there is
     frame = bytearray(codec.encode(x))
-    scales = codec.payload_size(256) - (256 if name == "int8" else 128)
-    off = fr.HEADER_SIZE + scales
-    if name == "int8":
-        frame[off] = code & 0xFF
-    else:
-        frame[off] = (frame[off] & 0xF0) | 0x00  # nibble 0 = code -8
+    frame[fr.HEADER_SIZE + 4] = 0x80
     fr.seal(memoryview(frame))
     with pytest.raises(compress.FrameError, match="never writes"):
         codec.decode(bytes(frame))
     good = codec.encode(x)  # the frame as written decodes, as its encoder says
     assert torch.equal(codec.decode(good), codec.encode_with_decoded(x)[1])
+
+
+@pytest.mark.parametrize("name,nib", [("int4", 0x0), ("fp4-e2m1", 0x8), ("fp4-e3m0", 0x8), ("lloyd4", 0x8)])
+@pytest.mark.parametrize("high", [False, True])
+def test_4bit_code_never_written_is_refused(name: str, nib: int, high: bool) -> None:
+    """int4's nibble 0 (-8) and the sign-magnitude codecs' nibble 8 (minus zero) are never
+    written: refused anywhere, except in the padding nibble of an odd count (never decoded)."""
+    codec = compress.get_codec(name)
+    x = torch.randn(101)
+    frame = codec.encode(x)
+    assert torch.equal(codec.decode(frame), codec.encode_with_decoded(x)[1])
+    codes = fr.HEADER_SIZE + codec.payload_size(101) - 51
+    for byte in (0, 17, 49):
+        buf = bytearray(frame)
+        buf[codes + byte] = (buf[codes + byte] & 0x0F) | nib << 4 if high else (buf[codes + byte] & 0xF0) | nib
+        fr.seal(memoryview(buf))
+        with pytest.raises(compress.FrameError, match=f"never writes \\(nibble {nib}"):
+            codec.decode(bytes(buf))
+    buf = bytearray(frame)
+    buf[codes + 50] = (buf[codes + 50] & 0x0F) | nib << 4  # value 101's pair: padding, unread
+    fr.seal(memoryview(buf))
+    assert torch.equal(codec.decode(bytes(buf)), codec.decode(frame))
 
 
 @pytest.mark.parametrize("name", BLOCKWISE)

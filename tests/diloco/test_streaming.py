@@ -192,7 +192,8 @@ def test_eager_with_one_group_equals_plain_diloco():
     m1, m2 = gpt(), gpt()
     plain = DiLoCo(m1, torch.optim.AdamW(m1.parameters(), lr=3e-3), sync_every=5, averager=SingleGroup())
     eager = StreamingDiLoCo(m2, torch.optim.AdamW(m2.parameters(), lr=3e-3), sync_every=5,
-                            mode="eager", merge_alpha=0.0, averager=SingleGroup())
+                            mode="eager", merge_alpha=0.0, averager=SingleGroup(),
+                            outer_optimizer=nesterov())  # eager's own default is 0.7/0.5
     train([plain], 20)
     train([eager], 20)
     for x, y in zip(plain.global_params, eager.global_params):

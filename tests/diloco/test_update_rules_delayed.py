@@ -1,0 +1,85 @@
+"""The naive one-outer-step delayed update ("1-outer-step delayed", Kale et al. 2025,
+arXiv:2502.12996 Table 2; docs/algorithms.md §4 [V]), reproduced by the real engine by hand.
+
+Rule, identical on every group, at the sync of round t (Δ = θ_global − θ_local)::
+
+    u(t) = Δ̄(t−1)                    (the previous round's mean; round 0 applies nothing)
+    θ_global ← OuterOpt(θ_global, u(t));  θ_local ← θ_global   (α = 0)
+    at the end: θ_global ← OuterOpt(θ_global, Δ̄(T))   (the last mean is applied once)
+
+Setting: one scalar w = 0, two groups, inner SGD with lr 1 on scripted gradients, H = 2.
+Δ per round: group 0 = [1, 2, 4], group 1 = [3, 5, 7]; means Δ̄ = [2, 3.5, 5.5].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from diloco.averaging import InProcessGroups
+from diloco.engine import DiLoCo
+from diloco.outer import by_mode, nesterov, sgd
+from diloco_helpers import build_in_threads, run_in_threads
+
+
+class Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+
+GRADS = [[0.5, 0.5, 1.0, 1.0, 2.0, 2.0], [1.0, 2.0, 2.0, 3.0, 3.0, 4.0]]
+
+
+def run(mode, grads, outer_optimizer, h=2):
+    n = len(grads)
+    groups = InProcessGroups(n)
+    models = [Scalar() for _ in range(n)]
+
+    def make(i):
+        inner = torch.optim.SGD(models[i].parameters(), lr=1.0)
+        return DiLoCo(models[i], inner, averager=groups.member(i), sync_every=h, mode=mode,
+                      outer_optimizer=outer_optimizer)
+
+    engines = build_in_threads(make, n)
+    trace: list[list[float]] = [[] for _ in range(n)]
+
+    def work(i):
+        e = engines[i]
+        for g in grads[i]:
+            e.model.w.grad = torch.tensor([float(g)])
+            e.inner_optimizer.step()
+            if e.step():
+                trace[i].append(float(e.global_params[0]))
+                assert torch.equal(e.model.w.detach(), e.global_params[0])  # α = 0
+        e.close()
+        trace[i].append(float(e.global_params[0]))
+
+    run_in_threads(work, n)
+    return trace, engines
+
+
+def test_delayed_rule_with_outer_sgd_by_hand():
+    trace, _ = run("delayed", GRADS, sgd(1.0, 0.0))
+    # round 0: nothing; round 1: -2; round 2: -2 - 3.5 = -5.5; end: -5.5 - 5.5 = -11
+    assert trace[0] == trace[1] == [0.0, -2.0, -5.5, -11.0]
+
+
+def test_delayed_rule_feeds_outer_nesterov_by_hand():
+    # Nesterov lr 0.5, momentum 0.5 (docs/algorithms.md §0.1) on u = 2, 3.5, then 5.5 at the end:
+    #   v = 2     w = -0.5*(2 + 1)          = -1.5
+    #   v = 4.5   w -= 0.5*(3.5 + 2.25)     -> -4.375
+    #   v = 7.75  w -= 0.5*(5.5 + 3.875)    -> -9.0625
+    trace, engines = run("delayed", GRADS, nesterov(0.5, 0.5))
+    assert trace[0] == trace[1] == [0.0, -1.5, -4.375, -9.0625]
+    assert engines[0].global_hash() == engines[1].global_hash()
+
+
+def test_delayed_default_outer_optimizer_is_the_modes_own():
+    """With no outer optimizer given, ``delayed`` uses ``diloco.outer.by_mode("delayed")`` (a lowered
+    outer step that trains; DiLoCo's Nesterov 0.7/0.9 diverges when one round stale)."""
+    trace, _ = run("delayed", GRADS, None)
+    ref, _ = run("delayed", GRADS, by_mode("delayed"))
+    assert trace == ref
+    blocking_default, _ = run("delayed", GRADS, nesterov())
+    assert trace != blocking_default
