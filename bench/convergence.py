@@ -97,7 +97,7 @@ QUICK_JSON = BENCH / "results" / "convergence_quick.json"
 ENTRY = "bench.convergence:study_task"  # this file, importable with the repository root on the path
 EVAL_BATCH = 16  # sequences per eval batch, whatever a row's batch per group
 
-CODECS = ("fp32", "bf16", "int8", "int4", "fp4-e2m1", "fp4-e3m0")
+CODECS = ("fp32", "bf16", "int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4")
 INNER_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
 DEFAULT_OUTER = (0.7, 0.9)  # DiLoCo's outer Nesterov lr / momentum
 # the outer sweep besides the default (whose run is the DiLoCo inner sweep's best)
@@ -167,6 +167,8 @@ def study_rows() -> list[Row]:
         for h in (10, 30, 100):
             rows.append(Row(f"m{m}-h{h}", groups=m, h=h, seeded=h == 30))
     rows += [Row(f"m2-h30-{c}", codec=c, seeded=True) for c in CODECS if c != "fp32"]
+    rows += [Row("m2-h30-sign1", codec="sign1", note="sign1 with error feedback (gather exchange)"),
+             Row("m2-h30-topk", codec="topk", note="top-k with error feedback (gather exchange)")]
     rows += [
         Row("streaming-p2", fragments=2, note="2 fragments, staggered, each sync blocking"),
         Row("overlap-p2-tau5", mode="overlap", fragments=2, tau=5, seeded=True,
@@ -232,8 +234,8 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     cfg.data.eval_batches = eval_batches
     cfg.inner.lr = row.inner_lr if row.inner_lr is not None else (lrs.dp_lr if row.family == "dp" else lrs.diloco_lr)
     cfg.inner.warmup_steps = size.warmup or max(1, size.steps // 20)
-    outer = row.outer or (lrs.outer if row.outer_tuned else DEFAULT_OUTER)
-    cfg.outer.lr, cfg.outer.momentum = outer
+    if row.outer or row.outer_tuned:  # otherwise the mode's own defaults (diloco.outer.MODE_DEFAULTS)
+        cfg.outer.lr, cfg.outer.momentum = row.outer or lrs.outer
     s = cfg.sync
     s.mode, s.h, s.fragments, s.schedule = row.mode, max(row.h, row.fragments), row.fragments, row.schedule
     s.overlap_steps = row.tau if row.mode == "overlap" else 1
@@ -426,8 +428,8 @@ def make_record(size: Size, row: Row, seed: int, cfg: Config, result: dict) -> d
         "steps": steps, "batch_per_group": cfg.data.batch_size, "block_size": cfg.model.block_size,
         "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
         "inner_lr": cfg.inner.lr, "warmup_steps": cfg.inner.warmup_steps,
-        "outer_lr": None if row.mode in ("dp", "co2") else cfg.outer.lr,
-        "outer_momentum": None if row.mode in ("dp", "co2") else cfg.outer.momentum,
+        "outer_lr": None if row.mode in ("dp", "co2") else cfg.outer.outer_lr(row.mode),
+        "outer_momentum": None if row.mode in ("dp", "co2") else cfg.outer.outer_momentum(row.mode),
         **{k: result[k] for k in ("tokens", "num_parameters", "eval_loss", "initial_eval_loss", "bytes_sent",
                                   "syncs", "periods", "params_identical", "seconds", "path", "curve")},
         "bits_per_param_per_step": bits_per_param_per_step(result["bytes_sent"], result["num_parameters"], steps),
