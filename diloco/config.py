@@ -191,7 +191,7 @@ class TransportConfig:
     link: str = opt("tcp", "data-plane link type between groups", flag="--link", choices=LINKS)
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
     chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
-    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0; sign1 and "
+    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0, lloyd4; sign1 and "
                      "topk with error feedback: each group's own frames are all-gathered)", flag="--codec")
     codec_block: int = opt(0, "values per scale block of a blockwise codec or sign1, values per chunk of topk "
                            "(0 = the codec's default)", flag="--codec-block")
