@@ -343,7 +343,6 @@ class Config:
                  f"--topk-density applies to --codec topk only, not {self.transport.codec}")
         except ValueError as e:
             problems.append(f"--codec {self.transport.codec}: {e}")
-        tr = self.transport
         need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")
         need(4096 <= tr.chunk_bytes <= 256 << 20, f"--chunk-bytes must be in [4096, 256 MiB], got {tr.chunk_bytes}")
         need(tr.probe_bytes >= 0, f"--probe-bytes must be >= 0, got {tr.probe_bytes}")
