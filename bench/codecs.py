@@ -267,7 +267,8 @@ def measure(data: dict[str, torch.Tensor], speed_key: str, chunk: int, repeats: 
         window = row[3] if len(row) > 3 else None
         try:
             codec = make_codec(name, params, window)
-        except ValueError:  # a codec or parameter this compress does not have ("before" runs)
+        except ValueError as e:  # a codec or parameter this compress does not have ("before" runs)
+            print(f"skipping {label}: {e}", file=sys.stderr)
             continue
         if name not in names:
             continue

@@ -67,7 +67,7 @@ def _member(index: int, addr_q, peer_q, stop, done_q, n: int, codec: str, chunk_
         t.close(flush_timeout_s=1.0)
 
 
-def _trainer_rate(seconds: float, stop: threading.Event | None = None) -> float:
+def _trainer_rate(seconds: float) -> float:
     """Small torch ops launched per second by this thread for ``seconds``."""
     a, b = torch.randn(32, 32), torch.randn(32, 32)
     ops, end = 0, time.perf_counter() + seconds
@@ -87,7 +87,7 @@ def run_case(case: str, seconds: float, n: int, codec: str, chunk_bytes: int) ->
     peer_qs = [ctx.Queue(), ctx.Queue()]
     local = case == "threads"
     procs = [ctx.Process(target=_member, args=(i, addr_q, peer_qs[i], stop, done_q, n, codec, chunk_bytes))
-             for i in range(0 if local else 0, 2) if not (local and i == 0)]
+             for i in range(1 if local else 0, 2)]  # with local, member 0 is a thread of this process
     for p in procs:
         p.start()
     th = None
