@@ -15,3 +15,66 @@ def pin_malloc() -> str:
         return "pinned: M_MMAP_THRESHOLD=32MiB, M_TRIM_THRESHOLD=1GiB" if ok else "default"
     except OSError:
         return "default"
+
+
+class GlooBaseline:
+    """A ``torch.distributed`` Gloo process group of the bench's members: the all-reduce every
+    PyTorch user already has, run over the same link as the transport's ring (bench only).
+
+    Member 0 hosts the TCPStore on ``host`` (an ephemeral port; its ``address`` goes round with the
+    ring's addresses), every member then joins with ``connect(ring)``. Gloo binds its own sockets to
+    ``host`` too, so inside a network namespace it uses that namespace's link."""
+
+    def __init__(self, host: str, index: int, size: int, timeout_s: float = 120.0) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.host, self.index, self.size = host, index, size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, 0, size, is_master=True, timeout=self.timeout,
+                                   wait_for_workers=False) if index == 0 else None
+        self.address = f"{host}:{self.store.port}" if self.store is not None else ""
+        self.group = None
+
+    def connect(self, ring: list[str]) -> None:
+        """Join the group whose store member 0 announced (``ring[0]``)."""
+        import torch.distributed as dist
+
+        if self.store is None:
+            host, port = ring[0].rsplit(":", 1)
+            self.store = dist.TCPStore(host, int(port), self.size, is_master=False, timeout=self.timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self.timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+        self.group = dist.ProcessGroupGloo(self.store, self.index, self.size, opts)
+
+    def all_reduce_mean(self, x) -> None:
+        """The mean of every member's ``x``, in place: Gloo's sum, then a division (what a user writes)."""
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.group.allreduce([x], opts).wait()
+        x.div_(self.size)
+
+    @staticmethod
+    def bytes_sent(n: int, size: int) -> int:
+        """Bytes a member of Gloo's ring all-reduce sends for n fp32 values: 2(G-1)/G x 4n (computed,
+        not counted: Gloo has no byte counter)."""
+        return 2 * (size - 1) * 4 * n // size
+
+    def close(self) -> None:
+        self.group = None
+        self.store = None
+
+
+def bench_codec(spec: str):
+    """The codec a bench case names: a ``compress`` codec name, or ``NAME/fast`` for a 4-bit codec
+    without its scale search (what ``diloco run --codec NAME --codec-fast true`` uses)."""
+    import compress
+
+    name, _, variant = spec.partition("/")
+    if variant not in ("", "fast"):
+        raise ValueError(f"unknown codec variant {variant!r} in {spec!r} (known: NAME/fast)")
+    return compress.get_codec(name, search=False) if variant else compress.get_codec(name)

@@ -98,10 +98,10 @@ ENTRY = "bench.convergence:study_task"  # this file, importable with the reposit
 EVAL_BATCH = 16  # sequences per eval batch, whatever a row's batch per group
 
 CODECS = ("fp32", "bf16", "int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4")
-INNER_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
+INNER_LRS = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
 DEFAULT_OUTER = (0.7, 0.9)  # DiLoCo's outer Nesterov lr / momentum
 # the outer sweep besides the default (whose run is the DiLoCo inner sweep's best)
-OUTER_SWEEP = ((0.4, 0.9), (1.0, 0.9), (0.7, 0.8), (0.7, 0.95))
+OUTER_SWEEP = ((0.4, 0.9), (1.0, 0.9), (0.7, 0.8), (0.7, 0.95), (0.7, 0.7), (1.0, 0.8), (0.7, 0.5), (1.0, 0.7))
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,11 @@ class Size:
 #: small M=2 1,000 steps ~40 s, medium M=2 500 steps ~60 s; more when the machine is shared).
 SIZES = {
     "small": Size("small", n_layer=2, n_embd=64, steps=1000),
-    "medium": Size("medium", n_layer=4, n_embd=128, steps=500, seeds=2, inner_lrs=(1e-3, 2e-3, 4e-3),
+    "medium": Size("medium", n_layer=4, n_embd=128, steps=500, seeds=2, inner_lrs=(1e-3, 2e-3, 4e-3, 8e-3),
                    outer_sweep=False,
-                   rows=("dp", "m1-h30", "m2-h10", "m2-h30", "m2-h100", "m4-h30", "m2-h30-int4", "m2-h30-fp4-e2m1",
-                         "overlap-p2-tau5-fp4", "eager", "co2", "m1-h30-outer", "m2-h30-outer", "m4-h30-outer")),
+                   rows=("dp", "m1-h30", "m2-h30", "m4-h30", "m1-h30-outer", "m2-h30-outer", "m4-h30-outer",
+                         "m2-h100-outer", "m2-h30-int4-outer", "m2-h30-fp4-e2m1-outer", "overlap-p2-tau5-fp4",
+                         "eager", "co2", "qsr-outer")),
 }
 QUICK_SIZE = replace(SIZES["small"], steps=400, seeds=1)
 
@@ -162,7 +163,9 @@ class Row:
 
 
 def study_rows() -> list[Row]:
-    rows = [Row("dp", mode="dp", groups=2, h=1, seeded=True, note="data parallel across 2 groups")]
+    rows = [Row("dp", mode="dp", groups=2, h=1, seeded=True, note="data parallel across 2 groups"),
+            Row("dp-lr0.004", mode="dp", groups=2, h=1, inner_lr=4e-3, seeded=True,
+                note="data parallel at inner lr 4e-3 (the small sweep's winner 8e-3 diverged on one seed of three)")]
     for m in (1, 2, 4):
         for h in (10, 30, 100):
             rows.append(Row(f"m{m}-h{h}", groups=m, h=h, seeded=h == 30))
@@ -178,10 +181,16 @@ def study_rows() -> list[Row]:
         Row("eager", mode="eager", seeded=True, note="one-round eager outer step"),
         Row("delayed", mode="delayed", note="naive one-round-stale outer step (what eager corrects)"),
         Row("co2", mode="co2", seeded=True, note="CO2 defaults (lr 1, momentum 0, adaptive penalty, clip 1)"),
-        Row("qsr", h=10, schedule="qsr", note="QSR: H = max(10, (0.005/lr)^2)"),
+        Row("qsr", h=30, schedule="qsr", note="QSR: H = max(30, (alpha/lr)^2), alpha = peak lr x sqrt(30)"),
     ]
-    rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True,
-                 note="best outer lr/momentum of the sweep") for m in (1, 2, 4)]
+    tuned = "best outer lr/momentum of the sweep"
+    rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
+    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 100)]
+    rows += [Row(f"m2-h30-{c}-outer", codec=c, outer_tuned=True, seeded=True, note=tuned)
+             for c in CODECS if c != "fp32"]
+    rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
+             Row("eager-lr0.7-mom0.7", mode="eager", outer=(0.7, 0.7), note="eager, outer momentum 0.7"),
+             Row("eager-lr1-mom0.5", mode="eager", outer=(1.0, 0.5), note="eager, outer lr 1")]
     return rows
 
 
@@ -449,6 +458,14 @@ def _mean_loss(records: list[dict], size: str, row: str) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
+def dp_reference(records: list[dict], size: str) -> float | None:
+    """The baseline every row is compared with: the data-parallel study row of ``size`` with the
+    lowest mean eval loss over its seeds (a tuned DP is the best DP that was run)."""
+    names = {r["row"] for r in records if r["size"] == size and r["stage"] == "study" and r["mode"] == "dp"}
+    losses = [x for x in (_mean_loss(records, size, n) for n in names) if x is not None]
+    return min(losses) if losses else None
+
+
 def _best(records: list[dict], size: str, candidates: list[tuple[str, object]]) -> tuple:
     """(mean eval loss, value) of the candidate row of ``size`` with the lowest mean eval loss."""
     scored = [(_mean_loss(records, size, name), value) for name, value in candidates]
@@ -558,7 +575,7 @@ def run_study(a: argparse.Namespace) -> list[dict]:
                 records = [r for r in records if _key(r) != _key(rec)] + [rec]
                 done.add(_key(rec))
                 save(path, records)
-                ref = _mean_loss(records, size.name, "dp")
+                ref = dp_reference(records, size.name)
                 vs = f" ({100 * (rec['eval_loss'] / ref - 1):+.2f}% vs dp)" if ref and row.mode != "dp" else ""
                 print(f"[{size.name} {stage} {i}/{len(todo)}] {row.name} seed {seed}: eval {rec['eval_loss']:.4f}{vs}, "
                       f"{rec['bytes_sent'] / 1e6:.2f} MB, {rec['syncs']} syncs, "
@@ -584,7 +601,7 @@ def table(records: list[dict], stage: str = "study") -> str:
         losses = [x["eval_loss"] for x in rs]
         mean = statistics.fmean(losses)
         sd = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
-        ref = _mean_loss(records, size, "dp")
+        ref = dp_reference(records, size)
         vs = "—" if r["mode"] == "dp" or not ref else f"{100 * (mean / ref - 1):+.2f}%"
         h = "qsr " + str(r["h"]) if r["schedule"] == "qsr" else r["h"]
         outer = "—" if r["outer_lr"] is None else f"{r['outer_lr']:g}/{r['outer_momentum']:g}"
@@ -597,33 +614,35 @@ def table(records: list[dict], stage: str = "study") -> str:
 
 
 def qsr_report(records: list[dict]) -> list[str]:
-    """QSR against the fixed H (same M, fp32) whose loss it matches: the fixed-H row with the fewest
-    syncs whose eval loss is at most QSR's; syncs saved = its syncs minus QSR's."""
+    """Each QSR row against the fixed H (same M, fp32, same outer settings: ``qsr`` against
+    ``m{M}-h{H}``, ``qsr-outer`` against ``m{M}-h{H}-outer``) whose loss it matches: the fixed-H row
+    with the fewest syncs whose mean eval loss is at most QSR's; syncs saved = its syncs minus QSR's."""
     out = []
     for size in sorted({r["size"] for r in records}):
-        q = _mean_loss(records, size, "qsr")
-        qrec = next((r for r in records if r["size"] == size and r["row"] == "qsr"), None)
-        if q is None or qrec is None:
-            continue
-        fixed = []
-        for h in (10, 30, 100):
-            name = f"m{qrec['groups']}-h{h}"
-            loss = _mean_loss(records, size, name)
-            rec = next((r for r in records if r["size"] == size and r["row"] == name), None)
-            if loss is not None:
-                fixed.append((rec["syncs"], h, loss))
-        match = [f for f in fixed if f[2] <= q]
-        if match:
-            syncs, h, loss = min(match)
-            saved = syncs - qrec["syncs"]
-            verdict = (f"{saved} syncs saved ({100 * saved / syncs:.0f}%)" if saved >= 0
-                       else f"QSR needs {-saved} more syncs")
-            out.append(f"{size}: QSR eval {q:.4f} with {qrec['syncs']} syncs; fixed H={h} reaches {loss:.4f} with "
-                       f"{syncs} syncs: {verdict}")
-        elif fixed:
-            syncs, h, loss = min(fixed, key=lambda f: f[2])
-            out.append(f"{size}: QSR eval {q:.4f} with {qrec['syncs']} syncs is worse than every fixed H; the best, "
-                       f"H={h}, reaches {loss:.4f} with {syncs} syncs")
+        for qname, suffix in (("qsr", ""), ("qsr-outer", "-outer")):
+            q = _mean_loss(records, size, qname)
+            qrec = next((r for r in records if r["size"] == size and r["row"] == qname), None)
+            if q is None or qrec is None:
+                continue
+            fixed = []
+            for h in (10, 30, 100):
+                name = f"m{qrec['groups']}-h{h}{suffix}"
+                loss = _mean_loss(records, size, name)
+                rec = next((r for r in records if r["size"] == size and r["row"] == name), None)
+                if loss is not None:
+                    fixed.append((rec["syncs"], h, loss))
+            head = f"{size}: {qname} eval {q:.4f} with {qrec['syncs']} syncs"
+            match = [f for f in fixed if f[2] <= q]
+            if match:
+                syncs, h, loss = min(match)
+                saved = syncs - qrec["syncs"]
+                verdict = (f"{saved} syncs saved ({100 * saved / syncs:.0f}%)" if saved >= 0
+                           else f"QSR needs {-saved} more syncs")
+                out.append(f"{head}; fixed H={h} reaches {loss:.4f} with {syncs} syncs: {verdict}")
+            elif fixed:
+                syncs, h, loss = min(fixed, key=lambda f: f[2])
+                out.append(f"{head} is worse than every fixed H; the best, H={h}, reaches {loss:.4f} "
+                           f"({100 * (q / loss - 1):+.2f}%) with {syncs} syncs")
     return out
 
 

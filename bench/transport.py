@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))  # its helpers, also when loaded by path (after the package `transport`)
 
 import transport_loopback  # noqa: E402
-from benchutil import pin_malloc  # noqa: E402
+from benchutil import GlooBaseline, bench_codec, pin_malloc  # noqa: E402
 from transport_loopback import SECRET  # noqa: E402
 
 
@@ -57,7 +57,6 @@ def _member_main(cfg: dict) -> None:
     import torch
 
     torch.set_num_threads(1)
-    import compress
     from transport import TcpTransport
     from transport.grpclink import GrpcTransport
 
@@ -70,16 +69,31 @@ def _member_main(cfg: dict) -> None:
     for line in sys.stdin:
         msg = json.loads(line)
         cmd = msg["cmd"]
-        if cmd == "case":
+        if cmd == "case" and msg["backend"] == "gloo":
+            case = msg
+            t = GlooBaseline(cfg["host"], cfg["index"], case["groups"])
+            x = torch.randn(case["n"], generator=torch.Generator().manual_seed(cfg["index"]))
+            say({"address": t.address})
+        elif cmd == "case":
             case = msg
             cls = GrpcTransport if case["backend"] == "grpc" else TcpTransport
             t = cls(cfg["host"], 0, secret=SECRET, timeout_s=120, chunk_bytes=case["chunk_bytes"],
                     connections_per_peer=case["conns"], allow_plaintext=True)  # inside namespaces we made
-            codec = compress.get_codec(case["codec"])
+            codec = bench_codec(case["codec"])
             if x is None or x.numel() != case["n"]:
                 x = None
                 x = torch.randn(case["n"], generator=torch.Generator().manual_seed(cfg["index"]))
             say({"address": t.address})
+        elif cmd == "ring" and case["backend"] == "gloo":
+            t.connect(msg["ring"])
+            t.all_reduce_mean(torch.randn(len(msg["ring"]) * case["chunk_bytes"] // 4))  # opens its connections
+            say({"ready": True})
+        elif cmd == "go" and case["backend"] == "gloo":
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            t.all_reduce_mean(x)
+            say({"seconds": time.perf_counter() - t0, "sent": GlooBaseline.bytes_sent(case["n"], case["groups"]),
+                 "cpu_s": time.process_time() - c0})
         elif cmd == "ring":
             ring = msg["ring"]
             # warm-up: opens every connection of the link (and warms the codec) with a small vector
@@ -182,7 +196,7 @@ def shaped_case(members: Members, backend: str, codec: str, conns: int, n: int, 
     wan = members.wan
     g = len(wan.rates_mbit)
     res = members.all({"cmd": "case", "backend": backend, "codec": codec, "conns": conns, "n": n,
-                       "chunk_bytes": chunk_bytes})
+                       "chunk_bytes": chunk_bytes, "groups": g})
     ring = [r["address"] for r in res]
     members.all({"cmd": "ring", "ring": ring})
     runs = []
@@ -203,7 +217,9 @@ def shaped_case(members: Members, backend: str, codec: str, conns: int, n: int, 
     line_bytes = max(max(d[0], d[2]) for d in deltas)
     label = "/".join(f"{r:g}" for r in rates) if len(set(rates)) > 1 else f"{slow:g}"
     return {
-        "case": f"shaped {label} Mbit/s {backend} conns={conns} {codec} chunk={chunk_bytes >> 10}KiB",
+        "case": (f"shaped {label} Mbit/s gloo {codec} (torch.distributed)" if backend == "gloo" else
+                 f"shaped {label} Mbit/s {backend} conns={conns} {codec} chunk={chunk_bytes >> 10}KiB"),
+        "bytes_counted": backend != "gloo",
         "kind": "shaped",
         "backend": backend,
         "codec": codec,
@@ -299,7 +315,7 @@ def plot(records: list[dict], path: Path) -> None:
     if shaped:
         names = [r["case"].replace("shaped ", "") for r in shaped]
         ys = range(len(shaped))
-        colors = ["tab:blue" if r["backend"] == "tcp" else "tab:orange" for r in shaped]
+        colors = [{"tcp": "tab:blue", "grpc": "tab:orange"}.get(r["backend"], "tab:gray") for r in shaped]
         ax.barh(ys, [r["ratio_to_bound"] for r in shaped], color=colors)
         ax.scatter([r["ratio_to_line_bound"] for r in shaped], ys, color="k", marker="|", s=80,
                    label="vs bound on qdisc bytes (headers + ACKs)", zorder=3)
@@ -310,12 +326,13 @@ def plot(records: list[dict], path: Path) -> None:
         ax.set_xlabel("all-reduce time / bound  (bound = 2(G-1)/G x wire bytes / bottleneck rate)")
         ax.set_xlim(0.9, max(1.3, max(r["ratio_to_bound"] for r in shaped) + 0.05))
         ax.legend(fontsize=7, loc="lower right")
-        ax.set_title("emulated WAN, G=3 (blue tcp, orange grpc)")
+        ax.set_title("emulated WAN, G=3 (blue tcp, orange grpc, gray torch.distributed gloo)")
     ax = axes[1]
     if loop:
         names = [r["case"].replace("loopback ", "") for r in loop]
         vals = [r.get("gbps", r.get("busbw_gbps", 0)) for r in loop]
-        ax.barh(range(len(loop)), vals, color=["tab:gray" if r["backend"] == "raw" else "tab:green" for r in loop])
+        ax.barh(range(len(loop)), vals, color=[{"raw": "tab:gray", "gloo": "tab:red"}.get(r["backend"], "tab:green")
+                                               for r in loop])
         ax.set_yticks(range(len(loop)), names, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("GB/s (raw: each way; ring: sent per member)")
@@ -391,7 +408,9 @@ def main() -> None:
                                 chunk = a.shaped_chunk or auto_chunk_bytes(rates, codec, a.chunk_ms)
                                 n = shaped_n(rates, codec, chunk, target, a.max_elems)
                                 for conns in conns_list:
-                                    for backend in backends:
+                                    # the Gloo baseline: fp32 only, once per link (it has its own connections)
+                                    baseline = ["gloo"] if codec == "fp32" and conns == conns_list[0] else []
+                                    for backend in backends + baseline:
                                         r = shaped_case(members, backend, codec, conns, n, reps, chunk)
                                         r["pinned_malloc"] = a.pin_malloc
                                         key = (codec, conns, backend)

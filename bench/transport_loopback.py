@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 
-from benchutil import pin_malloc
+from benchutil import GlooBaseline, bench_codec, pin_malloc
 
 SECRET = b"bench-secret"
 BLOCK = 1 << 20
@@ -114,6 +114,9 @@ def _member(conn, cfg: dict) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if cfg["backend"] == "gloo":
+        _gloo_member(conn, cfg)
+        return
     from transport import TcpTransport
     from transport.grpclink import GrpcTransport
 
@@ -126,9 +129,7 @@ def _member(conn, cfg: dict) -> None:
     t = cls("127.0.0.1", 0, **kw)
     conn.send(t.address)
     ring = conn.recv()
-    import compress
-
-    codec = _BareCodec() if cfg["codec"] == "bare" else compress.get_codec(cfg["codec"])
+    codec = _BareCodec() if cfg["codec"] == "bare" else bench_codec(cfg["codec"])
     x = torch.randn(cfg["n"], generator=torch.Generator().manual_seed(cfg["index"]))
     out = None if cfg["fresh_out"] else torch.empty_like(x)
     for rep in range(cfg["reps"] + 1):  # the first one also sets up the connections
@@ -141,6 +142,24 @@ def _member(conn, cfg: dict) -> None:
     t.close()
 
 
+def _gloo_member(conn, cfg: dict) -> None:
+    """The same member with a torch.distributed Gloo group instead of this project's transport."""
+    import torch
+
+    g = GlooBaseline("127.0.0.1", cfg["index"], cfg["groups"])
+    conn.send(g.address)
+    g.connect(conn.recv())
+    x = torch.randn(cfg["n"], generator=torch.Generator().manual_seed(cfg["index"]))
+    for _ in range(cfg["reps"] + 1):
+        conn.recv()  # go
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        g.all_reduce_mean(x)
+        seconds = time.perf_counter() - t0
+        conn.send(("done", seconds, GlooBaseline.bytes_sent(cfg["n"], cfg["groups"]), time.process_time() - cpu0))
+    g.close()
+
+
 def ring_case(backend: str, g: int, n: int, reps: int, chunk_bytes: int, conns: int, tls: list | None, codec: str,
               pin: bool = False, fresh_out: bool = False) -> dict:
     """One loopback case: every member a spawned process on 127.0.0.1; best of reps (slowest member)."""
@@ -148,7 +167,7 @@ def ring_case(backend: str, g: int, n: int, reps: int, chunk_bytes: int, conns: 
     pipes, procs = [], []
     for i in range(g):
         a, b = ctx.Pipe()
-        cfg = dict(backend=backend, n=n, reps=reps, chunk_bytes=chunk_bytes, conns=conns, tls=tls, codec=codec, index=i,
+        cfg = dict(backend=backend, groups=g, n=n, reps=reps, chunk_bytes=chunk_bytes, conns=conns, tls=tls, codec=codec, index=i,
                    pin_malloc=pin, fresh_out=fresh_out)
         p = ctx.Process(target=_member, args=(b, cfg), daemon=True)
         p.start()
@@ -171,11 +190,13 @@ def ring_case(backend: str, g: int, n: int, reps: int, chunk_bytes: int, conns: 
     best = min(per_rep)
     name = (f"loopback {backend} G={g} chunk={chunk_bytes >> 10}KiB conns={conns}{' tls' if tls else ''} {codec}"
             f"{' fresh-out' if fresh_out else ''}{' pinned-malloc' if pin else ''}")
+    if backend == "gloo":
+        name = f"loopback gloo G={g} {codec} (torch.distributed all_reduce + div)"
     return {
         "case": name, "kind": "loopback", "backend": backend, "codec": codec, "connections": conns, "groups": g,
         "link_mbit": None, "rates_mbit": None, "seconds": best, "median_seconds": statistics.median(per_rep),
         "member_cpu_s": min(cpu), "elements": n, "chunk_bytes": chunk_bytes, "tls": bool(tls), "pinned_malloc": pin,
-        "reused_out": not fresh_out, "bytes_sent_per_member": sent, "wire_bytes": sent * g / (2 * (g - 1)),
+        "reused_out": not fresh_out, "bytes_sent_per_member": sent, "bytes_counted": backend != "gloo", "wire_bytes": sent * g / (2 * (g - 1)),
         "algbw_gbps": n * 4 / best / 1e9, "busbw_gbps": sent / best / 1e9,
     }
 
@@ -185,11 +206,11 @@ def cases(quick: bool) -> list[dict]:
     M = 1 << 20
     base = dict(backend="tcp", g=2, chunk_bytes=M, conns=1, tls=False, codec="fp32", fresh_out=False)
     if quick:
-        return [base]
+        return [base, {**base, "backend": "gloo"}]
     variants = [
         {}, {"backend": "grpc"}, {"tls": True}, {"fresh_out": True}, {"chunk_bytes": 256 << 10},
         {"chunk_bytes": 4 * M}, {"conns": 4}, {"backend": "grpc", "conns": 4}, {"g": 3},
-        {"codec": "int8"}, {"codec": "int4"}, {"codec": "bare"},
+        {"codec": "int8"}, {"codec": "int4"}, {"codec": "int4/fast"}, {"codec": "fp4-e2m1"}, {"codec": "bare"}, {"backend": "gloo"}, {"backend": "gloo", "g": 3},
     ]
     return [{**base, **v} for v in variants]
 
@@ -204,7 +225,7 @@ def run(quick: bool, reps: int | None, rounds: int | None, backends: list[str], 
     nbytes = mib << 20
     reps = reps or (2 if quick else 4)
     rounds = rounds or (1 if quick else 2)
-    todo = [c for c in cases(quick) if c["backend"] in backends]
+    todo = [c for c in cases(quick) if c["backend"] in backends or c["backend"] == "gloo"]
     with tempfile.TemporaryDirectory() as tmp:
         pki = write_pki(tmp, [f"m{i}" for i in range(3)])
         tls_cfgs = [vars(pki[f"m{i}"]) for i in range(3)]

@@ -118,7 +118,10 @@ class OuterConfig:
 class SyncConfig:
     schedule: str = opt("fixed", "how H (inner steps per sync) is chosen", flag="--schedule", choices=SCHEDULES)
     h: int = opt(30, "H for 'fixed'; H_base for 'qsr'", flag="--h")
-    qsr_alpha: float = opt(0.005, "QSR alpha: H = max(H_base, floor((alpha/lr)^gamma))", flag="--qsr-alpha")
+    qsr_alpha: float = opt(
+        -1.0, "QSR alpha: H = max(H_base, floor((alpha/lr)^gamma)); -1 = peak inner lr x H_base^(1/gamma) "
+        "(H = H_base at the peak lr, x4 at half of it)", flag="--qsr-alpha",
+    )
     qsr_gamma: float = opt(2.0, "QSR exponent gamma", flag="--qsr-gamma")
     h_max: int = opt(0, "upper bound on H (0 = only the remaining steps)", flag="--h-max")
     mode: str = opt(
@@ -129,6 +132,14 @@ class SyncConfig:
     fragments: int = opt(1, "fragments P synced at staggered times (Streaming DiLoCo)", flag="--fragments")
     fragment_pattern: str = opt("strided", "blocks to fragments: strided or sequential", flag="--fragment-pattern", choices=FRAGMENT_PATTERNS)
     overlap_steps: int = opt(1, "tau: inner steps a fragment's exchange overlaps (mode overlap)", flag="--overlap-steps")
+
+    def qsr_alpha_for(self, peak_lr: float) -> float:
+        """QSR's alpha in force: ``--qsr-alpha``, or for -1 the one that gives H = H_base at the peak
+        inner lr (``peak_lr * H_base**(1/gamma)``), so H grows by (peak/lr)^gamma as the lr decays,
+        whatever the lr's scale."""
+        if self.qsr_alpha >= 0:
+            return self.qsr_alpha
+        return peak_lr * self.h ** (1.0 / self.qsr_gamma)
 
 
 @dataclass
@@ -197,6 +208,9 @@ class TransportConfig:
                            "(0 = the codec's default)", flag="--codec-block")
     topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
                               "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
+    codec_fast: bool = opt(False, "4-bit codecs: take each block's nearest scale instead of searching its "
+                           "neighbours (about 2x faster encode for fast links, more error: bench/codecs.py)",
+                           flag="--codec-fast")
     zstd: bool = opt(False, "zstd entropy stage on every frame", flag="--zstd")
     zstd_level: int = opt(1, "zstd level", flag="--zstd-level")
     probe_bytes: int = opt(1 << 19, "bytes per bandwidth probe to each other group (0 = no probes: equal stripes, sorted ring)", flag="--probe-bytes")
@@ -301,7 +315,8 @@ class Config:
             except ValueError:
                 problems.append(f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
         need(s.h >= 1, f"--h must be >= 1 (inner steps per sync), got {s.h}")
-        need(0.0 <= s.qsr_alpha <= 1.0, f"--qsr-alpha must be in [0, 1], got {s.qsr_alpha}")
+        need(s.qsr_alpha == -1.0 or 0.0 <= s.qsr_alpha <= 1.0,
+             f"--qsr-alpha must be in [0, 1] (or -1 for peak lr x H_base^(1/gamma)), got {s.qsr_alpha}")
         need(s.qsr_gamma > 0, f"--qsr-gamma must be > 0, got {s.qsr_gamma}")
         need(s.h_max == 0 or s.h_max >= s.h, f"--h-max must be 0 or >= --h ({s.h}), got {s.h_max}")
         need(s.fragments >= 1, f"--fragments must be >= 1, got {s.fragments}")
@@ -341,6 +356,9 @@ class Config:
                  "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
             need(self.transport.topk_density == 0.0 or self.transport.codec == "topk",
                  f"--topk-density applies to --codec topk only, not {self.transport.codec}")
+            need(not self.transport.codec_fast or "search" in codec.params,
+                 f"--codec-fast applies to the 4-bit codecs (int4, fp4-e2m1, fp4-e3m0, lloyd4) only, not "
+                 f"{self.transport.codec}")
         except ValueError as e:
             problems.append(f"--codec {self.transport.codec}: {e}")
         need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")
@@ -369,6 +387,8 @@ def make_codec(t: TransportConfig):
         params["chunk" if t.codec == "topk" else "block_size"] = t.codec_block
     if t.codec == "topk" and t.topk_density:
         params["density"] = t.topk_density
+    if t.codec_fast and "search" in compress.get_codec(t.codec).params:  # else validate says why not
+        params["search"] = False
     return compress.get_codec(t.codec, **params)
 
 

@@ -54,7 +54,7 @@ def make_schedule(cfg: Config) -> SyncSchedule:
     h_max = s.h_max or None
     if s.schedule == "qsr":
         return QSRSchedule(
-            h_base=s.h, alpha=s.qsr_alpha, gamma=s.qsr_gamma,
+            h_base=s.h, alpha=s.qsr_alpha_for(cfg.inner.lr), gamma=s.qsr_gamma,
             warmup_steps=cfg.inner.warmup_steps, total_steps=cfg.train.steps, h_max=h_max,
         )
     return FixedSchedule(s.h, total_steps=cfg.train.steps, h_max=h_max)

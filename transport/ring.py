@@ -264,6 +264,7 @@ class RingAllReduce:
         self._link: Link | None = None
         self._raw: _RawFp32 | None = None
         self._into = _decodes_into(codec)
+        self._scratch: torch.Tensor | None = None  # see _scratch_for
         self._unsent = 0  # in-place sends (see _send_in_place) the socket has not taken yet
         # Ids of connections from the left peer whose loss means our data is lost: those open when
         # the collective started and those that delivered to it (set by the transport, then here).
@@ -395,6 +396,16 @@ class RingAllReduce:
             out.copy_(t.reshape(-1))
         return t.reshape(-1)
 
+    def _scratch_for(self, count: int) -> torch.Tensor | None:
+        """A reused fp32 buffer of count values for a decoded partial sum (compress's codecs
+        decode into it; the frame encoded from it is new bytes, so it is free again at once);
+        None for any other codec, which decodes into a new tensor."""
+        if not self._into:
+            return None
+        if self._scratch is None or self._scratch.numel() < count:
+            self._scratch = torch.empty(self.chunk_elems, dtype=torch.float32, device=self.device)
+        return self._scratch[:count]
+
     def _encode_mean(self, mean: torch.Tensor, out: torch.Tensor) -> Any:
         """The owner's frame of mean; what every member will decode from it goes into out."""
         if self._into:
@@ -518,8 +529,8 @@ class RingAllReduce:
         a, b = bounds
         what = f"reduce-scatter chunk {(msg.seg, msg.chunk)}"
         v = self._raw_values(msg.payload, b - a, what)
-        if v is None:  # any codec: decode to a new tensor, add, encode into a new frame
-            s = self._decode(msg.payload, b - a, what).add_(self.x[a:b])  # a new tensor: ours to change
+        if v is None:  # any codec: decode (into this collective's scratch), add, encode into a new frame
+            s = self._decode(msg.payload, b - a, what, out=self._scratch_for(b - a)).add_(self.x[a:b])
             self.core._pool.put(msg.payload)
             if owner:
                 self._send(MsgType.AG, msg.seg, msg.chunk, self._encode_mean(s.div_(self._g), out[a:b]))

@@ -66,7 +66,8 @@ def test_qsr_schedule_runs_and_grows_h(tmp_path):
     [
         (["--h", "0"], "--h must be >= 1"),
         (["--merge-alpha", "1.5"], "--merge-alpha must be in [0, 1]"),
-        (["--qsr-alpha", "-0.1"], "--qsr-alpha must be in [0, 1]"),
+        (["--qsr-alpha", "-0.1"], "--qsr-alpha must be in [0, 1] (or -1"),
+        (["--codec", "int8", "--codec-fast", "true"], "--codec-fast applies to the 4-bit codecs"),
         (["--data", "/nonexistent/corpus"], "does not exist"),
         (["--n-embd", "30", "--n-head", "4"], "multiple of --n-head"),
     ],

@@ -76,3 +76,16 @@ def test_inner_lr_warmup_then_cosine_floor():
     assert inner_lr(10, peak=1.0, warmup_steps=10, total_steps=100) == pytest.approx(1.0)
     assert inner_lr(100, peak=1.0, warmup_steps=10, total_steps=100, min_ratio=0.1) == pytest.approx(0.1)
     assert inner_lr(50, peak=1.0, warmup_steps=0, total_steps=100, schedule="constant") == 1.0
+
+
+def test_qsr_default_alpha_scales_with_the_peak_lr():
+    from diloco.config import SyncConfig
+
+    for peak in (1e-4, 4e-3, 0.3):
+        s = SyncConfig(schedule="qsr", h=30)
+        alpha = s.qsr_alpha_for(peak)
+        assert qsr_period(1000, peak, h_base=30, alpha=alpha) == 30
+        assert qsr_period(1000, peak / 2, h_base=30, alpha=alpha) in (119, 120)  # 4 x H_base, up to rounding
+    # the ViT recipe of the paper (peak 0.008, H_base 4) chose alpha 0.0175; the default gives 0.016
+    assert SyncConfig(schedule="qsr", h=4).qsr_alpha_for(0.008) == pytest.approx(0.016)
+    assert SyncConfig(schedule="qsr", h=4, qsr_alpha=0.0175).qsr_alpha_for(0.008) == 0.0175

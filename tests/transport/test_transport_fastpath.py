@@ -101,7 +101,7 @@ def test_sendmsg_all_survives_partial_writes() -> None:
     assert bytes(got) == want
 
 
-@pytest.mark.parametrize("kind, reason", [("bad-checksum", "checksum"), ("other-codec", "bf16"), ("wrong-count", "want 32 fp32")])
+@pytest.mark.parametrize("kind, reason", [("bad-checksum", "checksum"), ("other-codec", "bf16"), ("wrong-count", "frame holds 31 values, out has room for 32")])
 def test_bad_fp32_frames_abort(kind: str, reason: str) -> None:
     n = 64
     fp32 = compress.get_codec("fp32")
