@@ -154,6 +154,7 @@ class Row:
     inner_lr: float | None = None  # None: the family's (sweep winner or flag)
     outer: tuple[float, float] | None = None  # outer (lr, momentum); None: the default (0.7, 0.9)
     outer_tuned: bool = False  # True: the sweep's best outer (lr, momentum) instead of the default
+    co2: tuple[float, float] | None = None  # CO2's outer (lr, momentum); None: CO2_DEFAULTS
     seeded: bool = False  # run with every seed of the size (else the first only)
     note: str = ""
 
@@ -189,6 +190,11 @@ def study_rows() -> list[Row]:
     rows += [Row(f"m2-h30-{c}-outer", codec=c, outer_tuned=True, seeded=True, note=tuned)
              for c in CODECS if c != "fp32"]
     rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
+             Row("m2-h30-sign1-outer", codec="sign1", outer_tuned=True, note=f"sign1 with error feedback, {tuned}"),
+             Row("m2-h30-topk-outer", codec="topk", outer_tuned=True, note=f"top-k with error feedback, {tuned}"),
+             Row("co2-lr0.7-mom0", mode="co2", co2=(0.7, 0.0), note="CO2, outer lr 0.7"),
+             Row("co2-lr1-mom0.3", mode="co2", co2=(1.0, 0.3), note="CO2, outer momentum 0.3"),
+             Row("delayed-lr1-mom0", mode="delayed", outer=(1.0, 0.0), note="delayed, outer lr 1"),
              Row("eager-lr0.7-mom0.7", mode="eager", outer=(0.7, 0.7), note="eager, outer momentum 0.7"),
              Row("eager-lr1-mom0.5", mode="eager", outer=(1.0, 0.5), note="eager, outer lr 1")]
     return rows
@@ -245,6 +251,8 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     cfg.inner.warmup_steps = size.warmup or max(1, size.steps // 20)
     if row.outer or row.outer_tuned:  # otherwise the mode's own defaults (diloco.outer.MODE_DEFAULTS)
         cfg.outer.lr, cfg.outer.momentum = row.outer or lrs.outer
+    if row.co2:
+        cfg.outer.co2_lr, cfg.outer.co2_momentum = row.co2
     s = cfg.sync
     s.mode, s.h, s.fragments, s.schedule = row.mode, max(row.h, row.fragments), row.fragments, row.schedule
     s.overlap_steps = row.tau if row.mode == "overlap" else 1
@@ -437,8 +445,9 @@ def make_record(size: Size, row: Row, seed: int, cfg: Config, result: dict) -> d
         "steps": steps, "batch_per_group": cfg.data.batch_size, "block_size": cfg.model.block_size,
         "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
         "inner_lr": cfg.inner.lr, "warmup_steps": cfg.inner.warmup_steps,
-        "outer_lr": None if row.mode in ("dp", "co2") else cfg.outer.outer_lr(row.mode),
-        "outer_momentum": None if row.mode in ("dp", "co2") else cfg.outer.outer_momentum(row.mode),
+        "outer_lr": None if row.mode == "dp" else cfg.outer.co2_lr if row.mode == "co2" else cfg.outer.outer_lr(row.mode),
+        "outer_momentum": None if row.mode == "dp" else
+        cfg.outer.co2_momentum if row.mode == "co2" else cfg.outer.outer_momentum(row.mode),
         **{k: result[k] for k in ("tokens", "num_parameters", "eval_loss", "initial_eval_loss", "bytes_sent",
                                   "syncs", "periods", "params_identical", "seconds", "path", "curve")},
         "bits_per_param_per_step": bits_per_param_per_step(result["bytes_sent"], result["num_parameters"], steps),

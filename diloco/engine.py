@@ -21,7 +21,8 @@ fp32 (a descent direction, like a gradient):
   inner steps later, apply the outer step and merge;
 * ``eager`` (Kale et al. 2025): the exchange may take a whole round; the outer step uses this
   group's fresh Δ and the others' previous-round Δ,
-  ``(Δ_own(t) + M·mean(t−H) − Δ_own(t−H)) / M``; global copies differ slightly until ``close()``;
+  ``(Δ_own(t) + M·mean(t−H) − Δ_own(t−H)) / M`` (with a weighted quorum: ``mean(t−H) + s·(Δ_own(t) −
+  Δ_own(t−H))``, s = this group's share of that mean); global copies differ slightly until ``close()``;
 * ``delayed``: the previous round's mean, one round stale (for comparison);
 * ``co2`` (Sun et al. 2024): like ``delayed``, with ``diloco.outer.co2`` as outer optimizer;
 * the merge is ``θ_local ← α·θ_local + (1−α)·θ_global`` (α = ``merge_alpha``; 0 adopts θ_global);
@@ -342,10 +343,19 @@ class DiLoCo:
         update = None
         if self.mode == "eager":
             m = self.averager.num_groups
-            update = delta.clone()
-            if flight is not None:
-                update += m * self._wait(p, flight) - self._own_previous[p]
-            update /= m
+            if flight is None:  # round 0: nothing from the others yet
+                update = delta / m
+            else:
+                mean = self._wait(p, flight)
+                # this group's part of that mean: w_own / sum(w) of the quorum that committed it
+                # (0 if it was refused or healing in); averagers without quorums: 1/M
+                share = getattr(flight.pending, "own_share", None)
+                if share is None:
+                    update = (delta + (m * mean - self._own_previous[p])) / m
+                elif share == 0:  # refused or healing: the mean holds nothing of ours to replace
+                    update = mean.clone()
+                else:
+                    update = mean + share * (delta - self._own_previous[p])
             self._own_previous[p] = delta
         elif flight is not None:  # delayed, co2: the previous round's mean, one round stale
             update = self._wait(p, flight)

@@ -41,7 +41,7 @@ from diloco import state_blob
 from diloco.averaging import Done
 from diloco.coordinator import CoordinatorError
 from diloco.coordinator.messages import CommitRequest, CommitResponse, OfferQuery, QuorumRequest, QuorumResponse, StateOffer
-from diloco.coordinator.rounds import HEAL, weighted_scale
+from diloco.coordinator.rounds import HEAL, own_share, weighted_scale
 from diloco.group import StripedAverager
 from diloco.network_plan import NetworkPlan, equal_plan, plan_from_table
 from diloco.outer_state import params_hash
@@ -409,6 +409,8 @@ class _QuorumPending:
         self.sent: torch.Tensor | None = None
         self._fetched, self._fetch = fetched, (False, "not fetched")
         self.own_rejected = avg.group in resp.rejected
+        #: after ``wait``: this group's share of the committed weighted mean (eager's correction)
+        self.own_share: float | None = None
         self._value: torch.Tensor | None = None
         self._result = None
         self._error: BaseException | None = None
@@ -445,6 +447,7 @@ class _QuorumPending:
             decision = avg.vote(resp, ok, why)
             if decision.committed:
                 avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))
+                self.own_share = own_share(resp.weights, avg.group)
                 return out, sp, me, sent
             avg.stats.rollbacks += 1
             log.warning("group %d rank %d: %s rolled back (%s)", avg.group, avg.rank, resp.id, decision.reason)

@@ -161,6 +161,15 @@ def commit_outcome(quorum: Quorum, sizes: Mapping[int, int], votes: Mapping[tupl
     return None
 
 
+def own_share(weights: Mapping[int, float], group: int) -> float:
+    """The part of the weighted mean that is this group's contribution: ``w_g / sum(w)``; 0 for a
+    healer, a refused contribution, a group not in the quorum, or no weight at all."""
+    total = sum(weights.values())
+    if total <= 0 or group not in weights:
+        return 0.0
+    return weights[group] / total
+
+
 def weighted_scale(weights: Mapping[int, float], group: int) -> float:
     """The factor this group multiplies its contribution by, so that the ring's plain mean
     ``sum(x_g) / G`` is the weighted mean ``sum(w_g Δ_g) / sum(w_g)``: ``G · w_g / sum(w)``.

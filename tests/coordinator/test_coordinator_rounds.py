@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from diloco.coordinator.rounds import HEAL, Ask, Quorum, commit_outcome, decide, screen, weighted_scale
+from diloco.coordinator.rounds import HEAL, Ask, Quorum, commit_outcome, decide, own_share, screen, weighted_scale
 
 
 def ask(exchange=5, tag="f0/r5", numel=100, weight=10.0, state_hash="h1", norm=1.0, healable=True):
@@ -104,3 +104,16 @@ def test_weighted_scale_makes_the_plain_ring_mean_a_weighted_mean(weights, group
         values = {0: 2.0, 1: 6.0}
         plain = sum(weighted_scale(weights, g) * values[g] for g in weights) / len(weights)
         assert plain == pytest.approx(sum(weights[g] * values[g] for g in weights) / sum(weights.values()))
+
+
+@pytest.mark.parametrize("weights,group,expected", [
+    ({0: 5.0, 1: 5.0}, 0, 0.5),
+    ({0: 1.0, 1: 3.0}, 1, 0.75),
+    ({0: 5.0, 1: 0.0}, 1, 0.0),  # a healer or a refused contribution
+    ({0: 5.0, 1: 5.0}, 2, 0.0),  # not in the quorum
+    ({0: 0.0, 1: 0.0}, 0, 0.0),
+])
+def test_own_share_is_the_part_of_the_weighted_mean_a_group_contributed(weights, group, expected):
+    assert own_share(weights, group) == expected
+    if group in weights and sum(weights.values()):  # the same as its scale over G
+        assert own_share(weights, group) == pytest.approx(weighted_scale(weights, group) / len(weights))

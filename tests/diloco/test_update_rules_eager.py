@@ -130,3 +130,45 @@ def test_stale_modes_merge_alpha_defaults_to_zero_and_overlap_to_half(mode):
     m2 = Scalar()
     o = DiLoCo(m2, torch.optim.SGD(m2.parameters(), lr=1.0), averager=SingleGroup(), sync_every=2, mode="overlap")
     assert o.merge_alpha == 0.5
+
+
+class _Pending:
+    def __init__(self, value: torch.Tensor, own_share: float | None) -> None:
+        self.value, self.own_share = value, own_share
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+class _QuorumLike:
+    """An averager whose exchanges report this group's share of the committed weighted mean, as
+    ``QuorumAverager``'s do: every training exchange's mean is ``means.pop(0)``."""
+
+    num_groups = 2
+    group_index = 0
+
+    def __init__(self, means: list[float], shares: list[float]) -> None:
+        self.means, self.shares = means, shares
+
+    def start(self, flat, *, tag, exact=False, **kw):
+        if exact or tag.endswith("/final"):
+            return _Pending(flat.clone(), None)
+        return _Pending(torch.full_like(flat, self.means.pop(0)), self.shares.pop(0))
+
+
+@pytest.mark.parametrize("share, expected", [(0.25, -0.5 - (3.0 + 0.25 * (2.0 - 1.0))),  # weighted quorum
+                                             (0.0, -0.5 - 3.0)])  # own contribution refused: the mean as is
+def test_eager_replaces_exactly_its_own_share_of_a_weighted_mean(share, expected):
+    """With weights (or a refusal) this group's part of the previous mean is w_own / sum(w), not
+    1/M: u(t) = Δ̄(t−1) + s·(Δ_own(t) − Δ_own(t−1))."""
+    model = Scalar()
+    avg = _QuorumLike(means=[3.0, 0.0], shares=[share, 0.5])
+    e = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1.0), averager=avg, sync_every=2, mode="eager",
+               outer_optimizer=sgd(1.0, 0.0))
+    seen = []
+    for g in [0.5, 0.5, 1.0, 1.0]:  # Δ(0) = 1, Δ(1) = 2
+        model.w.grad = torch.tensor([g])
+        e.inner_optimizer.step()
+        if e.step():
+            seen.append(float(e.global_params[0]))
+    assert seen == [-0.5, pytest.approx(expected)]  # round 0: Δ/M = 0.5
