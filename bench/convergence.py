@@ -192,6 +192,8 @@ def study_rows() -> list[Row]:
     rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
              Row("m2-h30-sign1-outer", codec="sign1", outer_tuned=True, note=f"sign1 with error feedback, {tuned}"),
              Row("m2-h30-topk-outer", codec="topk", outer_tuned=True, note=f"top-k with error feedback, {tuned}"),
+             *[Row(f"m2-h100-{c}-outer", h=100, codec=c, outer_tuned=True, note=f"H=100, {tuned}")
+               for c in ("int4", "sign1", "topk")],
              Row("co2-lr0.7-mom0", mode="co2", co2=(0.7, 0.0), note="CO2, outer lr 0.7"),
              Row("co2-lr1-mom0.3", mode="co2", co2=(1.0, 0.3), note="CO2, outer momentum 0.3"),
              Row("delayed-lr1-mom0", mode="delayed", outer=(1.0, 0.0), note="delayed, outer lr 1"),

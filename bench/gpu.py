@@ -18,7 +18,7 @@ sync seconds per round (time inside the engine's sync calls, i.e. waiting), seco
 the wait = (wall - compute-only wall of the same placement) - sync seconds: time the overlapped inner
 steps themselves lost (interpreter lock, host copies, hashing), bytes sent, eval loss.
 
-    python bench/gpu.py --json bench/results/gpu.json --plot bench/results/gpu.png   # a GPU host, ~15 min
+    python bench/gpu.py --json gpu.json --plot gpu.png   # a GPU host, ~15 min (commit both under bench/results)
     python bench/gpu.py --device cpu --quick          # smoke test of the bench itself on a CPU host, < 2 min
 
 Output: a JSON list of records (``--json``) and a PNG of utilization and sync seconds per round.
