@@ -198,6 +198,7 @@ def study_rows() -> list[Row]:
              Row("co2-lr1-mom0.3", mode="co2", co2=(1.0, 0.3), note="CO2, outer momentum 0.3"),
              Row("delayed-lr1-mom0", mode="delayed", outer=(1.0, 0.0), note="delayed, outer lr 1"),
              Row("eager-lr0.7-mom0.7", mode="eager", outer=(0.7, 0.7), note="eager, outer momentum 0.7"),
+             Row("eager-h10", mode="eager", h=10, seeded=True, note="eager at H=10: a round is 1 % of the run"),
              Row("eager-lr1-mom0.5", mode="eager", outer=(1.0, 0.5), note="eager, outer lr 1")]
     return rows
 
