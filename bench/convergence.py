@@ -120,6 +120,7 @@ class Size:
     seeds: int = 3  # seeds of the rows marked ``seeded`` (the others: one)
     inner_lrs: tuple[float, ...] = INNER_LRS  # the inner-lr sweep
     outer_sweep: bool = True  # False: take the outer winner of the size "small" (see below)
+    tuned_on: str = ""  # a size whose sweep winners this one uses (and no sweep of its own)
     rows: tuple[str, ...] | None = None  # study rows run at this size (None: all)
 
 
@@ -134,6 +135,10 @@ SIZES = {
                    rows=("dp", "m1-h30", "m2-h30", "m4-h30", "m1-h30-outer", "m2-h30-outer", "m4-h30-outer",
                          "m2-h100-outer", "m2-h30-int4-outer", "m2-h30-fp4-e2m1-outer", "overlap-p2-tau5-fp4",
                          "eager", "co2", "qsr-outer")),
+    # the small model trained twice as long, at the small sweep's winners: does the gap to data
+    # parallel shrink when the same model takes more outer steps?
+    "small-long": Size("small-long", n_layer=2, n_embd=64, steps=2000, seeds=1, tuned_on="small",
+                       rows=("dp-lr0.004", "m1-h30-outer", "m2-h30-outer", "m4-h30-outer", "eager")),
 }
 QUICK_SIZE = replace(SIZES["small"], steps=400, seeds=1)
 
@@ -492,23 +497,24 @@ def _best_inner(records: list[dict], size: str, family: str) -> tuple:
 
 def settings_from(records: list[dict], size: str, a: argparse.Namespace) -> Settings:
     """The study's learning rates for ``size``: flags first, else the sweep's winners in
-    ``records``, else the defaults (1e-3, 1e-3, outer 0.7 / 0.9). A size without its own outer
-    sweep takes the small model's winner."""
+    ``records`` (those of the size it is ``tuned_on``, if any), else the defaults (1e-3, 1e-3, outer
+    0.7 / 0.9). A size without its own outer sweep takes the small model's winner."""
     s = Settings()
+    src = (SIZES[size].tuned_on or size) if size in SIZES else size  # whose sweeps
     for attr, flag, family in (("dp_lr", a.dp_lr, "dp"), ("diloco_lr", a.diloco_lr, "diloco")):
         if flag:
             setattr(s, attr, flag)
             s.source[attr] = "flag"
             continue
-        loss, lr = _best_inner(records, size, family)
+        loss, lr = _best_inner(records, src, family)
         if lr is not None:
             setattr(s, attr, lr)
-            s.source[attr] = f"sweep, eval {loss:.4f}"
+            s.source[attr] = f"sweep{'' if src == size else ' of ' + src}, eval {loss:.4f}"
     if a.outer_lr or a.outer_momentum:
         s.outer = (a.outer_lr or DEFAULT_OUTER[0], a.outer_momentum or DEFAULT_OUTER[1])
         s.source["outer"] = "flag"
         return s
-    on = size if SIZES.get(size, SIZES["small"]).outer_sweep else "small"
+    on = src if SIZES.get(src, SIZES["small"]).outer_sweep else "small"
     candidates: list[tuple[str, object]] = [(f"sweep-outer-lr{o[0]:g}-mom{o[1]:g}", o) for o in OUTER_SWEEP]
     _, default_lr = _best_inner(records, on, "diloco")  # the default outer's run: that sweep's best
     if default_lr is not None:
@@ -538,7 +544,7 @@ def plan(a: argparse.Namespace) -> list[tuple[Size, list[Row], list[Row]]]:
             raise SystemExit(f"unknown size {name!r}; sizes: {', '.join(SIZES)}")
         size = replace(SIZES[name], steps=a.steps or SIZES[name].steps, seeds=a.seeds or SIZES[name].seeds)
         fixed = a.dp_lr and a.diloco_lr and (a.outer_lr or a.outer_momentum)
-        sweeps = [] if a.no_sweep or fixed else select(sweep_rows(size), a.only)
+        sweeps = [] if a.no_sweep or fixed or size.tuned_on else select(sweep_rows(size), a.only)
         rows = [r for r in select(study_rows(), a.only) if size.rows is None or r.name in size.rows]
         out.append((size, sweeps, rows))
     return out
