@@ -633,8 +633,9 @@ def table(records: list[dict], stage: str = "study") -> str:
 
 def qsr_report(records: list[dict]) -> list[str]:
     """Each QSR row against the fixed H (same M, fp32, same outer settings: ``qsr`` against
-    ``m{M}-h{H}``, ``qsr-outer`` against ``m{M}-h{H}-outer``) whose loss it matches: the fixed-H row
-    with the fewest syncs whose mean eval loss is at most QSR's; syncs saved = its syncs minus QSR's."""
+    ``m{M}-h{H}``, ``qsr-outer`` against ``m{M}-h{H}-outer``) whose loss it matches: of the fixed-H
+    rows QSR is at least as good as (mean eval loss at least QSR's), the one with the fewest syncs;
+    syncs saved = its syncs minus QSR's (negative: QSR needed more)."""
     out = []
     for size in sorted({r["size"] for r in records}):
         for qname, suffix in (("qsr", ""), ("qsr-outer", "-outer")):
@@ -650,13 +651,15 @@ def qsr_report(records: list[dict]) -> list[str]:
                 if loss is not None:
                     fixed.append((rec["syncs"], h, loss))
             head = f"{size}: {qname} eval {q:.4f} with {qrec['syncs']} syncs"
-            match = [f for f in fixed if f[2] <= q]
+            match = [f for f in fixed if f[2] >= q]
             if match:
                 syncs, h, loss = min(match)
                 saved = syncs - qrec["syncs"]
                 verdict = (f"{saved} syncs saved ({100 * saved / syncs:.0f}%)" if saved >= 0
                            else f"QSR needs {-saved} more syncs")
-                out.append(f"{head}; fixed H={h} reaches {loss:.4f} with {syncs} syncs: {verdict}")
+                out.append(f"{head}; fixed H={h} reaches {loss:.4f} with {syncs} syncs: {verdict}"
+                           + "".join(f"; H={hh}: {ll:.4f} ({100 * (q / ll - 1):+.2f}% for QSR) with {ss} syncs"
+                                     for ss, hh, ll in sorted(fixed) if hh != h))
             elif fixed:
                 syncs, h, loss = min(fixed, key=lambda f: f[2])
                 out.append(f"{head} is worse than every fixed H; the best, H={h}, reaches {loss:.4f} "
