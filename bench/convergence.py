@@ -191,7 +191,7 @@ def study_rows() -> list[Row]:
     ]
     tuned = "best outer lr/momentum of the sweep"
     rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
-    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 100)]
+    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 100, 200)]
     rows += [Row(f"m2-h30-{c}-outer", codec=c, outer_tuned=True, seeded=True, note=tuned)
              for c in CODECS if c != "fp32"]
     rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
@@ -199,6 +199,7 @@ def study_rows() -> list[Row]:
              Row("m2-h30-topk-outer", codec="topk", outer_tuned=True, note=f"top-k with error feedback, {tuned}"),
              *[Row(f"m2-h100-{c}-outer", h=100, codec=c, outer_tuned=True, note=f"H=100, {tuned}")
                for c in ("int4", "sign1", "topk")],
+             Row("m2-h200-int4-outer", h=200, codec="int4", outer_tuned=True, note=f"H=200 int4: 0.04 bits, {tuned}"),
              Row("co2-lr0.7-mom0", mode="co2", co2=(0.7, 0.0), note="CO2, outer lr 0.7"),
              Row("co2-lr1-mom0.3", mode="co2", co2=(1.0, 0.3), note="CO2, outer momentum 0.3"),
              Row("delayed-lr1-mom0", mode="delayed", outer=(1.0, 0.0), note="delayed, outer lr 1"),
