@@ -138,7 +138,10 @@ SIZES = {
     # the small model trained twice as long, at the small sweep's winners: does the gap to data
     # parallel shrink when the same model takes more outer steps?
     "small-long": Size("small-long", n_layer=2, n_embd=64, steps=2000, seeds=1, tuned_on="small",
-                       rows=("dp-lr0.004", "m1-h30-outer", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager")),
+                       rows=("dp", "dp-lr0.004", "m1-h30-outer", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager")),
+    # the medium model as long as the small one: the trend with model size at equal steps
+    "medium-long": Size("medium-long", n_layer=4, n_embd=128, steps=1000, seeds=1, tuned_on="medium",
+                        rows=("dp", "m2-h30-outer", "m4-h30-outer")),
 }
 QUICK_SIZE = replace(SIZES["small"], steps=400, seeds=1)
 
