@@ -255,10 +255,8 @@ def bytes_per_element(codec: str, chunk_bytes: int) -> float:
     """Bytes on the wire per fp32 element for codec (frame + message header), measured on one chunk."""
     import torch
 
-    import compress
-
     k = chunk_bytes // 4
-    return (len(compress.get_codec(codec).encode(torch.randn(k))) + 64) / k
+    return (len(bench_codec(codec).encode(torch.randn(k))) + 64) / k
 
 
 def auto_chunk_bytes(rates: list, codec: str, chunk_ms: float) -> int:
@@ -365,7 +363,8 @@ def main() -> None:
     ap.add_argument("--congestion", default="reno",
                     help="shaped: TCP congestion control inside the emulated hosts ('' = the kernel's default)")
     ap.add_argument("--backends", default="tcp,grpc")
-    ap.add_argument("--codecs", default=None, help="shaped: codecs (default fp32,int8,int4)")
+    ap.add_argument("--codecs", default=None, help="shaped: codecs (default fp32,int8,int4,int4/fast; "
+                    "NAME/fast: a 4-bit codec without its scale search)")
     ap.add_argument("--conns", default=None, help="shaped: connections per peer (default 1,4)")
     ap.add_argument("--pin-malloc", action="store_true",
                     help="members keep freed buffers in the heap (glibc mallopt), as a tuned deployment would")
@@ -392,7 +391,7 @@ def main() -> None:
                 rate_sets = [[100.0] * 3]
             else:
                 rate_sets = [[100.0] * 3, [1000.0] * 3, [100.0, 100.0, 25.0]]
-            codecs = (a.codecs or ("fp32" if a.quick else "fp32,int8,int4")).split(",")
+            codecs = (a.codecs or ("fp32" if a.quick else "fp32,int8,int4,int4/fast")).split(",")
             conns_list = [int(c) for c in (a.conns or ("1" if a.quick else "1,4")).split(",")]
             reps = a.reps or (1 if a.quick else 2)
             shaped_rounds = a.rounds or (1 if a.quick else 2)
