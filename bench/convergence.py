@@ -671,8 +671,8 @@ def qsr_report(records: list[dict]) -> list[str]:
     return out
 
 
-PLOT_ROWS = ("dp", "m1-h30", "m2-h30", "m4-h30", "m2-h100", "m2-h30-int4", "m2-h30-fp4-e2m1",
-             "overlap-p2-tau5-fp4", "streaming-p2", "eager", "co2", "qsr")
+PLOT_ROWS = ("dp", "m1-h30-outer", "m2-h30-outer", "m4-h30-outer", "m2-h30", "m2-h100-outer", "m2-h30-int4-outer",
+             "m2-h30-fp4-e2m1-outer", "overlap-p2-tau5-fp4", "m2-h30-sign1-outer", "eager", "co2", "qsr-outer")
 
 
 def plot(records: list[dict], path: Path) -> bool:
@@ -685,7 +685,8 @@ def plot(records: list[dict], path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[dev]'): no PNG written", file=sys.stderr)
         return False
-    sizes = sorted({r["size"] for r in records if r["stage"] == "study"}, key=lambda s: s != "small")
+    order = {name: i for i, name in enumerate(SIZES)}
+    sizes = sorted({r["size"] for r in records if r["stage"] == "study"}, key=lambda s: (order.get(s, 99), s))
     if not sizes:
         return False
     fig, axes = plt.subplots(len(sizes), 2, figsize=(12, 4.2 * len(sizes)), squeeze=False)
