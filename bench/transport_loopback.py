@@ -139,6 +139,7 @@ def _member(conn, cfg: dict) -> None:
         t.all_reduce(x, ring, cfg["index"], tag=f"rep{rep}", codec=codec, out=out).wait()
         seconds = time.perf_counter() - t0
         conn.send(("done", seconds, t.bytes_sent - before, time.process_time() - cpu0))
+    conn.recv()  # close: only once every member is done (a member closing early can cut its neighbour off)
     t.close()
 
 
@@ -157,6 +158,7 @@ def _gloo_member(conn, cfg: dict) -> None:
         g.all_reduce_mean(x)
         seconds = time.perf_counter() - t0
         conn.send(("done", seconds, GlooBaseline.bytes_sent(cfg["n"], cfg["groups"]), time.process_time() - cpu0))
+    conn.recv()  # close
     g.close()
 
 
@@ -185,6 +187,8 @@ def ring_case(backend: str, g: int, n: int, reps: int, chunk_bytes: int, conns: 
             per_rep.append(max(r[1] for r in results))
             cpu.append(max(r[3] for r in results))
             sent = max(r[2] for r in results)
+    for c in pipes:
+        c.send("close")
     for p in procs:
         p.join(30)
     best = min(per_rep)
