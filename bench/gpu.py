@@ -137,7 +137,7 @@ def plot(records: list[dict], path: str) -> None:
     axes[1].set_xlabel("seconds per round")
     axes[1].legend(fontsize=7)
     fig.suptitle(f"diloco run on {records[0]['device']}: {records[0]['num_parameters'] / 1e6:.0f}M-parameter GPT, "
-                 f"H={records[0]['h']}")
+                 f"H={next((r['h'] for r in records if r['run'] != 'compute'), records[0]['h'])}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
