@@ -357,9 +357,6 @@ class Config:
                  "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
             need(self.transport.topk_density == 0.0 or self.transport.codec == "topk",
                  f"--topk-density applies to --codec topk only, not {self.transport.codec}")
-            need(not self.transport.codec_fast or "search" in codec.params,
-                 f"--codec-fast applies to the 4-bit codecs (int4, fp4-e2m1, fp4-e3m0, lloyd4) only, not "
-                 f"{self.transport.codec}")
         except ValueError as e:
             problems.append(f"--codec {self.transport.codec}: {e}")
         need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")
@@ -388,7 +385,10 @@ def make_codec(t: TransportConfig):
         params["chunk" if t.codec == "topk" else "block_size"] = t.codec_block
     if t.codec == "topk" and t.topk_density:
         params["density"] = t.topk_density
-    if t.codec_fast and "search" in compress.get_codec(t.codec).params:  # else validate says why not
+    if t.codec_fast:
+        if "search" not in compress.get_codec(t.codec).params:
+            raise ValueError(f"--codec-fast applies to the 4-bit codecs (int4, fp4-e2m1, fp4-e3m0, lloyd4) only, "
+                             f"not {t.codec}")
         params["search"] = False
     return compress.get_codec(t.codec, **params)
 

@@ -20,49 +20,16 @@ Setting: one scalar w = 0, two groups, inner SGD with lr 1 on scripted gradients
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn as nn
 
-from diloco.averaging import InProcessGroups
-from diloco.engine import DiLoCo
 from diloco.outer import CO2Outer, by_mode, co2
-from diloco_helpers import build_in_threads, run_in_threads
-
-
-class Scalar(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(1))
+from update_rule_helpers import run_scalar_groups
 
 
 GRADS = [[0.5, 0.5, 1.5, 1.5, 3.5, 3.5], [1.0, 2.0, 2.0, 3.0, 4.0, 5.0]]
 
 
 def run(grads, outer_optimizer, h=2):
-    n = len(grads)
-    groups = InProcessGroups(n)
-    models = [Scalar() for _ in range(n)]
-
-    def make(i):
-        inner = torch.optim.SGD(models[i].parameters(), lr=1.0)
-        return DiLoCo(models[i], inner, averager=groups.member(i), sync_every=h, mode="co2",
-                      outer_optimizer=outer_optimizer)
-
-    engines = build_in_threads(make, n)
-    trace: list[list[float]] = [[] for _ in range(n)]
-
-    def work(i):
-        e = engines[i]
-        for g in grads[i]:
-            e.model.w.grad = torch.tensor([float(g)])
-            e.inner_optimizer.step()
-            if e.step():
-                trace[i].append(float(e.global_params[0]))
-                assert torch.equal(e.model.w.detach(), e.global_params[0])  # α = 0
-        e.close()
-        trace[i].append(float(e.global_params[0]))
-
-    run_in_threads(work, n)
+    trace, engines = run_scalar_groups("co2", grads, outer_optimizer, h)
     assert trace[0] == trace[1]  # every group applies the same stale mean
     return trace[0], engines
 

@@ -26,48 +26,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
-from diloco.averaging import InProcessGroups
 from diloco.engine import DiLoCo
 from diloco.outer import nesterov, sgd
-from diloco_helpers import build_in_threads, run_in_threads
+from update_rule_helpers import Scalar, run_scalar_groups
 
 
-class Scalar(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(1))
-
-
-def run(mode, grads, outer_optimizer, h=2, **kw):
-    """Group g takes inner steps with gradients ``grads[g]`` (H per round). Returns, per group, w_global
-    after every sync and after close(), and the engines."""
-    n = len(grads)
-    groups = InProcessGroups(n)
-    models = [Scalar() for _ in range(n)]
-
-    def make(i):
-        inner = torch.optim.SGD(models[i].parameters(), lr=1.0)
-        return DiLoCo(models[i], inner, averager=groups.member(i), sync_every=h, mode=mode,
-                      outer_optimizer=outer_optimizer, **kw)
-
-    engines = build_in_threads(make, n)
-    trace: list[list[float]] = [[] for _ in range(n)]
-
-    def work(i):
-        e = engines[i]
-        for g in grads[i]:
-            e.model.w.grad = torch.tensor([float(g)])
-            e.inner_optimizer.step()
-            if e.step():
-                trace[i].append(float(e.global_params[0]))
-                assert torch.equal(e.model.w.detach(), e.global_params[0])  # α = 0: local restarts at global
-        e.close()
-        trace[i].append(float(e.global_params[0]))
-
-    run_in_threads(work, n)
-    return trace, engines
+run = run_scalar_groups
 
 
 # Δ per round: group 0 = [1, 2, 4], group 1 = [3, 5, 7]  (means [2, 3.5, 5.5])
