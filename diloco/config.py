@@ -209,7 +209,7 @@ class TransportConfig:
     topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
                               "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
     codec_fast: bool = opt(False, "4-bit codecs: take each block's nearest scale instead of searching its "
-                           "neighbours (2.4-6x faster encode, for links faster than a core encodes; a little "
+                           "neighbours (2-5x faster encode, for links faster than a core encodes; a little "
                            "more error: bench/README.md \"Codecs\")",
                            flag="--codec-fast")
     zstd: bool = opt(False, "zstd entropy stage on every frame", flag="--zstd")
