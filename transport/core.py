@@ -356,7 +356,8 @@ class TransportBase:
                     if ev[0] == "msg" and ev[2] not in self._incoming.get(ev[1], {}):
                         gone.add((ev[1], ev[2], ev[4]))
                 for peer, conn_id, group in gone:  # those connections closed before this collective started
-                    op.deliver(("lost", peer, conn_id, True, "connection closed before this collective started", group))
+                    op.deliver(("lost", peer, conn_id, True, "connection closed before this collective started", group,
+                                tuple(self._incoming.get(peer, {}).values())))
         threading.Thread(target=op.run, name=f"{op.kind}[{tag}]", daemon=True).start()
         return op.handle
 
@@ -606,11 +607,15 @@ class TransportBase:
                 log.warning("%s: connection from %s failed: %s", self.address, peer, reason)
         with self._lock:
             self._incoming[peer].pop(conn_id, None)
-            if not self._incoming[peer]:
+            # The groups of this peer's connections still open now, when everything this one
+            # carried is queued: the collective judges the loss by them, not by a later count
+            # (by then the others may have closed too, their last data still queued behind this).
+            still_open = tuple(self._incoming[peer].values())
+            if not still_open:
                 del self._incoming[peer]
             ops = list(self._ops.values())
         for op in ops:
-            op.deliver(("lost", peer, conn_id, clean, reason, group))
+            op.deliver(("lost", peer, conn_id, clean, reason, group, still_open))
 
     def _admit_payload(self, peer: str, group: int | None, mtype: MsgType, tag: str, seg: int, chunk: int, aux: int,
                        nbytes: int) -> bool:

@@ -298,7 +298,8 @@ class RingAllReduce:
 
     # -- called from other threads -------------------------------------------------------------
     def deliver(self, event: tuple) -> None:
-        """Queue an event: ("msg", peer, conn_id, Message) | ("lost", peer, conn_id, clean, reason) | ("abort", reason)."""
+        """Queue an event: ("msg", peer, conn_id, Message, group) | ("lost", peer, conn_id, clean, reason, group,
+        groups of the peer's connections still open when it was lost) | ("abort", reason)."""
         self.events.put(event)
 
     def abort(self, reason: str) -> None:
@@ -501,13 +502,15 @@ class RingAllReduce:
             if kind == "abort":
                 raise _Abort(ev[1])
             if kind == "lost":
-                peer, conn_id, clean, reason = ev[1:5]
-                if not self.from_left(peer, ev[5] if len(ev) > 5 else None):
+                peer, conn_id, clean, reason, group, still_open = ev[1:7]
+                if not self.from_left(peer, group):
                     continue
                 # A broken stream may have carried our data; a clean close matters only for a
-                # connection we depend on, once no other connection from that peer is left.
-                left_now = self.core._incoming_count(peer, "any" if self.left_group is None else self.left_group)
-                if not clean or (conn_id in self.watch and left_now == 0):
+                # connection we depend on, once no other connection from that peer was left
+                # when it closed (data the others carried before closing is queued ahead of
+                # the last one's loss, so it is taken first).
+                left_then = sum(1 for g in still_open if self.left_group is None or g == self.left_group)
+                if not clean or (conn_id in self.watch and left_then == 0):
                     raise _Abort(f"lost the connection from left peer {peer}: {reason}")
                 continue
             peer, conn_id, msg = ev[1], ev[2], ev[3]

@@ -181,3 +181,58 @@ def test_garbage_to_listening_port_is_rejected_and_listener_keeps_serving() -> N
             assert outs[0].tolist() == [1.0] * 7
         finally:
             idle.close()
+
+
+def test_a_member_that_closes_the_moment_its_collective_returns_does_not_fail_its_neighbour(backend: str) -> None:
+    """The first member to finish closes its transport at once (what a job's last round does);
+    the other, still reading the last chunks spread over 4 connections, must finish too."""
+    import threading
+
+    n = 1 << 20
+    for rep in range(6):
+        with transports(backend=backend, g=2, connections_per_peer=4, chunk_bytes=64 << 10) as ts:
+            ring = [t.address for t in ts]
+            xs = [torch.full((n,), float(i + 1)) for i in range(2)]
+            results: list = [None, None]
+
+            def member(i: int) -> None:
+                try:
+                    results[i] = ts[i].all_reduce(xs[i], ring, i, tag=f"last{rep}").wait()
+                except Exception as e:  # noqa: BLE001 - reported below
+                    results[i] = e
+                finally:
+                    ts[i].close(flush_timeout_s=5.0)
+
+            threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(30)
+            for r in results:
+                assert isinstance(r, torch.Tensor), f"rep {rep}: {r!r}"
+                assert torch.equal(r, torch.full((n,), 1.5))
+
+
+def test_a_clean_close_counts_the_peers_connections_open_when_it_closed_not_later() -> None:
+    """Of two connections from the left peer, one closes cleanly while the other still carries
+    data: the loss event says one was still open, so the collective takes the data queued
+    behind it even though, by the time it looks, both have closed. The last one's clean close,
+    with a watched connection and none left, is a lost peer."""
+    from transport.ring import RingAllReduce, _Abort
+    from transport.wire import Message
+
+    class Core:
+        address = "127.0.0.1:1"
+        max_chunk_frame_bytes = 1 << 20
+
+    x = torch.ones(4)
+    op = RingAllReduce(Core(), x, ["127.0.0.1:1", "127.0.0.1:2"], 0, "t", None, 5.0, 1024)
+    op.watch = {1, 2}
+    data = Message(MsgType.RS, "t", 0, 0, 4, b"\0" * 8)
+    op.deliver(("lost", "127.0.0.1:2", 1, True, "connection closed by peer", None, (None,)))
+    op.deliver(("msg", "127.0.0.1:2", 2, data, None))
+    msg, _ = op._next_message(time.monotonic(), lambda: "stalled")
+    assert msg is data
+    op.deliver(("lost", "127.0.0.1:2", 2, True, "connection closed by peer", None, ()))
+    with pytest.raises(_Abort, match="lost the connection from left peer"):
+        op._next_message(time.monotonic(), lambda: "stalled")
