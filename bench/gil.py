@@ -8,7 +8,10 @@ for the same time:
 * ``alone``: the trainer only;
 * ``threads``: this process is also a ring member (its transport's threads in this process), the
   other member is a child process, and they all-reduce back to back;
-* ``process``: the same all-reduces, but this process's member runs in a child process too.
+* ``process``: the same all-reduces, but this process's member runs in a child process too;
+* ``dataplane``: this process is the ring member again, through `transport.ProcessTransport`
+  (``--data-plane process`` of ``diloco run``): its thread only starts collectives and waits,
+  copying the vectors in and out of shared memory; the transport runs in its child process.
 
 ``threads`` and ``process`` do the same work on the same cores; they differ only in whether the
 collective's Python code shares the trainer's interpreter lock. So
@@ -16,7 +19,8 @@ collective's Python code shares the trainer's interpreter lock. So
     lock cost = 1 - rate(threads) / rate(process)
 
 is the share of the trainer's work lost to the lock, and 1 - rate(process) / rate(alone) the share
-lost to the CPU the collective needs anyway.
+lost to the CPU the collective needs anyway. ``1 - rate(dataplane) / rate(process)`` is what the
+data-plane process leaves of the lock cost (its copies and control messages).
 
     python bench/gil.py --json bench/results/gil.json
 """
@@ -41,13 +45,16 @@ import torch  # noqa: E402
 SECRET = b"bench-gil-secret"
 
 
-def _member(index: int, addr_q, peer_q, stop, done_q, n: int, codec: str, chunk_bytes: int) -> None:
-    """A ring member: all-reduce back to back until stop is set; rounds and seconds to done_q."""
+def _member(index: int, addr_q, peer_q, stop, done_q, n: int, codec: str, chunk_bytes: int,
+            data_plane: str = "thread") -> None:
+    """A ring member: all-reduce back to back until stop is set; rounds and seconds to done_q.
+    data_plane "process": through a `ProcessTransport` (the transport in a child process)."""
     torch.set_num_threads(1)
     import compress
-    from transport import TcpTransport
+    from transport import ProcessTransport, TcpTransport
 
-    t = TcpTransport("127.0.0.1", 0, secret=SECRET, timeout_s=30, chunk_bytes=chunk_bytes)
+    link = ProcessTransport if data_plane == "process" else TcpTransport
+    t = link(host="127.0.0.1", port=0, secret=SECRET, timeout_s=30, chunk_bytes=chunk_bytes)
     try:
         addr_q.put((index, t.address))
         ring = peer_q.get(timeout=60)
@@ -85,14 +92,15 @@ def run_case(case: str, seconds: float, n: int, codec: str, chunk_bytes: int) ->
     ctx = mp.get_context("spawn")
     addr_q, stop, done_q = ctx.Queue(), ctx.Event(), ctx.Queue()
     peer_qs = [ctx.Queue(), ctx.Queue()]
-    local = case == "threads"
+    local = case in ("threads", "dataplane")
     procs = [ctx.Process(target=_member, args=(i, addr_q, peer_qs[i], stop, done_q, n, codec, chunk_bytes))
              for i in range(1 if local else 0, 2)]  # with local, member 0 is a thread of this process
     for p in procs:
         p.start()
     th = None
     if local:
-        th = threading.Thread(target=_member, args=(0, addr_q, peer_qs[0], stop, done_q, n, codec, chunk_bytes))
+        th = threading.Thread(target=_member, args=(0, addr_q, peer_qs[0], stop, done_q, n, codec, chunk_bytes,
+                                                    "process" if case == "dataplane" else "thread"))
         th.start()
     addrs = dict(addr_q.get(timeout=60) for _ in range(2))
     ring = [addrs[0], addrs[1]]
@@ -123,17 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     for codec in a.codecs.split(","):
         best: dict[str, dict] = {}
         for _ in range(a.rounds):
-            for case in ("alone", "threads", "process"):
+            for case in ("alone", "threads", "process", "dataplane"):
                 r = run_case(case, a.seconds, a.elems, codec, a.chunk_bytes)
                 if case not in best or r["trainer_ops_per_s"] > best[case]["trainer_ops_per_s"]:
                     best[case] = r
-        alone, threads, proc = (best[c]["trainer_ops_per_s"] for c in ("alone", "threads", "process"))
+        alone, threads, proc, plane = (best[c]["trainer_ops_per_s"] for c in ("alone", "threads", "process", "dataplane"))
         rec = {"codec": codec, "elems": a.elems, "chunk_bytes": a.chunk_bytes, "cpus": os.cpu_count(),
                "trainer_alone_ops_per_s": round(alone), "trainer_threads_ops_per_s": round(threads),
-               "trainer_process_ops_per_s": round(proc),
+               "trainer_process_ops_per_s": round(proc), "trainer_dataplane_ops_per_s": round(plane),
                "all_reduces_per_s_threads": round(best["threads"]["all_reduces_per_s"], 2),
                "all_reduces_per_s_process": round(best["process"]["all_reduces_per_s"], 2),
-               "lock_cost": round(1 - threads / proc, 3), "cpu_cost": round(1 - proc / alone, 3)}
+               "all_reduces_per_s_dataplane": round(best["dataplane"]["all_reduces_per_s"], 2),
+               "lock_cost": round(1 - threads / proc, 3), "cpu_cost": round(1 - proc / alone, 3),
+               "dataplane_lock_cost": round(1 - plane / proc, 3)}
         print(json.dumps(rec), flush=True)
         records.append(rec)
     if a.json:

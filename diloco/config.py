@@ -30,6 +30,7 @@ LOG_FORMATS = ("text", "json")
 BACKENDS = ("auto", "gloo", "nccl")
 OUTER_DEVICES = ("model", "cpu")
 LINKS = ("tcp", "grpc")
+DATA_PLANES = ("thread", "process")
 SYNC_MODES = ("blocking", "overlap", "eager", "delayed", "co2", "dp")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 INITIAL_SYNCS = ("check", "copy")
@@ -200,6 +201,10 @@ class TransportConfig:
     host: str = opt("127.0.0.1", "address this rank's data plane listens on and advertises", flag="--host")
     timeout_s: float = opt(60.0, "deadline for any cross-group wait, seconds", flag="--timeout")
     link: str = opt("tcp", "data-plane link type between groups", flag="--link", choices=LINKS)
+    data_plane: str = opt("thread", "where each rank's transport runs: thread (in the trainer's process) or process "
+                          "(a child process: its per-chunk Python never holds the trainer's interpreter lock; "
+                          "vectors cross through shared memory; bench/README.md \"Data plane\")",
+                          flag="--data-plane", choices=DATA_PLANES)
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
     chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
     codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0, lloyd4; sign1 and "

@@ -91,11 +91,15 @@ def group_keys(secret: bytes | GroupKeys, group: int) -> GroupKeys:
 def make_transport(t: TransportConfig, secret: bytes | GroupKeys):
     """This rank's data-plane endpoint (tcp or grpc), listening on ``t.host``, as configured."""
     tls = TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None
+    options = dict(host=t.host, port=0, secret=secret, timeout_s=t.timeout_s, tls=tls,
+                   allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes,
+                   handshake_timeout_s=t.handshake_timeout, max_unauthenticated=t.max_unauthenticated,
+                   max_unauthenticated_per_source=t.max_unauthenticated_per_source,
+                   max_pending_bytes=t.max_pending_bytes)
+    if t.data_plane == "process":
+        return transport_pkg.ProcessTransport(t.link, **options)
     link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
-    return link(host=t.host, port=0, secret=secret, timeout_s=t.timeout_s, tls=tls,
-                allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes,
-                handshake_timeout_s=t.handshake_timeout, max_unauthenticated=t.max_unauthenticated,
-                max_unauthenticated_per_source=t.max_unauthenticated_per_source, max_pending_bytes=t.max_pending_bytes)
+    return link(**options)
 
 
 def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:

@@ -7,7 +7,8 @@
 Modules: wire (message format), auth (the handshake), identity (per-group credentials derived
 from a job secret, `GroupKeys`), tls / certs (mutual TLS),
 conn (sender threads), core (collectives and dispatch, any link type), tcp and grpclink (the
-link types), ring (the all-reduce), gather (the all-gather mean, for error-feedback codecs), shaping (token bucket), plan (stripes), probe (ring order),
+link types), process and dataplane (a transport run in a child process, `ProcessTransport`, and
+that process; control is their channel), ring (the all-reduce), gather (the all-gather mean, for error-feedback codecs), shaping (token bucket), plan (stripes), probe (ring order),
 faultproxy (a fault-injecting TCP relay for tests and benchmarks).
 """
 
@@ -17,6 +18,7 @@ from .errors import CollectiveAborted, PeerAuthError, PeerDisconnected, Transpor
 from .faultproxy import FaultProxy
 from .identity import GroupKeys
 from .plan import Stripe, StripePlan, stripe_plan
+from .process import ProcessHandle, ProcessTransport
 from .probe import ring_order
 from .ring import Handle
 from .shaping import TokenBucket
@@ -31,6 +33,8 @@ __all__ = [
     "Handle",
     "PeerAuthError",
     "PeerDisconnected",
+    "ProcessHandle",
+    "ProcessTransport",
     "Stripe",
     "StripePlan",
     "TcpTransport",

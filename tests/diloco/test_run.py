@@ -196,6 +196,25 @@ def test_streaming_modes_end_to_end(tmp_path, mode):
     assert 0 < s["utilization"] <= 1
 
 
+def test_a_data_plane_process_trains_exactly_as_the_in_process_one(tmp_path):
+    """--data-plane process (each rank's transport in a child process): the same global
+    parameters after every round as the default, with stripes over 2 ranks, overlapped
+    fragments and a quantized codec."""
+    hashes = {}
+    for plane in ("thread", "process"):
+        out = tmp_path / f"{plane}.json"
+        code = cli.main(["run", *SMALL, "--n-layer", "2", "--steps", "20", "--h", "10", "--mode", "overlap", "--fragments", "2",
+                         "--codec", "int8", "--groups", "2", "--ranks-per-group", "2", "--data-plane", plane,
+                         "--json", str(out), "--run-dir", str(tmp_path / plane)])
+        assert code == 0
+        s = json.loads(out.read_text())
+        assert s["params_identical"]
+        hashes[plane] = s["round_hashes_per_group"]["0"]
+    assert hashes["process"] == hashes["thread"]
+    config = json.loads((tmp_path / "process" / "config.json").read_text())
+    assert config["transport"]["data_plane"] == "process"
+
+
 def test_groups_of_different_sizes_stay_bit_identical(tmp_path):
     out = tmp_path / "s.json"
     code = cli.main(["run", *SMALL, "--steps", "20", "--h", "10", "--groups", "2", "--group-sizes", "2,1",
