@@ -188,7 +188,7 @@ def study_rows() -> list[Row]:
         Row("overlap-p2-tau5-fp4", mode="overlap", fragments=2, tau=5, codec="fp4-e2m1", seeded=True,
             note="Streaming DiLoCo with fp4-e2m1"),
         Row("eager", mode="eager", seeded=True, note="one-round eager outer step"),
-        Row("delayed", mode="delayed", note="naive one-round-stale outer step (what eager corrects)"),
+        Row("delayed", mode="delayed", seeded=True, note="naive one-round-stale outer step (what eager corrects)"),
         Row("co2", mode="co2", seeded=True, note="CO2 defaults (lr 1, momentum 0, adaptive penalty, clip 1)"),
         Row("qsr", h=30, schedule="qsr", note="QSR: H = max(30, (alpha/lr)^2), alpha = peak lr x sqrt(30)"),
     ]
@@ -206,6 +206,11 @@ def study_rows() -> list[Row]:
              Row("co2-lr0.7-mom0", mode="co2", co2=(0.7, 0.0), note="CO2, outer lr 0.7"),
              Row("co2-lr1-mom0.3", mode="co2", co2=(1.0, 0.3), note="CO2, outer momentum 0.3"),
              Row("delayed-lr1-mom0", mode="delayed", outer=(1.0, 0.0), note="delayed, outer lr 1"),
+             *[Row(f"delayed-lr{o[0]:g}-mom{o[1]:g}", mode="delayed", outer=o, seeded=True,
+                   note="delayed, lowered outer lr (the eager paper's variant)") for o in ((0.5, 0.0), (0.35, 0.0))],
+             Row("delayed-lr0.5-mom0.3", mode="delayed", outer=(0.5, 0.3), note="delayed, lowered lr, momentum 0.3"),
+             Row("co2-lr1.3-mom0", mode="co2", co2=(1.3, 0.0), note="CO2, outer lr 1.3"),
+             Row("co2-lr1-mom0.15", mode="co2", co2=(1.0, 0.15), note="CO2, outer momentum 0.15"),
              Row("eager-lr0.7-mom0.7", mode="eager", outer=(0.7, 0.7), note="eager, outer momentum 0.7"),
              Row("eager-h10", mode="eager", h=10, seeded=True, note="eager at H=10: a round is 1 % of the run"),
              Row("eager-lr1-mom0.5", mode="eager", outer=(1.0, 0.5), note="eager, outer lr 1")]

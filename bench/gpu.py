@@ -10,6 +10,8 @@ issue #10 (85M parameters: ``--n-layer 12 --n-head 12 --n-embd 768 --block-size 
   streaming   P = 2 fragments at staggered times, each sync blocking (fp32)
   overlap     Streaming DiLoCo, P fragments, tau-step overlap (per codec; and P = 4 int4)
   outer-cpu   blocking fp32 with the global copy on the CPU (``--outer-device cpu``)
+  *-process   blocking int8 and overlap per codec again with ``--data-plane process`` (each rank's
+              transport in a child process, off the trainer's interpreter lock)
 
 Placements: ``shared`` puts every group on the first GPU (``CUDA_VISIBLE_DEVICES``); ``per-gpu``
 (when the host has at least G GPUs) gives each group its own. Per run, from the groups' own
@@ -51,6 +53,10 @@ def runs(codecs: list[str], steps: int) -> list[dict]:
     out += [dict(run="overlap", mode="overlap", h=None, fragments=2, tau=None, codec=c) for c in codecs]
     out += [dict(run="overlap-p4", mode="overlap", h=None, fragments=4, tau=None, codec="int4"),
             dict(run="outer-cpu", mode="blocking", h=None, fragments=1, tau=0, codec="fp32", outer_device="cpu")]
+    out += [dict(run="blocking-process", mode="blocking", h=None, fragments=1, tau=0, codec=c, data_plane="process")
+            for c in codecs if c == "int8"]
+    out += [dict(run="overlap-process", mode="overlap", h=None, fragments=2, tau=None, codec=c, data_plane="process")
+            for c in codecs]
     return out
 
 
@@ -69,6 +75,7 @@ def make_config(a: argparse.Namespace, spec: dict) -> Config:
     s.overlap_steps = spec["tau"] if spec["tau"] is not None else a.tau
     cfg.transport.codec = spec["codec"]
     cfg.outer.device = spec.get("outer_device", "model")
+    cfg.transport.data_plane = spec.get("data_plane", "thread")
     return cfg.validate()
 
 
@@ -96,7 +103,7 @@ def run_one(a: argparse.Namespace, spec: dict, visible: str) -> dict:
     slow = max(groups.values() if isinstance(groups, dict) else groups, key=lambda g: g["seconds"])
     rounds = max(1, int(s["outer_rounds"]))
     return {
-        **{k: v for k, v in spec.items() if k != "h"}, "h": cfg.sync.h, "tau": cfg.sync.overlap_steps
+        **{k: v for k, v in spec.items() if k != "h"}, "data_plane": cfg.transport.data_plane, "h": cfg.sync.h, "tau": cfg.sync.overlap_steps
         if cfg.sync.mode == "overlap" else 0, "groups": a.groups, "steps": a.steps, "visible_devices": visible,
         "placement": s.get("placement"), "num_parameters": s["num_parameters"], "eval_loss": s["eval_loss"],
         "utilization": s["utilization"], "wall_s": float(slow["seconds"]),
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                      utilization_vs_compute=r["utilization"] / base["utilization"],
                      lost_outside_wait_s=(r["wall_s"] - base["wall_s"]) - (r["sync_s"] - base["sync_s"]))
             records.append(r)
-            print(f"{pname:8s} {r['run']:11s} {r['codec']:8s} P={r['fragments']} tau={r['tau']}  utilization "
+            print(f"{pname:8s} {r['run']:16s} {r['codec']:8s} P={r['fragments']} tau={r['tau']}  utilization "
                   f"{100 * r['utilization']:5.1f}% ({100 * r['utilization_vs_compute']:.0f}% of compute-only)  "
                   f"sync {r['sync_s_per_round']:.3f} s/round  lost {r['lost_outside_wait_s']:+.2f} s  "
                   f"{r['bytes_sent'] / 1e6:.1f} MB  ({r['bench_s']:.0f} s)", flush=True)

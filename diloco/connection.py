@@ -96,8 +96,8 @@ def make_transport(t: TransportConfig, secret: bytes | GroupKeys):
                    handshake_timeout_s=t.handshake_timeout, max_unauthenticated=t.max_unauthenticated,
                    max_unauthenticated_per_source=t.max_unauthenticated_per_source,
                    max_pending_bytes=t.max_pending_bytes)
-    if t.data_plane == "process":
-        return transport_pkg.ProcessTransport(t.link, **options)
+    if t.data_plane == "process":  # its codecs and sums get as many threads as this rank's own ops
+        return transport_pkg.ProcessTransport(t.link, threads=torch.get_num_threads(), **options)
     link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
     return link(**options)
 

@@ -221,3 +221,25 @@ def _children() -> set[int]:
             if fields[1] == me and fields[0] != "Z":
                 found.add(int(entry))
     return found
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_cuda_vectors_cross_to_the_data_plane_and_the_mean_comes_back_to_their_device(plane, codec) -> None:
+    """The data plane works on host memory: a CUDA vector is copied in, the mean copied back to
+    its device (into out, when given), and equals the CPU ring's bits."""
+    n = 100_003
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(20 + i)) for i in range(2)]
+    c = compress.get_codec(codec) if codec else None
+    with transports(g=2, chunk_bytes=64 << 10) as ts:
+        reference = _ring(ts, xs, tag=f"cpu-{codec}", codec=c)
+        ring = [plane.address, ts[1].address]
+        out = torch.empty(n, device="cuda")
+        hs = [plane.all_reduce(xs[0].cuda(), ring, 0, tag=f"cuda-{codec}", codec=c, out=out),
+              ts[1].all_reduce(xs[1], ring, 1, tag=f"cuda-{codec}", codec=c)]
+        got = hs[0].wait()
+        hs[1].wait()
+        fresh = plane.all_reduce(xs[0].cuda(), ring, 0, tag=f"fresh-{codec}", codec=c)
+        ts[1].all_reduce(xs[1], ring, 1, tag=f"fresh-{codec}", codec=c).wait()
+        assert fresh.wait().device.type == "cuda"
+    assert got is out and torch.equal(out.cpu(), reference[0])
