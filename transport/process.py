@@ -125,8 +125,7 @@ class ProcessHandle:
     def _copy_out(self, view: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         if into is None:
             into = torch.empty(view.numel(), dtype=torch.float32, device=self._like.device)
-        into.view(-1).copy_(view)
-        return into.view(self._like.shape) if into.shape != self._like.shape else into
+        return into.copy_(view)
 
     def done(self) -> bool:
         """True once the collective finished, successfully or not."""
@@ -227,19 +226,23 @@ class ProcessTransport:
     def _collective(self, op: str, x: torch.Tensor, ring: list[str], index: int, *, tag: str, codec: Any,
                     timeout_s: float | None, out: torch.Tensor | None, groups: list[int] | None, finite: bool,
                     sent: torch.Tensor | None = None, scales: list[float] | None = None) -> ProcessHandle:
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-            raise ValueError(f"x must be a float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.float32:
+            raise ValueError(f"x must be a 1-D float32 tensor, got {getattr(x, 'dtype', type(x).__name__)} "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+        n = x.numel()
         for buf in (out, sent):
             if buf is not None:
                 check_out(buf, x)
-        n = x.numel()
+        if out is not None and sent is not None and n and sent.data_ptr() < out.data_ptr() + 4 * n \
+                and out.data_ptr() < sent.data_ptr() + 4 * n:
+            raise ValueError("sent must not overlap out")
         names = ["x", "out"] + (["sent"] if op == "all_gather_mean" else [])
         stride = (4 * n + _ALIGN - 1) // _ALIGN * _ALIGN
         seg = self._acquire(stride * len(names))
         views = {name: seg.vector(i * stride, n) for i, name in enumerate(names)}
         rid = next(self._ids)
         try:
-            views["x"].copy_(x.detach().reshape(-1))
+            views["x"].copy_(x.detach())
             msg: dict[str, Any] = {
                 "op": op, "tag": tag, "ring": list(ring), "index": int(index), "codec": codec_spec(codec),
                 "timeout_s": timeout_s, "groups": list(groups) if groups is not None else None, "finite": bool(finite),

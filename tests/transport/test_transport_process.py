@@ -243,3 +243,18 @@ def test_cuda_vectors_cross_to_the_data_plane_and_the_mean_comes_back_to_their_d
         ts[1].all_reduce(xs[1], ring, 1, tag=f"fresh-{codec}", codec=c).wait()
         assert fresh.wait().device.type == "cuda"
     assert got is out and torch.equal(out.cpu(), reference[0])
+
+
+def test_unusable_buffers_are_refused_before_anything_reaches_the_data_plane(plane) -> None:
+    x, ring = torch.ones(100), [plane.address, "127.0.0.1:1"]
+    before = plane.counters()["bytes_sent"]
+    for bad, match in ((torch.ones(10, 10), "1-D"), (x.double(), "float32")):
+        with pytest.raises(ValueError, match=match):
+            plane.all_reduce(bad, ring, 0, tag="bad")
+    with pytest.raises(ValueError, match="out must not overlap x"):
+        plane.all_reduce(x, ring, 0, tag="bad", out=x)
+    both = torch.empty(200)
+    with pytest.raises(ValueError, match="sent must not overlap out"):
+        plane.all_gather_mean(x, ring, 0, tag="bad", codec=compress.get_codec("sign1"), out=both[:100],
+                              sent=both[50:150])
+    assert plane.counters()["bytes_sent"] == before
