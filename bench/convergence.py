@@ -208,7 +208,9 @@ def study_rows() -> list[Row]:
              Row("delayed-lr1-mom0", mode="delayed", outer=(1.0, 0.0), note="delayed, outer lr 1"),
              *[Row(f"delayed-lr{o[0]:g}-mom{o[1]:g}", mode="delayed", outer=o, seeded=True,
                    note="delayed, lowered outer lr (the eager paper's variant)") for o in ((0.5, 0.0), (0.35, 0.0))],
-             Row("delayed-lr0.5-mom0.3", mode="delayed", outer=(0.5, 0.3), note="delayed, lowered lr, momentum 0.3"),
+             *[Row(f"delayed-lr{o[0]:g}-mom{o[1]:g}", mode="delayed", outer=o, note="delayed with some momentum")
+               for o in ((0.5, 0.3), (0.5, 0.5), (0.7, 0.3))],
+             Row("eager-lr0.5-mom0.5", mode="eager", outer=(0.5, 0.5), note="eager, outer lr 0.5"),
              Row("co2-lr1.3-mom0", mode="co2", co2=(1.3, 0.0), note="CO2, outer lr 1.3"),
              Row("co2-lr1-mom0.15", mode="co2", co2=(1.0, 0.15), note="CO2, outer momentum 0.15"),
              Row("eager-lr0.7-mom0.7", mode="eager", outer=(0.7, 0.7), note="eager, outer momentum 0.7"),
