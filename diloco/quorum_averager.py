@@ -367,6 +367,8 @@ class QuorumAverager(StripedAverager):
             self.client.join(self.group, self.rank, self.group_size, self.transport.address,
                              incarnation=self.incarnation, exchange=self.exchanges)
             self.stats.rejoins += 1
+        log.warning("group %d rank %d: rejoined the coordinator, which no longer knew this rank (restarted?)",
+                    self.group, self.rank)
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):

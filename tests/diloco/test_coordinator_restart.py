@@ -64,4 +64,5 @@ def test_workers_survive_a_coordinator_kill_and_restart(tmp_path):
     assert second.returncode == 0, out[-3000:]
     assert "global params identical  : True" in out and "inner steps per rank     : 3000" in out
     logs = "".join((tmp_path / f"group-{g}.log").read_text() for g in range(2))
-    assert "coordinator did not answer" in logs or "report skipped" in logs  # they did see it gone
+    # they did see it gone: a call failed while it was down, or the new one did not know them
+    assert any(seen in logs for seen in ("coordinator did not answer", "report skipped", "rejoined the coordinator"))
