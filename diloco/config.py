@@ -203,7 +203,7 @@ class TransportConfig:
     link: str = opt("tcp", "data-plane link type between groups", flag="--link", choices=LINKS)
     data_plane: str = opt("thread", "where each rank's transport runs: thread (in the trainer's process) or process "
                           "(a child process: its per-chunk Python never holds the trainer's interpreter lock; "
-                          "vectors cross through shared memory; bench/README.md \"Data plane\")",
+                          "vectors cross through shared memory; bench/README.md \"The interpreter lock\")",
                           flag="--data-plane", choices=DATA_PLANES)
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
     chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
