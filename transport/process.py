@@ -125,7 +125,10 @@ class ProcessHandle:
     def _copy_out(self, view: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         if into is None:
             into = torch.empty(view.numel(), dtype=torch.float32, device=self._like.device)
-        return into.copy_(view)
+        into.copy_(view)
+        if into.is_cuda:  # this thread's stream, not the caller's: done before wait() returns
+            torch.cuda.current_stream(into.device).synchronize()
+        return into
 
     def done(self) -> bool:
         """True once the collective finished, successfully or not."""
