@@ -27,7 +27,7 @@ from .guard import (DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DE
                     AdmissionGuard, Ticket)
 from .ratelog import RateLimitedLog
 from .gather import RingAllGather, check_scales, reduce_in_order
-from .ring import Handle, RingAllReduce, check_out, default_codec
+from .ring import Handle, RingAllReduce, check_out, default_codec, overlaps
 from .shaping import TokenBucket
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
 
@@ -289,8 +289,7 @@ class TransportBase:
         scales = check_scales(scales, len(ring))
         if sent is not None:
             check_out(sent, x)
-            if out is not None and sent.numel() and sent.data_ptr() < out.data_ptr() + 4 * out.numel() \
-                    and out.data_ptr() < sent.data_ptr() + 4 * sent.numel():
+            if out is not None and overlaps(sent, out):
                 raise ValueError("sent must not overlap out")
         xs = x.detach().contiguous()
         if len(ring) == 1 or x.numel() == 0:

@@ -40,7 +40,7 @@ import torch
 from .control import (COUNTERS, ControlClosed, codec_spec, credentials_spec, error_from_spec, recv_message,
                       send_message)
 from .errors import TransportError
-from .ring import check_out
+from .ring import check_out, overlaps
 from .shaping import TokenBucket
 from .tls import TlsConfig
 
@@ -83,9 +83,14 @@ class _Call:
 
     def result(self) -> Any:
         assert self.reply is not None
-        if "error" in self.reply:
-            raise error_from_spec(self.reply["error"])
-        return self.reply.get("ok")
+        return _reply_value(self.reply)
+
+
+def _reply_value(reply: dict) -> Any:
+    """A reply's value, or the error it carries raised."""
+    if "error" in reply:
+        raise error_from_spec(reply["error"])
+    return reply.get("ok")
 
 
 class ProcessHandle:
@@ -197,9 +202,7 @@ class ProcessTransport:
             except (ControlClosed, OSError) as e:
                 raise TransportError(f"the data-plane process did not start ({e}; exit code {self._proc.poll()})") from None
             self._sock.settimeout(None)
-            first = _Call()
-            first.resolve(reply)
-            ready = first.result()
+            ready = _reply_value(reply)
         except BaseException:
             self._kill()
             raise
@@ -236,8 +239,7 @@ class ProcessTransport:
         for buf in (out, sent):
             if buf is not None:
                 check_out(buf, x)
-        if out is not None and sent is not None and n and sent.data_ptr() < out.data_ptr() + 4 * n \
-                and out.data_ptr() < sent.data_ptr() + 4 * n:
+        if out is not None and sent is not None and overlaps(sent, out):
             raise ValueError("sent must not overlap out")
         names = ["x", "out"] + (["sent"] if op == "all_gather_mean" else [])
         stride = (4 * n + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -152,11 +152,15 @@ def check_out(out: torch.Tensor, x: torch.Tensor) -> None:
                          f"got {getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
     if not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"out must be contiguous and on {x.device}")
-    if out.numel() and x.numel():
-        a, b = out.data_ptr(), out.data_ptr() + 4 * out.numel()
-        c, d = x.data_ptr(), x.data_ptr() + 4 * x.numel()
-        if a < d and c < b:
-            raise ValueError("out must not overlap x: x stays intact if the collective fails")
+    if overlaps(out, x):
+        raise ValueError("out must not overlap x: x stays intact if the collective fails")
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two float32 tensors share any memory (by address range)."""
+    if not a.numel() or not b.numel():
+        return False
+    return a.data_ptr() < b.data_ptr() + 4 * b.numel() and b.data_ptr() < a.data_ptr() + 4 * a.numel()
 
 
 def _decodes_into(codec: Any) -> bool:
