@@ -29,6 +29,7 @@ from .ratelog import RateLimitedLog
 from .gather import RingAllGather, check_scales, reduce_in_order
 from .ring import Handle, RingAllReduce, check_out, default_codec, overlaps
 from .shaping import TokenBucket
+from .streams import side_stream_for
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,7 @@ class TransportBase:
             h._finish(out.copy_(mean) if out is not None else mean, None)
             return h
         op = RingAllReduce(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out,
-                           ready=_ready_event(xs), groups=groups if self.group is not None else None, finite=finite)
+                           stream=side_stream_for(xs), groups=groups if self.group is not None else None, finite=finite)
         return self._start(op)
 
     def all_gather_mean(
@@ -300,7 +301,7 @@ class TransportBase:
             h._finish(reduce_in_order([h.sent], scales, result), None)
             return h
         op = RingAllGather(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out, sent=sent,
-                           ready=_ready_event(xs), groups=groups if self.group is not None else None, finite=finite,
+                           stream=side_stream_for(xs), groups=groups if self.group is not None else None, finite=finite,
                            scales=scales)
         return self._start(op)
 
@@ -705,15 +706,6 @@ class TransportBase:
         pending.events.append(ev)
         pending.nbytes += size
         self._pending_bytes += size
-
-
-def _ready_event(xs: torch.Tensor) -> Any:
-    """CUDA: an event on the caller's stream after which xs may be read (None on the CPU)."""
-    if xs.device.type != "cuda":
-        return None
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(xs.device))
-    return ready
 
 
 class _Pending:

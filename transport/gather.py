@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .ring import RingAllReduce, _Abort, chunk_bounds
+from .streams import SideStream
 from .wire import MsgType
 
 
@@ -87,9 +88,9 @@ class RingAllGather(RingAllReduce):
 
     def __init__(self, core: Any, x: torch.Tensor, ring: list[str], index: int, tag: str, codec: Any,
                  timeout_s: float, chunk_elems: int, out: torch.Tensor | None = None,
-                 sent: torch.Tensor | None = None, ready: Any = None, groups: list[int] | None = None,
+                 sent: torch.Tensor | None = None, stream: SideStream | None = None, groups: list[int] | None = None,
                  finite: bool = False, scales: list[float] | None = None) -> None:
-        super().__init__(core, x, ring, index, tag, codec, timeout_s, chunk_elems, out=out, ready=ready,
+        super().__init__(core, x, ring, index, tag, codec, timeout_s, chunk_elems, out=out, stream=stream,
                          groups=groups, finite=finite)
         self.sent = sent
         self.scales = scales

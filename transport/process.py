@@ -42,6 +42,7 @@ from .control import (COUNTERS, ControlClosed, codec_spec, credentials_spec, err
 from .errors import TransportError
 from .ring import check_out, overlaps
 from .shaping import TokenBucket
+from .streams import SideStream, side_stream_for
 from .tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,15 @@ class ProcessHandle:
     """The pending result of a collective run by the data-plane process (as `transport.Handle`)."""
 
     def __init__(self, owner: "ProcessTransport", rid: int, tag: str, seg: _Segment, x_like: torch.Tensor,
-                 views: dict[str, torch.Tensor], out: torch.Tensor | None, sent: torch.Tensor | None) -> None:
+                 views: dict[str, torch.Tensor], out: torch.Tensor | None, sent: torch.Tensor | None,
+                 stream: SideStream | None = None) -> None:
         self.tag = tag
         #: all_gather_mean: what every member decoded of this member's own contribution (valid
         #: once wait() returned); None for other collectives
         self.sent: torch.Tensor | None = None
         self._owner, self._rid, self._seg, self._views = owner, rid, seg, views
         self._like, self._out, self._sent_out = x_like, out, sent
+        self._stream = stream  # CUDA: the results are copied to the device on this side stream
         self._event = threading.Event()
         self._result: torch.Tensor | None = None
         self._error: BaseException | None = None
@@ -113,10 +116,12 @@ class ProcessHandle:
         try:
             if "error" in reply:
                 self._error = error_from_spec(reply["error"])
+            elif self._stream is None:
+                self._copy_results()
             else:
-                self._result = self._copy_out(self._views["out"], self._out)
-                if "sent" in self._views:
-                    self.sent = self._copy_out(self._views["sent"], self._sent_out)
+                with self._stream.running():  # complete before wait() returns
+                    self._copy_results()
+                self._stream.hand_over(self._result, self.sent)
         except Exception as e:  # a copy to a device that failed: the caller must hear of it
             self._error = TransportError(f"copying the result of {self.tag!r} out of shared memory failed: {e}")
         finally:
@@ -127,13 +132,15 @@ class ProcessHandle:
         self._error = error
         self._event.set()
 
+    def _copy_results(self) -> None:
+        self._result = self._copy_out(self._views["out"], self._out)
+        if "sent" in self._views:
+            self.sent = self._copy_out(self._views["sent"], self._sent_out)
+
     def _copy_out(self, view: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         if into is None:
             into = torch.empty(view.numel(), dtype=torch.float32, device=self._like.device)
-        into.copy_(view)
-        if into.is_cuda:  # this thread's stream, not the caller's: done before wait() returns
-            torch.cuda.current_stream(into.device).synchronize()
-        return into
+        return into.copy_(view)
 
     def done(self) -> bool:
         """True once the collective finished, successfully or not."""
@@ -255,7 +262,7 @@ class ProcessTransport:
             }
             if scales is not None:
                 msg["scales"] = [float(s) for s in scales]
-            handle = ProcessHandle(self, rid, tag, seg, x, views, out, sent)
+            handle = ProcessHandle(self, rid, tag, seg, x, views, out, sent, side_stream_for(x))
             with self._lock:
                 self._handles[rid] = handle
             self._request(msg, rid=rid)  # raises what refused the collective; then "done" comes to the handle

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import CollectiveAborted, TransportError
+from .streams import SideStream
 from .wire import MsgType, encode_tag, pack_header
 
 if TYPE_CHECKING:
@@ -234,14 +235,14 @@ class RingAllReduce:
         timeout_s: float,
         chunk_elems: int,
         out: torch.Tensor | None = None,
-        ready: Any = None,
+        stream: SideStream | None = None,
         groups: list[int] | None = None,
         finite: bool = False,
     ) -> None:
         self.core = core
         self.out = out
         self.device = x.device
-        self.ready = ready  # CUDA: an event on the caller's stream after which x (and out) may be used
+        self.stream = stream  # CUDA: the side stream this collective runs on (transport.streams)
         self.x = x
         # the divisor as a tensor on x's device: CUDA divides by a CPU scalar through its
         # reciprocal (one ulp off a third of the time), by a device tensor exactly as the CPU does
@@ -313,13 +314,12 @@ class RingAllReduce:
     def run(self) -> None:
         out, err = None, None
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-                if self.ready is not None:
-                    torch.cuda.current_stream().wait_event(self.ready)
-            out = self._run()
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the result is complete when wait() returns
+            if self.stream is None:
+                out = self._run()
+            else:
+                with self.stream.running():  # complete when wait() returns, even after an abort
+                    out = self._run()
+                self.stream.hand_over(out, self.handle.sent)
         except _Abort as e:
             err = self._error(e)
             self._propagate(e)

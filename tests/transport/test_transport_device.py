@@ -7,7 +7,7 @@ import torch
 
 import compress
 from transport import TcpTransport
-from transport_helpers import SECRET, run_ring, transports
+from transport_helpers import SECRET, run_ring, sleep_on_cuda_stream, transports
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -103,3 +103,24 @@ def test_gpu_ring_waits_for_the_callers_stream() -> None:
     expect = torch.full((n,), 1.5)
     for g in got:
         assert torch.allclose(g.cpu(), expect, atol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_a_gpu_collective_runs_beside_the_callers_stream_not_behind_it(codec: str) -> None:
+    """Work the caller queues after starting a collective (the next inner steps) neither delays
+    the collective nor is waited for by it: the ring runs on a side stream of its own."""
+    n = 1 << 16
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(n, generator=gen) for _ in range(2)]
+    c = compress.get_codec(codec)
+    with transports(2) as ts:
+        reference = run_ring(ts, xs, tag="cpu", codec=c)
+        ring = [t.address for t in ts]
+        handles = [t.all_reduce(x.cuda(), ring, i, tag="beside", codec=c) for i, (t, x) in enumerate(zip(ts, xs))]
+        sleep_on_cuda_stream(3.0)
+        got = [h.wait(timeout_s=60) for h in handles]
+        assert not torch.cuda.current_stream().query(), "the collective waited for the caller's later work"
+        torch.cuda.synchronize()
+    for g, r in zip(got, reference):
+        assert torch.equal(g.cpu().view(torch.int32), r.view(torch.int32))

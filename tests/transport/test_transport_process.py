@@ -16,7 +16,7 @@ import torch
 import compress
 from transport import CollectiveAborted, GroupKeys, ProcessTransport, TcpTransport, TransportError
 from transport.control import ControlClosed, recv_message, send_message
-from transport_helpers import SECRET, transports
+from transport_helpers import SECRET, sleep_on_cuda_stream, transports
 
 
 def _ring(members, xs, tag, **kw):
@@ -258,3 +258,21 @@ def test_unusable_buffers_are_refused_before_anything_reaches_the_data_plane(pla
         plane.all_gather_mean(x, ring, 0, tag="bad", codec=compress.get_codec("sign1"), out=both[:100],
                               sent=both[50:150])
     assert plane.counters()["bytes_sent"] == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_mean_is_copied_back_beside_the_callers_stream_not_behind_it(plane) -> None:
+    """The copy of the mean to the device goes on a side stream: work queued on the caller's
+    stream after the start (the next inner steps) does not hold up wait()."""
+    n = 1 << 16
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(30 + i)) for i in range(2)]
+    with transports(g=1) as (other,):
+        ring = [plane.address, other.address]
+        reference = _ring([plane, other], xs, tag="cpu")
+        h = plane.all_reduce(xs[0].cuda(), ring, 0, tag="beside")
+        sleep_on_cuda_stream(3.0)
+        other.all_reduce(xs[1], ring, 1, tag="beside").wait()
+        got = h.wait(timeout_s=60)
+        assert not torch.cuda.current_stream().query(), "the copy back waited for the caller's later work"
+        torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), reference[0])
