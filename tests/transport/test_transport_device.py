@@ -7,7 +7,8 @@ import torch
 
 import compress
 from transport import TcpTransport
-from transport_helpers import SECRET, run_ring, sleep_on_cuda_stream, transports
+from cuda_helpers import sleep_on_cuda_stream
+from transport_helpers import SECRET, run_ring, transports
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

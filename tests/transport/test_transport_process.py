@@ -16,7 +16,8 @@ import torch
 import compress
 from transport import CollectiveAborted, GroupKeys, ProcessTransport, TcpTransport, TransportError
 from transport.control import ControlClosed, recv_message, send_message
-from transport_helpers import SECRET, sleep_on_cuda_stream, transports
+from cuda_helpers import sleep_on_cuda_stream
+from transport_helpers import SECRET, transports
 
 
 def _ring(members, xs, tag, **kw):

@@ -62,15 +62,3 @@ def doomed_peer(conn, n: int, index: int, kill_after_bytes: int, backend: str = 
         time.sleep(0.001)
     conn.send("done" if h.done() else "killing")
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def sleep_on_cuda_stream(seconds: float) -> None:
-    """Queue a kernel that spins for about `seconds` on the current CUDA stream."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    end.record()
-    end.synchronize()
-    cycles_per_ms = 1_000_000 / max(start.elapsed_time(end), 1e-3)
-    torch.cuda._sleep(int(cycles_per_ms * seconds * 1000))
-
