@@ -26,8 +26,11 @@ from .identity import Credentials, as_credentials
 from .guard import (DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
                     AdmissionGuard, Ticket)
 from .ratelog import RateLimitedLog
+from .frames import default_codec
 from .gather import RingAllGather, check_scales, reduce_in_order
-from .ring import Handle, RingAllReduce, check_out, default_codec, overlaps
+from .outputs import check_out, overlaps
+from .pending import DEFAULT_MAX_PENDING_BYTES, DEFAULT_PENDING_TTL_TIMEOUTS, PendingFrames
+from .ring import Handle, RingAllReduce
 from .shaping import TokenBucket
 from .streams import side_stream_for
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
@@ -36,12 +39,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # measured: best of 64 KiB..4 MiB on loopback, see bench/README.md
 _FINISHED_TAGS_KEPT = 10_000
-#: Default bound, in bytes, on frames buffered for collectives that have not started here yet.
-DEFAULT_MAX_PENDING_BYTES = 256 << 20
-#: Default time, in units of timeout_s, that frames of a tag that never starts here are kept.
-DEFAULT_PENDING_TTL_TIMEOUTS = 2.0
 _MAX_ABORT_BYTES = 4096  # an ABORT carries a reason of at most 4000 UTF-8 bytes
-_PENDING_OVERHEAD = 64  # bytes counted per buffered message besides its payload
 # Free chunk buffers kept for reuse (see wire.BufferPool): enough for the chunks in flight of a
 # 64 MiB all-reduce, so steady-state collectives allocate nothing per chunk.
 _POOL_BYTES = 128 << 20
@@ -97,7 +95,6 @@ class TransportBase:
         # Largest frame of one chunk under any codec (8 bytes per value: fp32 values and indices).
         self.max_chunk_frame_bytes = 2 * chunk_bytes + 4096
         self.handshake_timeout_s = float(handshake_timeout_s)
-        self.pending_ttl_s = float(pending_ttl_s)
         self.connections_per_peer = connections_per_peer
         self.max_message_bytes = max_message_bytes
         self._shaper = shaper
@@ -108,10 +105,7 @@ class TransportBase:
         self._ignored_messages = 0
         self._closed = False
         self._ops: dict[str, RingAllReduce] = {}
-        self._pending: collections.OrderedDict[str, _Pending] = collections.OrderedDict()  # oldest first
-        self._pending_bytes = 0
-        self.max_pending_bytes = int(max_pending_bytes)
-        self._dropped_pending = 0
+        self._pending = PendingFrames(int(max_pending_bytes), float(pending_ttl_s), log, lambda: self.address)
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._links: dict[str, Link] = {}
         self._dial_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -195,16 +189,26 @@ class TransportBase:
             return self._ignored_messages
 
     @property
+    def max_pending_bytes(self) -> int:
+        """Bound, in bytes, on messages buffered for collectives that have not started here."""
+        return self._pending.max_bytes
+
+    @property
+    def pending_ttl_s(self) -> float:
+        """Seconds the messages of a tag that starts no collective here are kept after its first."""
+        return self._pending.ttl_s
+
+    @property
     def pending_bytes(self) -> int:
         """Bytes buffered now for collectives that have not started here (at most max_pending_bytes)."""
         with self._lock:
-            return self._pending_bytes
+            return self._pending.nbytes
 
     @property
     def dropped_pending_messages(self) -> int:
         """Messages for not-yet-started collectives dropped: over max_pending_bytes or past pending_ttl_s."""
         with self._lock:
-            return self._dropped_pending
+            return self._pending.dropped
 
     def _count_sent(self, n: int) -> None:
         with self._stats_lock:
@@ -347,17 +351,14 @@ class TransportBase:
             self._ops[tag] = op
             live = {c for c, g in self._incoming.get(op.left, {}).items() if op.from_left(op.left, g)}
             op.watch = set(live)
-            pending = self._pending.pop(tag, None)
-            if pending is not None:
-                self._pending_bytes -= pending.nbytes
-                gone = set()
-                for ev in pending.events:
-                    op.deliver(ev)
-                    if ev[0] == "msg" and ev[2] not in self._incoming.get(ev[1], {}):
-                        gone.add((ev[1], ev[2], ev[4]))
-                for peer, conn_id, group in gone:  # those connections closed before this collective started
-                    op.deliver(("lost", peer, conn_id, True, "connection closed before this collective started", group,
-                                tuple(self._incoming.get(peer, {}).values())))
+            gone = set()
+            for ev in self._pending.take(tag):
+                op.deliver(ev)
+                if ev[0] == "msg" and ev[2] not in self._incoming.get(ev[1], {}):
+                    gone.add((ev[1], ev[2], ev[4]))
+            for peer, conn_id, group in gone:  # those connections closed before this collective started
+                op.deliver(("lost", peer, conn_id, True, "connection closed before this collective started", group,
+                            tuple(self._incoming.get(peer, {}).values())))
         threading.Thread(target=op.run, name=f"{op.kind}[{tag}]", daemon=True).start()
         return op.handle
 
@@ -655,26 +656,11 @@ class TransportBase:
                             f"{4 * self.chunk_elems})")
         if tag in self._finished:
             return False
-        self._expire_pending()
-        return self._pending_bytes + nbytes + _PENDING_OVERHEAD <= self.max_pending_bytes
-
-    def _expire_pending(self) -> None:
-        """Forget buffered messages of tags that started no collective here within pending_ttl_s
-        seconds of their first message (caller holds the lock)."""
-        horizon = time.monotonic() - self.pending_ttl_s
-        while self._pending:
-            tag, p = next(iter(self._pending.items()))
-            if p.since >= horizon:
-                break
-            del self._pending[tag]
-            self._pending_bytes -= p.nbytes
-            self._dropped_pending += len(p.events)
-            log.warning("%s: dropped %d messages for tag %r: no collective with that tag started here within %g s",
-                        self.address, len(p.events), tag, self.pending_ttl_s)
+        return self._pending.fits(nbytes)
 
     def _expire_pending_now(self) -> None:
         with self._lock:
-            self._expire_pending()
+            self._pending.expire()
 
     def _dispatch(self, peer: str, conn_id: int, msg, group: int | None = None) -> None:
         if msg.type in (MsgType.PROBE, MsgType.PROBE_ACK):
@@ -684,36 +670,7 @@ class TransportBase:
         with self._lock:
             op = self._ops.get(msg.tag)
             if op is None:
-                self._buffer_pending(peer, msg, ev)
+                if msg.tag not in self._finished:
+                    self._pending.add(peer, msg, ev)
                 return
         op.deliver(ev)
-
-    def _buffer_pending(self, peer: str, msg: Any, ev: tuple) -> None:
-        """Keep a message for a collective that has not started here (caller holds the lock)."""
-        if msg.tag in self._finished:
-            return
-        self._expire_pending()
-        size = len(msg.payload) + _PENDING_OVERHEAD
-        if msg.discarded or self._pending_bytes + size > self.max_pending_bytes:
-            self._dropped_pending += 1
-            self._flood_log.warning("pending", "%s: dropped %s from %s for not-yet-started tag %r: pending buffers "
-                                    "full (max_pending_bytes=%d)", self.address, msg.type.name, peer, msg.tag,
-                                    self.max_pending_bytes)
-            return
-        pending = self._pending.get(msg.tag)
-        if pending is None:
-            pending = self._pending[msg.tag] = _Pending(time.monotonic())
-        pending.events.append(ev)
-        pending.nbytes += size
-        self._pending_bytes += size
-
-
-class _Pending:
-    """Messages that arrived for a tag before its collective started here."""
-
-    __slots__ = ("since", "events", "nbytes")
-
-    def __init__(self, since: float) -> None:
-        self.since = since
-        self.events: list[tuple] = []
-        self.nbytes = 0

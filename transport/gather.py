@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from .ring import RingAllReduce, _Abort, chunk_bounds
+from .partition import chunk_bounds
+from .ring import RingAllReduce, _Abort
 from .streams import SideStream
 from .wire import MsgType
 

@@ -18,8 +18,9 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from .identity import Credentials
-from .core import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PENDING_BYTES, TransportBase
+from .core import DEFAULT_CHUNK_BYTES, TransportBase
 from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE
+from .pending import DEFAULT_MAX_PENDING_BYTES
 from .errors import PeerDisconnected
 from .shaping import TokenBucket
 from .tcp import check_plaintext, split_address

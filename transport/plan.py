@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .ring import segment_bounds
+from .partition import segment_bounds
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import torch
 from .control import (COUNTERS, ControlClosed, codec_spec, credentials_spec, error_from_spec, recv_message,
                       send_message)
 from .errors import TransportError
-from .ring import check_out, overlaps
+from .outputs import check_out, overlaps
 from .shaping import TokenBucket
 from .streams import SideStream, side_stream_for
 from .tls import TlsConfig

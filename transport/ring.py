@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import CollectiveAborted, TransportError
+from .frames import RawFp32, decodes_into, frame_bound, raw_fp32
+from .partition import chunk_bounds, segment_bounds
 from .streams import SideStream
 from .wire import MsgType, encode_tag, pack_header
 
@@ -33,144 +35,6 @@ if TYPE_CHECKING:
     from .conn import Link
 
 log = logging.getLogger(__name__)
-
-
-def segment_bounds(n: int, g: int) -> list[tuple[int, int]]:
-    """[start, stop) element ranges of the g segments of an n-element vector (sizes differ by <= 1)."""
-    return [(k * n // g, (k + 1) * n // g) for k in range(g)]
-
-
-def chunk_bounds(start: int, stop: int, chunk_elems: int) -> list[tuple[int, int]]:
-    """[start, stop) ranges of consecutive chunks of at most chunk_elems elements; [] if empty."""
-    return [(a, min(a + chunk_elems, stop)) for a in range(start, stop, chunk_elems)]
-
-
-def default_codec() -> Any:
-    """The lossless fp32 codec of `compress`."""
-    import compress
-
-    return compress.get_codec("fp32")
-
-
-class _RawFp32:
-    """In-place framing for compress's lossless fp32 codec without zstd.
-
-    Its frame payload is the raw little-endian fp32 values, so the ring can add into a received
-    frame and re-seal it instead of decoding to a new tensor and encoding to new bytes, and can
-    send a frame of a tensor's own memory between a separate header and trailer. Frames are still
-    written and checked only by `compress.frame` (pack_header, trailer, seal, and parse, which
-    verifies the checksum). `raw_fp32` checks the result byte for byte against the codec's own
-    encode/decode before using it; any other codec takes the generic decode/encode path.
-    """
-
-    def __init__(self, codec: Any) -> None:
-        from compress import frame
-
-        self.codec, self.frame = codec, frame
-        self._params = tuple(codec.header_params)
-
-    def parts(self, values: torch.Tensor) -> list[bytes | memoryview]:
-        """The frame of a contiguous CPU fp32 tensor as [header, the tensor's own memory, trailer]:
-        sent as is, with no copy (values must not change until it is sent)."""
-        count = values.numel()
-        raw_len = self.codec.payload_size(count)
-        head = self.frame.pack_header(self.frame.Header(self.codec.codec_id, 0, *self._params, count, raw_len, raw_len))
-        body = memoryview(values.numpy()).cast("B")
-        return [head, body, self.frame.trailer(head, body)]
-
-    def values(self, buf: Any, want: int) -> torch.Tensor | None:
-        """A writable fp32 view of the checked frame's payload; None if it is not a raw fp32 frame
-        of want values in a writable buffer. Raises compress.FrameError for a malformed frame."""
-        if not isinstance(buf, memoryview) or buf.readonly:
-            return None
-        h, payload = self.frame.parse(buf)
-        c = self.codec
-        got = (h.codec_id, h.flags, (h.p0, h.p1, h.p2), h.count, h.raw_len)
-        if got != (c.codec_id, 0, self._params, want, c.payload_size(want)):
-            return None
-        return torch.frombuffer(payload, dtype=torch.float32)
-
-    def seal(self, buf: memoryview) -> None:
-        """Rewrite the checksum after the payload was changed in place."""
-        self.frame.seal(buf)
-
-
-_raw_checked: dict[Any, bool] = {}
-
-
-def raw_fp32(codec: Any) -> _RawFp32 | None:
-    """A `_RawFp32` for codec if it is compress's fp32 codec without zstd and passes the check."""
-    try:
-        import compress
-    except ImportError:
-        return None
-    if not isinstance(codec, compress.Codec) or codec.name != "fp32" or codec.zstd:
-        return None
-    raw = _RawFp32(codec)
-    key = (type(codec), raw._params)
-    if key not in _raw_checked:
-        _raw_checked[key] = _raw_matches(codec, raw)
-    return raw if _raw_checked[key] else None
-
-
-def _raw_matches(codec: Any, raw: _RawFp32) -> bool:
-    x = torch.tensor([1.0, -2.5, 3.0e38, 1e-40, -0.0, 7.25], dtype=torch.float32)
-    try:
-        ref = codec.encode(x)
-        back = raw.values(memoryview(bytearray(ref)), x.numel())
-        if b"".join(raw.parts(x)) != bytes(ref) or back is None:
-            return False
-        return torch.equal(back.view(torch.int32), codec.decode(ref).view(torch.int32))
-    except Exception:
-        log.exception("raw fp32 framing check failed; using the codec's encode/decode")
-        return False
-
-
-def _zstd_bound(nbytes: int) -> int:
-    """zstd's worst-case compressed size of nbytes (ZSTD_COMPRESSBOUND, rounded up generously)."""
-    return nbytes + (nbytes >> 8) + (128 << 10 >> 11) + 64
-
-
-def _frame_bound(codec: Any, fallback: int) -> Any:
-    """count -> the largest frame, in bytes, that codec can send for count values.
-
-    Exact for compress's codecs (header, payload, checksum; zstd's worst-case expansion allowed);
-    any other codec is bounded by `fallback` (the transport's max_chunk_frame_bytes)."""
-    try:
-        import compress
-        from compress import frame
-    except ImportError:
-        return lambda count: fallback
-    if not isinstance(codec, compress.Codec):
-        return lambda count: fallback
-    return lambda count: frame.OVERHEAD + _zstd_bound(codec.payload_size(count))
-
-
-def check_out(out: torch.Tensor, x: torch.Tensor) -> None:
-    """Refuse an output buffer the collective cannot write its result into."""
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.shape != x.shape:
-        raise ValueError(f"out must be a float32 tensor of shape {tuple(x.shape)}, "
-                         f"got {getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
-    if not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"out must be contiguous and on {x.device}")
-    if overlaps(out, x):
-        raise ValueError("out must not overlap x: x stays intact if the collective fails")
-
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two float32 tensors share any memory (by address range)."""
-    if not a.numel() or not b.numel():
-        return False
-    return a.data_ptr() < b.data_ptr() + 4 * b.numel() and b.data_ptr() < a.data_ptr() + 4 * a.numel()
-
-
-def _decodes_into(codec: Any) -> bool:
-    """Whether codec is one of compress's, whose decode and encode_with_decoded take out=."""
-    try:
-        import compress
-    except ImportError:
-        return False
-    return isinstance(codec, compress.Codec)
 
 
 class Handle:
@@ -267,15 +131,15 @@ class RingAllReduce:
         self.ignored = 0  # messages (data or aborts) from anyone but the left neighbour, dropped
         self._ignored_from: str | None = None
         self._link: Link | None = None
-        self._raw: _RawFp32 | None = None
-        self._into = _decodes_into(codec)
+        self._raw: RawFp32 | None = None
+        self._into = decodes_into(codec)
         self._scratch: torch.Tensor | None = None  # see _scratch_for
         self._unsent = 0  # in-place sends (see _send_in_place) the socket has not taken yet
         # Ids of connections from the left peer whose loss means our data is lost: those open when
         # the collective started and those that delivered to it (set by the transport, then here).
         self.watch: set[int] = set()
         self._chunks = [chunk_bounds(a, b, chunk_elems) for a, b in segment_bounds(x.numel(), g)]
-        self._frame_bytes = _frame_bound(codec, core.max_chunk_frame_bytes)
+        self._frame_bytes = frame_bound(codec, core.max_chunk_frame_bytes)
 
     def from_left(self, peer: str, group: int | None) -> bool:
         """Whether a connection from address peer that proved group is this collective's left

@@ -17,8 +17,9 @@ from typing import Any, Mapping
 
 from .conn import close_socket
 from .identity import Credentials
-from .core import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PENDING_BYTES, TransportBase
+from .core import DEFAULT_CHUNK_BYTES, TransportBase
 from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE, Ticket
+from .pending import DEFAULT_MAX_PENDING_BYTES
 from .shaping import TokenBucket
 from .tls import TlsConfig
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import socket
 import threading
 import time
@@ -13,7 +12,7 @@ import torch
 import compress
 from transport import CollectiveAborted, TcpTransport, TokenBucket
 from transport.conn import _sendmsg_all
-from transport.ring import raw_fp32
+from transport.frames import raw_fp32
 from transport.wire import BufferPool, MsgType, pack_header
 from transport_helpers import SECRET, run_ring, transports
 from test_transport_faults import _fake_left_peer

@@ -14,7 +14,7 @@ import compress
 from transport import CollectiveAborted
 from transport.auth import client_handshake
 from transport.gather import reduce_in_order
-from transport.ring import chunk_bounds
+from transport.partition import chunk_bounds
 from transport.wire import MsgType, pack_header
 from gather_helpers import doomed_gather_peer
 from transport_helpers import SECRET, closed_port_address, transports

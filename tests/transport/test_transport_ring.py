@@ -9,7 +9,7 @@ import torch
 
 import compress
 from transport import TcpTransport
-from transport.ring import chunk_bounds, segment_bounds
+from transport.partition import chunk_bounds, segment_bounds
 from transport_helpers import run_ring, transports
 
 
