@@ -85,11 +85,12 @@ import torch  # noqa: E402
 
 from diloco import data as data_mod  # noqa: E402
 from diloco.averaging import SingleGroup  # noqa: E402
-from diloco.config import Config, make_codec  # noqa: E402
+from diloco.config import Config  # noqa: E402
 from diloco.connection import group_keys, make_transport  # noqa: E402
 from diloco.group import StripedAverager  # noqa: E402
 from diloco.launcher import bits_per_param_per_step  # noqa: E402
 from diloco.task import Task, TaskContext, gpt_task  # noqa: E402
+from diloco.wire_codec import make_codec  # noqa: E402
 from diloco.worker import _evaluate, _train, make_engine, make_inner_optimizer  # noqa: E402
 
 DEFAULT_JSON = BENCH / "results" / "convergence.json"
@@ -139,6 +140,9 @@ SIZES = {
     # parallel shrink when the same model takes more outer steps?
     "small-long": Size("small-long", n_layer=2, n_embd=64, steps=2000, seeds=1, tuned_on="small",
                        rows=("dp", "dp-lr0.004", "m1-h30-outer", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager")),
+    # four times longer again (about 140 tokens per parameter): does M=4 keep closing on data parallel?
+    "small-xlong": Size("small-xlong", n_layer=2, n_embd=64, steps=8000, seeds=1, tuned_on="small",
+                        rows=("dp", "dp-lr0.004", "m2-h30-outer", "m4-h30-outer")),
     # the medium model as long as the small one: the trend with model size at equal steps
     "medium-long": Size("medium-long", n_layer=4, n_embd=128, steps=1000, seeds=1, tuned_on="medium",
                         rows=("dp", "m2-h30-outer", "m4-h30-outer")),

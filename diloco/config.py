@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from diloco.wire_codec import make_codec
+
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
 SCHEDULES = ("fixed", "qsr")
@@ -379,23 +381,6 @@ class Config:
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
         return self
-
-
-def make_codec(t: TransportConfig):
-    """The ``compress`` codec the transport settings name (ValueError if it cannot be made)."""
-    import compress
-
-    params: dict[str, Any] = {"zstd": t.zstd, "zstd_level": t.zstd_level}
-    if t.codec_block:
-        params["chunk" if t.codec == "topk" else "block_size"] = t.codec_block
-    if t.codec == "topk" and t.topk_density:
-        params["density"] = t.topk_density
-    if t.codec_fast:
-        if "search" not in compress.get_codec(t.codec).params:
-            raise ValueError(f"--codec-fast applies to the 4-bit codecs (int4, fp4-e2m1, fp4-e3m0, lloyd4) only, "
-                             f"not {t.codec}")
-        params["search"] = False
-    return compress.get_codec(t.codec, **params)
 
 
 def iter_fields(cfg: Config):

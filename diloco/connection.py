@@ -31,11 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.config import ConfigError, TransportConfig, make_codec
+from diloco.config import ConfigError, TransportConfig
 from diloco.coordinator import CoordinatorClient, CoordinatorError
-from diloco.metrics import WorkerMetrics
+from diloco.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
 from diloco.network_plan import BandwidthMonitor, measure_rates
 from diloco.quorum_averager import QuorumAverager
+from diloco.wire_codec import make_codec
 import transport as transport_pkg
 from transport import TcpTransport, TlsConfig
 from transport.identity import GroupKeys
@@ -260,8 +261,7 @@ class GroupConnection:
             self._report("round hash", lambda: self.client.report_round(self.group, engine.round, self.round_hashes[-1]))
         self.metrics.outer_rounds.inc(engine.round - self._rounds_counted)
         self._rounds_counted = engine.round
-        self.metrics.wire_totals(self.transport.bytes_sent, self.transport.bytes_received)
-        self.metrics.listener_totals(self.transport)
+        self.metrics.transport_totals(self.transport)
         self._count_faults()
         if self.periods:
             self.metrics.sync_period.set(self.periods[-1])
@@ -291,10 +291,12 @@ class GroupConnection:
 
     def _group_bytes(self) -> tuple[int, int]:
         """Bytes this group's ranks sent and received between groups (a collective in the group)."""
+        counts = read_counters(self.transport, WIRE_COUNTERS)
+        sent, received = counts["bytes_sent"], counts["bytes_received"]
         if self.group_size == 1:
-            return int(self.transport.bytes_sent), int(self.transport.bytes_received)
+            return sent, received
         device = self.averager.comm_device
-        t = torch.tensor([self.transport.bytes_sent, self.transport.bytes_received], dtype=torch.float64, device=device)
+        t = torch.tensor([sent, received], dtype=torch.float64, device=device)
         dist.all_reduce(t, group=self.process_group)
         return int(t[0]), int(t[1])
 

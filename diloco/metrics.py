@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Info, ProcessCollector, disable_created_metrics,
@@ -53,6 +54,20 @@ WORKER_SERIES: dict[str, str] = {
 #: reason label of diloco_listener_refusals_total -> the transport's cumulative counter of it
 LISTENER_REFUSALS = {"rejected_connection": "rejected_connections", "handshake_timeout": "handshake_timeouts",
                      "ignored_message": "ignored_messages", "dropped_pending": "dropped_pending_messages"}
+
+#: the transport's cumulative byte counters (wire_totals)
+WIRE_COUNTERS = ("bytes_sent", "bytes_received")
+
+
+def read_counters(transport: Any, names: Iterable[str]) -> dict[str, int]:
+    """The transport's cumulative counters ``names`` (bytes, or counts of events): one
+    ``counters()`` call when it has that method (``transport.ProcessTransport``, where each
+    attribute read is a round trip to its data-plane process), else its attributes."""
+    counters = getattr(transport, "counters", None)
+    if callable(counters):
+        every = counters()
+        return {name: int(every[name]) for name in names}
+    return {name: int(getattr(transport, name)) for name in names}
 
 
 class _Seconds:
@@ -151,9 +166,19 @@ class WorkerMetrics:
         self._seen.update(sent=sent, received=received)
 
     def listener_totals(self, transport: Any) -> None:
-        """Record the transport's cumulative refusal counters (``LISTENER_REFUSALS``: its attributes)."""
-        for reason, attr in LISTENER_REFUSALS.items():
-            value = int(getattr(transport, attr))
+        """Record the transport's cumulative refusal counters (``LISTENER_REFUSALS``), read at once."""
+        self._refusal_totals(read_counters(transport, LISTENER_REFUSALS.values()))
+
+    def transport_totals(self, transport: Any) -> None:
+        """Record the transport's cumulative byte and refusal counters, read at once (``wire_totals``
+        and ``listener_totals`` in one read)."""
+        counts = read_counters(transport, (*WIRE_COUNTERS, *LISTENER_REFUSALS.values()))
+        self.wire_totals(counts["bytes_sent"], counts["bytes_received"])
+        self._refusal_totals(counts)
+
+    def _refusal_totals(self, counts: dict[str, int]) -> None:
+        for reason, name in LISTENER_REFUSALS.items():
+            value = counts[name]
             self._refusals.labels(**self._refusal_labels, reason=reason).inc(max(value - self._seen[reason], 0))
             self._seen[reason] = value
 

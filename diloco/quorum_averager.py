@@ -11,10 +11,8 @@ costs the others at most one collective deadline (their rings abort) plus one he
 
 Healing: a group that joins while the job runs starts with ``attach() -> True``; the engine then
 calls ``heal()``, which joins the next quorum as a member of weight 0, fetches the state of the
-quorum's donor (the engine's ``state_dict()``, taken as the donor launched the same exchange) over
-the data plane (a two-member ring on the same authenticated links; ``diloco.state_blob``, no
-pickle), checks its SHA-256 (announced through the coordinator) and its global-parameter hash
-(the quorum's agreed hash), votes, loads it, and finishes the exchange like everyone else. The
+quorum's donor (the engine's ``state_dict()``, taken as the donor launched the same exchange;
+``diloco.healing`` moves and checks it), votes, loads it, and finishes the exchange like everyone else. The
 inner optimizer starts fresh: its moments belong to the group's own past data, and a group that
 was down for a while is better served by a few steps of warm-up than by stale moments.
 
@@ -28,7 +26,6 @@ stops the group at its next exchange with ``GroupEvicted``: restart it (torchrun
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -37,14 +34,13 @@ from typing import Any
 
 import torch
 
-from diloco import state_blob
 from diloco.averaging import Done
 from diloco.coordinator import CoordinatorError
-from diloco.coordinator.messages import CommitRequest, CommitResponse, OfferQuery, QuorumRequest, QuorumResponse, StateOffer
+from diloco.coordinator.messages import CommitRequest, CommitResponse, QuorumRequest, QuorumResponse
 from diloco.coordinator.rounds import HEAL, own_share, weighted_scale
 from diloco.group import StripedAverager
+from diloco.healing import StateTransfer
 from diloco.network_plan import NetworkPlan, equal_plan, plan_from_table
-from diloco.outer_state import params_hash
 from transport import CollectiveAborted, TransportError
 
 log = logging.getLogger(__name__)
@@ -158,7 +154,8 @@ class QuorumAverager(StripedAverager):
         self.round_timeout_s = round_timeout_s
         self._retry = _Retry(self, round_timeout_s)
         self._rejoin_lock = threading.Lock()
-        self._serving: list[threading.Thread] = []
+        self._transfer = StateTransfer(transport, client, self._retry, self.stats, group=group, rank=rank,
+                                       group_size=self.group_size, timeout_s=self.timeout_s)
         self._closed = threading.Event()
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, args=(heartbeat_interval_s,),
                                             name=f"heartbeat[{group}/{rank}]", daemon=True)
@@ -192,8 +189,8 @@ class QuorumAverager(StripedAverager):
             state_hash=engine.global_hash() if lead and engine is not None and engine.mode != "eager" else "",
             delta_norm=float(src.norm()) if lead else 0.0, retry=False)
         resp = self._ask(ask, healable=not exact)
-        if resp.healers and resp.donor == self.group:
-            self._serve(resp)
+        if resp.healers and resp.donor == self.group and engine is not None:
+            self._transfer.serve(resp, engine.state_dict())
         return _QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather)
 
     def heal(self, engine) -> None:
@@ -207,7 +204,7 @@ class QuorumAverager(StripedAverager):
             # with an error-feedback codec the quorum gathers: this group takes part with zeros
             pending = _QuorumPending(self, zeros, None, resp, zeros.device, fetched=threading.Event(),
                                      gather=self.error_feedback)
-            state = self._fetch(resp, pending)
+            state = self._transfer.fetch(resp, pending.fetch_result)
             try:
                 mean = pending.wait()
             except _RolledBack as e:
@@ -296,69 +293,6 @@ class QuorumAverager(StripedAverager):
     def retry_quorum(self, ask: QuorumRequest) -> QuorumResponse:
         return self._ask(dataclasses.replace(ask, retry=True), healable=False)
 
-    # --- healing: the donor's and the healer's side ----------------------------------------------
-
-    def _serve(self, resp: QuorumResponse) -> None:
-        """As a rank of the donor group: send this engine's state to the healer ranks mapped to
-        this rank (healer rank h is served by donor rank h mod donor size)."""
-        if self._engine is None:
-            return
-        state = self._engine.state_dict()
-        for frag in state.get("fragments", []):  # error-feedback residuals are the donor group's own
-            if isinstance(frag, dict) and "residual" in frag:
-                frag["residual"] = None
-        blob = state_blob.pack(state)
-        digest = hashlib.sha256(blob).hexdigest()
-        values = state_blob.to_values(blob)
-        me = resp.members[self.group][self.rank]
-        for healer in resp.healers:
-            for h_rank, address in enumerate(resp.members[healer]):
-                if h_rank % self.group_size != self.rank:
-                    continue
-                handle = self.transport.all_reduce(values, [me, address], 0, tag=f"heal/{resp.id}/{healer}/{h_rank}",
-                                                   timeout_s=self.timeout_s, groups=[self.group, healer])
-                self._retry("state offer", lambda h=healer, r=h_rank: self.client.offer_state(
-                    StateOffer(resp.id, self.group, self.rank, h, r, len(blob), digest)))
-                t = threading.Thread(target=self._watch_serve, args=(handle, resp.id, healer, h_rank), daemon=True)
-                t.start()
-                self._serving.append(t)
-
-    def _watch_serve(self, handle, quorum_id: str, healer: int, h_rank: int) -> None:
-        try:
-            handle.wait(self.timeout_s)
-            self.stats.heals_served += 1
-        except (CollectiveAborted, TransportError) as e:
-            log.warning("serving state to group %d rank %d in %s failed: %s", healer, h_rank, quorum_id, e)
-
-    def _fetch(self, resp: QuorumResponse, pending: "_QuorumPending") -> dict | None:
-        """As a healer rank: fetch and check the donor's state; tells ``pending`` whether it did
-        (its vote). Returns the state, or None if anything failed (the vote then rolls back)."""
-        try:
-            offer = self._retry("state offer", lambda: self.client.wait_offer(
-                OfferQuery(resp.id, self.group, self.rank), timeout_s=self.timeout_s))
-            donor = resp.members[offer.donor_group][offer.donor_rank]
-            zeros = torch.zeros(state_blob.num_values(offer.nbytes), dtype=torch.float32)
-            me = resp.members[self.group][self.rank]
-            values = self.transport.all_reduce(zeros, [donor, me], 1, tag=f"heal/{resp.id}/{self.group}/{self.rank}",
-                                               timeout_s=self.timeout_s,
-                                               groups=[offer.donor_group, self.group]).wait(self.timeout_s)
-            blob = state_blob.from_values(values, offer.nbytes)
-            if hashlib.sha256(blob).hexdigest() != offer.digest:
-                raise state_blob.StateFormatError("the state's SHA-256 differs from the donor's offer")
-            state = state_blob.unpack(blob)
-            got = params_hash([t for f in state["fragments"] for t in f["global"].values()])
-            if resp.state_hash and got != resp.state_hash:
-                raise state_blob.StateFormatError(f"the state's global hash {got} is not the quorum's {resp.state_hash}")
-            pending.fetch_result(True, "")
-            return state
-        except (CoordinatorError, CollectiveAborted, TransportError, state_blob.StateFormatError, KeyError,
-                TypeError) as e:
-            pending.fetch_result(False, f"healing fetch failed: {e}"[:400])
-            return None
-        except BaseException as e:  # the vote must still happen (no), then the error goes on
-            pending.fetch_result(False, f"healing fetch failed: {type(e).__name__}: {e}"[:400])
-            raise
-
     # --- liveness -------------------------------------------------------------------------------
 
     def rejoin(self) -> None:
@@ -388,8 +322,7 @@ class QuorumAverager(StripedAverager):
     def close(self) -> None:
         """Stop heartbeating; wait briefly for state transfers this rank serves."""
         self._closed.set()
-        for t in self._serving:
-            t.join(self.timeout_s)
+        self._transfer.join(self.timeout_s)
 
 
 class _RolledBack(RuntimeError):

@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from diloco.config import Config, make_codec
+from diloco.config import Config
+from diloco.wire_codec import make_codec
 
 
 @pytest.mark.parametrize("name", ["int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"])
@@ -32,15 +33,11 @@ def test_codec_fast_encodes_faster():
     searched = make_codec(cfg.validate().transport)
     cfg.transport.codec_fast = True
     fast = make_codec(cfg.validate().transport)
-    x = torch.randn(1 << 20)
-
-    def best(codec) -> float:
-        codec.encode(x)
-        times = []
-        for _ in range(5):
+    x = torch.randn(1 << 22)  # the search is ~1/3 of an encode here: large enough to show above noise
+    best = {fast: float("inf"), searched: float("inf")}
+    for _ in range(7):  # interleaved, so a burst of load on a shared machine slows both alike
+        for codec in best:
             t0 = time.perf_counter()
             codec.encode(x)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    assert best(fast) < best(searched)
+            best[codec] = min(best[codec], time.perf_counter() - t0)
+    assert best[fast] < best[searched]

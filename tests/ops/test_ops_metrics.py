@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from diloco.coordinator.metrics import COORDINATOR_SERIES, CoordinatorCollector
-from diloco.metrics import WORKER_SERIES, WorkerMetrics, codec_ratio
+from diloco.metrics import WIRE_COUNTERS, WORKER_SERIES, WorkerMetrics, codec_ratio, read_counters
+from transport.control import COUNTERS
 
 from ops_helpers import SNAPSHOT
 
@@ -143,3 +144,36 @@ def test_listener_refusals_follow_the_transports_counters():
     got = {dict(labels)["reason"]: v for (name, labels), v in _samples(m.registry).items()
            if name == "diloco_listener_refusals_total"}
     assert got == {"rejected_connection": 5, "handshake_timeout": 1, "ignored_message": 0, "dropped_pending": 7}
+
+
+def test_transport_counters_are_read_in_one_request_when_the_transport_offers_it():
+    """``transport.ProcessTransport``: every counter attribute is a round trip to its data-plane
+    process; ``counters()`` returns them all (the keys of ``transport.control.COUNTERS``) in one."""
+
+    class ProcessLikeTransport:
+        def __init__(self) -> None:
+            self.requests = 0
+            self.values = dict.fromkeys(COUNTERS, 0)
+
+        def counters(self) -> dict[str, int]:
+            self.requests += 1
+            return dict(self.values)
+
+        def __getattr__(self, name: str):
+            raise AssertionError(f"read {name} as an attribute: one request each")
+
+    m = WorkerMetrics(group=0, rank=0)
+    t = ProcessLikeTransport()
+    t.values.update(rejected_connections=3, handshake_timeouts=1, dropped_pending_messages=7)
+    m.listener_totals(t)
+    assert t.requests == 1
+    t.values.update(bytes_sent=1000, bytes_received=400, rejected_connections=5, ignored_messages=2)
+    m.transport_totals(t)
+    assert t.requests == 2
+    assert read_counters(t, WIRE_COUNTERS) == {"bytes_sent": 1000, "bytes_received": 400}
+    s = _samples(m.registry)
+    labels = (("group", "0"), ("rank", "0"))
+    assert s[("diloco_wire_sent_bytes_total", labels)] == 1000
+    assert s[("diloco_wire_received_bytes_total", labels)] == 400
+    got = {dict(lab)["reason"]: v for (name, lab), v in s.items() if name == "diloco_listener_refusals_total"}
+    assert got == {"rejected_connection": 5, "handshake_timeout": 1, "ignored_message": 2, "dropped_pending": 7}
