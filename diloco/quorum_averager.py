@@ -12,8 +12,8 @@ costs the others at most one collective deadline (their rings abort) plus one he
 Healing: a group that joins while the job runs starts with ``attach() -> True``; the engine then
 calls ``heal()``, which joins the next quorum as a member of weight 0, fetches the state of the
 quorum's donor (the engine's ``state_dict()``, taken as the donor launched the same exchange;
-``diloco.healing`` moves and checks it), votes, loads it, and finishes the exchange like everyone else. The
-inner optimizer starts fresh: its moments belong to the group's own past data, and a group that
+``diloco.healing`` moves and checks it), votes, loads it, and finishes the exchange like everyone
+else. The inner optimizer starts fresh: its moments belong to the group's own past data, and a group that
 was down for a while is better served by a few steps of warm-up than by stale moments.
 
 Liveness: a background thread heartbeats the coordinator. After a coordinator restart (NOT_FOUND)
