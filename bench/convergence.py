@@ -142,7 +142,8 @@ SIZES = {
                        rows=("dp", "dp-lr0.004", "m1-h30-outer", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager")),
     # four times longer again (about 140 tokens per parameter): does M=4 keep closing on data parallel?
     "small-xlong": Size("small-xlong", n_layer=2, n_embd=64, steps=8000, seeds=1, tuned_on="small",
-                        rows=("dp", "dp-lr0.004", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager")),
+                        rows=("dp", "dp-lr0.004", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager", "qsr-outer",
+                              "m2-h100-outer", "m2-h200-int4-outer", "delayed", "co2")),
     # the medium model as long as the small one: the trend with model size at equal steps
     "medium-long": Size("medium-long", n_layer=4, n_embd=128, steps=1000, seeds=1, tuned_on="medium",
                         rows=("dp", "m2-h30-outer", "m4-h30-outer")),
