@@ -365,10 +365,12 @@ class ProcessTransport:
         return call.result()
 
     def _send_quietly(self, msg: dict) -> None:
+        """Send a request that needs no reply (an abort). If the socket is gone, so is the child:
+        the reader thread then fails every pending handle with the reason, so nothing is lost."""
         try:
             with self._send_lock:
                 send_message(self._sock, msg)
-        except OSError:
+        except OSError:  # the child exited: reported through _read_replies, not here
             pass
 
     def _read_replies(self) -> None:
