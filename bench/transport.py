@@ -64,7 +64,7 @@ def _member_main(cfg: dict) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    t = case = codec = x = ring = None
+    t = case = codec = x = out = ring = None
     rep = 0
     for line in sys.stdin:
         msg = json.loads(line)
@@ -81,8 +81,11 @@ def _member_main(cfg: dict) -> None:
                     connections_per_peer=case["conns"], allow_plaintext=True)  # inside namespaces we made
             codec = bench_codec(case["codec"])
             if x is None or x.numel() != case["n"]:
-                x = None
+                x = out = None
                 x = torch.randn(case["n"], generator=torch.Generator().manual_seed(cfg["index"]))
+                # the result buffer, reused across repetitions as the trainer reuses its own
+                # (diloco/group.py): a new 0.5 GB result per call would be mostly page faults
+                out = torch.zeros_like(x)
             say({"address": t.address})
         elif cmd == "ring" and case["backend"] == "gloo":
             t.connect(msg["ring"])
@@ -104,7 +107,7 @@ def _member_main(cfg: dict) -> None:
             before = t.bytes_sent
             c0 = time.process_time()
             t0 = time.perf_counter()
-            t.all_reduce(x, ring, cfg["index"], tag=f"rep{rep}", codec=codec).wait()
+            t.all_reduce(x, ring, cfg["index"], tag=f"rep{rep}", codec=codec, out=out).wait()
             dt = time.perf_counter() - t0
             rep += 1
             say({"seconds": dt, "sent": t.bytes_sent - before, "cpu_s": time.process_time() - c0})

@@ -7,7 +7,7 @@
  *
  * Pointers are passed as integers (tensor.data_ptr()); the caller checks dtypes, contiguity and
  * sizes. encode (int8) and encode4 (the 4-bit codecs) return 0, or 1 if the input holds a NaN or
- * an infinity; decode4s decodes the 4-bit codecs; has_nibble looks for a code no encoder writes.
+ * an infinity; decode8 and decode4s decode them; has_nibble looks for a code no encoder writes.
  * All release the GIL.
  */
 #define PY_SSIZE_T_CLEAN
@@ -118,6 +118,33 @@ static PyObject *encode(PyObject *self, PyObject *args) {
                         (float *)(uintptr_t)ps, (uint8_t *)(uintptr_t)pc);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(bad);
+}
+
+/* int8: code times its block's scale, for n values in blocks of `block` */
+CLONES static void decode8_blocks(const int8_t *codes, int64_t n, int64_t block,
+                                  const float *scales, float *out) {
+    for (int64_t s = 0, j = 0; s < n; s += block, j++) {
+        int64_t m = n - s < block ? n - s : block;
+        float sc = scales[j];
+        for (int64_t i = 0; i < m; i++) out[s + i] = (float)codes[s + i] * sc;
+    }
+}
+
+/* decode8(codes, n, block, scales, out) */
+static PyObject *decode8(PyObject *self, PyObject *args) {
+    unsigned long long pc, ps, po;
+    Py_ssize_t n, block;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KnnKK", &pc, &n, &block, &ps, &po)) return NULL;
+    if (block < 1) {
+        PyErr_SetString(PyExc_ValueError, "decode8: bad block");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    decode8_blocks((const int8_t *)(uintptr_t)pc, n, block, (const float *)(uintptr_t)ps,
+                   (float *)(uintptr_t)po);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 /* ---- 4-bit codecs, layout 2: an fp32 anchor per group of blocks, an 8-bit scale code per block
@@ -504,6 +531,7 @@ static PyObject *has_nibble(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "int8 blockwise encode: scales and codes (0 ok, 1 non-finite)"},
+    {"decode8", decode8, METH_VARARGS, "int8 blockwise decode: codes x their block's scale"},
     {"encode4", encode4, METH_VARARGS, "4-bit layout-2 encode: anchors, scale codes, nibbles"},
     {"decode4s", decode4s, METH_VARARGS, "4-bit layout-2 decode: anchors x scale table x levels"},
     {"has_nibble", has_nibble, METH_VARARGS, "whether packed 4-bit codes hold a given nibble"},

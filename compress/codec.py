@@ -17,6 +17,9 @@ from . import entropy, frame
 from .errors import FrameError
 
 Parts = list[torch.Tensor]
+#: what ``encode`` returns: a bytes-like frame (a bytearray; a memoryview of page-locked memory
+#: for CUDA input without zstd)
+Frame = bytearray | memoryview
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> int:
@@ -85,6 +88,13 @@ class Codec(ABC):
         """A new fp32 tensor of ``count`` values (never a view of a part). Only exactly rounded
         elementwise ops, so the result is the same bits on every device and for every caller."""
 
+    def quantize_into(self, x: torch.Tensor, parts: Parts) -> bool:
+        """Write ``quantize(x)``'s parts straight into ``parts`` (typed CPU views of a frame's
+        payload, as ``part_layout`` lays them out) and return True; False where this codec
+        cannot for this input, and then ``quantize`` runs and its parts are copied there. A
+        codec whose kernel takes output pointers overrides this to skip that copy."""
+        return False
+
     def dequantize_into(self, parts: Parts, count: int, out: torch.Tensor) -> torch.Tensor:
         """``dequantize`` written into ``out`` (``count`` fp32 values on the parts' device); a
         codec whose kernel can write there directly overrides this."""
@@ -109,13 +119,15 @@ class Codec(ABC):
         """Frame bytes without zstd for ``count`` values (header and checksum included)."""
         return frame.OVERHEAD + self.payload_size(count)
 
-    def encode(self, x: torch.Tensor) -> bytes:
-        """Encode a 1-D float32 tensor (any device) into one complete frame."""
+    def encode(self, x: torch.Tensor) -> Frame:
+        """Encode a 1-D float32 tensor (any device) into one complete frame: a bytearray, or
+        for a CUDA tensor without zstd a memoryview of the page-locked frame (both bytes-like;
+        ``bytes(frame)`` makes an immutable copy)."""
         x = self._check_input(x)
-        return self._frame(self.quantize(x), x.numel())[0]
+        return self._frame(x)[0]
 
     def encode_with_decoded(self, x: torch.Tensor, out: torch.Tensor | None = None
-                            ) -> tuple[bytes, torch.Tensor]:
+                            ) -> tuple[Frame, torch.Tensor]:
         """Encode once and also return exactly what ``decode`` of that frame yields (on x's
         device), without a second encode: the payload just written is dequantized in place.
         With ``out`` (fp32, x's size and device, not overlapping x) the decoded values are
@@ -123,7 +135,7 @@ class Codec(ABC):
         x = self._check_input(x)
         if out is not None:
             _check_out(out, x.numel(), x.device)
-        frame_bytes, views = self._frame(self.quantize(x), x.numel())
+        frame_bytes, views = self._frame(x)
         if x.device.type != "cpu":
             views = [v.to(x.device) for v in views]
         if out is None:
@@ -180,33 +192,43 @@ class Codec(ABC):
             raise ValueError(f"{x.numel()} elements exceed frame.MAX_ELEMENTS={frame.MAX_ELEMENTS}")
         return x.contiguous()
 
-    def _frame(self, parts: Sequence[torch.Tensor], count: int) -> tuple[bytes, Parts]:
-        """The frame, and CPU views of its payload parts (as a decoder will read them)."""
+    def _frame(self, x: torch.Tensor) -> tuple[Frame, Parts]:
+        """The frame of x, and CPU views of its payload parts (as a decoder will read them).
+        The parts go straight into the frame's memory: the codec's kernel writes them there
+        (``quantize_into``), or they are copied there once, from the GPU by DMA into page-locked
+        memory; the frame is returned without another copy."""
+        count = x.numel()
         layout = self.part_layout(count)
         raw_len = sum(n * _itemsize(dt) for dt, n in layout)
         p0, p1, p2 = self.header_params
-        # Parts on a GPU are copied straight into page-locked memory (DMA, no staging copy).
-        pinned = any(p.is_cuda for p in parts)
-        if not self.zstd:
-            buf = torch.empty(frame.OVERHEAD + raw_len, dtype=torch.uint8, pin_memory=pinned)
-            views = _write_parts(buf[frame.HEADER_SIZE:frame.HEADER_SIZE + raw_len], parts, layout)
-            mv = memoryview(buf.numpy())
-            frame.write_header(mv, frame.Header(self.codec_id, 0, p0, p1, p2, count, raw_len,
-                                                raw_len))
-            frame.seal(mv)
-            return mv.tobytes(), views
-        payload = torch.empty(raw_len, dtype=torch.uint8, pin_memory=pinned)
-        views = _write_parts(payload, parts, layout)
-        flags = frame.FLAG_ZSTD
-        if self.shuffle_width > 1:
-            payload = entropy.shuffle(payload, self.shuffle_width)
-            flags |= frame.FLAG_SHUFFLE
-        packed = entropy.compress(memoryview(payload.numpy()), self.zstd_level)
-        head = frame.pack_header(frame.Header(self.codec_id, flags, p0, p1, p2, count, raw_len,
-                                              len(packed)))
-        buf = bytearray(head + packed + bytes(frame.TRAILER_SIZE))
-        frame.seal(memoryview(buf))
-        return bytes(buf), views
+        if self.zstd:
+            payload = torch.empty(raw_len, dtype=torch.uint8, pin_memory=x.is_cuda)
+            views = _write_parts(payload, self.quantize(x), layout)
+            flags = frame.FLAG_ZSTD
+            if self.shuffle_width > 1:
+                payload = entropy.shuffle(payload, self.shuffle_width)
+                flags |= frame.FLAG_SHUFFLE
+            packed = entropy.compress(memoryview(payload.numpy()), self.zstd_level)
+            head = frame.pack_header(frame.Header(self.codec_id, flags, p0, p1, p2, count, raw_len,
+                                                  len(packed)))
+            buf = bytearray(head + packed + bytes(frame.TRAILER_SIZE))
+            frame.seal(memoryview(buf))
+            return buf, views
+        if x.is_cuda:
+            pinned = torch.empty(frame.OVERHEAD + raw_len, dtype=torch.uint8, pin_memory=True)
+            out: Frame = memoryview(pinned.numpy())
+            body = pinned[frame.HEADER_SIZE:frame.HEADER_SIZE + raw_len]
+            views = _write_parts(body, self.quantize(x), layout)
+        else:
+            out = bytearray(frame.OVERHEAD + raw_len)
+            body = torch.frombuffer(out, dtype=torch.uint8)[frame.HEADER_SIZE:frame.HEADER_SIZE + raw_len]
+            views = _part_views(body, layout)
+            if not self.quantize_into(x, views):
+                _copy_parts(views, self.quantize(x))
+        mv = memoryview(out)
+        frame.write_header(mv, frame.Header(self.codec_id, 0, p0, p1, p2, count, raw_len, raw_len))
+        frame.seal(mv)
+        return out, views
 
 
 _ITEMSIZE: dict[torch.dtype, int] = {}
@@ -218,21 +240,31 @@ def _itemsize(dt: torch.dtype) -> int:
     return _ITEMSIZE[dt]
 
 
-def _write_parts(dst: torch.Tensor, parts: Sequence[torch.Tensor],
-                 layout: list[tuple[torch.dtype, int]]) -> Parts:
-    """Copy parts into the uint8 payload ``dst`` (converting each to its layout dtype on the
-    way) and return the typed views of ``dst`` they now occupy."""
+def _part_views(dst: torch.Tensor, layout: list[tuple[torch.dtype, int]]) -> Parts:
+    """The typed views of the uint8 payload ``dst`` that the parts of ``layout`` occupy."""
     views: Parts = []
     off = 0
-    for p, (dt, n) in zip(parts, layout, strict=True):
+    for dt, n in layout:
         nb = n * _itemsize(dt)
-        v = dst[off:off + nb].view(dt)
-        if n:
-            v.copy_(p.reshape(-1))
-        views.append(v)
+        views.append(dst[off:off + nb].view(dt))
         off += nb
     if off != dst.numel():
         raise AssertionError("codec parts do not match its part_layout")
+    return views
+
+
+def _copy_parts(views: Parts, parts: Sequence[torch.Tensor]) -> None:
+    """Copy parts into their views (converting each to its view's dtype on the way)."""
+    for v, p in zip(views, parts, strict=True):
+        if v.numel():
+            v.copy_(p.reshape(-1))
+
+
+def _write_parts(dst: torch.Tensor, parts: Sequence[torch.Tensor],
+                 layout: list[tuple[torch.dtype, int]]) -> Parts:
+    """Copy parts into the uint8 payload ``dst`` and return the typed views they now occupy."""
+    views = _part_views(dst, layout)
+    _copy_parts(views, parts)
     return views
 
 

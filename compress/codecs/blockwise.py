@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 
@@ -70,9 +71,17 @@ FLT_MAX = float(torch.finfo(torch.float32).max)
 MAGIC = 12582912.0
 MAGIC_BITS = 0x4B400000
 
+#: the kernels this module calls: a build older than the source lacks some, and is not used
+NATIVE_KERNELS = ("encode", "decode8", "encode4", "decode4s", "has_nibble")
+
 try:
     from .. import _native
 except ImportError:  # not built: the torch path does everything
+    _native = None
+if _native is not None and not all(hasattr(_native, k) for k in NATIVE_KERNELS):
+    warnings.warn(f"compress._native ({_native.__file__}) is older than its source and lacks "
+                  f"{[k for k in NATIVE_KERNELS if not hasattr(_native, k)]}: using the torch path "
+                  "(same bits, slower); rebuild it with `pip install -e .`", RuntimeWarning, stacklevel=1)
     _native = None
 
 #: False forces the torch path on CPU as well (tests compare the two); the environment variable
@@ -124,9 +133,11 @@ class BlockScaled(BlockSizeParam, Codec):
         n = x.numel()
         if n == 0:
             return [x.new_empty(0), x.new_empty(0, dtype=torch.int8)]
-        if (not self.stochastic and self.native_kind is not None and _native_for(x)
-                and x.dtype == torch.float32):
-            return self._quantize_native(x)
+        if self._native_codes(x):
+            (_, nb), (code_dtype, nc) = self.part_layout(n)
+            parts = [torch.empty(nb), torch.empty(nc, dtype=code_dtype)]
+            self._encode_native(x, parts)
+            return parts
         xb = padded_blocks(x, self.block_size)
         xa = xb.abs()
         absmax = xa.amax(dim=1)
@@ -143,23 +154,34 @@ class BlockScaled(BlockSizeParam, Codec):
         codes = self.code_blocks(xb, xa, inv, noise).reshape(-1)[:n]
         return [scale, codes]
 
-    def _quantize_native(self, x: torch.Tensor) -> Parts:
-        """``quantize`` (round to nearest) by the C kernel: the same scales and codes."""
+    def quantize_into(self, x: torch.Tensor, parts: Parts) -> bool:
+        if not x.numel() or not self._native_codes(x):
+            return False
+        self._encode_native(x, parts)
+        return True
+
+    def _native_codes(self, x: torch.Tensor) -> bool:
+        """Whether the C kernel codes x (round to nearest, a CPU fp32 tensor, kernels built)."""
+        return (not self.stochastic and self.native_kind is not None and _native_for(x)
+                and x.dtype == torch.float32)
+
+    def _encode_native(self, x: torch.Tensor, parts: Parts) -> None:
+        """``quantize`` (round to nearest) by the C kernel, into ``parts`` (scales and codes of
+        ``part_layout``'s dtypes): the same scales and codes as the torch path."""
         x = x.contiguous()  # (the pointers below must outlive the call: keep the tensors)
-        n = x.numel()
-        (_, nb), (code_dtype, nc) = self.part_layout(n)
-        scale = torch.empty(nb)
-        codes = torch.empty(nc, dtype=code_dtype)
-        bad = _native.encode(self.native_kind, x.data_ptr(), n, self.block_size, self.q_nearest,
-                             1.0, self.native_add, scale.data_ptr(), codes.data_ptr())
+        scale, codes = parts
+        bad = _native.encode(self.native_kind, x.data_ptr(), x.numel(), self.block_size,
+                             self.q_nearest, 1.0, self.native_add, scale.data_ptr(),
+                             codes.data_ptr())
         if bad:
             raise ValueError(f"{self.name} cannot encode NaN or infinite values")
-        return [scale, codes]
 
     def dequantize(self, parts: Parts, count: int) -> torch.Tensor:
         scale, codes = parts
         if count == 0:
             return torch.empty(0, device=scale.device)
+        if self.native_kind is not None and _native_for(codes):
+            return self.dequantize_into(parts, count, torch.empty(count))
         values = self.values(codes, count)
         nb, b = scale.numel(), self.block_size
         if nb * b != count:
@@ -168,6 +190,20 @@ class BlockScaled(BlockSizeParam, Codec):
             values = padded
         out = values.view(nb, b).mul_(scale[:, None]).view(-1)
         return out[:count] if nb * b != count else out
+
+    def dequantize_into(self, parts: Parts, count: int, out: torch.Tensor) -> torch.Tensor:
+        scale, codes = parts
+        if (count and self.native_kind is not None and _native_for(codes)
+                and out.device.type == "cpu"):
+            # the kernel's values are the codes as floats (int8's), times their block's scale
+            if (scale.numel() != n_blocks(count, self.block_size) or codes.numel() != count
+                    or scale.dtype != torch.float32 or codes.dtype != torch.int8):
+                raise AssertionError("int8 parts do not match the part layout")
+            scale, codes = scale.contiguous(), codes.contiguous()
+            _native.decode8(codes.data_ptr(), count, self.block_size, scale.data_ptr(),
+                            out.data_ptr())
+            return out
+        return out.copy_(self.dequantize(parts, count))
 
     def validate(self, parts: Parts, count: int) -> None:
         check_scales(self.name, parts[0])
@@ -356,25 +392,36 @@ class Block4(BlockSizeParam, Codec):
         if n == 0:
             return [x.new_empty(0), x.new_empty(0, dtype=torch.uint8),
                     x.new_empty(0, dtype=torch.uint8)]
-        if not self.stochastic and _native_for(x) and x.dtype == torch.float32:
-            return self._quantize_native(x)
+        if self._native_codes(x):
+            (_, ng), (_, nb), (_, nc) = self.part_layout(n)
+            parts = [torch.empty(ng), torch.empty(nb, dtype=torch.uint8),
+                     torch.empty(nc, dtype=torch.uint8)]
+            self._encode_native(x, parts)
+            return parts
         return self._quantize_torch(x)
 
-    def _quantize_native(self, x: torch.Tensor) -> Parts:
+    def quantize_into(self, x: torch.Tensor, parts: Parts) -> bool:
+        if not x.numel() or not self._native_codes(x):
+            return False
+        self._encode_native(x, parts)
+        return True
+
+    def _native_codes(self, x: torch.Tensor) -> bool:
+        """Whether the C kernel codes x (round to nearest, a CPU fp32 tensor, kernels built)."""
+        return not self.stochastic and _native_for(x) and x.dtype == torch.float32
+
+    def _encode_native(self, x: torch.Tensor, parts: Parts) -> None:
+        """``quantize`` by the C kernel into ``parts`` (anchors, scale codes, packed codes):
+        the same bits as the torch path."""
         x = x.contiguous()
-        n = x.numel()
-        (_, ng), (_, nb), (_, nc) = self.part_layout(n)
+        anchors, scodes, codes = parts
         t = self._tables(x.device)
-        anchors = torch.empty(ng)
-        scodes = torch.empty(nb, dtype=torch.uint8)
-        codes = torch.empty(nc, dtype=torch.uint8)
         lo, hi = self.window if self.search else (0, 0)
-        bad = _native.encode4(self.family, x.data_ptr(), n, self.block_size, GROUP, t["levthr"].data_ptr(),
-                              t["U"].data_ptr(), self.qn, lo, hi, ANCHOR_FLOOR,
-                              anchors.data_ptr(), scodes.data_ptr(), codes.data_ptr())
+        bad = _native.encode4(self.family, x.data_ptr(), x.numel(), self.block_size, GROUP,
+                              t["levthr"].data_ptr(), t["U"].data_ptr(), self.qn, lo, hi,
+                              ANCHOR_FLOOR, anchors.data_ptr(), scodes.data_ptr(), codes.data_ptr())
         if bad:
             raise ValueError(f"{self.name} cannot encode NaN or infinite values")
-        return [anchors, scodes, codes]
 
     def _quantize_torch(self, x: torch.Tensor) -> Parts:
         """The reference: the same fp32 operations as the C kernel, vectorized over blocks."""

@@ -144,3 +144,20 @@ def test_native_is_used_on_cpu_only_for_round_to_nearest():
     codec = compress.get_codec("int4", stochastic=True, seed=3)
     frame, mine = codec.encode_with_decoded(x)
     assert torch.equal(codec.decode(frame).view(torch.int32), mine.view(torch.int32))
+
+
+@native
+@pytest.mark.parametrize("name", NAMES)
+def test_native_encode_writes_its_parts_straight_into_the_frame(name, monkeypatch):
+    """On CPU the kernels write the scales and codes into the frame's own memory: no parts are
+    made and copied there (``quantize`` never runs), and the frame is returned as it was written
+    (a bytearray, not copied into bytes), byte for byte the torch path's frame."""
+    codec = compress.get_codec(name)
+    x = torch.randn(70001, generator=torch.Generator().manual_seed(5))
+    reference = both_paths(codec, x)[1]
+    monkeypatch.setattr(type(codec), "quantize", lambda self, x: pytest.fail("quantize ran"))
+    frame, mine = codec.encode_with_decoded(x)
+    assert isinstance(frame, bytearray)
+    assert frame == reference[0]
+    assert torch.equal(mine.view(torch.int32), reference[1].view(torch.int32))
+    assert torch.equal(codec.decode(frame).view(torch.int32), mine.view(torch.int32))
