@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .codec import Codec
+from .codec import Codec, Frame
 
 
 class ErrorFeedback:
@@ -23,11 +23,11 @@ class ErrorFeedback:
         self.beta = float(beta)
         self.residual: torch.Tensor | None = None
 
-    def encode(self, x: torch.Tensor) -> bytes:
+    def encode(self, x: torch.Tensor) -> Frame:
         """Encode ``x`` plus the carried residual; returns the frame."""
         return self.encode_with_decoded(x)[0]
 
-    def encode_with_decoded(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    def encode_with_decoded(self, x: torch.Tensor) -> tuple[Frame, torch.Tensor]:
         """Encode ``x`` plus the carried residual; returns the frame and exactly what a peer
         decodes from it. The residual becomes what that decoded value is missing."""
         if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 1:

@@ -54,6 +54,12 @@ class GroupEvicted(RuntimeError):
     differed). Restart the group's processes: they join again and heal."""
 
 
+class ExchangeFailed(RuntimeError):
+    """An exchange rolled back ``max_attempts`` times in a row: a failure that repeats (a bug, a
+    link that corrupts every frame, a stale build) rather than a group lost once. The rank stops
+    with the last attempt's reason; its group is restarted and heals, as after any failure."""
+
+
 class JobFinished(RuntimeError):
     """This group joined too late: the job's groups have finished; there is nothing to heal into."""
 
@@ -131,15 +137,21 @@ class QuorumAverager(StripedAverager):
     module doc). ``tokens_per_step``: what one inner step of this group weighs (tokens; default
     its number of ranks), so groups of different sizes are averaged by tokens. ``heal``: this
     group joined a running job. ``heartbeat_interval_s``: seconds between heartbeats.
-    ``round_timeout_s``: longest this rank keeps asking an unreachable coordinator."""
+    ``round_timeout_s``: longest this rank keeps asking an unreachable coordinator.
+    ``max_attempts``: attempts of one exchange (each rolled back and retried in a new quorum)
+    before this rank gives up with ExchangeFailed; a lost group costs one or two."""
 
     weighted = True  # the engine passes each contribution's weight (inner steps)
     screens_contributions = True  # NaN/Inf contributions go to the coordinator, which refuses them
 
     def __init__(self, transport, membership, client, *, group: int, rank: int, incarnation: str,
                  heal: bool = False, tokens_per_step: float | None = None, heartbeat_interval_s: float = 2.0,
-                 round_timeout_s: float = 600.0, plan_every: int = 8, **kwargs: Any) -> None:
+                 round_timeout_s: float = 600.0, plan_every: int = 8, max_attempts: int = 20,
+                 **kwargs: Any) -> None:
         super().__init__(transport, membership, group=group, rank=rank, **kwargs)
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.max_attempts = max_attempts
         self.client = client
         self.plan_every = plan_every
         self._table: tuple[int, int, Any] | None = None  # (block, version, bandwidth table)
@@ -388,6 +400,10 @@ class _QuorumPending:
             log.warning("group %d rank %d: %s rolled back (%s)", avg.group, avg.rank, resp.id, decision.reason)
             if self._ask is None:
                 raise _RolledBack(decision.reason)
+            if attempts >= avg.max_attempts:
+                raise ExchangeFailed(f"group {avg.group} rank {avg.rank}: exchange {resp.tag} rolled back "
+                                     f"{attempts} times in a row (the last: {decision.reason}); a failure that "
+                                     "repeats, not a lost group: stopping instead of retrying it")
             resp = avg.retry_quorum(self._ask)
 
     def wait(self) -> torch.Tensor:

@@ -98,7 +98,31 @@ def _native_for(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and native_available()
 
 
-class BlockScaled(BlockSizeParam, Codec):
+class NativeCoded(Codec):
+    """A codec whose C kernel writes the parts of a round-to-nearest encode wherever it is told
+    (``_encode_native``): into new tensors for ``quantize``, straight into the frame for
+    ``quantize_into``."""
+
+    def _encode_native(self, x: torch.Tensor, parts: Parts) -> None:
+        raise NotImplementedError
+
+    def _native_codes(self, x: torch.Tensor) -> bool:
+        """Whether the C kernel codes x (round to nearest, a CPU fp32 tensor, kernels built)."""
+        return not self.stochastic and _native_for(x) and x.dtype == torch.float32
+
+    def _native_parts(self, x: torch.Tensor) -> Parts:
+        parts = [torch.empty(n, dtype=dt) for dt, n in self.part_layout(x.numel())]
+        self._encode_native(x, parts)
+        return parts
+
+    def quantize_into(self, x: torch.Tensor, parts: Parts) -> bool:
+        if not x.numel() or not self._native_codes(x):
+            return False
+        self._encode_native(x, parts)
+        return True
+
+
+class BlockScaled(BlockSizeParam, NativeCoded):
     """int8 machinery: fp32 absmax scale per block, one code per value, optional stochastic
     rounding."""
 
@@ -134,10 +158,7 @@ class BlockScaled(BlockSizeParam, Codec):
         if n == 0:
             return [x.new_empty(0), x.new_empty(0, dtype=torch.int8)]
         if self._native_codes(x):
-            (_, nb), (code_dtype, nc) = self.part_layout(n)
-            parts = [torch.empty(nb), torch.empty(nc, dtype=code_dtype)]
-            self._encode_native(x, parts)
-            return parts
+            return self._native_parts(x)
         xb = padded_blocks(x, self.block_size)
         xa = xb.abs()
         absmax = xa.amax(dim=1)
@@ -154,16 +175,8 @@ class BlockScaled(BlockSizeParam, Codec):
         codes = self.code_blocks(xb, xa, inv, noise).reshape(-1)[:n]
         return [scale, codes]
 
-    def quantize_into(self, x: torch.Tensor, parts: Parts) -> bool:
-        if not x.numel() or not self._native_codes(x):
-            return False
-        self._encode_native(x, parts)
-        return True
-
     def _native_codes(self, x: torch.Tensor) -> bool:
-        """Whether the C kernel codes x (round to nearest, a CPU fp32 tensor, kernels built)."""
-        return (not self.stochastic and self.native_kind is not None and _native_for(x)
-                and x.dtype == torch.float32)
+        return self.native_kind is not None and super()._native_codes(x)
 
     def _encode_native(self, x: torch.Tensor, parts: Parts) -> None:
         """``quantize`` (round to nearest) by the C kernel, into ``parts`` (scales and codes of
@@ -316,7 +329,7 @@ LLOYD4 = (0.0, 0.719, 1.462, 2.253, 3.118, 4.111, 5.325, 7.0)
 _TABLES: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-class Block4(BlockSizeParam, Codec):
+class Block4(BlockSizeParam, NativeCoded):
     """4-bit codes over blocks with 8-bit log scale codes and fp32 group anchors (see module)."""
 
     bits = 4
@@ -393,22 +406,8 @@ class Block4(BlockSizeParam, Codec):
             return [x.new_empty(0), x.new_empty(0, dtype=torch.uint8),
                     x.new_empty(0, dtype=torch.uint8)]
         if self._native_codes(x):
-            (_, ng), (_, nb), (_, nc) = self.part_layout(n)
-            parts = [torch.empty(ng), torch.empty(nb, dtype=torch.uint8),
-                     torch.empty(nc, dtype=torch.uint8)]
-            self._encode_native(x, parts)
-            return parts
+            return self._native_parts(x)
         return self._quantize_torch(x)
-
-    def quantize_into(self, x: torch.Tensor, parts: Parts) -> bool:
-        if not x.numel() or not self._native_codes(x):
-            return False
-        self._encode_native(x, parts)
-        return True
-
-    def _native_codes(self, x: torch.Tensor) -> bool:
-        """Whether the C kernel codes x (round to nearest, a CPU fp32 tensor, kernels built)."""
-        return not self.stochastic and _native_for(x) and x.dtype == torch.float32
 
     def _encode_native(self, x: torch.Tensor, parts: Parts) -> None:
         """``quantize`` by the C kernel into ``parts`` (anchors, scale codes, packed codes):

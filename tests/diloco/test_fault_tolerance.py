@@ -14,7 +14,7 @@ import torch.nn as nn
 import diloco
 from diloco.config import TransportConfig
 from diloco.coordinator import CoordinatorServer
-from diloco.quorum_averager import GroupEvicted
+from diloco.quorum_averager import ExchangeFailed, GroupEvicted
 from transport import FaultProxy
 
 SECRET = b"fault-tolerance-test-secret-0123"
@@ -249,6 +249,37 @@ def test_a_corrupted_round_is_rolled_back_and_retried_and_ends_as_a_clean_run(co
     finally:
         clean_server.stop()
     assert faulty[0].final_hash == clean[0].final_hash
+
+
+def test_an_exchange_that_fails_every_attempt_stops_with_its_reason_instead_of_retrying_forever(coordinator):
+    """Group 0 reaches group 1 through a proxy that corrupts its every 200th byte up, so every
+    attempt of the first exchange fails the same way. Each group gives up after max_attempts
+    attempts (3 here) with ExchangeFailed naming the exchange and the last reason, within
+    seconds, instead of rolling back until the exchange's 4 x round timeout."""
+    proxies: list[FaultProxy] = []
+
+    def at_most_three_attempts(link) -> None:
+        link.averager.max_attempts = 3
+        if link.averager.group == 0:
+            target = link.membership.ranks(1)[0]
+            proxy = FaultProxy(target)
+            proxies.append(proxy)
+            link.transport.dial_overrides[target] = proxy.address
+            proxy.corrupt(every_nth=200, direction="up")
+
+    started = time.monotonic()
+    groups = [Group(coordinator.address, g, on_connected=at_most_three_attempts).start() for g in range(3)]
+    try:
+        for g in groups:
+            g.join()
+    finally:
+        for p in proxies:
+            p.close()
+    assert time.monotonic() - started < 60
+    for g in groups:
+        assert isinstance(g.error, ExchangeFailed), (g.group, g.error)
+        assert "rolled back 3 times in a row" in str(g.error) and "the last:" in str(g.error)
+        assert g.link.fault_stats.rollbacks == 3 and g.link.fault_stats.committed == 0
 
 
 def test_a_group_whose_global_state_drifted_is_evicted_by_the_hash_check(coordinator):
