@@ -98,6 +98,12 @@ def _native_for(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and native_available()
 
 
+def _native_out(out: torch.Tensor, count: int) -> bool:
+    """Whether a C kernel may write ``count`` fp32 values through ``out``'s data pointer."""
+    return (out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+            and out.numel() == count)
+
+
 class NativeCoded(Codec):
     """A codec whose C kernel writes the parts of a round-to-nearest encode wherever it is told
     (``_encode_native``): into new tensors for ``quantize``, straight into the frame for
@@ -206,8 +212,7 @@ class BlockScaled(BlockSizeParam, NativeCoded):
 
     def dequantize_into(self, parts: Parts, count: int, out: torch.Tensor) -> torch.Tensor:
         scale, codes = parts
-        if (count and self.native_kind is not None and _native_for(codes)
-                and out.device.type == "cpu"):
+        if count and self.native_kind is not None and _native_for(codes) and _native_out(out, count):
             # the kernel's values are the codes as floats (int8's), times their block's scale
             if (scale.numel() != n_blocks(count, self.block_size) or codes.numel() != count
                     or scale.dtype != torch.float32 or codes.dtype != torch.int8):
@@ -580,7 +585,7 @@ class Block4(BlockSizeParam, NativeCoded):
         return out[:count].clone() if nb * b != count else out
 
     def dequantize_into(self, parts: Parts, count: int, out: torch.Tensor) -> torch.Tensor:
-        if count and _native_for(parts[2]) and out.device.type == "cpu":
+        if count and _native_for(parts[2]) and _native_out(out, count):
             return self._dequantize_native(parts, count, out)
         return out.copy_(self.dequantize(parts, count))
 
