@@ -30,7 +30,8 @@ and at the end.
 
 Sweeps (stage ``sweep``, one seed; the study rows then use the winners): the inner peak lr for
 data parallel and for DiLoCo (M=2, H=30) over ``INNER_LRS``, then the outer (lr, momentum) of
-DiLoCo at M=2, H=30 over ``OUTER_SWEEP`` (the DiLoCo default 0.7 / 0.9 among them). Every
+DiLoCo at M=2, H=30 over ``OUTER_SWEEP`` (the DiLoCo default 0.7 / 0.9 among them; both in
+``bench/convergence_rows.py``, with the sizes and rows). Every
 DiLoCo row uses the DiLoCo inner lr and the default outer settings; ``m{M}-h30-outer`` rows repeat
 M=1, 2, 4 at H=30 with the best outer settings when those differ from the default. ``--dp-lr``,
 ``--diloco-lr``, ``--outer-lr``/``--outer-momentum`` fix them instead (``--quick`` uses 1e-3 for
@@ -85,7 +86,6 @@ import torch  # noqa: E402
 
 from bench.convergence_rows import (  # noqa: E402
     DEFAULT_OUTER, OUTER_SWEEP, QUICK_ROWS, QUICK_SIZE, SIZES, Row, Size, quick_rows, study_rows, sweep_rows)
-from bench.convergence_rows import CODECS, INNER_LRS  # noqa: E402, F401  (re-exported)
 from diloco import data as data_mod  # noqa: E402
 from diloco.averaging import SingleGroup  # noqa: E402
 from diloco.config import Config  # noqa: E402

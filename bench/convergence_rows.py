@@ -1,0 +1,148 @@
+"""The row catalogue of the convergence study (``bench/convergence.py``): the model sizes and
+their budgets, the rows (one configuration each), the lr sweeps' rows and the ``--quick`` subset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+CODECS = ("fp32", "bf16", "int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4")
+INNER_LRS = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
+DEFAULT_OUTER = (0.7, 0.9)  # DiLoCo's outer Nesterov lr / momentum
+# the outer sweep besides the default (whose run is the DiLoCo inner sweep's best)
+OUTER_SWEEP = ((0.4, 0.9), (1.0, 0.9), (0.7, 0.8), (0.7, 0.95), (0.7, 0.7), (1.0, 0.8), (0.7, 0.5), (1.0, 0.7))
+
+
+@dataclass(frozen=True)
+class Size:
+    """A demo GPT and the budget of its rows: ``steps`` inner steps of ``batch`` sequences (all
+    groups together) of ``block`` tokens."""
+
+    name: str
+    n_layer: int
+    n_embd: int
+    steps: int
+    n_head: int = 4
+    block: int = 64
+    batch: int = 32
+    warmup: int = 0  # 0: steps // 20
+    seeds: int = 3  # seeds of the rows marked ``seeded`` (the others: one)
+    inner_lrs: tuple[float, ...] = INNER_LRS  # the inner-lr sweep
+    outer_sweep: bool = True  # False: take the outer winner of the size "small" (see below)
+    tuned_on: str = ""  # a size whose sweep winners this one uses (and no sweep of its own)
+    rows: tuple[str, ...] | None = None  # study rows run at this size (None: all)
+
+
+#: The medium model runs a subset of the rows, two seeds, a 3-point inner-lr sweep and no outer
+#: sweep: Charles et al. 2025 find the best outer lr independent of model size, so it takes the
+#: small model's. Both sizes together: about 1.5 hours on 2 idle cores (estimated from single rows:
+#: small M=2 1,000 steps ~40 s, medium M=2 500 steps ~60 s; more when the machine is shared).
+SIZES = {
+    "small": Size("small", n_layer=2, n_embd=64, steps=1000),
+    "medium": Size("medium", n_layer=4, n_embd=128, steps=500, seeds=2, inner_lrs=(1e-3, 2e-3, 4e-3, 8e-3),
+                   outer_sweep=False,
+                   rows=("dp", "m1-h30", "m2-h30", "m4-h30", "m1-h30-outer", "m2-h30-outer", "m4-h30-outer",
+                         "m2-h100-outer", "m2-h30-int4-outer", "m2-h30-fp4-e2m1-outer", "overlap-p2-tau5-fp4",
+                         "eager", "co2", "qsr-outer")),
+    # the small model trained twice as long, at the small sweep's winners: does the gap to data
+    # parallel shrink when the same model takes more outer steps?
+    "small-long": Size("small-long", n_layer=2, n_embd=64, steps=2000, seeds=1, tuned_on="small",
+                       rows=("dp", "dp-lr0.004", "m1-h30-outer", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager")),
+    # four times longer again (about 140 tokens per parameter): does M=4 keep closing on data parallel?
+    "small-xlong": Size("small-xlong", n_layer=2, n_embd=64, steps=8000, seeds=1, tuned_on="small",
+                        rows=("dp", "dp-lr0.004", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager", "qsr-outer",
+                              "m2-h100-outer", "m2-h200-int4-outer", "delayed", "co2")),
+    # the medium model as long as the small one: the trend with model size at equal steps
+    "medium-long": Size("medium-long", n_layer=4, n_embd=128, steps=1000, seeds=1, tuned_on="medium",
+                        rows=("dp", "m2-h30-outer", "m4-h30-outer")),
+}
+QUICK_SIZE = replace(SIZES["small"], steps=400, seeds=1)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the study (the model size and seed come from the run)."""
+
+    name: str
+    mode: str = "blocking"  # dp, blocking, overlap, eager, co2
+    groups: int = 2
+    h: int = 30
+    codec: str = "fp32"
+    fragments: int = 1
+    tau: int = 0
+    schedule: str = "fixed"
+    stage: str = "study"  # sweep or study
+    inner_lr: float | None = None  # None: the family's (sweep winner or flag)
+    outer: tuple[float, float] | None = None  # outer (lr, momentum); None: the default (0.7, 0.9)
+    outer_tuned: bool = False  # True: the sweep's best outer (lr, momentum) instead of the default
+    co2: tuple[float, float] | None = None  # CO2's outer (lr, momentum); None: CO2_DEFAULTS
+    seeded: bool = False  # run with every seed of the size (else the first only)
+    note: str = ""
+
+    @property
+    def family(self) -> str:
+        return "dp" if self.mode == "dp" else "diloco"
+
+
+def study_rows() -> list[Row]:
+    rows = [Row("dp", mode="dp", groups=2, h=1, seeded=True, note="data parallel across 2 groups"),
+            Row("dp-lr0.004", mode="dp", groups=2, h=1, inner_lr=4e-3, seeded=True,
+                note="data parallel at inner lr 4e-3 (the small sweep's winner 8e-3 diverged on one seed of three)")]
+    for m in (1, 2, 4):
+        for h in (10, 30, 100):
+            rows.append(Row(f"m{m}-h{h}", groups=m, h=h, seeded=h == 30))
+    rows += [Row(f"m2-h30-{c}", codec=c, seeded=True) for c in CODECS if c != "fp32"]
+    rows += [Row("m2-h30-sign1", codec="sign1", note="sign1 with error feedback (gather exchange)"),
+             Row("m2-h30-topk", codec="topk", note="top-k with error feedback (gather exchange)")]
+    rows += [
+        Row("streaming-p2", fragments=2, note="2 fragments, staggered, each sync blocking"),
+        Row("overlap-p2-tau5", mode="overlap", fragments=2, tau=5, seeded=True,
+            note="Streaming DiLoCo: tau=5 overlap, alpha=0.5"),
+        Row("overlap-p2-tau5-fp4", mode="overlap", fragments=2, tau=5, codec="fp4-e2m1", seeded=True,
+            note="Streaming DiLoCo with fp4-e2m1"),
+        Row("eager", mode="eager", seeded=True, note="one-round eager outer step"),
+        Row("delayed", mode="delayed", seeded=True, note="naive one-round-stale outer step (what eager corrects)"),
+        Row("co2", mode="co2", seeded=True, note="CO2 defaults (lr 1, momentum 0, adaptive penalty, clip 1)"),
+        Row("qsr", h=30, schedule="qsr", note="QSR: H = max(30, (alpha/lr)^2), alpha = peak lr x sqrt(30)"),
+    ]
+    tuned = "best outer lr/momentum of the sweep"
+    rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
+    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 100, 200)]
+    rows += [Row(f"m2-h30-{c}-outer", codec=c, outer_tuned=True, seeded=True, note=tuned)
+             for c in CODECS if c != "fp32"]
+    rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
+             Row("m2-h30-sign1-outer", codec="sign1", outer_tuned=True, note=f"sign1 with error feedback, {tuned}"),
+             Row("m2-h30-topk-outer", codec="topk", outer_tuned=True, note=f"top-k with error feedback, {tuned}"),
+             *[Row(f"m2-h100-{c}-outer", h=100, codec=c, outer_tuned=True, note=f"H=100, {tuned}")
+               for c in ("int4", "sign1", "topk")],
+             Row("m2-h200-int4-outer", h=200, codec="int4", outer_tuned=True, note=f"H=200 int4: 0.04 bits, {tuned}"),
+             Row("co2-lr0.7-mom0", mode="co2", co2=(0.7, 0.0), note="CO2, outer lr 0.7"),
+             Row("co2-lr1-mom0.3", mode="co2", co2=(1.0, 0.3), note="CO2, outer momentum 0.3"),
+             Row("delayed-lr1-mom0", mode="delayed", outer=(1.0, 0.0), note="delayed, outer lr 1"),
+             *[Row(f"delayed-lr{o[0]:g}-mom{o[1]:g}", mode="delayed", outer=o, seeded=True,
+                   note="delayed, lowered outer lr (the eager paper's variant)") for o in ((0.5, 0.0), (0.35, 0.0))],
+             *[Row(f"delayed-lr{o[0]:g}-mom{o[1]:g}", mode="delayed", outer=o, note="delayed with some momentum")
+               for o in ((0.5, 0.3), (0.5, 0.5), (0.7, 0.3))],
+             Row("eager-lr0.5-mom0.5", mode="eager", outer=(0.5, 0.5), note="eager, outer lr 0.5"),
+             Row("co2-lr1.3-mom0", mode="co2", co2=(1.3, 0.0), note="CO2, outer lr 1.3"),
+             Row("co2-lr1-mom0.15", mode="co2", co2=(1.0, 0.15), note="CO2, outer momentum 0.15"),
+             Row("eager-lr0.7-mom0.7", mode="eager", outer=(0.7, 0.7), note="eager, outer momentum 0.7"),
+             Row("eager-h10", mode="eager", h=10, seeded=True, note="eager at H=10: a round is 1 % of the run"),
+             Row("eager-lr1-mom0.5", mode="eager", outer=(1.0, 0.5), note="eager, outer lr 1")]
+    return rows
+
+
+def sweep_rows(size: Size | None = None) -> list[Row]:
+    lrs = size.inner_lrs if size is not None else INNER_LRS
+    rows = [Row(f"sweep-dp-lr{lr:g}", mode="dp", groups=2, h=1, stage="sweep", inner_lr=lr) for lr in lrs]
+    rows += [Row(f"sweep-diloco-lr{lr:g}", stage="sweep", inner_lr=lr) for lr in lrs]
+    if size is None or size.outer_sweep:
+        rows += [Row(f"sweep-outer-lr{o[0]:g}-mom{o[1]:g}", stage="sweep", outer=o) for o in OUTER_SWEEP]
+    return rows
+
+
+QUICK_ROWS = ("dp", "m1-h30", "m2-h30", "m2-h30-int4", "streaming-p2", "overlap-p2-tau5-fp4", "eager")
+
+
+def quick_rows() -> list[Row]:
+    by_name = {r.name: r for r in study_rows()}
+    return [by_name[n] for n in QUICK_ROWS]
