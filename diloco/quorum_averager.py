@@ -55,9 +55,10 @@ class GroupEvicted(RuntimeError):
 
 
 class ExchangeFailed(RuntimeError):
-    """An exchange rolled back ``max_attempts`` times in a row: a failure that repeats (a bug, a
-    link that corrupts every frame, a stale build) rather than a group lost once. The rank stops
-    with the last attempt's reason; its group is restarted and heals, as after any failure."""
+    """An exchange (or healing) rolled back ``max_attempts`` times in a row: a failure that
+    repeats (a bug, a link that corrupts every frame, a stale build) rather than a group lost
+    once. The rank stops with the last attempt's reason; its group is restarted and heals, as
+    after any failure."""
 
 
 class JobFinished(RuntimeError):
@@ -138,8 +139,8 @@ class QuorumAverager(StripedAverager):
     its number of ranks), so groups of different sizes are averaged by tokens. ``heal``: this
     group joined a running job. ``heartbeat_interval_s``: seconds between heartbeats.
     ``round_timeout_s``: longest this rank keeps asking an unreachable coordinator.
-    ``max_attempts``: attempts of one exchange (each rolled back and retried in a new quorum)
-    before this rank gives up with ExchangeFailed; a lost group costs one or two."""
+    ``max_attempts``: attempts of one exchange, or of healing (each rolled back and retried in a
+    new quorum), before this rank gives up with ExchangeFailed; a lost group costs one or two."""
 
     weighted = True  # the engine passes each contribution's weight (inner steps)
     screens_contributions = True  # NaN/Inf contributions go to the coordinator, which refuses them
@@ -208,6 +209,7 @@ class QuorumAverager(StripedAverager):
     def heal(self, engine) -> None:
         """Join the job: fetch a live member's state in the next quorum and finish its exchange."""
         started = time.perf_counter()
+        attempts = 0
         while True:
             resp = self._ask(QuorumRequest(self.group, self.rank, self.incarnation, HEAL), healable=True)
             if resp.finished:
@@ -220,6 +222,11 @@ class QuorumAverager(StripedAverager):
             try:
                 mean = pending.wait()
             except _RolledBack as e:
+                attempts += 1
+                if attempts >= self.max_attempts:
+                    raise ExchangeFailed(f"group {self.group} rank {self.rank}: healing rolled back {attempts} times "
+                                         f"in a row (the last: {e}); a failure that repeats: stopping instead of "
+                                         "retrying it") from None
                 log.warning("group %d: healing in %s rolled back (%s); trying the next quorum", self.group, resp.id, e)
                 continue
             engine.load_state_dict(state)

@@ -282,6 +282,36 @@ def test_an_exchange_that_fails_every_attempt_stops_with_its_reason_instead_of_r
         assert g.link.fault_stats.rollbacks == 3 and g.link.fault_stats.committed == 0
 
 
+def test_a_heal_that_fails_every_attempt_stops_with_its_reason_and_the_others_go_on(coordinator):
+    """A restarted group heals through proxies that corrupt its every 200th byte to both peers,
+    so every heal attempt rolls back. It gives up after max_attempts (3) with ExchangeFailed
+    naming healing and the last reason; the survivors leave it out and finish bit-identical."""
+    proxies: list[FaultProxy] = []
+
+    def corrupting_links(link) -> None:
+        link.averager.max_attempts = 3
+        for peer in (0, 1):
+            target = link.membership.ranks(peer)[0]
+            proxy = FaultProxy(target)
+            proxies.append(proxy)
+            link.transport.dial_overrides[target] = proxy.address
+            proxy.corrupt(every_nth=200, direction="up")
+
+    first = [Group(coordinator.address, g, die_at=13 if g == 2 else None).start() for g in range(3)]
+    first[2].join()
+    healer = Group(coordinator.address, 2, on_connected=corrupting_links).start()
+    try:
+        healer.join()
+        finish(first[:2])
+    finally:
+        for p in proxies:
+            p.close()
+    assert isinstance(healer.error, ExchangeFailed), healer.error
+    assert "healing rolled back 3 times in a row" in str(healer.error) and "the last:" in str(healer.error)
+    assert not healer.link.fault_stats.healed
+    assert first[0].final_hash == first[1].final_hash and first[0].engine.inner_step == STEPS
+
+
 def test_a_group_whose_global_state_drifted_is_evicted_by_the_hash_check(coordinator):
     """Silent divergence (here: one global value changed by hand) is caught at the next quorum:
     the group's hash is in the minority, it is stopped, and the others go on."""
