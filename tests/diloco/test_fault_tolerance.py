@@ -251,6 +251,19 @@ def test_a_corrupted_round_is_rolled_back_and_retried_and_ends_as_a_clean_run(co
     assert faulty[0].final_hash == clean[0].final_hash
 
 
+def corrupt_links(link, peers: list[int]) -> list[FaultProxy]:
+    """Dial the first rank of each peer group through a proxy that corrupts every 200th byte
+    this side sends; returns the proxies (the caller closes them)."""
+    proxies = []
+    for peer in peers:
+        target = link.membership.ranks(peer)[0]
+        proxy = FaultProxy(target)
+        proxies.append(proxy)
+        link.transport.dial_overrides[target] = proxy.address
+        proxy.corrupt(every_nth=200, direction="up")
+    return proxies
+
+
 def test_an_exchange_that_fails_every_attempt_stops_with_its_reason_instead_of_retrying_forever(coordinator):
     """Group 0 reaches group 1 through a proxy that corrupts its every 200th byte up, so every
     attempt of the first exchange fails the same way. Each group gives up after max_attempts
@@ -261,11 +274,7 @@ def test_an_exchange_that_fails_every_attempt_stops_with_its_reason_instead_of_r
     def at_most_three_attempts(link) -> None:
         link.averager.max_attempts = 3
         if link.averager.group == 0:
-            target = link.membership.ranks(1)[0]
-            proxy = FaultProxy(target)
-            proxies.append(proxy)
-            link.transport.dial_overrides[target] = proxy.address
-            proxy.corrupt(every_nth=200, direction="up")
+            proxies.extend(corrupt_links(link, [1]))
 
     started = time.monotonic()
     groups = [Group(coordinator.address, g, on_connected=at_most_three_attempts).start() for g in range(3)]
@@ -290,12 +299,7 @@ def test_a_heal_that_fails_every_attempt_stops_with_its_reason_and_the_others_go
 
     def corrupting_links(link) -> None:
         link.averager.max_attempts = 3
-        for peer in (0, 1):
-            target = link.membership.ranks(peer)[0]
-            proxy = FaultProxy(target)
-            proxies.append(proxy)
-            link.transport.dial_overrides[target] = proxy.address
-            proxy.corrupt(every_nth=200, direction="up")
+        proxies.extend(corrupt_links(link, [0, 1]))
 
     first = [Group(coordinator.address, g, die_at=13 if g == 2 else None).start() for g in range(3)]
     first[2].join()
