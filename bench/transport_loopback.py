@@ -136,7 +136,7 @@ def _member(conn, cfg: dict) -> None:
         conn.recv()  # go
         before, cpu0 = t.bytes_sent, time.process_time()
         t0 = time.perf_counter()
-        t.all_reduce(x, ring, cfg["index"], tag=f"rep{rep}", codec=codec, out=out).wait()
+        t.all_reduce(x, ring, cfg["index"], tag=f"rep{rep}", codec=codec, out=out, finite=cfg["finite"]).wait()
         seconds = time.perf_counter() - t0
         conn.send(("done", seconds, t.bytes_sent - before, time.process_time() - cpu0))
     conn.recv()  # close: only once every member is done (a member closing early can cut its neighbour off)
@@ -163,14 +163,14 @@ def _gloo_member(conn, cfg: dict) -> None:
 
 
 def ring_case(backend: str, g: int, n: int, reps: int, chunk_bytes: int, conns: int, tls: list | None, codec: str,
-              pin: bool = False, fresh_out: bool = False) -> dict:
+              pin: bool = False, fresh_out: bool = False, finite: bool = False) -> dict:
     """One loopback case: every member a spawned process on 127.0.0.1; best of reps (slowest member)."""
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for i in range(g):
         a, b = ctx.Pipe()
         cfg = dict(backend=backend, groups=g, n=n, reps=reps, chunk_bytes=chunk_bytes, conns=conns, tls=tls, codec=codec, index=i,
-                   pin_malloc=pin, fresh_out=fresh_out)
+                   pin_malloc=pin, fresh_out=fresh_out, finite=finite)
         p = ctx.Process(target=_member, args=(b, cfg), daemon=True)
         p.start()
         pipes.append(a)
@@ -193,28 +193,31 @@ def ring_case(backend: str, g: int, n: int, reps: int, chunk_bytes: int, conns: 
         p.join(30)
     best = min(per_rep)
     name = (f"loopback {backend} G={g} chunk={chunk_bytes >> 10}KiB conns={conns}{' tls' if tls else ''} {codec}"
-            f"{' fresh-out' if fresh_out else ''}{' pinned-malloc' if pin else ''}")
+            f"{' fresh-out' if fresh_out else ''}{' finite' if finite else ''}{' pinned-malloc' if pin else ''}")
     if backend == "gloo":
         name = f"loopback gloo G={g} {codec} (torch.distributed all_reduce + div)"
     return {
         "case": name, "kind": "loopback", "backend": backend, "codec": codec, "connections": conns, "groups": g,
         "link_mbit": None, "rates_mbit": None, "seconds": best, "median_seconds": statistics.median(per_rep),
         "member_cpu_s": min(cpu), "elements": n, "chunk_bytes": chunk_bytes, "tls": bool(tls), "pinned_malloc": pin,
-        "reused_out": not fresh_out, "bytes_sent_per_member": sent, "bytes_counted": backend != "gloo", "wire_bytes": sent * g / (2 * (g - 1)),
+        "reused_out": not fresh_out, "finite": finite, "bytes_sent_per_member": sent, "bytes_counted": backend != "gloo", "wire_bytes": sent * g / (2 * (g - 1)),
         "algbw_gbps": n * 4 / best / 1e9, "busbw_gbps": sent / best / 1e9,
     }
 
 
 def cases(quick: bool) -> list[dict]:
-    """The loopback cases: (backend, groups, chunk bytes, connections, tls, codec, fresh output)."""
+    """The loopback cases: (backend, groups, chunk bytes, connections, tls, codec, fresh output,
+    finite: every received chunk checked for NaN/Inf, as the trainer's exchanges do)."""
     M = 1 << 20
-    base = dict(backend="tcp", g=2, chunk_bytes=M, conns=1, tls=False, codec="fp32", fresh_out=False)
+    base = dict(backend="tcp", g=2, chunk_bytes=M, conns=1, tls=False, codec="fp32", fresh_out=False, finite=False)
     if quick:
         return [base, {**base, "backend": "gloo"}]
     variants = [
         {}, {"backend": "grpc"}, {"tls": True}, {"fresh_out": True}, {"chunk_bytes": 256 << 10},
         {"chunk_bytes": 4 * M}, {"conns": 4}, {"backend": "grpc", "conns": 4}, {"g": 3},
-        {"codec": "int8"}, {"codec": "int4"}, {"codec": "int4/fast"}, {"codec": "fp4-e2m1"}, {"codec": "bare"}, {"backend": "gloo"}, {"backend": "gloo", "g": 3},
+        {"finite": True}, {"codec": "int8"}, {"codec": "int8", "finite": True}, {"codec": "int4"},
+        {"codec": "int4/fast"}, {"codec": "fp4-e2m1"}, {"codec": "bare"}, {"backend": "gloo"},
+        {"backend": "gloo", "g": 3},
     ]
     return [{**base, **v} for v in variants]
 
@@ -243,7 +246,7 @@ def run(quick: bool, reps: int | None, rounds: int | None, backends: list[str], 
                     raws[kind] = r
             for k, c in enumerate(todo):
                 r = ring_case(c["backend"], c["g"], mib * (1 << 20) // 4, reps, c["chunk_bytes"], c["conns"],
-                              tls_cfgs if c["tls"] else None, c["codec"], pin, c["fresh_out"])
+                              tls_cfgs if c["tls"] else None, c["codec"], pin, c["fresh_out"], c["finite"])
                 if k not in best or r["seconds"] < best[k]["seconds"]:
                     best[k] = r
     records = []

@@ -45,6 +45,7 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.nn as nn
 
+from compress.finite import all_finite
 from diloco.averaging import Averager, Done, PendingMean
 from diloco.error_feedback import Residuals
 from diloco.initial import InitialSync, agree
@@ -282,7 +283,7 @@ class DiLoCo:
 
     def _delta(self, p: int) -> torch.Tensor:
         delta = self.fragments[p].pseudo_gradient()
-        if not self._screened and not torch.isfinite(delta).all():
+        if not self._screened and not all_finite(delta):
             raise NonFiniteError(
                 f"fragment {p} round {self.rounds[p]}: local pseudo-gradient has NaN/Inf at inner "
                 f"step {self.inner_step}; nothing was sent or applied"
@@ -292,7 +293,7 @@ class DiLoCo:
     def _wait(self, p: int, flight: _InFlight) -> torch.Tensor:
         mean = flight.pending.wait()
         self.in_flight[p] = None
-        if not torch.isfinite(mean).all():
+        if not all_finite(mean):
             raise NonFiniteError(f"fragment {p} round {flight.round}: averaged pseudo-gradient has NaN/Inf; not applied")
         if getattr(flight.pending, "own_rejected", False):
             self._reset_local(p)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from compress.finite import all_finite
 from diloco.averaging import Done
 from diloco.coordinator import CoordinatorError
 from diloco.coordinator.messages import CommitRequest, CommitResponse, QuorumRequest, QuorumResponse
@@ -291,7 +292,7 @@ class QuorumAverager(StripedAverager):
         for s, h in handles:
             try:
                 h.wait(self.timeout_s)
-                if not bool(torch.isfinite(out[s.start:s.stop]).all()):
+                if not all_finite(out[s.start:s.stop]):
                     why = why or f"the mean of stripe {s.index} holds NaN/Inf"
             except (CollectiveAborted, TransportError) as e:
                 why = why or str(e)[:400]

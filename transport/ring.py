@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from compress.finite import all_finite
+
 from .errors import CollectiveAborted, TransportError
 from .frames import RawFp32, decodes_into, frame_bound, raw_fp32
 from .partition import chunk_bounds, segment_bounds
@@ -297,7 +299,7 @@ class RingAllReduce:
 
     def _check_finite(self, values: torch.Tensor, what: str) -> None:
         """With finite=True, abort on a received frame holding NaN or Inf (nothing applied)."""
-        if self.finite and not bool(torch.isfinite(values).all()):
+        if self.finite and not all_finite(values):
             raise _Abort(f"bad frame for {what} from {self.left}: it holds NaN or Inf values, which this "
                          "collective's inputs never do (finite=True)")
 
@@ -345,7 +347,7 @@ class RingAllReduce:
             link, self._link = self._link, None  # never send to it, not even our abort
             raise _Abort(f"right peer {self.right} proved group {link.peer_group}, the ring says group "
                          f"{self.right_group}: not sending to it")
-        if self.finite and not bool(torch.isfinite(self.x).all()):
+        if self.finite and not all_finite(self.x):
             raise _Abort("this member's own input holds NaN or Inf (finite=True)")
 
     def _next_message(self, last_progress: float, stall: Any) -> tuple[Any, float]:

@@ -14,6 +14,7 @@ import torch
 
 from ..codec import Codec, Parts
 from ..errors import FrameError
+from ..finite import all_finite
 from ..registry import register
 from .common import check_block, header_block, n_blocks
 from .packing import pack_fields, packed_bytes, unpack_fields
@@ -78,7 +79,7 @@ class TopK(Codec):
         if n == 0:
             e = x.new_empty(0, dtype=torch.uint8)
             return [x.new_empty(0), e, e]
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise ValueError("topk cannot encode NaN or infinite values")
         nc = n_blocks(n, c)
         mag = torch.full((nc * c,), -1.0, device=x.device)  # padding never beats a real value
