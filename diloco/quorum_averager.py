@@ -225,9 +225,7 @@ class QuorumAverager(StripedAverager):
             except _RolledBack as e:
                 attempts += 1
                 if attempts >= self.max_attempts:
-                    raise ExchangeFailed(f"group {self.group} rank {self.rank}: healing rolled back {attempts} times "
-                                         f"in a row (the last: {e}); a failure that repeats: stopping instead of "
-                                         "retrying it") from None
+                    raise self._gave_up("healing", attempts, str(e)) from None
                 log.warning("group %d: healing in %s rolled back (%s); trying the next quorum", self.group, resp.id, e)
                 continue
             engine.load_state_dict(state)
@@ -239,6 +237,11 @@ class QuorumAverager(StripedAverager):
             log.info("group %d rank %d healed from group %d in %.2fs at %s", self.group, self.rank, resp.donor,
                      self.stats.heal_seconds, resp.tag)
             return
+
+    def _gave_up(self, what: str, attempts: int, reason: str) -> ExchangeFailed:
+        return ExchangeFailed(f"group {self.group} rank {self.rank}: {what} rolled back {attempts} times in a row "
+                              f"(the last: {reason}); a failure that repeats, not a lost group: stopping instead "
+                              "of retrying it")
 
     # --- one exchange ---------------------------------------------------------------------------
 
@@ -409,9 +412,7 @@ class _QuorumPending:
             if self._ask is None:
                 raise _RolledBack(decision.reason)
             if attempts >= avg.max_attempts:
-                raise ExchangeFailed(f"group {avg.group} rank {avg.rank}: exchange {resp.tag} rolled back "
-                                     f"{attempts} times in a row (the last: {decision.reason}); a failure that "
-                                     "repeats, not a lost group: stopping instead of retrying it")
+                raise avg._gave_up(f"exchange {resp.tag}", attempts, decision.reason)
             resp = avg.retry_quorum(self._ask)
 
     def wait(self) -> torch.Tensor:

@@ -8,22 +8,19 @@ from typing import Any
 
 import torch
 
+import compress
+from compress import frame
+
 log = logging.getLogger(__name__)
 
 
 def default_codec() -> Any:
     """The lossless fp32 codec of `compress`."""
-    import compress
-
     return compress.get_codec("fp32")
 
 
 def decodes_into(codec: Any) -> bool:
     """Whether codec is one of compress's, whose decode and encode_with_decoded take out=."""
-    try:
-        import compress
-    except ImportError:
-        return False
     return isinstance(codec, compress.Codec)
 
 
@@ -37,11 +34,6 @@ def frame_bound(codec: Any, fallback: int) -> Any:
 
     Exact for compress's codecs (header, payload, checksum; zstd's worst-case expansion allowed);
     any other codec is bounded by `fallback` (the transport's max_chunk_frame_bytes)."""
-    try:
-        import compress
-        from compress import frame
-    except ImportError:
-        return lambda count: fallback
     if not isinstance(codec, compress.Codec):
         return lambda count: fallback
     return lambda count: frame.OVERHEAD + _zstd_bound(codec.payload_size(count))
@@ -59,9 +51,7 @@ class RawFp32:
     """
 
     def __init__(self, codec: Any) -> None:
-        from compress import frame
-
-        self.codec, self.frame = codec, frame
+        self.codec = codec
         self._params = tuple(codec.header_params)
 
     def parts(self, values: torch.Tensor) -> list[bytes | memoryview]:
@@ -69,16 +59,16 @@ class RawFp32:
         sent as is, with no copy (values must not change until it is sent)."""
         count = values.numel()
         raw_len = self.codec.payload_size(count)
-        head = self.frame.pack_header(self.frame.Header(self.codec.codec_id, 0, *self._params, count, raw_len, raw_len))
+        head = frame.pack_header(frame.Header(self.codec.codec_id, 0, *self._params, count, raw_len, raw_len))
         body = memoryview(values.numpy()).cast("B")
-        return [head, body, self.frame.trailer(head, body)]
+        return [head, body, frame.trailer(head, body)]
 
     def values(self, buf: Any, want: int) -> torch.Tensor | None:
         """A writable fp32 view of the checked frame's payload; None if it is not a raw fp32 frame
         of want values in a writable buffer. Raises compress.FrameError for a malformed frame."""
         if not isinstance(buf, memoryview) or buf.readonly:
             return None
-        h, payload = self.frame.parse(buf)
+        h, payload = frame.parse(buf)
         c = self.codec
         got = (h.codec_id, h.flags, (h.p0, h.p1, h.p2), h.count, h.raw_len)
         if got != (c.codec_id, 0, self._params, want, c.payload_size(want)):
@@ -87,7 +77,7 @@ class RawFp32:
 
     def seal(self, buf: memoryview) -> None:
         """Rewrite the checksum after the payload was changed in place."""
-        self.frame.seal(buf)
+        frame.seal(buf)
 
 
 _raw_checked: dict[Any, bool] = {}
@@ -95,10 +85,6 @@ _raw_checked: dict[Any, bool] = {}
 
 def raw_fp32(codec: Any) -> RawFp32 | None:
     """A `RawFp32` for codec if it is compress's fp32 codec without zstd and passes the check."""
-    try:
-        import compress
-    except ImportError:
-        return None
     if not isinstance(codec, compress.Codec) or codec.name != "fp32" or codec.zstd:
         return None
     raw = RawFp32(codec)
