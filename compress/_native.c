@@ -15,12 +15,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* the block loops are compiled twice (AVX2 and baseline x86-64) and picked at load time; the
- * per-block helpers are inlined into each */
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("avx2", "default")))
-#else
+/* the block loops are compiled for AVX-512 (x86-64-v4, GCC 12 on), AVX2 and baseline x86-64 and
+ * picked at load time; the per-block helpers are inlined into each. -DNATIVE_ONE_TARGET builds
+ * one version for the compiler's -march (tests/compress/test_compress_native.py builds each) */
+#if defined(NATIVE_ONE_TARGET) || !defined(__GNUC__) || !defined(__x86_64__) || defined(__clang__)
 #define CLONES
+#elif __GNUC__ >= 12
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define CLONES __attribute__((target_clones("avx2", "default")))
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
@@ -286,13 +289,15 @@ FAMILY_N(e2m1, MAG_E2M1, 3)
 FAMILY_N(table, MAG_TABLE, 3)
 FAMILY_N(e3m0, MAG_E3M0, 8)
 
-/* int4's offset-binary nibbles: the low byte of clamp(x * inv, -7, 7) + (MAGIC + 8) */
+/* int4's offset-binary nibbles: clamp(round(x * inv), -7, 7) + 8, the same as rounding after the
+ * clamp (+-7 are integers); clamped as integers, which vectorizes to min/max. |x * inv| stays
+ * far below 2^22 (at most qn * 2^(hi/8)), where adding MAGIC rounds it. */
 INLINE void block_codes_int4_ob(const float *x, int64_t m, float inv, uint8_t *c) {
     for (int64_t i = 0; i < m; i++) {
-        float y = x[i] * inv;
-        y = y > -7.0f ? y : -7.0f;
-        y = y < 7.0f ? y : 7.0f;
-        c[i] = (uint8_t)bits_of(y + (MAGIC + 8.0f));
+        int32_t r = (int32_t)(bits_of(x[i] * inv + MAGIC) - 0x4b400000u);
+        r = r < 7 ? r : 7;
+        r = r > -7 ? r : -7;
+        c[i] = (uint8_t)(r + 8);
     }
 }
 
@@ -326,12 +331,41 @@ INLINE void block_codes(int fam, const float *x, int64_t m, float inv, const lev
     }
 }
 
+/* codes are staged in buf (blocks are contiguous: several per fill) and packed in pairs */
+typedef struct {
+    uint8_t buf[CHUNK4 + 2];
+    int64_t len, start;
+    uint8_t *out;
+} pairer;
+
+INLINE void pair_block(pairer *p, int fam, const float *xs, int64_t s0, int64_t m, float inv,
+                       const levels4 *L) {
+    for (int64_t o = 0; o < m;) {
+        if (p->len == CHUNK4) {
+            pack_pairs(p->buf, p->len, p->out + p->start / 2);
+            p->len = 0;
+        }
+        if (p->len == 0) p->start = s0 + o;
+        int64_t k = m - o < CHUNK4 - p->len ? m - o : CHUNK4 - p->len;
+        block_codes(fam, xs + o, k, inv, L, p->buf + p->len);
+        p->len += k;
+        o += k;
+    }
+}
+
+INLINE void pair_flush(pairer *p) {
+    if (p->len % 2) p->buf[p->len++] = 0; /* odd count: the last byte's high nibble is 0 */
+    if (p->len) pack_pairs(p->buf, p->len, p->out + p->start / 2);
+}
+
 CLONES static int encode4_blocks(int fam, const float *x, int64_t n, int64_t block, int64_t G,
                                  const levels4 *L, const float *U, float qn, int lo, int hi,
                                  float floor_, float *anchors, uint8_t *scodes,
                                  uint8_t *codes) {
-    uint8_t tmp[CHUNK4 + 2];
-    int64_t tlen = 0, tstart = 0;
+    pairer pc;
+    pc.len = pc.start = 0;
+    pc.out = codes;
+    const int search = lo + hi > 0;
     float am[256], su[256], sinv[256], reach[257];
     int k0s[256];
     int64_t nb = (n + block - 1) / block;
@@ -406,26 +440,23 @@ CLONES static int encode4_blocks(int fam, const float *x, int64_t n, int64_t blo
                 }
                 block_errors(fam, xs, m, nc, inv, w, L, err);
                 int64_t be = err[0];
-                for (int c = 1; c < nc; c++)
-                    if (err[c] < be) { be = err[c]; best = ks[c]; }
+                for (int c = 1; c < nc; c++) { /* branch-free: the winner is data-dependent */
+                    int64_t take = -(int64_t)(err[c] < be);
+                    be = (err[c] & take) | (be & ~take);
+                    best = (ks[c] & (int)take) | (best & ~(int)take);
+                }
             }
             scodes[g0 + j] = (uint8_t)best;
-            /* codes go through tmp (blocks are contiguous: several per fill) to be paired */
-            for (int64_t o = 0; o < m;) {
-                if (tlen == CHUNK4) {
-                    pack_pairs(tmp, tlen, codes + tstart / 2);
-                    tlen = 0;
-                }
-                if (tlen == 0) tstart = s0 + o;
-                int64_t k = m - o < CHUNK4 - tlen ? m - o : CHUNK4 - tlen;
-                block_codes(fam, xs + o, k, sinv[best], L, tmp + tlen);
-                tlen += k;
-                o += k;
-            }
+            if (!search) pair_block(&pc, fam, xs, s0, m, sinv[best], L);
+        }
+        /* with a search, the codes in a second pass over the group (in cache): no block's codes
+         * wait for its search, so the searches of consecutive blocks overlap */
+        for (int64_t j = 0; search && j < g; j++) {
+            int64_t s0 = (g0 + j) * block, m = n - s0 < block ? n - s0 : block;
+            pair_block(&pc, fam, x + s0, s0, m, sinv[scodes[g0 + j]], L);
         }
     }
-    if (tlen % 2) tmp[tlen++] = 0; /* odd count: the last byte's high nibble is 0 */
-    if (tlen) pack_pairs(tmp, tlen, codes + tstart / 2);
+    pair_flush(&pc);
     return 0;
 }
 
