@@ -49,12 +49,10 @@ class Connection:
         peer: str,
         count_sent: Callable[[int], None],
         shaper: TokenBucket | None = None,
-        join: bool = False,
         peer_group: int | None = None,
     ) -> None:
         self.sock = sock
         self.peer_group = peer_group  # the group the peer proved in the handshake (None: none)
-        self._join = join
         self.peer = peer
         self._count_sent = count_sent
         self._shaper = shaper
@@ -62,8 +60,10 @@ class Connection:
         self._dead: str | None = None
         self._lock = threading.Lock()
         # Plain sockets write a message's buffers with one sendmsg (scatter-gather, no joining
-        # copy); TLS sockets have no sendmsg and write them one by one.
+        # copy), gRPC streams with send_buffers (one copy into its messages); TLS sockets have
+        # no sendmsg and write them one by one.
         self._gather = type(sock) is socket.socket and hasattr(sock, "sendmsg")
+        self._send_buffers = getattr(sock, "send_buffers", None)
         self._thread = threading.Thread(target=self._run, name=f"send->{peer}", daemon=True)
         self._thread.start()
 
@@ -127,8 +127,8 @@ class Connection:
     def _write(self, buffers: Buffers) -> None:
         if len(buffers) == 1:
             self.sock.sendall(buffers[0])
-        elif self._join:
-            self.sock.sendall(b"".join(buffers))
+        elif self._send_buffers is not None:
+            self._send_buffers(buffers)
         elif self._gather:
             _sendmsg_all(self.sock, buffers)
         else:

@@ -48,9 +48,6 @@ _POOL_BYTES = 128 << 20
 class TransportBase:
     """Collectives over authenticated links; see `TcpTransport` for the parameters."""
 
-    #: join a message's buffers into one write (for message-oriented streams such as gRPC)
-    _join_buffers = False
-
     def __init__(
         self,
         *,
@@ -520,8 +517,7 @@ class TransportBase:
                 self._count_sent(sent)
                 self._on_authenticated(sock)
                 sock.settimeout(max(self.timeout_s, 1.0))  # bounds one blocked write
-                return Connection(sock, peer, self._count_sent, self._shaper, join=self._join_buffers,
-                                  peer_group=peer_group)
+                return Connection(sock, peer, self._count_sent, self._shaper, peer_group=peer_group)
             except (PeerAuthError, WireError) as e:
                 if sock is not None:
                     close_socket(sock)

@@ -13,7 +13,7 @@ import queue
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
@@ -98,12 +98,28 @@ class StreamSocket:
         self._timeout = timeout
 
     def sendall(self, data: bytes | bytearray | memoryview) -> None:
+        self.send_buffers([data])
+
+    def send_buffers(self, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Send buffers back to back as gRPC messages of at most message_bytes bytes, each
+        copied once out of them (no joined copy of the whole message first)."""
         if self._closed or self._broken:
             raise BrokenPipeError(self._broken or "stream closed")
-        view = memoryview(data).cast("B")
         step = self._message_bytes
-        for i in range(0, len(view), step):
-            self._outbox.put(bytes(view[i:i + step]))
+        pending: list[memoryview] = []
+        size = 0
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            while view:
+                take = view[:step - size]
+                pending.append(take)
+                size += len(take)
+                view = view[len(take):]
+                if size == step:
+                    self._outbox.put(b"".join(pending))
+                    pending, size = [], 0
+        if pending:
+            self._outbox.put(b"".join(pending))
 
     def _take(self, n: int) -> memoryview:
         """Up to n bytes of the current message (the next one once it is used up); empty at EOF."""
@@ -173,8 +189,6 @@ class GrpcTransport(TransportBase):
     max_message_bytes) bytes, which is also the receive limit, and a call delivers at most
     PREAUTH_BYTES before it has authenticated (its reader then waits, holding the sender back).
     """
-
-    _join_buffers = True
 
     def __init__(
         self,

@@ -49,3 +49,27 @@ def test_oversized_message_is_refused() -> None:
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         finally:
             channel.close()
+
+
+@pytest.mark.parametrize("sizes", [[5, 20], [16, 16], [3, 40, 1, 9], [64], [0, 7, 0]])
+def test_a_messages_buffers_become_grpc_messages_of_at_most_the_cap_without_a_joined_copy(sizes) -> None:
+    import queue
+
+    from transport.grpclink import StreamSocket
+
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    inbound: queue.SimpleQueue = queue.SimpleQueue()  # the peer's side: open until None
+    sock = StreamSocket(outbox, iter(inbound.get, None), on_close=lambda: None, message_bytes=16)
+    buffers = [os.urandom(n) for n in sizes]
+    kinds = [bytes, bytearray, memoryview]  # what a link hands over: headers, frames, views
+    sock.send_buffers([kinds[i % 3](b) for i, b in enumerate(buffers)])
+    messages = []
+    while not outbox.empty():
+        messages.append(outbox.get_nowait())
+    assert all(isinstance(m, bytes) and 0 < len(m) <= 16 for m in messages)
+    assert all(len(m) == 16 for m in messages[:-1])  # only the last message is short
+    assert b"".join(messages) == b"".join(buffers)
+    sock.shutdown()
+    inbound.put(None)
+    with pytest.raises(BrokenPipeError):
+        sock.send_buffers([b"late"])
