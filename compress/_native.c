@@ -184,7 +184,9 @@ typedef struct {
     float thr[7], lev[8];
 } levels4;
 
-/* per family: from y (>= 0) set uint32_t q (index) and float v (level, in units) */
+/* per family: from y (>= 0) set uint32_t q (index) and float v (level, in units). e2m1: with
+ * E = max(exponent(z), 0), r = z + 2^(22+E) holds round(z / 2^(E-1)) in its low mantissa bits,
+ * and the index is that plus 2E (E = 0: 0..4, E = 1: 2..4 + 2, E = 2: 2..3 + 4) */
 #define MAG_INT4(y)                                                                            \
     float r_ = ((y) < 7.0f ? (y) : 7.0f) + MAGIC;                                              \
     uint32_t q = bits_of(r_) - 0x4b400000u;                                                    \
@@ -192,10 +194,11 @@ typedef struct {
 #define MAG_E2M1(y)                                                                            \
     float z_ = (y) < 6.0f ? (y) : 6.0f;                                                        \
     uint32_t e_ = bits_of(z_) & 0x7f800000u;                                                   \
-    float c_ = float_of((e_ > 0x3f800000u ? e_ : 0x3f800000u) + (22u << 23));                  \
-    float v = (z_ + c_) - c_;                                                                  \
-    uint32_t b_ = bits_of(v) >> 22;                                                            \
-    uint32_t q = v < 1.0f ? (uint32_t)(int32_t)(v + v) : b_ - 252u;
+    uint32_t ce_ = (e_ > 0x3f800000u ? e_ : 0x3f800000u) + (22u << 23);                        \
+    float c_ = float_of(ce_);                                                                  \
+    float r_ = z_ + c_;                                                                        \
+    float v = r_ - c_;                                                                         \
+    uint32_t q = bits_of(r_) - ce_ + (ce_ >> 22) - 298u;
 #define MAG_E3M0(y)                                                                            \
     float z_ = (y) * 1.33333337306976318359375f; /* fp32(4/3) */                               \
     z_ = z_ > 0.0078125f ? z_ : 0.0078125f;                                                    \
@@ -331,6 +334,37 @@ INLINE void block_codes(int fam, const float *x, int64_t m, float inv, const lev
     }
 }
 
+/* the scale code for one block of m values: among k0 - lo .. k0 + hi (clamped to kmin .. 255),
+ * the one with the least block error (the first on ties) */
+INLINE int pick_scale(int fam, const float *xs, int64_t m, int k0, int lo, int hi, int kmin,
+                      const float *su, const float *sinv, const levels4 *L) {
+    int klo = k0 - lo < kmin ? kmin : k0 - lo, khi = k0 + hi > 255 ? 255 : k0 + hi;
+    if (klo > khi) klo = khi = kmin; /* only with hi = 0 next to float max */
+    int best = klo;
+    if (khi > klo) {
+        /* candidates k0 - lo .. k0 + hi, clamped into [klo, khi]: a repeated code has the same
+         * error and never wins (the first minimum does) */
+        int nc = lo + hi + 1, ks[MAXWIN];
+        float inv[MAXWIN], w[MAXWIN];
+        int64_t err[MAXWIN];
+        float s = sinv[klo] * SEARCH_RES;
+        for (int c = 0; c < nc; c++) {
+            int k = k0 - lo + c;
+            ks[c] = k < klo ? klo : k > khi ? khi : k;
+            inv[c] = sinv[ks[c]];
+            w[c] = su[ks[c]] * s;
+        }
+        block_errors(fam, xs, m, nc, inv, w, L, err);
+        int64_t be = err[0];
+        for (int c = 1; c < nc; c++) { /* branch-free: the winner is data-dependent */
+            int64_t take = -(int64_t)(err[c] < be);
+            be = (err[c] & take) | (be & ~take);
+            best = (ks[c] & (int)take) | (best & ~(int)take);
+        }
+    }
+    return best;
+}
+
 /* codes are staged in buf (blocks are contiguous: several per fill) and packed in pairs */
 typedef struct {
     uint8_t buf[CHUNK4 + 2];
@@ -421,31 +455,10 @@ CLONES static int encode4_blocks(int fam, const float *x, int64_t n, int64_t blo
         for (int64_t j = 0; j < g; j++) {
             int64_t s0 = (g0 + j) * block, m = n - s0 < block ? n - s0 : block;
             const float *xs = x + s0;
-            int k0 = k0s[j];
-            int klo = k0 - lo < kmin ? kmin : k0 - lo, khi = k0 + hi > 255 ? 255 : k0 + hi;
-            if (klo > khi) klo = khi = kmin; /* only with hi = 0 next to float max */
-            int best = klo;
-            if (khi > klo) {
-                /* candidates k0 - lo .. k0 + hi, clamped into [klo, khi]: a repeated code has the
-                 * same error and never wins (the first minimum does) */
-                int nc = lo + hi + 1, ks[MAXWIN];
-                float inv[MAXWIN], w[MAXWIN];
-                int64_t err[MAXWIN];
-                float s = sinv[klo] * SEARCH_RES;
-                for (int c = 0; c < nc; c++) {
-                    int k = k0 - lo + c;
-                    ks[c] = k < klo ? klo : k > khi ? khi : k;
-                    inv[c] = sinv[ks[c]];
-                    w[c] = su[ks[c]] * s;
-                }
-                block_errors(fam, xs, m, nc, inv, w, L, err);
-                int64_t be = err[0];
-                for (int c = 1; c < nc; c++) { /* branch-free: the winner is data-dependent */
-                    int64_t take = -(int64_t)(err[c] < be);
-                    be = (err[c] & take) | (be & ~take);
-                    best = (ks[c] & (int)take) | (best & ~(int)take);
-                }
-            }
+            /* the default windows, (1, 1) and e3m0's (3, 4), with constants: their loops unroll */
+            int best = lo == 1 && hi == 1   ? pick_scale(fam, xs, m, k0s[j], 1, 1, kmin, su, sinv, L)
+                       : lo == 3 && hi == 4 ? pick_scale(fam, xs, m, k0s[j], 3, 4, kmin, su, sinv, L)
+                                            : pick_scale(fam, xs, m, k0s[j], lo, hi, kmin, su, sinv, L);
             scodes[g0 + j] = (uint8_t)best;
             if (!search) pair_block(&pc, fam, xs, s0, m, sinv[best], L);
         }

@@ -70,6 +70,9 @@ def test_each_instruction_set_version_gives_the_torch_paths_bits(one_target, nam
     codecs = [compress.get_codec(name)]
     if name != "int8":
         codecs.append(compress.get_codec(name, search=False))
+        wide = compress.get_codec(name)
+        wide.window = (2, 1)  # neither default window: the kernel's general path
+        codecs.append(wide)
     monkeypatch.setattr(blockwise, "USE_NATIVE", True)
     for codec in codecs:
         for x in cases:
