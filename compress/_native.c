@@ -17,7 +17,7 @@
 
 /* the block loops are compiled for AVX-512 (x86-64-v4, GCC 12 on), AVX2 and baseline x86-64 and
  * picked at load time; the per-block helpers are inlined into each. -DNATIVE_ONE_TARGET builds
- * one version for the compiler's -march (tests/compress/test_compress_native.py builds each) */
+ * one version for the compiler's -march (tests/compress/test_compress_native_isa.py builds each) */
 #if defined(NATIVE_ONE_TARGET) || !defined(__GNUC__) || !defined(__x86_64__) || defined(__clang__)
 #define CLONES
 #elif __GNUC__ >= 12
