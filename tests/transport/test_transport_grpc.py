@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 
@@ -10,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from transport.grpclink import METHOD
+from transport.grpclink import METHOD, StreamSocket
 from transport_helpers import run_ring, transports
 
 
@@ -53,10 +54,6 @@ def test_oversized_message_is_refused() -> None:
 
 @pytest.mark.parametrize("sizes", [[5, 20], [16, 16], [3, 40, 1, 9], [64], [0, 7, 0]])
 def test_a_messages_buffers_become_grpc_messages_of_at_most_the_cap_without_a_joined_copy(sizes) -> None:
-    import queue
-
-    from transport.grpclink import StreamSocket
-
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     inbound: queue.SimpleQueue = queue.SimpleQueue()  # the peer's side: open until None
     sock = StreamSocket(outbox, iter(inbound.get, None), on_close=lambda: None, message_bytes=16)
