@@ -336,7 +336,7 @@ def design_lloyd4(iters: int = 60, n: int = 1 << 18, seed: int = 123) -> list[fl
     the encoder (blocks of 32, scale search, nearest level) with the centroid update (each level
     becomes the scale-weighted mean of the magnitudes it took: sum(u |x|) / sum(u^2)), top level
     fixed at 7, starting from int4's uniform levels."""
-    from compress.codecs.blockwise import GROUP, Lloyd4
+    from compress.codecs.block4 import GROUP, Lloyd4
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     levels = tuple(float(v) for v in range(8))

@@ -1,4 +1,5 @@
-/* Optional CPU kernels for the blockwise codecs (compress/codecs/blockwise.py).
+/* Optional CPU kernels for the blockwise codecs (compress/codecs/blockwise.py: int8; block4.py:
+ * the 4-bit codecs).
  *
  * Each kernel does in one or two passes over a block what the torch path does in many, and must
  * give the same bits: the same fp32 operations in the same order (no FMA contraction: built with

@@ -34,10 +34,14 @@ def _cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":")[1].split()}
 
 
+def _cc() -> list[str]:
+    """The compiler command Python was built with (setup.py builds the kernels with it too)."""
+    return shlex.split(sysconfig.get_config_var("CC") or "cc")
+
+
 def _build(march: str, tmp: pathlib.Path):
-    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     out = tmp / f"_native_{march}.so"
-    subprocess.run([*cc, "-shared", "-fPIC", *FLAGS, "-DNATIVE_ONE_TARGET", f"-march={march}",
+    subprocess.run([*_cc(), "-shared", "-fPIC", *FLAGS, "-DNATIVE_ONE_TARGET", f"-march={march}",
                     f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(out)],
                    check=True, capture_output=True)
     loader = importlib.machinery.ExtensionFileLoader("compress._native", str(out))
@@ -56,7 +60,7 @@ def one_target(request, tmp_path_factory):
     missing = [f for f in TARGETS[march] if f not in _cpu_flags()]
     if missing:
         pytest.skip(f"this CPU lacks {missing}, which -march={march} needs")
-    if not shutil.which(shlex.split(sysconfig.get_config_var("CC") or "cc")[0]):
+    if not shutil.which(_cc()[0]):
         pytest.skip("no C compiler on PATH")
     return _build(march, tmp_path_factory.mktemp(march))
 

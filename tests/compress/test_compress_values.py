@@ -1,6 +1,6 @@
 """Values no encoder writes are refused at decode (FrameError), while every frame an encoder does
 write still decodes: the scale bounds and unused codes of the blockwise codecs
-(compress/codecs/blockwise.py)."""
+(compress/codecs/blockwise.py, block4.py)."""
 
 from __future__ import annotations
 
