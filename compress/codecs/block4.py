@@ -354,7 +354,7 @@ class Block4(BlockSizeParam, NativeCoded):
 
 @register
 class Int4(Block4):
-    """Uniform 4-bit: magnitudes 0..7 x the block scale (sign-magnitude nibbles); blocks of 32
+    """Uniform 4-bit: magnitudes 0..7 x the block scale (offset-binary nibbles); blocks of 32
     with 8-bit log scale codes and the scale search (4.254 bits/value)."""
 
     name = "int4"
