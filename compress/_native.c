@@ -1,5 +1,5 @@
 /* Optional CPU kernels for the blockwise codecs (compress/codecs/blockwise.py: int8; block4.py:
- * the 4-bit codecs).
+ * the 4-bit codecs) and for compress/fingerprint.py.
  *
  * Each kernel does in one or two passes over a block what the torch path does in many, and must
  * give the same bits: the same fp32 operations in the same order (no FMA contraction: built with
@@ -8,7 +8,8 @@
  *
  * Pointers are passed as integers (tensor.data_ptr()); the caller checks dtypes, contiguity and
  * sizes. encode (int8) and encode4 (the 4-bit codecs) return 0, or 1 if the input holds a NaN or
- * an infinity; decode8 and decode4s decode them; has_nibble looks for a code no encoder writes.
+ * an infinity; decode8 and decode4s decode them; has_nibble looks for a code no encoder writes;
+ * fingerprint32 is the integer sum behind compress.fingerprint (tests/compress/test_fingerprint.py).
  * All release the GIL.
  */
 #define PY_SSIZE_T_CLEAN
@@ -574,12 +575,53 @@ static PyObject *has_nibble(PyObject *self, PyObject *args) {
     return PyBool_FromLong(r);
 }
 
+/* fingerprint32(x, n, start, k1, k2) -> the part of compress/fingerprint.py's sum that n uint32
+ * words contribute at global word offsets start .. start + n - 1 of the stream: word g is in row
+ * r = g / FP_ROW, column c = g % FP_ROW; a row's a_r = sum (x ^ k1[c]) * (x ^ k2[c]) (32 x 32 ->
+ * 64-bit products) is weighted by (r * FP_W1 + FP_W2) | 1, all mod 2^64. The sum is linear in
+ * a_r, so a row split between two calls adds up to the same value. */
+#define FP_ROW 1024
+#define FP_W1 0x9E3779B97F4A7C15ull
+#define FP_W2 0x632BE59BD9B4E019ull
+CLONES static uint64_t fingerprint_words(const uint32_t *x, int64_t n, int64_t start,
+                                         const uint32_t *k1, const uint32_t *k2) {
+    uint64_t f = 0;
+    for (int64_t i = 0; i < n;) {
+        int64_t g = start + i, r = g / FP_ROW, c0 = g % FP_ROW;
+        int64_t m = n - i < FP_ROW - c0 ? n - i : FP_ROW - c0;
+        const uint32_t *xr = x + i, *a1 = k1 + c0, *a2 = k2 + c0;
+        uint64_t a = 0;
+        for (int64_t c = 0; c < m; c++) a += (uint64_t)(xr[c] ^ a1[c]) * (uint64_t)(xr[c] ^ a2[c]);
+        f += a * (((uint64_t)r * FP_W1 + FP_W2) | 1u);
+        i += m;
+    }
+    return f;
+}
+
+static PyObject *fingerprint32(PyObject *self, PyObject *args) {
+    unsigned long long px, pk1, pk2;
+    Py_ssize_t n, start;
+    uint64_t f;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KnnKK", &px, &n, &start, &pk1, &pk2)) return NULL;
+    if (n < 0 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "fingerprint32: negative length or offset");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    f = fingerprint_words((const uint32_t *)(uintptr_t)px, n, start,
+                          (const uint32_t *)(uintptr_t)pk1, (const uint32_t *)(uintptr_t)pk2);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(f);
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "int8 blockwise encode: scales and codes (0 ok, 1 non-finite)"},
     {"decode8", decode8, METH_VARARGS, "int8 blockwise decode: codes x their block's scale"},
     {"encode4", encode4, METH_VARARGS, "4-bit layout-2 encode: anchors, scale codes, nibbles"},
     {"decode4s", decode4s, METH_VARARGS, "4-bit layout-2 decode: anchors x scale table x levels"},
     {"has_nibble", has_nibble, METH_VARARGS, "whether packed 4-bit codes hold a given nibble"},
+    {"fingerprint32", fingerprint32, METH_VARARGS, "compress.fingerprint's sum over uint32 words"},
     {NULL, NULL, 0, NULL},
 };
 

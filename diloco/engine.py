@@ -438,7 +438,7 @@ class DiLoCo:
         return torch.cat([f.pseudo_gradient() for f in self.fragments])
 
     def global_hash(self) -> str:
-        """SHA-256 of the global parameters' fp32 bytes, in fragment order (hex, 16 chars)."""
+        """`params_hash` of the global parameters, in fragment order (16 hex chars)."""
         return params_hash(self.global_params)
 
     def fragment_hash(self, p: int) -> str:

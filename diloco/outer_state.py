@@ -13,6 +13,7 @@ import torch
 import xxhash
 import torch.nn as nn
 
+from compress.fingerprint import fingerprint
 from diloco.outer import OuterOptimizerFactory, nesterov
 
 
@@ -144,9 +145,8 @@ class OuterFragment:
 
 def params_digest(tensors: Sequence[torch.Tensor]) -> bytes:
     """XXH3-128 (16 bytes) of the tensors' fp32 bytes, in order, read in place (no copy of a CPU
-    fp32 tensor). A checksum that tells apart groups whose parameters differ, taken every round:
-    ~16 GB/s on one core where SHA-256 ran at ~0.9 GB/s. Not a defence against forgery — a group
-    reports whatever hash it likes; state transfers carry their own SHA-256 (``state_blob``)."""
+    fp32 tensor; a GPU tensor is copied to the host): the groups' check of their initial
+    parameters (``diloco.initial``), taken once. Not a defence against forgery."""
     h = xxhash.xxh3_128()
     for t in tensors:
         c = t.detach()
@@ -157,8 +157,11 @@ def params_digest(tensors: Sequence[torch.Tensor]) -> bytes:
 
 
 def params_hash(tensors: Sequence[torch.Tensor]) -> str:
-    """``params_digest`` as hex, 16 chars: what groups report and compare."""
-    return params_digest(tensors).hex()[:16]
+    """The tensors' `compress.fingerprint` as 16 hex chars: what groups report after every round
+    and compare. Computed where the tensors live (8 bytes reach the host from a GPU), the same on
+    every device for the same bits. Not a defence against forgery — a group reports whatever hash
+    it likes; state transfers carry their own SHA-256 (``state_blob``)."""
+    return f"{fingerprint(tensors):016x}"
 
 
 @contextlib.contextmanager
