@@ -8,11 +8,12 @@
 #   bench/gpu_host.sh STAGE... [--out DIR]   there, from the repository root, with .device-wheels/ beside it:
 #       setup       install the missing wheels (pip keeps what is already installed) and this project
 #                   (editable, builds compress/_native); every other stage runs it first, once per host
-#       cuda        the CUDA tests: transport and codecs on CUDA tensors, the outer step on the device,
-#                   GPU placement, and `diloco run` as the README gives it
+#       cuda        the CUDA tests: transport, codecs and the fingerprint on CUDA tensors, the outer
+#                   step on the device, GPU placement, and `diloco run` as the README gives it
 #       tests       the whole suite (python -m pytest -q)
 #       bench       python bench/gpu.py --json DIR/gpu.json (make the PNG with bench/gpu.py --from-json)
-#       bench-quick the same with --placements shared --codecs int8 (the blocking-int8 and overlap targets)
+#       bench-quick the same with --placements shared --codecs int8 (the blocking-int8 and overlap targets),
+#                   and bench/fingerprint.py (the per-round parameter hash on the GPU against on the host)
 #
 # Each stage's log goes to DIR/STAGE.log (DIR: $OUT, else runs/gpu-host); a failed stage does not stop
 # the next one, and the exit status is the number of failed stages. matplotlib, kubernetes-validate and
@@ -53,10 +54,11 @@ stage() {
         setup) setup ;;
         cuda) python -m pytest -q tests/transport/test_transport_device.py tests/compress/test_compress_cuda.py \
                   tests/diloco/test_outer_device.py tests/diloco/test_placement.py tests/diloco/test_run.py \
-                  tests/transport/test_transport_process.py ;;
+                  tests/transport/test_transport_process.py tests/compress/test_fingerprint.py ;;
         tests) python -m pytest -q ;;
         bench) python bench/gpu.py --json "$out/gpu.json" ;;
-        bench-quick) python bench/gpu.py --placements shared --codecs int8 --json "$out/gpu-int8.json" ;;
+        bench-quick) python bench/fingerprint.py --json "$out/fingerprint.json" &&
+                     python bench/gpu.py --placements shared --codecs int8 --json "$out/gpu-int8.json" ;;
         *) echo "unknown stage $1"; return 2 ;;
     esac
 }
