@@ -110,9 +110,9 @@ class RingAllReduce:
         self.device = x.device
         self.stream = stream  # CUDA: the side stream this collective runs on (transport.streams)
         self.x = x
-        # the divisor as a tensor on x's device: CUDA divides by a CPU scalar through its
-        # reciprocal (one ulp off a third of the time), by a device tensor exactly as the CPU does
-        self._g = torch.full((), float(len(ring)), dtype=torch.float32, device=x.device)
+        # the divisor as a tensor on x's device (see _run): CUDA divides by a CPU scalar through
+        # its reciprocal (one ulp off a third of the time), by a device tensor exactly as the CPU does
+        self._g = torch.empty(0)
         self.ring = ring
         self.index = index
         self.tag = tag
@@ -308,6 +308,10 @@ class RingAllReduce:
         chunks = self._chunks
         first = (r - 1) % g  # the segment this member starts the reduce-scatter with
         out = self.out if self.out is not None else torch.empty(n, dtype=torch.float32, device=self.device)
+        # filled here, on the side stream the sums run on (a CUDA collective's): made in __init__,
+        # on the caller's stream after the side stream's start event, nothing ordered the fill
+        # before the division that reads it
+        self._g = torch.full((), float(g), dtype=torch.float32, device=self.device)
         rs_todo = {(k, c) for k in range(g) if k != first for c in range(len(chunks[k]))}
         ag_todo = {(k, c) for k in range(g) if k != r for c in range(len(chunks[k]))}
         self._connect_right()
