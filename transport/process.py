@@ -438,8 +438,13 @@ for _name in COUNTERS:
 
 
 def _child_env() -> dict[str, str]:
-    """The environment of the data-plane process: this one's, with this package importable."""
+    """The environment of the data-plane process: this one's, with this package importable and
+    no GPU visible. The child works on host memory only; with a GPU visible its transport would
+    pin its receive buffers (the default where CUDA is available), which creates a CUDA context
+    (some hundreds of MiB) on GPU 0 for every rank's child, and fails where GPUs are in
+    exclusive-process mode."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["CUDA_VISIBLE_DEVICES"] = ""
     return env

@@ -277,3 +277,17 @@ def test_a_cuda_mean_is_copied_back_beside_the_callers_stream_not_behind_it(plan
         assert not torch.cuda.current_stream().query(), "the copy back waited for the caller's later work"
         torch.cuda.synchronize()
     assert torch.equal(got.cpu(), reference[0])
+
+
+def test_the_data_plane_process_sees_no_gpu_and_imports_this_package() -> None:
+    """The child works on host memory: with a GPU visible, its pinned receive buffers would make a
+    CUDA context on GPU 0 for every rank's child (and fail in exclusive-process mode)."""
+    from transport.process import _child_env
+
+    env = _child_env()
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__import__("transport").__file__)))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == root
+    probe = "import torch, transport; print(torch.cuda.device_count())"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr
