@@ -254,10 +254,18 @@ def _part_views(dst: torch.Tensor, layout: list[tuple[torch.dtype, int]]) -> Par
 
 
 def _copy_parts(views: Parts, parts: Sequence[torch.Tensor]) -> None:
-    """Copy parts into their views (converting each to its view's dtype on the way)."""
+    """Copy parts into their views (converting each to its view's dtype on the way).
+
+    A part on another device (a GPU) is converted there first: a copy to the host that also
+    changes the dtype goes through pageable memory at the source's width (int32 codes for an
+    int8 part: 4 x the bytes), where a same-dtype copy into the page-locked frame is one DMA.
+    Narrowing integers in range and rounding floats give the same bits on either side."""
     for v, p in zip(views, parts, strict=True):
         if v.numel():
-            v.copy_(p.reshape(-1))
+            src = p.reshape(-1)
+            if src.device != v.device and src.dtype != v.dtype:
+                src = src.to(v.dtype)
+            v.copy_(src)
 
 
 def _write_parts(dst: torch.Tensor, parts: Sequence[torch.Tensor],

@@ -38,12 +38,12 @@ ROW = 1024
 MASK64 = (1 << 64) - 1
 W1, W2 = 0x9E3779B97F4A7C15, 0x632BE59BD9B4E019  # row weights (also in _native.c)
 W3, W4 = 0xD6E8FEB86659FD93, 0xA0761D6478BD642F  # tensor weights
-#: words per step of the torch path: on a GPU few large steps (a 64 MiB concatenation of the
-#: tensors' words and int64 temporaries of 128 MiB), so a model of many small tensors costs a few
-#: dozen kernel launches, not a dozen per tensor; on a CPU without the kernels, small steps that
-#: stay in cache (measured best of 32 .. 16384 rows)
+#: words per step of the torch path: on a GPU 4 Mi words (a 16 MiB concatenation of the tensors'
+#: words and two int64 temporaries of 32 MiB), so a model of many small tensors costs some ten
+#: kernel launches per step, not per tensor; on a CPU without the kernels, small steps that stay
+#: in cache (measured best of 32 .. 16384 rows)
 _STEP_WORDS = {"cpu": 32 * ROW}
-_STEP_WORDS_ELSEWHERE = 16384 * ROW
+_STEP_WORDS_ELSEWHERE = 4096 * ROW
 
 
 def _splitmix64(state: int) -> tuple[int, int]:
@@ -100,8 +100,10 @@ def _rows_torch(words: torch.Tensor, start: int) -> torch.Tensor:
         words, start = words[head:], start + head
     n, full, r0 = words.numel(), words.numel() // ROW, start // ROW
     if full:
-        u = words[:full * ROW].view(full, ROW).to(torch.int64) & 0xFFFFFFFF
-        a = ((u ^ k1) * (u ^ k2)).sum(dim=1)  # wraps mod 2^64, in any order: the same everywhere
+        u = words[:full * ROW].view(full, ROW).to(torch.int64).bitwise_and_(0xFFFFFFFF)
+        t = u ^ k1
+        a = t.mul_(u.bitwise_xor_(k2)).sum(dim=1)  # wraps mod 2^64, in any order: the same everywhere
+        del u, t
         r = torch.arange(r0, r0 + full, dtype=torch.int64, device=dev)
         total += (a * ((r * _signed(W1) + _signed(W2)) | 1)).sum()
     if n > full * ROW:
