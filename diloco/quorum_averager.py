@@ -43,6 +43,7 @@ from diloco.group import StripedAverager
 from diloco.healing import StateTransfer
 from diloco.network_plan import NetworkPlan, equal_plan, plan_from_table
 from transport import CollectiveAborted, TransportError
+from transport.streams import side_stream_for
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +374,11 @@ class _QuorumPending:
         self._result = None
         self._error: BaseException | None = None
         self._started = time.perf_counter() if asked is None else asked
+        # CUDA: the attempts' kernels (scaling, the rings' sums) go on a stream of their own that
+        # waits for src as the caller's stream holds it now -- not on the thread's default stream,
+        # which would wait for the training kernels queued meanwhile, or not wait for src at all
+        # when the caller computes on a stream of its own
+        self._order = side_stream_for(src)
         self._thread = threading.Thread(target=self._run, name=f"exchange[{resp.tag}]", daemon=True)
         self._thread.start()
 
@@ -383,7 +389,11 @@ class _QuorumPending:
 
     def _run(self) -> None:
         try:
-            self._result = self._attempts()
+            if self._order is None:
+                self._result = self._attempts()
+            else:
+                with self._order.running():
+                    self._result = self._attempts()
         except BaseException as e:  # noqa: BLE001 - re-raised in wait()
             self._error = e
 
@@ -424,6 +434,8 @@ class _QuorumPending:
             if self._error is not None:
                 raise self._error
             out, sp, me, sent = self._result
+            if self._order is not None:  # made on the attempts' stream, used on the caller's from here
+                self._order.hand_over(out, sent)
             if self._avg.group_size > 1:
                 out = self._avg.share_in_group(out, sp, me)
                 if sent is not None:

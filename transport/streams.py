@@ -23,7 +23,9 @@ import torch
 
 
 class SideStream:
-    """A collective's side stream on ``device``; create it on the caller's thread, at the start."""
+    """A side stream on ``device`` for work the caller starts and another thread runs (a
+    collective; `diloco.quorum_averager`'s attempts); create it on the caller's thread, at the
+    start."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
