@@ -135,9 +135,9 @@ class Codec(ABC):
         x = self._check_input(x)
         if out is not None:
             _check_out(out, x.numel(), x.device)
-        frame_bytes, views = self._frame(x)
-        if x.device.type != "cpu":
-            views = [v.to(x.device) for v in views]
+        frame_bytes, views, on_device = self._frame(x)
+        if on_device is not None:  # a GPU tensor: the parts as they were copied to the frame
+            views = on_device
         if out is None:
             return frame_bytes, self.dequantize(views, x.numel())
         return frame_bytes, self.dequantize_into(views, x.numel(), out)
@@ -192,8 +192,10 @@ class Codec(ABC):
             raise ValueError(f"{x.numel()} elements exceed frame.MAX_ELEMENTS={frame.MAX_ELEMENTS}")
         return x.contiguous()
 
-    def _frame(self, x: torch.Tensor) -> tuple[Frame, Parts]:
-        """The frame of x, and CPU views of its payload parts (as a decoder will read them).
+    def _frame(self, x: torch.Tensor) -> tuple[Frame, Parts, Parts | None]:
+        """The frame of x, CPU views of its payload parts (as a decoder will read them) and,
+        for a GPU tensor, the same parts on the GPU (in the frame's dtypes: what
+        ``encode_with_decoded`` dequantizes there, without copying the views back).
         The parts go straight into the frame's memory: the codec's kernel writes them there
         (``quantize_into``), or they are copied there once, from the GPU by DMA into page-locked
         memory; the frame is returned without another copy."""
@@ -203,7 +205,8 @@ class Codec(ABC):
         p0, p1, p2 = self.header_params
         if self.zstd:
             payload = torch.empty(raw_len, dtype=torch.uint8, pin_memory=x.is_cuda)
-            views = _write_parts(payload, self.quantize(x), layout)
+            views = _part_views(payload, layout)
+            copied = _copy_parts(views, self.quantize(x))
             flags = frame.FLAG_ZSTD
             if self.shuffle_width > 1:
                 payload = entropy.shuffle(payload, self.shuffle_width)
@@ -213,12 +216,13 @@ class Codec(ABC):
                                                   len(packed)))
             buf = bytearray(head + packed + bytes(frame.TRAILER_SIZE))
             frame.seal(memoryview(buf))
-            return buf, views
+            return buf, views, copied if x.is_cuda else None
         if x.is_cuda:
             pinned = torch.empty(frame.OVERHEAD + raw_len, dtype=torch.uint8, pin_memory=True)
             out: Frame = memoryview(pinned.numpy())
             body = pinned[frame.HEADER_SIZE:frame.HEADER_SIZE + raw_len]
-            views = _write_parts(body, self.quantize(x), layout)
+            views = _part_views(body, layout)
+            copied = _copy_parts(views, self.quantize(x))
         else:
             out = bytearray(frame.OVERHEAD + raw_len)
             body = torch.frombuffer(out, dtype=torch.uint8)[frame.HEADER_SIZE:frame.HEADER_SIZE + raw_len]
@@ -228,7 +232,7 @@ class Codec(ABC):
         mv = memoryview(out)
         frame.write_header(mv, frame.Header(self.codec_id, 0, p0, p1, p2, count, raw_len, raw_len))
         frame.seal(mv)
-        return out, views
+        return out, views, copied if x.is_cuda else None
 
 
 _ITEMSIZE: dict[torch.dtype, int] = {}
@@ -253,27 +257,23 @@ def _part_views(dst: torch.Tensor, layout: list[tuple[torch.dtype, int]]) -> Par
     return views
 
 
-def _copy_parts(views: Parts, parts: Sequence[torch.Tensor]) -> None:
-    """Copy parts into their views (converting each to its view's dtype on the way).
+def _copy_parts(views: Parts, parts: Sequence[torch.Tensor]) -> Parts:
+    """Copy parts into their views (converting each to its view's dtype on the way); returns
+    the parts as copied, flat (those on another device in their view's dtype).
 
     A part on another device (a GPU) is converted there first: a copy to the host that also
     changes the dtype goes through pageable memory at the source's width (int32 codes for an
     int8 part: 4 x the bytes), where a same-dtype copy into the page-locked frame is one DMA.
     Narrowing integers in range and rounding floats give the same bits on either side."""
+    copied: Parts = []
     for v, p in zip(views, parts, strict=True):
+        src = p.reshape(-1)
+        if src.device != v.device and src.dtype != v.dtype:
+            src = src.to(v.dtype)
         if v.numel():
-            src = p.reshape(-1)
-            if src.device != v.device and src.dtype != v.dtype:
-                src = src.to(v.dtype)
             v.copy_(src)
-
-
-def _write_parts(dst: torch.Tensor, parts: Sequence[torch.Tensor],
-                 layout: list[tuple[torch.dtype, int]]) -> Parts:
-    """Copy parts into the uint8 payload ``dst`` and return the typed views they now occupy."""
-    views = _part_views(dst, layout)
-    _copy_parts(views, parts)
-    return views
+        copied.append(src)
+    return copied
 
 
 def _check_out(out: torch.Tensor, count: int, device: torch.device) -> None:
