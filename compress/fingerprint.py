@@ -19,8 +19,10 @@ row r = g // 1024, column c = g % 1024) and per-column keys k1[c], k2[c] (32-bit
 A change of one value changes its row's a_r unless the two products happen to be equal, and
 the odd row weight carries it into F; values swapped between columns or rows change F, and the
 lengths term tells apart the same stream cut into other tensors. It tells apart groups whose
-parameters differ (one value is enough); it is not a defence against forgery, as a group
-reports whatever it likes.
+parameters differ (one value is enough); where several values differ, only in bits j and above
+(e.g. signs only), 64 - j bits of it are left to tell them apart. It is not a defence against
+forgery, as a group reports whatever it likes. Groups that compare fingerprints must all run a
+version that has it (2026-11-23 on): before, the round hash was XXH3-128 of the bytes.
 
 On CPU tensors the sum runs in ``compress/_native.c`` (GIL released) where it is built; the
 torch path, which gives the same number (tests/compress/test_fingerprint.py), runs on every

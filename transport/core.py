@@ -52,14 +52,17 @@ class TransportBase(LinkEndpoint):
         pending_ttl_s: float | None = None,
         dial_overrides: Mapping[str, str] | None = None,
     ) -> None:
+        # the checks in the order they had before the links moved out (LinkEndpoint repeats its own)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if chunk_bytes < 4:
             raise ValueError(f"chunk_bytes must be >= 4, got {chunk_bytes}")
         if chunk_bytes * 2 + 4096 > max_message_bytes:
             raise ValueError("max_message_bytes must exceed 2 * chunk_bytes + 4096")
+        if connections_per_peer < 1:
+            raise ValueError(f"connections_per_peer must be >= 1, got {connections_per_peer}")
         if max_pending_bytes < 0:
             raise ValueError(f"max_pending_bytes must be >= 0, got {max_pending_bytes}")
-        if timeout_s <= 0:  # checked again by LinkEndpoint; here first, as the pending TTL derives from it
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if pending_ttl_s is None:
             pending_ttl_s = DEFAULT_PENDING_TTL_TIMEOUTS * timeout_s
         if pending_ttl_s <= 0:
