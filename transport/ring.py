@@ -110,9 +110,9 @@ class RingAllReduce:
         self.device = x.device
         self.stream = stream  # CUDA: the side stream this collective runs on (transport.streams)
         self.x = x
-        # the divisor as a tensor on x's device (see _run): CUDA divides by a CPU scalar through
+        # the divisor as a tensor on x's device, made in _run: CUDA divides by a CPU scalar through
         # its reciprocal (one ulp off a third of the time), by a device tensor exactly as the CPU does
-        self._g = torch.empty(0)
+        self._g: torch.Tensor
         self.ring = ring
         self.index = index
         self.tag = tag
