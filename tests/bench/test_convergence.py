@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-conv = importlib.import_module("bench.convergence")  # the name its entry point (ENTRY) uses
+conv = importlib.import_module("bench.convergence")  # a module of the package bench, as ENTRY (bench.convergence_run) is
 catalogue = importlib.import_module("bench.convergence_rows")
 
 TINY = conv.Size("tiny", n_layer=2, n_embd=32, steps=12, block=32, batch=8, seeds=1)
