@@ -1,6 +1,6 @@
 """Every repository file that the documentation or the code's docstrings and comments point to exists.
 
-Scanned: README.md, docs/**/*.md, deploy/**/*.md, bench/README.md, and the docstrings (every bare
+Scanned: README.md, docs/**/*.md, deploy/**/*.md, bench/**/*.md, and the docstrings (every bare
 string statement) and comments of every .py file under diloco/, transport/, compress/, bench/ and
 examples/. A reference is
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MARKDOWN_GLOBS = ("README.md", "docs/**/*.md", "deploy/**/*.md", "bench/README.md")
+MARKDOWN_GLOBS = ("README.md", "docs/**/*.md", "deploy/**/*.md", "bench/**/*.md")
 CODE_FOLDERS = ("diloco", "transport", "compress", "bench", "examples")
 
 URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S+")
@@ -112,6 +112,7 @@ def test_the_scanner_finds_links_and_bare_mentions():
 def test_the_scan_covers_markdown_and_code():
     files = scanned_files()
     assert ROOT / "README.md" in files
+    assert any(p.is_relative_to(ROOT / "bench" / "pages") for p in files), "bench/pages/*.md not scanned"
     assert any(p.suffix == ".py" and p.is_relative_to(ROOT / "diloco") for p in files)
     assert len(all_references()) >= 5, "the scanner found almost no references: is it broken?"
 

@@ -27,7 +27,7 @@ from .shaping import TokenBucket
 from .streams import side_stream_for
 from .wire import MsgType
 
-DEFAULT_CHUNK_BYTES = 1 << 20  # measured: best of 64 KiB..4 MiB on loopback, see bench/README.md
+DEFAULT_CHUNK_BYTES = 1 << 20  # measured: best of 64 KiB..4 MiB on loopback, see bench/pages/transport.md
 _FINISHED_TAGS_KEPT = 10_000
 _MAX_ABORT_BYTES = 4096  # an ABORT carries a reason of at most 4000 UTF-8 bytes
 
