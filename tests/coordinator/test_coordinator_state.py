@@ -120,7 +120,7 @@ def test_votes_on_made_up_quorums_of_a_previous_coordinator_are_bounded_per_grou
     """A group may make the coordinator remember only MAX_ORPHANS_PER_GROUP quorums it never
     formed (a predecessor's), so it cannot push the other groups' quorums out of memory."""
     from diloco.coordinator.messages import CommitRequest
-    from diloco.coordinator.state import MAX_ORPHANS_PER_GROUP
+    from diloco.coordinator.round_state import MAX_ORPHANS_PER_GROUP
 
     state, _ = formed(groups=2)
 

@@ -1,0 +1,306 @@
+"""Membership and liveness of the coordinator's groups: who joined (under which incarnation), who is
+still heard from, which groups failed and which finished.
+
+Thread-safe (one condition variable, which the rounds part and ``CoordinatorState`` built on this
+class share), independent of gRPC: handlers call these methods and turn
+:class:`~diloco.coordinator.quorum.QuorumError` into a status code.
+
+Liveness: once the job started, a rank not heard from (join, heartbeat, progress, quorum, vote)
+for ``heartbeat_timeout_s`` fails its whole group: the group leaves the membership, every quorum
+and vote it was part of is decided without it, and its later calls are refused (FAILED_PRECONDITION)
+until it starts again under a new incarnation, when it joins as a healer. A group that reported its
+summary has finished: it goes quiet without failing.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+from . import quorum
+from .membership import Membership
+from .messages import HeartbeatRequest, JoinRequest, SummaryRequest
+
+_POLL_S = 0.25  # how often a waiting call re-checks liveness and whether its caller is still there
+MAX_EVENTS_KEPT = 1024  # failures, rejections, rollbacks kept for snapshots, oldest dropped first
+
+
+class Liveness:
+    """Who is in the job and alive; all times are ``clock()`` seconds (monotonic). Also keeps the
+    job's counters and event log, which the rounds part (``round_state.RoundState``) adds to."""
+
+    def __init__(self, expected_groups: int, *, join_timeout_s: float, heartbeat_timeout_s: float,
+                 max_group_size: int, clock: Callable[[], float]) -> None:
+        if expected_groups < 1:
+            raise ValueError(f"expected_groups must be >= 1, got {expected_groups}")
+        if join_timeout_s <= 0 or heartbeat_timeout_s <= 0:
+            raise ValueError("join_timeout_s and heartbeat_timeout_s must be > 0")
+        self.expected_groups = expected_groups
+        self.join_timeout_s = join_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_group_size = max_group_size
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._closed = False
+        self._members: dict[int, dict[int, str]] = {}
+        self._sizes: dict[int, int] = {}
+        self._waiting: dict[tuple[int, int], int] = {}  # joins in flight per member
+        self._membership: Membership | None = None
+        self._epoch = 0
+        self._complete_at = 0.0
+        self._last_heard: dict[tuple[int, int], float] = {}
+        self._failed: dict[tuple[int, int], float] = {}  # member -> seconds silent when marked
+        self._steps: dict[tuple[int, int], int] = {}
+        self._summaries: dict[int, dict[str, Any]] = {}
+        # fault tolerance (see rounds.py)
+        self._started = False  # the job runs: the first membership formed, or a member rejoined us
+        self._rejoin_grace_until = 0.0  # after our restart: no quorum before members could rejoin
+        self._incarnations: dict[int, str] = {}
+        self._group_failed: dict[int, str] = {}  # group -> why (until it starts again)
+        self._healing: set[int] = set()  # joined while the job ran; a member once a quorum commits
+        self._counts = {"committed": 0, "committed_training": 0, "rolled_back": 0, "heals": 0, "failures": 0, "rejected": 0,
+                        "evicted": 0}
+        self._events: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._event_seq = 0
+        self._started_at = clock()
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def join(self, req: JoinRequest, *, deadline: float,
+             active: Callable[[], bool] = lambda: True) -> Membership:
+        """Register a rank; before the job runs, wait until every expected group has all its ranks.
+
+        Once the job runs (the first membership formed), a group that joins — new, started again
+        under a new incarnation, or declared failed earlier — joins as a *healer*: the call waits
+        only for its own ranks, and the membership it returns says ``heal``. A join that says it
+        is at an exchange (``exchange >= 0``) rejoins a restarted coordinator as a member.
+
+        ``deadline`` is a ``clock()`` time; reaching it raises QuorumError(DEADLINE_EXCEEDED)
+        naming the missing members. ``active`` returning False (the caller went away) raises
+        CANCELLED. Rejections raise QuorumError with INVALID_ARGUMENT or FAILED_PRECONDITION.
+        """
+        key = (req.group, req.rank)
+        with self._cond:
+            self._check_open()
+            if not self._started and req.exchange >= 0:
+                self._start_running()  # our predecessor's job goes on: members rejoin us
+                # every member rejoins within a heartbeat or so: no quorum forms before they could,
+                # else the first to rejoin would run an exchange the others then find committed
+                self._rejoin_grace_until = self._clock() + self.heartbeat_timeout_s
+            if self._started:
+                return self._join_running(req, deadline, active)
+            if self._incarnations.get(req.group, req.incarnation) != req.incarnation:
+                self._members.pop(req.group, None)  # the group started again before the job did
+                self._sizes.pop(req.group, None)
+            self._incarnations[req.group] = req.incarnation
+            admission = quorum.admit(
+                self._members, self._sizes, self.expected_groups, self.max_group_size,
+                req.group, req.rank, req.group_size, req.address,
+                may_replace=self._waiting.get(key, 0) == 0)
+            if admission is not quorum.Admission.SAME:
+                self._members.setdefault(req.group, {})[req.rank] = req.address
+                self._sizes[req.group] = req.group_size
+            self._failed.pop(key, None)
+            self._last_heard[key] = self._clock()
+            if quorum.is_complete(self._members, self._sizes, self.expected_groups):
+                self._form()
+            self._wait_joined(key, deadline, active, lambda: self._membership is not None,
+                              lambda: quorum.missing(self._members, self._sizes, self.expected_groups))
+            assert self._membership is not None
+            return self._membership
+
+    def _wait_joined(self, key: tuple[int, int], deadline: float, active: Callable[[], bool],
+                     done: Callable[[], bool], missing: Callable[[], dict]) -> None:
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            while not done():
+                self._check_open()
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise quorum.QuorumError(
+                        "DEADLINE_EXCEEDED",
+                        f"join of group {key[0]} rank {key[1]} timed out waiting for: "
+                        f"{quorum.describe_missing(missing(), self._sizes)}")
+                if not active():
+                    raise quorum.QuorumError("CANCELLED", "the joining caller went away")
+                self._cond.wait(min(remaining, _POLL_S))
+        finally:
+            self._waiting[key] -= 1
+
+    def _join_running(self, req: JoinRequest, deadline: float, active: Callable[[], bool]) -> Membership:
+        """A join while the job runs (lock held): see ``join``."""
+        g, key = req.group, (req.group, req.rank)
+        known = self._incarnations.get(g)
+        if known is not None and known != req.incarnation:
+            self._fail_group(g, "it started again (a new incarnation joined)")
+            self._incarnations[g] = req.incarnation
+        if known is None or known != req.incarnation or g in self._group_failed:
+            if g in self._group_failed:
+                self._group_failed.pop(g)
+                self._members.pop(g, None)
+                self._sizes.pop(g, None)
+                for k in [k for k in self._failed if k[0] == g]:
+                    del self._failed[k]
+            self._incarnations[g] = req.incarnation
+            if known is not None or req.exchange < 0:
+                self._healing.add(g)
+                self._event("joined", group=g, committed=self._counts["committed"])
+            self._epoch += 1
+        quorum.admit(self._members, self._sizes, self.expected_groups, self.max_group_size,
+                     g, req.rank, req.group_size, req.address, may_replace=False)
+        self._members.setdefault(g, {})[req.rank] = req.address
+        self._sizes[g] = req.group_size
+        self._failed.pop(key, None)
+        self._last_heard[key] = self._clock()
+        self._cond.notify_all()
+        self._wait_joined(key, deadline, active, lambda: self._complete(g) or g in self._group_failed,
+                          lambda: quorum.missing({g: self._members.get(g, {})}, {g: req.group_size}, g + 1))
+        if g in self._group_failed:
+            raise quorum.QuorumError("ABORTED", f"group {g} failed while it joined: {self._group_failed[g]}")
+        members = {h: tuple(self._members[h][r] for r in range(self._sizes[h]))
+                   for h in sorted(self._members) if self._complete(h) and h not in self._group_failed}
+        return Membership(epoch=self._epoch, members=members, ring=tuple(sorted(members)),
+                          heal=g in self._healing)
+
+    def _complete(self, g: int) -> bool:
+        return g in self._sizes and len(self._members.get(g, {})) == self._sizes[g]
+
+    def _start_running(self) -> None:
+        self._started = True
+        self._complete_at = self._clock()
+        self._epoch = max(self._epoch, 1)
+
+    def _form(self) -> None:
+        """Freeze the complete membership (caller holds the lock)."""
+        members = {g: tuple(ranks[r] for r in range(self._sizes[g]))
+                   for g, ranks in sorted(self._members.items())}
+        self._membership = Membership(epoch=1, members=members,
+                                      ring=tuple(quorum.ring_order(members)))
+        self._start_running()
+        self._cond.notify_all()
+
+    @property
+    def epoch(self) -> int:
+        """Membership epoch: 0 until the job starts, then +1 on every change of members."""
+        with self._cond:
+            return self._epoch
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        """Fail the groups of ranks silent for longer than heartbeat_timeout_s (lock held)."""
+        if not self._started:
+            return  # ranks block in join until the job starts; they cannot heartbeat yet
+        now = self._clock()
+        heard = {k: max(t, self._complete_at) for k, t in self._last_heard.items()
+                 if k not in self._failed and k[0] not in self._summaries}  # finished groups go quiet
+        for key in quorum.stale(heard, now, self.heartbeat_timeout_s):
+            self._failed[key] = now - heard[key]
+            self._fail_group(key[0], f"rank {key[1]} sent nothing for {now - heard[key]:.1f}s "
+                                     f"(heartbeat_timeout_s={self.heartbeat_timeout_s:g})")
+
+    def _fail_group(self, g: int, reason: str) -> None:
+        """Take group ``g`` out of the job (lock held): its waiting calls are answered, every quorum
+        and vote goes on without it, and it must join again (as a healer) to come back."""
+        if g in self._group_failed or g not in self._incarnations:
+            return
+        self._group_failed[g] = reason
+        self._counts["failures"] += 1
+        self._event("failure", group=g, reason=reason)
+        for r in self._members.get(g, {}):
+            self._last_heard.pop((g, r), None)
+        self._members.pop(g, None)
+        self._healing.discard(g)
+        self._release_asks(g, reason)
+        self._epoch += 1
+        self._cond.notify_all()
+
+    def _known(self, group: int, rank: int) -> tuple[int, int]:
+        key = (group, rank)
+        if rank not in self._members.get(group, {}):
+            raise quorum.QuorumError("NOT_FOUND", f"group {group} rank {rank} has not joined")
+        return key
+
+    def _check_member(self, group: int, rank: int, incarnation: str) -> tuple[int, int]:
+        """Refuse calls from failed, stale or unknown members (lock held); returns the key."""
+        key = (group, rank)
+        known = self._incarnations.get(group)
+        if incarnation and known is not None and known != incarnation:
+            raise quorum.QuorumError("FAILED_PRECONDITION",
+                                     f"group {group} rank {rank}: a newer start of group {group} joined; "
+                                     "this process is stale and must stop")
+        if key in self._failed:
+            raise quorum.QuorumError(
+                "FAILED_PRECONDITION",
+                f"group {group} rank {rank} was marked failed after {self._failed[key]:.1f}s without "
+                f"a message (heartbeat_timeout_s={self.heartbeat_timeout_s:g}); join again to continue")
+        if group in self._group_failed:
+            raise quorum.QuorumError("FAILED_PRECONDITION",
+                                     f"group {group} was declared failed ({self._group_failed[group]}); "
+                                     "join again to heal")
+        return self._known(group, rank)
+
+    def heartbeat(self, req: HeartbeatRequest) -> int:
+        """Record that a member is alive at ``step``; returns the epoch. A member of a failed group
+        is refused with FAILED_PRECONDITION until it joins again; an unknown one (e.g. after a
+        coordinator restart) with NOT_FOUND, which tells it to join again."""
+        with self._cond:
+            self._check_open()
+            self._sweep()
+            key = self._check_member(req.group, req.rank, req.incarnation)
+            self._last_heard[key] = self._clock()
+            self._steps[key] = req.step
+            return self._epoch_locked()
+
+    def _known_group(self, group: int) -> None:
+        if group not in self._members and group not in self._incarnations:
+            raise quorum.QuorumError("NOT_FOUND", f"group {group} has no joined rank")
+
+    # --- finished groups ----------------------------------------------------------------------
+
+    def summary(self, req: SummaryRequest) -> int:
+        """Keep a group's final summary (the latest wins) and wake wait_for_summaries and
+        wait_finished."""
+        with self._cond:
+            self._check_open()
+            self._known_group(req.group)
+            self._summaries[req.group] = copy.deepcopy(req.summary)
+            self._cond.notify_all()
+            return self._epoch_locked()
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuse further calls and release every waiting join, wait_for_summaries and
+        wait_finished."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """True once close() was called."""
+        with self._cond:
+            return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise quorum.QuorumError("UNAVAILABLE", "the coordinator is shutting down")
+
+    def _epoch_locked(self) -> int:
+        return self._epoch
+
+    # --- the event log; what the rounds part adds ---------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self._event_seq += 1
+        self._events[self._event_seq] = {"seq": self._event_seq, "kind": kind,
+                                         "at_s": round(self._clock() - self._started_at, 3), **fields}
+        while len(self._events) > MAX_EVENTS_KEPT:
+            self._events.popitem(last=False)
+
+    def _release_asks(self, g: int, reason: str) -> None:
+        """Answer group ``g``'s waiting quorum requests: it left the job for ``reason`` (lock held).
+        Membership alone keeps none; ``RoundState`` overrides this."""
