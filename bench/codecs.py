@@ -42,8 +42,9 @@ sys.path.insert(0, str(ROOT))
 if "--compress-root" in sys.argv[1:-1]:  # before importing compress: another checkout's
     sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--compress-root") + 1]).resolve()))
 
-import compress  # noqa: E402
 from benchutil import pin_malloc  # noqa: E402
+
+import compress  # noqa: E402
 from compress.codecs.blockwise import native_available  # noqa: E402
 
 FOUR_BIT = ["int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"]
@@ -95,10 +96,11 @@ def diloco_vectors(n_layer: int, n_embd: int, block: int, batch: int, rounds: in
       buffer after that round's ``v <- momentum * v + Delta``, Delta the mean pseudo-gradient):
       what the outer step subtracts, times its lr.
     """
-    from diloco.data import BatchSampler, load_corpus, shard_bounds, split
-    from diloco.model import GPT, GPTConfig
-    from diloco.schedule import inner_lr
     from torch.nn.utils import parameters_to_vector
+
+    from diloco.demo.data import BatchSampler, load_corpus, shard_bounds, split
+    from diloco.demo.model import GPT, GPTConfig
+    from diloco.engine.schedule import inner_lr
 
     train, _ = split(load_corpus(), 0.1)
     cfg = GPTConfig(block_size=block, n_layer=n_layer, n_head=4, n_embd=n_embd)

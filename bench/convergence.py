@@ -1,19 +1,19 @@
 """Convergence study: eval loss of DiLoCo's modes and codecs against data parallel, at equal tokens.
 
 What runs (the code path). Every row trains the demo GPT through the same pieces as ``diloco run``:
-the task (``diloco.task.gpt_task``), the inner optimizer (``diloco.worker.make_inner_optimizer``),
-the engine built from the config (``diloco.worker.make_engine``: DiLoCo in every mode, or data
-parallel) and the training loop itself (``diloco.worker._train``: lr schedule, grad clip, engine
+the task (``diloco.demo.gpt_task``), the inner optimizer (``diloco.runtime.worker.make_inner_optimizer``),
+the engine built from the config (``diloco.runtime.worker.make_engine``: DiLoCo in every mode, or data
+parallel) and the training loop itself (``diloco.runtime.worker._train``: lr schedule, grad clip, engine
 steps, final eval of the global model). What differs from a real job is only where the groups live:
 the G groups are G threads of this process, each with its own model, inner optimizer and engine
 (one rank per group, no DDP wrapper: a DDP group of one rank only copies the gradients), and each
 with its own real ``transport.TcpTransport`` on 127.0.0.1. Pseudo-gradients (and, for ``dp``,
-gradients) are averaged by ``diloco.group.StripedAverager`` over those transports: the ring
+gradients) are averaged by ``diloco.exchange.striped.StripedAverager`` over those transports: the ring
 all-reduce of a real job, with the codec applied exactly as there (partial sums re-encoded along
 the reduce-scatter, the owner quantizes each reduced chunk once, every group decodes the same
 bytes), stripes cut as ``diloco run --probe-bytes 0`` cuts them. Not exercised: the coordinator
 (quorums, heartbeats, round hashes), bandwidth probes, the in-group broadcast. ``--real`` runs
-the selected rows as real ``diloco run`` jobs instead (``diloco.launcher.run``: a coordinator and G
+the selected rows as real ``diloco run`` jobs instead (``diloco.runtime.launcher.run``: a coordinator and G
 torchrun groups of one rank, ``--probe-bytes 0``); they give the final eval loss and bytes but no
 loss curve (only its two ends), and cost ~20 s of start-up each on 2 cores, which is why the
 study runs in-process. ``--check-real ROW`` runs one row both ways and prints both results.
@@ -49,7 +49,7 @@ transports' byte counters: payload and framing, the initial-parameter check incl
 ``params_identical``, ``seconds``, ``path`` (``in-process`` or ``diloco-run``).
 
 bits_per_param_per_step = 8 x bytes_sent / (num_parameters x steps): the bits all groups together
-sent to each other per model parameter per inner step (``diloco.launcher.bits_per_param_per_step``,
+sent to each other per model parameter per inner step (``diloco.runtime.summary.bits_per_param_per_step``,
 the figure ``diloco run`` prints). Data parallel's fp32 ring all-reduce moves 2(G-1)/G x 4 bytes
 per parameter per group per step: 64 (G-1) bits, 64 with the baseline's two groups (measured
 here a little above: framing).
@@ -84,9 +84,25 @@ import torch  # noqa: E402
 
 from bench.convergence_report import dp_reference, mean_loss, plot, qsr_report, table  # noqa: E402
 from bench.convergence_rows import (  # noqa: E402
-    DEFAULT_OUTER, OUTER_SWEEP, QUICK_ROWS, QUICK_SIZE, SIZES, Row, Size, quick_rows, study_rows, sweep_rows)
+    DEFAULT_OUTER,
+    OUTER_SWEEP,
+    QUICK_ROWS,
+    QUICK_SIZE,
+    SIZES,
+    Row,
+    Size,
+    quick_rows,
+    study_rows,
+    sweep_rows,
+)
 from bench.convergence_run import (  # noqa: E402
-    EVAL_BATCH, Settings, make_config, make_record, run_in_process, run_real)
+    EVAL_BATCH,
+    Settings,
+    make_config,
+    make_record,
+    run_in_process,
+    run_real,
+)
 
 DEFAULT_JSON = BENCH / "results" / "convergence.json"
 QUICK_JSON = BENCH / "results" / "convergence_quick.json"

@@ -23,15 +23,18 @@ if str(ROOT) not in sys.path:  # not bench/ itself: its transport.py would shado
 import torch  # noqa: E402
 
 from bench.convergence_rows import DEFAULT_OUTER, Row, Size  # noqa: E402
-from diloco import data as data_mod  # noqa: E402
-from diloco.averaging import SingleGroup  # noqa: E402
-from diloco.config import Config  # noqa: E402
-from diloco.connection import group_keys, make_transport  # noqa: E402
-from diloco.group import StripedAverager  # noqa: E402
-from diloco.launcher import bits_per_param_per_step  # noqa: E402
-from diloco.task import Task, TaskContext, gpt_task  # noqa: E402
-from diloco.wire_codec import make_codec  # noqa: E402
-from diloco.worker import _evaluate, _train, make_engine, make_inner_optimizer  # noqa: E402
+from diloco.demo import data as data_mod  # noqa: E402
+from diloco.engine.averaging import SingleGroup  # noqa: E402
+from diloco.exchange.striped import StripedAverager  # noqa: E402
+from diloco.job.config import (
+    Config,  # noqa: E402
+    make_codec,  # noqa: E402
+)
+from diloco.demo import gpt_task  # noqa: E402
+from diloco.job.task import Task, TaskContext  # noqa: E402
+from diloco.runtime.connection import group_keys, make_transport  # noqa: E402
+from diloco.runtime.summary import bits_per_param_per_step  # noqa: E402
+from diloco.runtime.worker import _evaluate, _train, make_engine, make_inner_optimizer  # noqa: E402
 
 ENTRY = "bench.convergence_run:study_task"  # this file, importable with the repository root on the path
 EVAL_BATCH = 16  # sequences per eval batch, whatever a row's batch per group
@@ -69,7 +72,7 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     cfg.data.eval_batches = eval_batches
     cfg.inner.lr = row.inner_lr if row.inner_lr is not None else (lrs.dp_lr if row.family == "dp" else lrs.diloco_lr)
     cfg.inner.warmup_steps = size.warmup or max(1, size.steps // 20)
-    if row.outer or row.outer_tuned:  # otherwise the mode's own defaults (diloco.outer.MODE_DEFAULTS)
+    if row.outer or row.outer_tuned:  # otherwise the mode's own defaults (diloco.engine.outer.MODE_DEFAULTS)
         cfg.outer.lr, cfg.outer.momentum = row.outer or lrs.outer
     if row.co2:
         cfg.outer.co2_lr, cfg.outer.co2_momentum = row.co2
@@ -236,7 +239,7 @@ def run_real(cfg: Config) -> dict:
     """The same configuration as a real ``diloco run`` job (coordinator + torchrun groups)."""
     import tempfile
 
-    from diloco import launcher
+    from diloco.runtime import launcher
 
     env_path = os.environ.get("PYTHONPATH", "")
     if str(ROOT) not in env_path.split(os.pathsep):  # the workers import ENTRY from the repository

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from compress.fingerprint import fingerprint  # noqa: E402
-from diloco.model import GPT, GPTConfig  # noqa: E402
-from diloco.outer_state import params_digest  # noqa: E402
+from diloco.demo.model import GPT, GPTConfig  # noqa: E402
+from diloco.engine.outer_state import params_digest  # noqa: E402
 
 
 def best_ms(fn, repeats: int, sync) -> float:

@@ -24,7 +24,6 @@ sys.path.append(str(Path(__file__).resolve().parent))
 from benchutil import GlooBaseline, bench_codec, pin_malloc  # noqa: E402
 from transport_loopback import SECRET  # noqa: E402
 
-
 # -- shaped links: members in network namespaces ---------------------------------------------------
 
 def _member_main(cfg: dict) -> None:
@@ -66,7 +65,7 @@ def _member_main(cfg: dict) -> None:
                 x = out = None
                 x = torch.randn(case["n"], generator=torch.Generator().manual_seed(cfg["index"]))
                 # the result buffer, reused across repetitions as the trainer reuses its own
-                # (diloco/group.py): a new 0.5 GB result per call would be mostly page faults
+                # (diloco/exchange/striped.py): a new 0.5 GB result per call would be mostly page faults
                 out = torch.zeros_like(x)
             say({"address": t.address})
         elif cmd == "ring" and case["backend"] == "gloo":

@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diloco import launcher  # noqa: E402
-from diloco.config import Config  # noqa: E402
+from diloco.job.config import Config  # noqa: E402
+from diloco.runtime import launcher  # noqa: E402
 from transport.netns import EmulatedWan, available  # noqa: E402
 
 MODES = {

@@ -14,6 +14,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from . import entropy, frame
+from .codec_table import codec_name
 from .errors import FrameError
 
 Parts = list[torch.Tensor]
@@ -156,7 +157,6 @@ class Codec(ABC):
         mv = frame.as_buffer(data)
         h, payload = frame.parse(mv)
         if h.codec_id != self.codec_id:
-            from .registry import codec_name
             raise FrameError(f"frame was made by codec {codec_name(h.codec_id)!r}, "
                              f"not {self.name!r}")
         if count is not None and h.count != count:

@@ -1,31 +1,12 @@
-"""Codec names, ids and construction from a name or from a frame header."""
+"""Codecs built from a name (``get_codec``) or from a frame header (``decode_frame``, ``peek``)."""
 from __future__ import annotations
 
 import torch
 
 from . import frame
 from .codec import Codec, decode_parsed
+from .codec_table import _BY_ID, _BY_NAME, available_codecs, codec_name
 from .errors import FrameError
-
-_BY_NAME: dict[str, type[Codec]] = {}
-_BY_ID: dict[int, type[Codec]] = {}
-
-
-def register(cls: type[Codec]) -> type[Codec]:
-    """Class decorator: make a codec available by its ``name`` and wire ``codec_id``."""
-    if cls.name in _BY_NAME or cls.codec_id in _BY_ID:
-        raise ValueError(f"codec {cls.name!r} / id {cls.codec_id} registered twice")
-    if not 0 < cls.codec_id < 256:
-        raise ValueError(f"codec id {cls.codec_id} does not fit the header byte")
-    _BY_NAME[cls.name] = cls
-    _BY_ID[cls.codec_id] = cls
-    return cls
-
-
-def available_codecs() -> list[str]:
-    """Names accepted by :func:`get_codec`, in wire-id order."""
-    return [c.name for _, c in sorted(_BY_ID.items())]
-
 
 def get_codec(name: str, **params) -> Codec:
     """Build a codec by name, e.g. ``get_codec("int8", block_size=256, zstd=True)``.
@@ -38,12 +19,6 @@ def get_codec(name: str, **params) -> Codec:
         return cls(**params)
     except TypeError as e:  # unexpected keyword
         raise ValueError(f"bad parameters for codec {name!r}: {e}") from None
-
-
-def codec_name(codec_id: int) -> str:
-    """Name of a wire codec id (or a description of an unknown one)."""
-    cls = _BY_ID.get(codec_id)
-    return cls.name if cls else f"<unknown id {codec_id}>"
 
 
 def decode_frame(data: bytes | bytearray | memoryview,

@@ -9,20 +9,20 @@ lazily so that torch-free pieces (``diloco.coordinator``) start without loading 
 from importlib import import_module
 
 _EXPORTS = {
-    "DiLoCo": "diloco.engine", "NonFiniteError": "diloco.engine", "SyncEvent": "diloco.engine",
-    "SyncResult": "diloco.engine", "MODES": "diloco.engine",
-    "InitialParamsMismatch": "diloco.initial",
-    "connect": "diloco.connection", "GroupConnection": "diloco.connection", "ConnectError": "diloco.connection",
-    "Task": "diloco.task", "TaskContext": "diloco.task",
-    "FixedSchedule": "diloco.schedule", "QSRSchedule": "diloco.schedule",
-    "fixed_period": "diloco.schedule", "qsr_period": "diloco.schedule",
-    "nesterov": "diloco.outer", "sgd": "diloco.outer", "co2": "diloco.outer", "CO2Outer": "diloco.outer",
-    "StreamingDiLoCo": "diloco.streaming", "FragmentEvent": "diloco.streaming",
-    "partition": "diloco.fragments", "gpt_fragments": "diloco.fragments",
-    "DataParallelAcrossGroups": "diloco.data_parallel",
-    "StripedAverager": "diloco.group",
-    "InProcessGroups": "diloco.averaging", "SingleGroup": "diloco.averaging",
-    "TransportConfig": "diloco.config",
+    "DiLoCo": "diloco.engine.diloco", "NonFiniteError": "diloco.engine.diloco", "SyncEvent": "diloco.engine.diloco",
+    "SyncResult": "diloco.engine.diloco", "MODES": "diloco.engine.diloco",
+    "InitialParamsMismatch": "diloco.engine.initial",
+    "connect": "diloco.runtime.connection", "GroupConnection": "diloco.runtime.connection", "ConnectError": "diloco.runtime.connection",
+    "Task": "diloco.job.task", "TaskContext": "diloco.job.task",
+    "FixedSchedule": "diloco.engine.schedule", "QSRSchedule": "diloco.engine.schedule",
+    "fixed_period": "diloco.engine.schedule", "qsr_period": "diloco.engine.schedule",
+    "nesterov": "diloco.engine.outer", "sgd": "diloco.engine.outer", "co2": "diloco.engine.outer", "CO2Outer": "diloco.engine.outer",
+    "StreamingDiLoCo": "diloco.engine.streaming", "FragmentEvent": "diloco.engine.streaming",
+    "partition": "diloco.engine.fragments", "gpt_fragments": "diloco.engine.fragments",
+    "DataParallelAcrossGroups": "diloco.engine.data_parallel",
+    "StripedAverager": "diloco.exchange.striped",
+    "InProcessGroups": "diloco.engine.averaging", "SingleGroup": "diloco.engine.averaging",
+    "TransportConfig": "diloco.job.config",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -10,8 +10,9 @@ import sys
 import threading
 from typing import Any
 
-from diloco import config as config_mod
-from diloco import logs
+from diloco.job import config as config_mod
+from diloco.job import config_parse
+from diloco.runtime import logs
 
 DESCRIPTION = """\
 Low-bandwidth local-update training (DiLoCo) across worker groups.
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the job of a checkpoint folder (--checkpoint-dir; the newest step every group "
                      "completed) or of one step-N folder in it; the config is the checkpoint's, and flags may only "
                      "change settings that do not change the math (paths, logging, checkpoints, addresses) [default: none]")
-    config_mod.add_arguments(run)
+    config_parse.add_arguments(run)
 
     worker = sub.add_parser(
         "worker", help="one rank of one worker group (run under torchrun)",
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue from a job checkpoint: a step-N folder, or a folder of them (the newest step "
                         "every group completed, else the newest this group completed); every group must resume "
                         "from the same step [default: none]")
-    config_mod.add_arguments(worker)
+    config_parse.add_arguments(worker)
 
     coord = sub.add_parser(
         "coordinator", help="run the membership/quorum service",
@@ -140,27 +141,28 @@ def _config(args: argparse.Namespace, group: int | None = None) -> tuple[config_
     """``(config, resume point or None)``: from the flags, or with ``--resume`` from the checkpoint
     with the flags' operational settings (``job_checkpoint.resume_config``)."""
     if not args.resume:
-        return config_mod.from_args(args), None
-    from diloco import job_checkpoint
+        return config_parse.from_args(args), None
+    from diloco.runtime import job_checkpoint
 
     point = job_checkpoint.find(args.resume, group=group)
     if group is None:  # diloco run: every file is checked before any process starts
         job_checkpoint.verify_step(point.path)
-    cfg = job_checkpoint.resume_config(point.config, config_mod.explicit_settings(args), point.root, point.step)
+    cfg = job_checkpoint.resume_config(point.config, config_parse.explicit_settings(args), point.root, point.step)
     return cfg, point
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from diloco import launcher
+    from diloco.runtime import launcher
+    from diloco.runtime import summary as summary_mod
 
     cfg, point = _config(args)
     logs.setup(cfg.train.log_format, component="run")
     progress = not args.no_progress and cfg.train.log_format == "text"  # a bar is no log line
     # ranks per group the user did not name (flag or --config key) may be cut to the host's GPUs
-    named = config_mod.explicit_settings(args).keys() & {("topology", "ranks_per_group"), ("topology", "group_sizes")}
+    named = config_parse.explicit_settings(args).keys() & {("topology", "ranks_per_group"), ("topology", "group_sizes")}
     summary = launcher.run(cfg, run_dir=args.run_dir, progress=progress, timeout_s=args.run_timeout,
                            resume=point, fit_ranks=point is None and not named)
-    print(launcher.format_summary(summary))
+    print(summary_mod.format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
@@ -168,7 +170,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from diloco import worker
+    from diloco.runtime import worker
 
     cfg, point = _config(args, group=args.group_id)
     return worker.main(cfg, args.group_id, args.coordinator, json_path=args.json,
@@ -219,7 +221,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from diloco import status
+    from diloco.runtime import status
 
     return status.main(args.address, as_json=args.json, timeout_s=args.timeout)
 

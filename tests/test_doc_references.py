@@ -1,13 +1,14 @@
 """Every repository file that the documentation or the code's docstrings and comments point to exists.
 
-Scanned: README.md, docs/**/*.md, deploy/**/*.md, bench/**/*.md, and the docstrings (every bare
-string statement) and comments of every .py file under diloco/, transport/, compress/, bench/ and
-examples/. A reference is
+Scanned: README.md, ARCHITECTURE.md, docs/**/*.md, deploy/**/*.md, bench/**/*.md, and the
+docstrings (every bare string statement) and comments of every .py file under diloco/, transport/,
+compress/, bench/ and examples/. A reference is
 
 * a markdown link or image ``[text](target)`` whose target is a relative path (http(s), mailto
   and other schemes, pure ``#anchors`` and absolute paths are skipped; ``#anchor`` is cut off);
 * a bare mention of ``SOMETHING.md`` (``ALGORITHMS.md``, ``bench/README.md``, ``docs/x.md``);
-* a bare mention of a path under ``docs/``, ``bench/``, ``deploy/`` or ``examples/``.
+* a bare mention of a path under ``docs/``, ``bench/``, ``deploy/``, ``examples/``, or the code's and
+  tests' folders (``diloco/``, ``transport/``, ``compress/``, ``tests/``).
 
 A reference resolves if the path exists relative to the repository root or to the folder of the
 file that mentions it. A failure lists every dangling reference as ``file:line -> path``.
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MARKDOWN_GLOBS = ("README.md", "docs/**/*.md", "deploy/**/*.md", "bench/**/*.md")
+MARKDOWN_GLOBS = ("README.md", "ARCHITECTURE.md", "docs/**/*.md", "deploy/**/*.md", "bench/**/*.md")
 CODE_FOLDERS = ("diloco", "transport", "compress", "bench", "examples")
 
 URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S+")
@@ -34,7 +35,8 @@ LINK = re.compile(r"!?\[[^\]]*\]\(\s*(<[^>]*>|[^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
 # a word that ends in .md, possibly with folders: ALGORITHMS.md, bench/README.md, ../x.md
 MD_MENTION = re.compile(r"(?<![\w/.-])((?:\.{1,2}/)?[\w-][\w./-]*\.md)(?![\w-])")
 # a path under one of the folders users are sent to: docs/x, bench/y.py, deploy/z, examples/w
-DIR_MENTION = re.compile(r"(?<![\w/.-])((?:docs|bench|deploy|examples)/[\w./-]*[\w-])")
+# (not right after a quote: "diloco/data-plane/pair/v1" is a key-derivation label, not a path)
+DIR_MENTION = re.compile(r"(?<![\w/.\"-])((?:docs|bench|deploy|examples|diloco|transport|compress|tests)/[\w./-]*[\w-])")
 
 
 def references_in_text(line: str) -> list[str]:
@@ -124,3 +126,33 @@ def test_every_referenced_repository_file_exists():
         f"{len(dangling)} reference(s) to files that are not in the repository:\n  "
         + "\n  ".join(dangling)
     )
+
+
+DOTTED = re.compile(r"(?<![\w./-])diloco\.([a-z_]\w*)(?![\w/-])")
+# where the layout's move is explained, the old module paths are named on purpose
+OLD_PATHS_NAMED_IN = {"ARCHITECTURE.md", "diloco/job/task.py"}
+
+
+def diloco_top_level_names() -> set[str]:
+    """What ``diloco.X`` may name: its modules and sub-packages, and its public (lazy) names."""
+    init = ast.parse((ROOT / "diloco" / "__init__.py").read_text())
+    exports = next(node.value for node in init.body if isinstance(node, ast.Assign)
+                   and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets))
+    names = {key.value for key in exports.keys}  # type: ignore[union-attr]
+    names |= {p.stem for p in (ROOT / "diloco").glob("*.py")}
+    return names | {p.name for p in (ROOT / "diloco").iterdir() if (p / "__init__.py").exists()}
+
+
+def test_every_dotted_diloco_name_exists():
+    """``diloco.worker`` in a doc after the worker moved to ``diloco.runtime.worker`` is caught."""
+    known = diloco_top_level_names()
+    assert {"DiLoCo", "connect", "runtime", "engine", "cli"} <= known
+    stale = []
+    for path in scanned_files():
+        lines = python_doc_lines(path) if path.suffix == ".py" else markdown_lines(path)
+        for number, text in lines:
+            for m in DOTTED.finditer(URL.sub(" ", text)):
+                if (m.group(1) not in known and m.group(1) not in ("json", "toml", "yaml", "py", "log")
+                        and str(path.relative_to(ROOT)) not in OLD_PATHS_NAMED_IN):
+                    stale.append(f"{path.relative_to(ROOT)}:{number} -> diloco.{m.group(1)}")
+    assert not stale, "names that are not in diloco:\n  " + "\n  ".join(stale)

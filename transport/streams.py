@@ -24,7 +24,7 @@ import torch
 
 class SideStream:
     """A side stream on ``device`` for work the caller starts and another thread runs (a
-    collective; `diloco.quorum_averager`'s attempts); create it on the caller's thread, at the
+    collective; `diloco.exchange.quorum_averager`'s attempts); create it on the caller's thread, at the
     start."""
 
     def __init__(self, device: torch.device) -> None:

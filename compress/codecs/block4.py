@@ -49,7 +49,7 @@ import torch
 
 from ..codec import Codec, Parts
 from ..errors import FrameError
-from ..registry import register
+from ..codec_table import register
 from . import blockwise
 from .blockwise import FLT_MAX, MAGIC, MAGIC_BITS, NativeCoded, _native_for, _native_out
 from .common import (BlockSizeParam, check_block, check_scales, header_block, make_generator, n_blocks,

@@ -26,7 +26,7 @@ import torch
 
 from ..codec import Codec, Parts
 from ..errors import FrameError
-from ..registry import register
+from ..codec_table import register
 from .common import (BlockSizeParam, check_block, check_scales, header_block, make_generator, n_blocks,
                      padded_blocks)
 

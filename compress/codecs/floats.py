@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..codec import Codec, Parts
-from ..registry import register
+from ..codec_table import register
 from .common import make_generator
 
 

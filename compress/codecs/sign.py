@@ -9,7 +9,7 @@ import torch
 
 from ..codec import Codec, Parts
 from ..errors import FrameError
-from ..registry import register
+from ..codec_table import register
 from .common import BlockSizeParam, check_block, check_scales, header_block, n_blocks, padded_blocks
 from .packing import pack_bits, unpack_bits
 

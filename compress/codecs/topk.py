@@ -15,7 +15,7 @@ import torch
 from ..codec import Codec, Parts
 from ..errors import FrameError
 from ..finite import all_finite
-from ..registry import register
+from ..codec_table import register
 from .common import check_block, header_block, n_blocks
 from .packing import pack_fields, packed_bytes, unpack_fields
 

@@ -107,7 +107,7 @@ def test_the_same_values_give_the_same_fingerprint_whatever_the_layout():
 
 
 def test_params_hash_is_the_fingerprint_in_hex():
-    from diloco.outer_state import params_hash
+    from diloco.engine.outer_state import params_hash
 
     x = [torch.randn(100), torch.randn(3, 3)]
     assert params_hash(x) == f"{fp.fingerprint(x):016x}" and len(params_hash(x)) == 16

@@ -8,11 +8,10 @@ import json
 import re
 
 import yaml
+from ops_helpers import DEPLOY
 
 from diloco.coordinator.metrics import COORDINATOR_SERIES
-from diloco.metrics import WORKER_SERIES
-
-from ops_helpers import DEPLOY
+from diloco.runtime.metrics import WORKER_SERIES
 
 EXPORTED = set(WORKER_SERIES) | set(COORDINATOR_SERIES)
 RECORDED_PREFIX = "group:"  # recording rules' outputs (level:metric:operations)

@@ -10,14 +10,14 @@ import copy
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
-
-from diloco import config as config_mod
-from diloco.connection import SECRET_ENV, TOKEN_ENV
-
+import tomllib
 from ops_helpers import OVERLAYS
+
+from diloco.job import config as config_mod
+from diloco.job import config_parse
+from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV
 
 
 def _help_flags(*command: str) -> set[str]:
@@ -179,7 +179,7 @@ def test_job_config_loads_and_every_group_matches_its_size(rendered):
     for name, objects in rendered.items():
         sts, container, _, worker_args = _worker(objects)
         job = _job_toml(objects, container, sts["spec"]["template"]["spec"])
-        cfg = config_mod.from_dict(job).validate()
+        cfg = config_parse.from_dict(job).validate()
         env = _env(container)
         group = int(env["DILOCO_GROUP_ID"]["value"])
         group_ids.append(group)

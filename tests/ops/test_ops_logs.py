@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from diloco import logs
+from diloco.runtime import logs
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Metric names and values: worker series (diloco.metrics) and the coordinator's (diloco.coordinator.metrics)."""
+"""Metric names and values: worker series (diloco.runtime.metrics) and the coordinator's (diloco.coordinator.metrics)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,20 @@ import re
 import time
 
 import pytest
+from ops_helpers import SNAPSHOT
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from diloco.coordinator.metrics import COORDINATOR_SERIES, CoordinatorCollector
-from diloco.metrics import WIRE_COUNTERS, WORKER_SERIES, WorkerMetrics, codec_ratio, read_counters
+from diloco.runtime.metrics import (
+    WIRE_COUNTERS,
+    WORKER_SERIES,
+    WorkerMetrics,
+    codec_ratio,
+    read_counters,
+)
 from transport.control import COUNTERS
 
-from ops_helpers import SNAPSHOT
 
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in registry.collect() for s in m.samples}

@@ -4,8 +4,8 @@ Prometheus server scrapes a short `diloco run` (workers and coordinator) and ans
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,13 +16,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ops_helpers import DEPLOY, SNAPSHOT, need_binary
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from diloco.coordinator.metrics import CoordinatorCollector
-from diloco.metrics import WorkerMetrics
-
-from ops_helpers import DEPLOY, SNAPSHOT, need_binary
+from diloco.runtime.metrics import WorkerMetrics
 
 RULES = DEPLOY / "prometheus" / "diloco-rules.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "diloco-rules.test.yml"
@@ -130,7 +129,7 @@ def test_prometheus_scrapes_a_diloco_run_and_answers_queries(tmp_path: Path):
             except OSError:  # Prometheus still starting
                 continue
             if status_doc is None and joined and run.poll() is None:
-                from diloco.status import fetch
+                from diloco.runtime.status import fetch
 
                 try:
                     status_doc = fetch(f"127.0.0.1:{metrics + 2}")

@@ -7,12 +7,11 @@ import urllib.error
 import urllib.request
 
 import pytest
+from ops_helpers import SNAPSHOT
 
 from diloco import cli
 from diloco.coordinator.metrics import CoordinatorHttp, status_document
-from diloco.status import format_status
-
-from ops_helpers import SNAPSHOT
+from diloco.runtime.status import format_status
 
 
 class FakeServer:

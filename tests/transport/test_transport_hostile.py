@@ -15,14 +15,14 @@ import grpc
 import pytest
 import torch
 import zstandard
+from test_transport_faults import _fake_left_peer
+from transport_helpers import SECRET, run_ring, transports
 
 import compress
 from compress import frame as cframe
 from transport import TcpTransport
 from transport.grpclink import METHOD
 from transport.wire import MsgType, pack_header
-from transport_helpers import SECRET, run_ring, transports
-from test_transport_faults import _fake_left_peer
 
 
 def _raw(target: str, source: str = "127.0.0.2") -> socket.socket:
@@ -282,8 +282,8 @@ def test_grpc_caps_unauthenticated_streams() -> None:
 def test_listener_limits_are_settings_that_reach_the_transport() -> None:
     """--handshake-timeout and the caps are Config settings; make_transport applies them and
     validate() refuses values that would disable them."""
-    from diloco.config import Config, ConfigError
-    from diloco.connection import make_transport
+    from diloco.job.config import Config, ConfigError
+    from diloco.runtime.connection import make_transport
 
     cfg = Config()
     cfg.transport.handshake_timeout = 0.7

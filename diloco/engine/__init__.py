@@ -1,0 +1,22 @@
+"""The algorithm, free of processes and sockets: the DiLoCo engine and its sync modes, schedules,
+outer rules, fragments, error feedback, outer state and the averager interface it syncs through.
+
+A new outer rule goes in ``outer.py``; a new sync mode in ``diloco.py`` (named in ``modes.py``);
+a new schedule in ``schedule.py``. Nothing here imports the rest of ``diloco``.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "DiLoCo": "diloco.engine.diloco", "NonFiniteError": "diloco.engine.diloco",
+    "SyncEvent": "diloco.engine.diloco", "SyncResult": "diloco.engine.diloco",
+    "first_syncs": "diloco.engine.diloco", "MODES": "diloco.engine.modes",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    # lazy, so that the torch-free ``modes`` loads without torch
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'diloco.engine' has no attribute {name!r}")

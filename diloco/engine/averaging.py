@@ -1,0 +1,143 @@
+"""Averagers: how one group's pseudo-gradient is averaged with the other groups'.
+
+An averager takes this group's flat fp32 pseudo-gradient and returns the mean over all groups,
+bit-identical on every group. ``start(flat, tag=...)`` launches the exchange and returns at once;
+``.wait()`` on the result blocks for the mean, so inner steps can run while it travels.
+``all_reduce_mean`` is the blocking form.
+
+``SingleGroup`` is the trivial averager; ``InProcessGroups`` simulates several groups as threads of
+one process (tests, quick experiments); the cross-datacenter one, over the ``transport`` package,
+is ``diloco.exchange.striped.StripedAverager``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+
+
+class PendingMean(Protocol):
+    def wait(self) -> torch.Tensor:
+        """Block until the mean is known; returns it (1-D fp32)."""
+        ...
+
+
+class Averager(Protocol):
+    num_groups: int  # groups taking part
+    group_index: int  # this group's position among them, 0..num_groups-1
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
+        """Launch the mean of ``flat`` over all groups; ``tag`` names this exchange uniquely.
+        ``exact``: send fp32 whatever the configured codec (for control exchanges)."""
+        ...
+
+    def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
+        """Blocking mean of ``flat`` (1-D fp32) over all groups; does not modify ``flat``."""
+        ...
+
+
+class Done:
+    """A mean that is already known."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+class SingleGroup:
+    """One group: the mean is the input itself (copied)."""
+
+    num_groups = 1
+    group_index = 0
+    bytes_sent = 0
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
+        return Done(flat.detach().clone())
+
+    def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
+        return self.start(flat, tag=f"r{round}").wait()
+
+
+class InProcessGroups:
+    """``size`` simulated groups in one process; member ``i`` is used from thread ``i``.
+
+    Contributions are matched by tag. Every member sums them in group order and divides by
+    ``size``, so all members get bit-identical results, as the real ring guarantees.
+    ``codec``: a ``compress`` codec each member's contribution goes through (encoded once, as a
+    whole; exact exchanges skip it); one that needs error feedback makes the members require
+    ``error_feedback=True`` and report ``sent``, as ``StripedAverager`` does.
+    """
+
+    def __init__(self, size: int, timeout_s: float = 60.0, codec=None) -> None:
+        self.size = size
+        self.timeout_s = timeout_s
+        self.codec = codec
+        self.error_feedback = bool(getattr(codec, "requires_error_feedback", False))
+        self._cond = threading.Condition()
+        self._slots: dict[str, dict[int, torch.Tensor]] = {}
+        self._taken: dict[str, int] = {}
+
+    def member(self, index: int) -> "InProcessMember":
+        return InProcessMember(self, index)
+
+    def _post(self, tag: str, index: int, flat: torch.Tensor) -> None:
+        with self._cond:
+            slot = self._slots.setdefault(tag, {})
+            if index in slot:
+                raise RuntimeError(f"member {index} posted tag {tag!r} twice")
+            slot[index] = flat.detach().clone()
+            self._cond.notify_all()
+
+    def _mean(self, tag: str) -> torch.Tensor:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._slots.get(tag, {})) == self.size, self.timeout_s):
+                raise TimeoutError(f"in-process all-reduce {tag!r}: not every group contributed")
+            slot = self._slots[tag]
+            total = torch.zeros_like(slot[0])
+            for i in range(self.size):
+                total += slot[i]
+            self._taken[tag] = self._taken.get(tag, 0) + 1
+            if self._taken[tag] == self.size:
+                del self._slots[tag], self._taken[tag]
+            return total / self.size
+
+
+class _InProcessPending:
+    def __init__(self, groups: InProcessGroups, tag: str, sent: torch.Tensor | None = None) -> None:
+        self._groups, self._tag, self._value = groups, tag, None
+        self.sent = sent  # what the other members decoded of this member's contribution (codec only)
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._groups._mean(self._tag)
+        return self._value
+
+
+class InProcessMember:
+    def __init__(self, groups: InProcessGroups, index: int) -> None:
+        self._groups = groups
+        self.index = index
+        self.group_index = index
+        self.num_groups = groups.size
+
+    @property
+    def error_feedback(self) -> bool:
+        return self._groups.error_feedback
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, error_feedback: bool = False) -> PendingMean:
+        codec = self._groups.codec
+        if codec is None or exact:
+            self._groups._post(tag, self.index, flat)
+            return _InProcessPending(self._groups, tag)
+        if self.error_feedback and not error_feedback:
+            raise ValueError(f"codec {codec.name!r} needs error feedback: pass error_feedback=True and keep the residual")
+        sent = codec.encode_with_decoded(flat.detach().to(torch.float32).contiguous())[1]
+        self._groups._post(tag, self.index, sent)
+        return _InProcessPending(self._groups, tag, sent)
+
+    def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
+        return self.start(flat, tag=f"r{round}").wait()

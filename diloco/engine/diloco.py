@@ -1,0 +1,508 @@
+"""The DiLoCo engine: local inner steps, then outer steps on averaged pseudo-gradients.
+
+One class, ``DiLoCo``, for every sync policy. Each rank of each group runs the same code::
+
+    with DiLoCo(model, inner_opt, sync_every=30, averager=averager, hook_optimizer=True):
+        for batch in data:                       # the loop keeps its shape: the engine runs
+            loss(model, batch).backward()        # after every inner_opt.step()
+            inner_opt.step(); inner_opt.zero_grad()
+
+(or ``hook_optimizer=False`` and ``engine.step()`` after each inner step). Leaving the ``with``
+block (or ``close()``) lands every exchange in flight; the model then holds the global parameters.
+
+Semantics (docs/algorithms.md §0.1, §1.1, §3.3, §4, §5, §12), with ``Δ = θ_global − θ_local`` in
+fp32 (a descent direction, like a gradient):
+
+* the parameters are split into P fragments (``fragments``, one by default). Fragment p first
+  syncs after ``(p+1)·H/P`` inner steps, then every H (H from the schedule, recomputed from the
+  current inner lr after each of its syncs, so QSR works per fragment);
+* ``blocking``: average Δ_p over groups, outer step on θ_global[p], merge, continue;
+* ``overlap`` (Streaming DiLoCo): launch the exchange and keep training; ``overlap_steps`` = τ
+  inner steps later, apply the outer step and merge;
+* ``eager`` (Kale et al. 2025): the exchange may take a whole round; the outer step uses this
+  group's fresh Δ and the others' previous-round Δ,
+  ``(Δ_own(t) + M·mean(t−H) − Δ_own(t−H)) / M`` (with a weighted quorum: ``mean(t−H) + s·(Δ_own(t) −
+  Δ_own(t−H))``, s = this group's share of that mean); global copies differ slightly until ``close()``;
+* ``delayed``: the previous round's mean, one round stale (for comparison);
+* ``co2`` (Sun et al. 2024): like ``delayed``, with ``diloco.engine.outer.co2`` as outer optimizer;
+* the merge is ``θ_local ← α·θ_local + (1−α)·θ_global`` (α = ``merge_alpha``; 0 adopts θ_global);
+* the inner optimizer's state is never touched: it stays local to the group.
+
+At construction every group's initial parameters are made equal (``initial_sync="copy"``: group
+0's are copied over the data plane) or verified equal by hash (``"check"``, the default: a
+mismatch raises ``InitialParamsMismatch`` on every group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.nn as nn
+
+from compress.finite import all_finite
+from diloco.engine.averaging import Averager, Done, PendingMean
+from diloco.engine.error_feedback import Residuals
+from diloco.engine.initial import agree
+from diloco.engine.modes import MODES, InitialSync, Mode
+from diloco.engine.outer import OuterOptimizerFactory, by_mode
+from diloco.engine.outer_state import OuterFragment, global_weights_loaded, params_hash
+from diloco.engine.schedule import FixedSchedule, SyncSchedule
+
+STATE_VERSION = 1
+
+
+class NonFiniteError(FloatingPointError):
+    """A pseudo-gradient (local or averaged) holds NaN or Inf; nothing was applied."""
+
+
+@dataclass(frozen=True)
+class SyncEvent:
+    """One thing the engine did to one fragment at an inner step."""
+
+    fragment: int
+    round: int  # this fragment's round id (0-based)
+    kind: Literal["launch", "commit"]  # launch: exchange started; commit: outer step applied
+    inner_step: int  # inner steps done when it happened
+    numel: int  # elements of this fragment (the exchange's vector length)
+    next_period: int = 0  # launch: H until this fragment's next sync (0: none before the end)
+    delta_norm: float | None = None  # commit: L2 norm of the applied pseudo-gradient (None: none)
+
+
+def first_syncs(num_fragments: int, h: int) -> list[int]:
+    """Inner-step count of each fragment's first sync: ``(p+1)·H/P`` (floor), staggered."""
+    if h < num_fragments:
+        raise ValueError(f"H ({h}) must be >= the number of fragments ({num_fragments})")
+    return [((p + 1) * h) // num_fragments for p in range(num_fragments)]
+
+
+@dataclass
+class _InFlight:
+    pending: PendingMean
+    round: int
+    apply_at: int  # inner step at which an ``overlap`` exchange is merged
+
+
+class DiLoCo:
+    """Wraps a model and its inner optimizer; syncs with the other groups on a schedule.
+
+    ``sync_every``: H (inner steps) or a ``SyncSchedule``. ``mode``: one of ``MODES``.
+    ``fragments``: None (one), a count P (``diloco.engine.fragments.partition``), or name lists.
+    ``overlap_steps``: τ for ``overlap`` (default 1). ``merge_alpha``: α (default 0.5 for
+    ``overlap``, 0 otherwise). ``outer_optimizer``: a factory (default
+    ``diloco.engine.outer.by_mode(mode)``: Nesterov 0.7/0.9, eager 0.7/0.5, delayed 0.7/0, co2 ``co2()``).
+    ``averager``: how Δ is averaged across groups — required: ``diloco.connect(...)``
+    for real groups, ``diloco.SingleGroup()`` to train one group alone. ``global_device``:
+    ``"model"`` or a device for the fp32 global copy. ``hook_optimizer``: run ``step()`` after
+    every ``inner_optimizer.step()``. ``initial_sync``: ``"check"`` or ``"copy"`` (see module doc).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        averager: Averager,
+        sync_every: int | SyncSchedule = 500,
+        mode: Mode = "blocking",
+        fragments: int | Sequence[Sequence[str]] | None = None,
+        overlap_steps: int | None = None,
+        merge_alpha: float | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        global_device: str | torch.device = "model",
+        hook_optimizer: bool = False,
+        initial_sync: InitialSync = "check",
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if averager is None:
+            raise ValueError("averager is required: diloco.connect(...) for groups, diloco.SingleGroup() for one")
+        if getattr(averager, "error_feedback", False) and mode == "eager":
+            raise ValueError("mode 'eager' cannot use a codec that needs error feedback (sign1, topk): its "
+                             "own-share correction assumes the mean holds this group's exact Δ")
+        # α = 0.5 only where τ local steps ran since Δ was measured (overlap); the other modes step at
+        # the sync itself, and their papers start the next round from the new θ_global (α = 0).
+        merge_alpha = (0.5 if mode == "overlap" else 0.0) if merge_alpha is None else merge_alpha
+        if not 0.0 <= merge_alpha <= 1.0:
+            raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
+        tau = (1 if mode == "overlap" else 0) if overlap_steps is None else overlap_steps
+        if tau < 0:
+            raise ValueError(f"overlap_steps must be >= 0, got {overlap_steps}")
+        if tau and mode != "overlap":
+            raise ValueError(f"overlap_steps applies to mode 'overlap' only, not {mode!r}")
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.schedule: SyncSchedule = FixedSchedule(sync_every) if isinstance(sync_every, int) else sync_every
+        self.mode: Mode = mode
+        self.overlap_steps = tau
+        self.merge_alpha = merge_alpha
+        self.averager = averager
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        groups = self._fragment_names(model, named, fragments)
+        device = None if str(global_device) == "model" else torch.device(global_device)
+        self.fragments = [
+            OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer or by_mode(mode), device=device)
+            for f in groups
+        ]
+        attach = getattr(averager, "attach", None)  # fault-tolerant averagers: a late group heals instead
+        healing = bool(attach(self)) if attach is not None else False
+        if not healing:
+            agree(averager, self.global_params, initial_sync)
+        for frag in self.fragments:
+            frag.merge_into_model(0.0)
+        self.inner_step = 0
+        self.next_sync = first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))
+        if self.overlap_steps and self.overlap_steps >= min(self.next_sync):
+            raise ValueError(
+                f"overlap_steps ({self.overlap_steps}) must be < H/P ({min(self.next_sync)}): "
+                "a fragment's exchange must land before the next fragment is due"
+            )
+        self.rounds = [0] * len(self.fragments)
+        self.in_flight: list[_InFlight | None] = [None] * len(self.fragments)
+        self._own_previous: list[torch.Tensor | None] = [None] * len(self.fragments)
+        self._launched_at = [0] * len(self.fragments)  # inner step of each fragment's last launch
+        self._weighted = bool(getattr(averager, "weighted", False))
+        self._screened = bool(getattr(averager, "screens_contributions", False))
+        # sign1/topk: each fragment's residual of what this group's exchanges have not delivered yet
+        self.error_feedback = Residuals(len(self.fragments)) if getattr(averager, "error_feedback", False) else None
+        self.finished = False
+        self.sync_seconds = 0.0  # time spent inside step()/close() on syncs
+        self.last_events: list[SyncEvent] = []
+        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if hook_optimizer else None
+        if healing:
+            averager.heal(self)
+
+    @staticmethod
+    def _fragment_names(model: nn.Module, named: dict, fragments) -> list[list[str]]:
+        if fragments is None:
+            return [list(named)]
+        if isinstance(fragments, int):
+            from diloco.engine.fragments import partition
+
+            return partition(model, fragments)
+        groups = [list(f) for f in fragments]
+        seen = [n for f in groups for n in f]
+        if sorted(seen) != sorted(named) or len(seen) != len(set(seen)):
+            raise ValueError("fragments must cover every trainable parameter exactly once")
+        return groups
+
+    # --- the training-loop API ----------------------------------------------------------------
+
+    def current_lr(self) -> float:
+        """The inner optimizer's lr now (first param group), the input of adaptive schedules."""
+        return float(self.inner_optimizer.param_groups[0]["lr"])
+
+    def step(self) -> list[SyncEvent]:
+        """Count one inner step; land the exchanges that are due, launch the fragments that are
+        due. Returns what happened (an empty list on most steps)."""
+        if self.finished:
+            raise RuntimeError("step() after close()")
+        t0 = time.perf_counter()
+        self.inner_step += 1
+        events: list[SyncEvent] = []
+        for p, flight in enumerate(self.in_flight):
+            if self.mode == "overlap" and flight is not None and self.inner_step >= flight.apply_at:
+                events.append(self._commit_overlap(p))
+        for p in range(len(self.fragments)):
+            if self.inner_step >= self.next_sync[p]:
+                events.extend(self._sync(p))
+        return self._done(events, t0)
+
+    def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.step()
+
+    def _done(self, events: list[SyncEvent], t0: float) -> list[SyncEvent]:
+        if events:
+            self.sync_seconds += time.perf_counter() - t0
+        self.last_events = events
+        observe = getattr(self.averager, "observe", None)
+        if observe is not None:
+            observe(self, events)
+        return events
+
+    @torch.no_grad()
+    def close(self) -> list[SyncEvent]:
+        """Land every exchange in flight (eager: reconcile the groups' global copies), load the
+        global parameters into the model, stop hooking the optimizer. Idempotent."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.finished:
+            return []
+        t0 = time.perf_counter()
+        events: list[SyncEvent] = []
+        for p, flight in enumerate(self.in_flight):
+            if flight is None:
+                continue
+            if self.mode in ("overlap", "blocking"):
+                events.append(self._commit_overlap(p))
+                continue
+            mean = self._wait(p, flight)
+            if self.mode in ("delayed", "co2"):  # eager already used its own share of it
+                self.fragments[p].outer_step(mean)
+                events.append(self._event(p, flight.round, "commit", delta_norm=float(mean.norm())))
+        if self.mode == "eager":
+            for p, frag in enumerate(self.fragments):
+                frag.load_flat_global(self.averager.start(frag.flat_global(), tag=f"f{p}/final", exact=True).wait())
+        for frag in self.fragments:
+            frag.merge_into_model(0.0)
+        self.finished = True
+        return self._done(events, t0)
+
+    finish = close
+
+    def abandon(self) -> None:
+        """Stop without waiting for exchanges in flight (after an error: peers may be gone)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.in_flight = [None] * len(self.fragments)
+        self.finished = True
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
+
+    # --- one fragment's sync ------------------------------------------------------------------
+
+    def _event(self, p: int, round: int, kind: str, **extra: Any) -> SyncEvent:
+        return SyncEvent(p, round, kind, self.inner_step, self.fragments[p].numel, **extra)  # type: ignore[arg-type]
+
+    def _delta(self, p: int) -> torch.Tensor:
+        delta = self.fragments[p].pseudo_gradient()
+        if not self._screened and not all_finite(delta):
+            raise NonFiniteError(
+                f"fragment {p} round {self.rounds[p]}: local pseudo-gradient has NaN/Inf at inner "
+                f"step {self.inner_step}; nothing was sent or applied"
+            )
+        return delta
+
+    def _wait(self, p: int, flight: _InFlight) -> torch.Tensor:
+        mean = flight.pending.wait()
+        self.in_flight[p] = None
+        if not all_finite(mean):
+            raise NonFiniteError(f"fragment {p} round {flight.round}: averaged pseudo-gradient has NaN/Inf; not applied")
+        if getattr(flight.pending, "own_rejected", False):
+            self._reset_local(p)
+        return mean
+
+    @torch.no_grad()
+    def _reset_local(self, p: int) -> None:
+        """The quorum refused this group's contribution (NaN/Inf or an outlier): its local state is
+        not to be trusted, so fragment p's parameters restart from the global ones and their
+        inner-optimizer state is dropped."""
+        frag = self.fragments[p]
+        frag.merge_into_model(0.0)
+        for param in frag.local_params:
+            self.inner_optimizer.state.pop(param, None)
+
+    def _launch(self, p: int, delta: torch.Tensor) -> SyncEvent:
+        r = self.rounds[p]
+        extra = {"weight": float(self.inner_step - self._launched_at[p])} if self._weighted else {}
+        if self.error_feedback is not None:  # sends Δ + residual; the residual moves when it lands
+            return self._launched(p, self.error_feedback.start(self.averager, p, delta, tag=f"f{p}/r{r}", **extra))
+        pending = self.averager.start(delta, tag=f"f{p}/r{r}", **extra)
+        return self._launched(p, pending)
+
+    def _launched(self, p: int, pending: PendingMean) -> SyncEvent:
+        r = self.rounds[p]
+        apply_at = self.inner_step + (self.overlap_steps if self.mode in ("overlap", "blocking") else 0)
+        self.in_flight[p] = _InFlight(pending, r, apply_at)
+        self.rounds[p] += 1
+        self._launched_at[p] = self.inner_step
+        return self._event(p, r, "launch")
+
+    def _sync(self, p: int) -> list[SyncEvent]:
+        events, delta = self._before_launch(p)
+        events.append(self._launch(p, delta))
+        return self._after_launch(p, events)
+
+    def _before_launch(self, p: int) -> tuple[list[SyncEvent], torch.Tensor]:
+        """What a fragment's sync does before its exchange starts: land what is due, and the
+        contribution to send."""
+        events = []
+        frag = self.fragments[p]
+        if self.mode in ("overlap", "blocking"):
+            if self.in_flight[p] is not None:  # only if H shrank below τ: land it first
+                events.append(self._commit_overlap(p))
+            return events, self._delta(p)
+        delta = self._delta(p)
+        flight = self.in_flight[p]
+        update = None
+        if self.mode == "eager":
+            m = self.averager.num_groups
+            if flight is None:  # round 0: nothing from the others yet
+                update = delta / m
+            else:
+                mean = self._wait(p, flight)
+                # this group's part of that mean: w_own / sum(w) of the quorum that committed it
+                # (0 if it was refused or healing in); averagers without quorums: 1/M
+                share = getattr(flight.pending, "own_share", None)
+                if share is None:
+                    update = (delta + (m * mean - self._own_previous[p])) / m
+                elif share == 0:  # refused or healing: the mean holds nothing of ours to replace
+                    update = mean.clone()
+                else:
+                    update = mean + share * (delta - self._own_previous[p])
+            self._own_previous[p] = delta
+        elif flight is not None:  # delayed, co2: the previous round's mean, one round stale
+            update = self._wait(p, flight)
+        if update is not None:
+            frag.outer_step(update)
+        frag.merge_into_model(self.merge_alpha)
+        norm = None if update is None else float(update.norm())
+        events.append(self._event(p, self.rounds[p], "commit", delta_norm=norm))
+        return events, delta
+
+    def _after_launch(self, p: int, events: list[SyncEvent]) -> list[SyncEvent]:
+        if self.mode in ("overlap", "blocking") and self.overlap_steps == 0:
+            events.append(self._commit_overlap(p))
+        period = self._period()
+        self.next_sync[p] = self.inner_step + max(period, 1)
+        return [dataclasses.replace(e, next_period=period) if e.kind == "launch" else e for e in events]
+
+    def adopt(self, tag: str, pending: PendingMean) -> list[SyncEvent]:
+        """Healing: this engine was just loaded with a live member's state, taken as that member
+        launched exchange ``tag``; ``pending`` is this group's part in that exchange (it sent
+        nothing: its weight is 0). Finishes the sync as the member does, so both continue alike."""
+        match = re.fullmatch(r"f(\d+)/r(\d+)", tag)
+        if match is None or int(match.group(1)) >= len(self.fragments):
+            raise ValueError(f"cannot join exchange {tag!r}: not a fragment sync of this engine")
+        p, r = int(match.group(1)), int(match.group(2))
+        if self.rounds[p] != r:
+            raise ValueError(f"exchange {tag!r} does not follow the loaded state (fragment {p} is at round {self.rounds[p]})")
+        if self.mode == "eager":
+            self._own_previous[p] = torch.zeros_like(self.fragments[p].flat_global())
+        events = self._after_launch(p, [self._launched(p, pending)])
+        self.last_events = events
+        return events
+
+    def _commit_overlap(self, p: int) -> SyncEvent:
+        flight = self.in_flight[p]
+        assert flight is not None
+        frag = self.fragments[p]
+        mean = self._wait(p, flight)
+        frag.outer_step(mean)
+        frag.merge_into_model(self.merge_alpha)
+        if getattr(flight.pending, "own_rejected", False):
+            self._reset_local(p)
+        return self._event(p, flight.round, "commit", delta_norm=float(mean.norm()))
+
+    def _period(self) -> int:
+        """H of the round starting now; 0 once the schedule's total steps are done."""
+        total = getattr(self.schedule, "total_steps", None)
+        if total is not None and self.inner_step >= total:
+            return 0
+        return self.schedule.period(self.inner_step, self.current_lr())
+
+    # --- the global model -----------------------------------------------------------------------
+
+    @property
+    def global_params(self) -> list[torch.Tensor]:
+        """The fp32 global parameters, in fragment order."""
+        return [g for f in self.fragments for g in f.global_params]
+
+    @property
+    def local_params(self) -> list[torch.Tensor]:
+        return [p for f in self.fragments for p in f.local_params]
+
+    @property
+    def names(self) -> list[str]:
+        return [n for f in self.fragments for n in f.names]
+
+    @property
+    def numel(self) -> int:
+        """Trainable parameters (elements) the engine syncs."""
+        return sum(f.numel for f in self.fragments)
+
+    @property
+    def round(self) -> int:
+        """Fragment syncs launched so far, over all fragments (the rounds with one fragment)."""
+        return sum(self.rounds)
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Flat fp32 ``θ_global − θ_local`` of every fragment, on the global copy's device."""
+        return torch.cat([f.pseudo_gradient() for f in self.fragments])
+
+    def global_hash(self) -> str:
+        """`params_hash` of the global parameters, in fragment order (16 hex chars)."""
+        return params_hash(self.global_params)
+
+    def fragment_hash(self, p: int) -> str:
+        return params_hash(self.fragments[p].global_params)
+
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """The global (outer) parameters by name, fp32: what is evaluated and saved."""
+        return {n: g.detach().clone() for f in self.fragments for n, g in zip(f.names, f.global_params)}
+
+    def global_weights(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """Temporarily load the global parameters into the model (e.g. for eval)."""
+        return global_weights_loaded(self.model, self.global_params, self.local_params)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue bit-identically: per fragment the global parameters,
+        outer-optimizer state, round, next sync and the exchange in flight (waited for here —
+        its value does not depend on when it is read — and stored as its result), plus the
+        step counter. The model's own (local) parameters and the inner optimizer are the
+        caller's to save."""
+        frags = []
+        for p, frag in enumerate(self.fragments):
+            flight = self.in_flight[p]
+            landed = None
+            if flight is not None:
+                mean = flight.pending.wait()
+                flight.pending = Done(mean)
+                landed = {"mean": mean.detach().clone(), "round": flight.round, "apply_at": flight.apply_at}
+            own = self._own_previous[p]
+            frags.append({
+                **frag.state_dict(), "names": list(frag.names), "round": self.rounds[p],
+                "next_sync": self.next_sync[p], "launched_at": self._launched_at[p], "in_flight": landed,
+                "own_previous": None if own is None else own.detach().clone(),
+                "residual": None if self.error_feedback is None else self.error_feedback.state_of(p),
+            })
+        return {"version": STATE_VERSION, "mode": self.mode, "inner_step": self.inner_step,
+                "finished": self.finished, "fragments": frags}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved and load the global parameters into the model (load
+        the model's own state dict afterwards to resume mid-round exactly)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"engine state version {state.get('version')!r}, expected {STATE_VERSION}")
+        if state["mode"] != self.mode:
+            raise ValueError(f"engine state is for mode {state['mode']!r}, this engine runs {self.mode!r}")
+        frags = state["fragments"]
+        if [f["names"] for f in frags] != [frag.names for frag in self.fragments]:
+            raise ValueError("engine state has other fragments (parameter names) than this engine")
+        for p, (frag, saved) in enumerate(zip(self.fragments, frags)):
+            frag.load_state_dict(saved)
+            self.rounds[p] = int(saved["round"])
+            self.next_sync[p] = int(saved["next_sync"])
+            self._launched_at[p] = int(saved.get("launched_at", 0))
+            landed = saved["in_flight"]
+            self.in_flight[p] = None if landed is None else _InFlight(
+                Done(landed["mean"].to(frag.global_params[0].device)), int(landed["round"]), int(landed["apply_at"]))
+            own = saved["own_previous"]
+            self._own_previous[p] = None if own is None else own.to(frag.global_params[0].device)
+            if self.error_feedback is not None:  # absent (None) in states saved without error feedback
+                self.error_feedback.load(p, saved.get("residual"), frag.numel, frag.global_params[0].device)
+            frag.merge_into_model(0.0)
+        self.inner_step = int(state["inner_step"])
+        self.finished = bool(state["finished"])
+
+
+SyncResult = SyncEvent  # the name of one release ago

@@ -1,0 +1,11 @@
+"""The names the engine accepts, torch-free so a configuration validates without loading torch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Mode = Literal["blocking", "overlap", "eager", "delayed", "co2"]
+MODES: tuple[str, ...] = ("blocking", "overlap", "eager", "delayed", "co2")
+
+InitialSync = Literal["check", "copy"]
+INITIAL_SYNCS: tuple[str, ...] = ("check", "copy")

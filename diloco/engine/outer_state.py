@@ -1,0 +1,181 @@
+"""Outer state of one fragment: the fp32 global copy of some parameters and its outer optimizer.
+
+Plain DiLoCo has one fragment holding every parameter; Streaming DiLoCo has P of them, each with
+its own slice of outer-optimizer state (the momentum of fragment f only moves when f syncs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn as nn
+import xxhash
+
+from compress.fingerprint import fingerprint
+from diloco.engine.outer import OuterOptimizerFactory, nesterov
+
+
+class OuterFragment:
+    """Global fp32 copy of ``local_params`` plus an outer optimizer over it.
+
+    With the local parameters on a GPU and the global copy on the host (``--outer-device cpu``),
+    the global copy lives in page-locked memory: the pseudo-gradient's device-to-host copies are
+    queued together into one reused page-locked buffer and waited for once, and the merge's
+    host-to-device copies are queued without waiting (the training loop's next kernels follow
+    them on the stream); the global copy is not written again until they are done.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        local_params: Sequence[torch.Tensor],
+        *,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if not local_params:
+            raise ValueError("a fragment needs at least one parameter")
+        self.names = list(names)
+        self.local_params = list(local_params)
+        dev = device if device is not None else self.local_params[0].device
+        #: local parameters on a CUDA device, global copy on the host: page-locked, copies queued
+        self.staged = dev.type == "cpu" and any(p.is_cuda for p in self.local_params)
+        self.global_params = [
+            torch.empty(p.shape, dtype=torch.float32, device=dev, pin_memory=self.staged).copy_(p.detach())
+            for p in self.local_params
+        ]
+        self.optimizer = (outer_optimizer or nesterov())(self.global_params)
+        self.numel = sum(p.numel() for p in self.global_params)
+        self._staging: torch.Tensor | None = None  # page-locked landing buffer of the local values
+        self._copies_to_device: list[torch.cuda.Event] = []  # the merge's queued copies
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Flat fp32 ``θ_global − θ_local`` on the global copy's device."""
+        if self.staged:
+            return self._staged_pseudo_gradient()
+        return torch.cat(
+            [
+                (g - p.detach().to(device=g.device, dtype=torch.float32)).reshape(-1)
+                for g, p in zip(self.global_params, self.local_params)
+            ]
+        )
+
+    def _staged_pseudo_gradient(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
+        offset = 0
+        for p in self.local_params:
+            self._staging[offset:offset + p.numel()].view_as(p).copy_(p.detach(), non_blocking=True)
+            offset += p.numel()
+        for d in self._devices():
+            torch.cuda.current_stream(d).synchronize()
+        return self.flat_global().sub_(self._staging)
+
+    def _devices(self) -> set[torch.device]:
+        return {p.device for p in self.local_params}
+
+    def _settle(self) -> None:
+        """Wait for the merge's queued copies before the global copy is written again."""
+        for done in self._copies_to_device:
+            done.synchronize()
+        self._copies_to_device = []
+
+    @torch.no_grad()
+    def outer_step(self, mean_delta: torch.Tensor) -> None:
+        """Use ``mean_delta`` (flat fp32) as the gradient of the global copy and step."""
+        if mean_delta.numel() != self.numel:
+            raise ValueError(f"pseudo-gradient has {mean_delta.numel()} values, fragment {self.numel}")
+        self._settle()
+        mean_delta = mean_delta.to(self.global_params[0].device)
+        offset = 0
+        for g in self.global_params:
+            g.grad = mean_delta[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        self.optimizer.step()
+        for g in self.global_params:
+            g.grad = None
+
+    @torch.no_grad()
+    def merge_into_model(self, alpha: float) -> None:
+        """``θ_local ← α·θ_local + (1−α)·θ_global`` (α = 0 copies the global value exactly)."""
+        for g, p in zip(self.global_params, self.local_params):
+            if alpha == 0.0:
+                p.copy_(g, non_blocking=self.staged)
+            else:
+                p.lerp_(g.to(device=p.device, dtype=p.dtype, non_blocking=self.staged), 1.0 - alpha)
+        if self.staged:
+            for d in self._devices():
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(d))
+                self._copies_to_device.append(done)
+
+    def flat_global(self) -> torch.Tensor:
+        return torch.cat([g.detach().reshape(-1) for g in self.global_params])
+
+    @torch.no_grad()
+    def load_flat_global(self, flat: torch.Tensor) -> None:
+        self._settle()
+        offset = 0
+        for g in self.global_params:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def state_dict(self) -> dict:
+        return {
+            "global": {n: g.detach().clone() for n, g in zip(self.names, self.global_params)},
+            "outer_optimizer": self.optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        missing = set(self.names) - set(state["global"])
+        if missing:
+            raise KeyError(f"checkpoint lacks global parameters: {sorted(missing)[:5]}")
+        self._settle()
+        for n, g in zip(self.names, self.global_params):
+            src = state["global"][n]
+            if src.shape != g.shape:
+                raise ValueError(f"checkpoint parameter {n} has shape {tuple(src.shape)}, model {tuple(g.shape)}")
+            g.copy_(src)
+        self.optimizer.load_state_dict(state["outer_optimizer"])
+
+
+def params_digest(tensors: Sequence[torch.Tensor]) -> bytes:
+    """XXH3-128 (16 bytes) of the tensors' fp32 bytes, in order, read in place (no copy of a CPU
+    fp32 tensor; a GPU tensor is copied to the host): the groups' check of their initial
+    parameters (``diloco.engine.initial``), taken once. Not a defence against forgery."""
+    h = xxhash.xxh3_128()
+    for t in tensors:
+        c = t.detach()
+        if c.device.type != "cpu" or c.dtype != torch.float32:
+            c = c.to("cpu", torch.float32)
+        h.update(memoryview(c.contiguous().reshape(-1).numpy()).cast("B"))
+    return h.digest()
+
+
+def params_hash(tensors: Sequence[torch.Tensor]) -> str:
+    """The tensors' `compress.fingerprint` as 16 hex chars: what groups report after every round
+    and compare. Computed where the tensors live (8 bytes reach the host from a GPU), the same on
+    every device for the same bits. Not a defence against forgery — a group reports whatever hash
+    it likes; state transfers carry their own SHA-256 (``state_blob``)."""
+    return f"{fingerprint(tensors):016x}"
+
+
+@contextlib.contextmanager
+def global_weights_loaded(
+    model: nn.Module, global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]
+) -> Iterator[nn.Module]:
+    """Load ``global_params`` into ``local_params`` for the ``with`` block, then restore them."""
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in local_params]
+        for g, p in zip(global_params, local_params):
+            p.copy_(g.to(device=p.device, dtype=p.dtype))
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for s, p in zip(saved, local_params):
+                p.copy_(s)

@@ -1,0 +1,112 @@
+"""Healing's state transfer: a donor group's engine state, sent to a recovering group's ranks.
+
+When a quorum holds healers (groups joining a running job), its donor group's ranks each send
+their engine's ``state_dict()`` to the healer ranks mapped to them (healer rank h is served by
+donor rank h mod donor size) over the data plane: a two-member ring on the same authenticated
+links, the state packed by ``diloco.exchange.state_blob`` (no pickle). The donor announces the blob's
+size and SHA-256 through the coordinator; the healer checks both, then checks the state's
+global-parameter hash against the quorum's agreed one. The exchange around it (joining the
+quorum at weight 0, voting, loading, rolling back) is ``diloco.exchange.quorum_averager``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from diloco.coordinator import CoordinatorError
+from diloco.coordinator.messages import OfferQuery, QuorumResponse, StateOffer
+from diloco.engine.outer_state import params_hash
+from diloco.exchange import state_blob
+from transport import CollectiveAborted, TransportError
+
+if TYPE_CHECKING:
+    from diloco.exchange.fault_stats import FaultStats
+
+log = logging.getLogger(__name__)
+
+#: calls the coordinator with the averager's patience: ``retry(what, call)`` returns ``call()``
+Retry = Callable[[str, Callable[[], Any]], Any]
+
+
+class StateTransfer:
+    """This rank's side of healing's state transfers, as donor (``serve``) or healer (``fetch``).
+
+    ``retry``: how coordinator calls are made (see ``Retry``). ``timeout_s``: deadline of each
+    transfer and of waiting for the donor's offer, seconds. Completed transfers served are
+    counted in ``stats.heals_served``.
+    """
+
+    def __init__(self, transport: Any, client: Any, retry: Retry, stats: "FaultStats", *, group: int, rank: int,
+                 group_size: int, timeout_s: float) -> None:
+        self.transport, self.client, self.retry, self.stats = transport, client, retry, stats
+        self.group, self.rank, self.group_size, self.timeout_s = group, rank, group_size, timeout_s
+        self._serving: list[threading.Thread] = []
+
+    def serve(self, resp: QuorumResponse, state: dict[str, Any]) -> None:
+        """As a rank of the donor group: send ``state`` (the engine's ``state_dict()``) to the
+        healer ranks mapped to this rank; each transfer finishes in the background."""
+        for frag in state.get("fragments", []):  # error-feedback residuals are the donor group's own
+            if isinstance(frag, dict) and "residual" in frag:
+                frag["residual"] = None
+        blob = state_blob.pack(state)
+        digest = hashlib.sha256(blob).hexdigest()
+        values = state_blob.to_values(blob)
+        me = resp.members[self.group][self.rank]
+        for healer in resp.healers:
+            for h_rank, address in enumerate(resp.members[healer]):
+                if h_rank % self.group_size != self.rank:
+                    continue
+                handle = self.transport.all_reduce(values, [me, address], 0, tag=f"heal/{resp.id}/{healer}/{h_rank}",
+                                                   timeout_s=self.timeout_s, groups=[self.group, healer])
+                self.retry("state offer", lambda h=healer, r=h_rank: self.client.offer_state(
+                    StateOffer(resp.id, self.group, self.rank, h, r, len(blob), digest)))
+                t = threading.Thread(target=self._watch_serve, args=(handle, resp.id, healer, h_rank), daemon=True)
+                t.start()
+                self._serving.append(t)
+
+    def _watch_serve(self, handle: Any, quorum_id: str, healer: int, h_rank: int) -> None:
+        try:
+            handle.wait(self.timeout_s)
+            self.stats.heals_served += 1
+        except (CollectiveAborted, TransportError) as e:
+            log.warning("serving state to group %d rank %d in %s failed: %s", healer, h_rank, quorum_id, e)
+
+    def fetch(self, resp: QuorumResponse, report: Callable[[bool, str], None]) -> dict[str, Any] | None:
+        """As a healer rank: fetch and check the donor's state; ``report(ok, why)`` tells whether
+        it did (this rank's vote). Returns the state, or None if anything failed (the vote then
+        rolls back)."""
+        try:
+            offer = self.retry("state offer", lambda: self.client.wait_offer(
+                OfferQuery(resp.id, self.group, self.rank), timeout_s=self.timeout_s))
+            donor = resp.members[offer.donor_group][offer.donor_rank]
+            zeros = torch.zeros(state_blob.num_values(offer.nbytes), dtype=torch.float32)
+            me = resp.members[self.group][self.rank]
+            values = self.transport.all_reduce(zeros, [donor, me], 1, tag=f"heal/{resp.id}/{self.group}/{self.rank}",
+                                               timeout_s=self.timeout_s,
+                                               groups=[offer.donor_group, self.group]).wait(self.timeout_s)
+            blob = state_blob.from_values(values, offer.nbytes)
+            if hashlib.sha256(blob).hexdigest() != offer.digest:
+                raise state_blob.StateFormatError("the state's SHA-256 differs from the donor's offer")
+            state = state_blob.unpack(blob)
+            got = params_hash([t for f in state["fragments"] for t in f["global"].values()])
+            if resp.state_hash and got != resp.state_hash:
+                raise state_blob.StateFormatError(f"the state's global hash {got} is not the quorum's {resp.state_hash}")
+            report(True, "")
+            return state
+        except (CoordinatorError, CollectiveAborted, TransportError, state_blob.StateFormatError, KeyError,
+                TypeError) as e:
+            report(False, f"healing fetch failed: {e}"[:400])
+            return None
+        except BaseException as e:  # the vote must still happen (no), then the error goes on
+            report(False, f"healing fetch failed: {type(e).__name__}: {e}"[:400])
+            raise
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the transfers this rank serves, up to ``timeout_s`` seconds each."""
+        for t in self._serving:
+            t.join(timeout_s)

@@ -1,0 +1,412 @@
+"""The fault-tolerant averager: every exchange runs in a quorum, is voted on, and is retried.
+
+For each exchange the engine starts, every rank of this group asks the coordinator for the
+exchange's quorum (``diloco.coordinator.rounds``): the groups alive now, their weights and a ring.
+The striped rings then run among those groups only; every rank votes whether its rings finished,
+and the mean is handed to the engine only if every rank of every member did (the commit). If not,
+nothing was applied anywhere — the engine applies a mean only when ``wait()`` returns it — and the
+exchange is retried with the next quorum, which leaves out the groups that failed. So a lost group
+costs the others at most one collective deadline (their rings abort) plus one heartbeat timeout
+(the coordinator leaves it out), never the job.
+
+Healing: a group that joins while the job runs starts with ``attach() -> True``; the engine then
+calls ``heal()``, which joins the next quorum as a member of weight 0, fetches the state of the
+quorum's donor (the engine's ``state_dict()``, taken as the donor launched the same exchange;
+``diloco.exchange.healing`` moves and checks it), votes, loads it, and finishes the exchange like everyone
+else. The inner optimizer starts fresh: its moments belong to the group's own past data, and a group that
+was down for a while is better served by a few steps of warm-up than by stale moments.
+
+Liveness: a background thread heartbeats the coordinator. After a coordinator restart (NOT_FOUND)
+it rejoins with this group's incarnation and next exchange, so the new coordinator rebuilds the
+membership from the members; a FAILED_PRECONDITION (this group was declared failed or evicted)
+stops the group at its next exchange with ``GroupEvicted``: restart it (torchrun
+``--max-restarts``, or ``diloco run``'s supervisor) and it heals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from compress.finite import all_finite
+from diloco.coordinator import CoordinatorError
+from diloco.coordinator.messages import (
+    CommitRequest,
+    CommitResponse,
+    QuorumRequest,
+    QuorumResponse,
+)
+from diloco.coordinator.rounds import HEAL, own_share, weighted_scale
+from diloco.engine.averaging import Done
+from diloco.exchange.fault_stats import FaultStats
+from diloco.exchange.healing import StateTransfer
+from diloco.exchange.network_plan import NetworkPlan, equal_plan, plan_from_table
+from diloco.exchange.striped import StripedAverager
+from transport import CollectiveAborted, TransportError
+from transport.streams import side_stream_for
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED")
+
+
+class GroupEvicted(RuntimeError):
+    """The coordinator took this group out of the job (declared failed, out of step, or its state
+    differed). Restart the group's processes: they join again and heal."""
+
+
+class ExchangeFailed(RuntimeError):
+    """An exchange (or healing) rolled back ``max_attempts`` times in a row: a failure that
+    repeats (a bug, a link that corrupts every frame, a stale build) rather than a group lost
+    once. The rank stops with the last attempt's reason; its group is restarted and heals, as
+    after any failure."""
+
+
+class JobFinished(RuntimeError):
+    """This group joined too late: the job's groups have finished; there is nothing to heal into."""
+
+
+class _Retry:
+    """Calls the coordinator until it answers: retries while it is unreachable or busy (with
+    backoff, up to ``limit_s``), rejoins it after a restart (NOT_FOUND), and turns "this group is
+    out" (FAILED_PRECONDITION) into GroupEvicted."""
+
+    def __init__(self, averager: "QuorumAverager", limit_s: float) -> None:
+        self.avg, self.limit_s = averager, limit_s
+
+    def __call__(self, what: str, call, *, on_not_found=None):
+        deadline = time.monotonic() + self.limit_s
+        delay, rejoined = 0.1, False
+        while True:
+            try:
+                return call()
+            except CoordinatorError as e:
+                if e.code == "FAILED_PRECONDITION":
+                    raise GroupEvicted(f"group {self.avg.group}: {e}") from None
+                if e.code == "NOT_FOUND" and not rejoined:
+                    rejoined = True
+                    self.avg.rejoin()
+                    continue
+                if e.code == "NOT_FOUND" and on_not_found is not None:
+                    return on_not_found(e)
+                if e.code not in RETRYABLE or time.monotonic() > deadline:
+                    raise
+                log.warning("%s: coordinator did not answer (%s); retrying in %.1fs", what, e.code, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+
+class QuorumAverager(StripedAverager):
+    """``StripedAverager`` whose every exchange runs in a quorum from the coordinator (see the
+    module doc). ``tokens_per_step``: what one inner step of this group weighs (tokens; default
+    its number of ranks), so groups of different sizes are averaged by tokens. ``heal``: this
+    group joined a running job. ``heartbeat_interval_s``: seconds between heartbeats.
+    ``round_timeout_s``: longest this rank keeps asking an unreachable coordinator.
+    ``max_attempts``: attempts of one exchange, or of healing (each rolled back and retried in a
+    new quorum), before this rank gives up with ExchangeFailed; a lost group costs one or two."""
+
+    weighted = True  # the engine passes each contribution's weight (inner steps)
+    screens_contributions = True  # NaN/Inf contributions go to the coordinator, which refuses them
+
+    def __init__(self, transport, membership, client, *, group: int, rank: int, incarnation: str,
+                 heal: bool = False, tokens_per_step: float | None = None, heartbeat_interval_s: float = 2.0,
+                 round_timeout_s: float = 600.0, plan_every: int = 8, max_attempts: int = 20,
+                 **kwargs: Any) -> None:
+        super().__init__(transport, membership, group=group, rank=rank, **kwargs)
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.max_attempts = max_attempts
+        self.client = client
+        self.plan_every = plan_every
+        self._table: tuple[int, int, Any] | None = None  # (block, version, bandwidth table)
+        self.incarnation = incarnation
+        self.tokens_per_step = float(tokens_per_step if tokens_per_step is not None else self.group_size)
+        self.stats = FaultStats()
+        self.stop_requested = False
+        self.step = 0  # inner steps, for heartbeats
+        self._needs_heal = heal
+        self._engine = None
+        self._evicted: str | None = None
+        self.round_timeout_s = round_timeout_s
+        self._retry = _Retry(self, round_timeout_s)
+        self._rejoin_lock = threading.Lock()
+        self._transfer = StateTransfer(transport, client, self._retry, self.stats, group=group, rank=rank,
+                                       group_size=self.group_size, timeout_s=self.timeout_s)
+        self._closed = threading.Event()
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop, args=(heartbeat_interval_s,),
+                                            name=f"heartbeat[{group}/{rank}]", daemon=True)
+        self._heartbeats.start()
+
+    # --- engine hooks -------------------------------------------------------------------------
+
+    def attach(self, engine) -> bool:
+        """Called by the engine as it is built; True: heal (``heal(engine)``) instead of the
+        initial-parameter agreement."""
+        self._engine = engine
+        return self._needs_heal
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
+              error_feedback: bool = False) -> "_QuorumPending":
+        """Ask for this exchange's quorum and launch it; the result is voted on and retried in the
+        background. ``weight``: inner steps since this fragment's last exchange.
+        ``error_feedback``: see ``StripedAverager.start`` (the committed attempt's ``sent``)."""
+        if self._evicted is not None:
+            raise GroupEvicted(self._evicted)
+        gather = self.gathers(exact, error_feedback)
+        asked = time.perf_counter()
+        exchange = self.exchanges
+        self.exchanges += 1
+        src = flat.detach().to(torch.float32).contiguous()
+        lead = self.rank == 0 and not exact
+        engine = self._engine
+        ask = QuorumRequest(
+            self.group, self.rank, self.incarnation, exchange, tag=tag, numel=src.numel(),
+            weight=1.0 if exact else max(weight, 0.0) * self.tokens_per_step,  # control exchanges: a plain mean
+            state_hash=engine.global_hash() if lead and engine is not None and engine.mode != "eager" else "",
+            delta_norm=float(src.norm()) if lead else 0.0, retry=False)
+        resp = self._ask(ask, healable=not exact)
+        if resp.healers and resp.donor == self.group and engine is not None:
+            self._transfer.serve(resp, engine.state_dict())
+        return _QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather)
+
+    def heal(self, engine) -> None:
+        """Join the job: fetch a live member's state in the next quorum and finish its exchange."""
+        started = time.perf_counter()
+        attempts = 0
+        while True:
+            resp = self._ask(QuorumRequest(self.group, self.rank, self.incarnation, HEAL), healable=True)
+            if resp.finished:
+                raise JobFinished(f"group {self.group}: the job's groups finished before this group could heal")
+            zeros = torch.zeros(resp.numel, dtype=torch.float32, device=engine.fragments[0].global_params[0].device)
+            # with an error-feedback codec the quorum gathers: this group takes part with zeros
+            pending = _QuorumPending(self, zeros, None, resp, zeros.device, fetched=threading.Event(),
+                                     gather=self.error_feedback)
+            state = self._transfer.fetch(resp, pending.fetch_result)
+            try:
+                mean = pending.wait()
+            except _RolledBack as e:
+                attempts += 1
+                if attempts >= self.max_attempts:
+                    raise self._gave_up("healing", attempts, str(e)) from None
+                log.warning("group %d: healing in %s rolled back (%s); trying the next quorum", self.group, resp.id, e)
+                continue
+            engine.load_state_dict(state)
+            self.exchanges = resp.exchange + 1
+            engine.adopt(resp.tag, Done(mean))
+            self._needs_heal = False
+            self.stats.healed = True
+            self.stats.heal_seconds = time.perf_counter() - started
+            log.info("group %d rank %d healed from group %d in %.2fs at %s", self.group, self.rank, resp.donor,
+                     self.stats.heal_seconds, resp.tag)
+            return
+
+    def _gave_up(self, what: str, attempts: int, reason: str) -> ExchangeFailed:
+        return ExchangeFailed(f"group {self.group} rank {self.rank}: {what} rolled back {attempts} times in a row "
+                              f"(the last: {reason}); a failure that repeats, not a lost group: stopping instead "
+                              "of retrying it")
+
+    # --- one exchange ---------------------------------------------------------------------------
+
+    def _ask(self, req: QuorumRequest, *, healable: bool) -> QuorumResponse:
+        req = dataclasses.replace(req, healable=healable)
+        resp = self._retry(f"quorum for exchange {req.exchange}", lambda: self.client.quorum(req))
+        if resp.stop and not req.retry:  # a first attempt is asked at the same step on every group
+            self.stop_requested = True
+        if resp.evicted:
+            self._evicted = resp.evicted
+            raise GroupEvicted(f"group {self.group}: {resp.evicted}")
+        if not resp.finished:
+            self.num_groups = len(resp.members)
+        return resp
+
+    def _plan(self, resp: QuorumResponse) -> NetworkPlan:
+        """The plan of this exchange among the quorum's groups: the coordinator's bandwidth table
+        pinned for the exchange's block of ``plan_every``, restricted to the quorum (pure given
+        both, so every member derives the same plan)."""
+        sizes = {g: len(a) for g, a in resp.members.items()}
+        block = resp.exchange - resp.exchange % self.plan_every
+        if self._table is None or self._table[0] != block:
+            version, table = self._retry("network plan", lambda: self.client.plan(block))
+            self._table = (block, version, table)
+        _, version, table = self._table
+        mine = {g: {r: {h: x for h, x in rates.items() if h in sizes} for r, rates in table.get(g, {}).items()}
+                for g in sizes}
+        try:
+            return plan_from_table(version, sizes, mine)
+        except ValueError:  # a member measured nothing towards the quorum's others
+            return equal_plan(sizes)
+
+    def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool, gather: bool = False):
+        """One attempt: this rank's stripes of the weighted contribution, among the quorum's groups.
+        ``gather``: all-gathers of each group's own encoded contribution, weighted on arrival
+        (error feedback: ``sent`` is then what the others decoded of ``src``, or of zeros when
+        this group's weight is 0). Returns (out, stripe plan, group index, ok, why, sent)."""
+        scale = weighted_scale(resp.weights, self.group)
+        sent = scales = None
+        if gather:
+            x = torch.zeros_like(src) if scale == 0.0 else src  # a refused contribution may hold NaN
+            sent = torch.empty_like(src)
+            scales = {g: weighted_scale(resp.weights, g) for g in resp.members}
+        else:
+            x = src if scale == 1.0 else (torch.zeros_like(src) if scale == 0.0 else src * scale)
+        out = torch.empty_like(src)
+        plan = self._plan(resp)
+        sp, me, handles = self.launch(x, out, plan, {g: list(a) for g, a in resp.members.items()},
+                                      tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales)
+        why = ""
+        for s, h in handles:
+            try:
+                h.wait(self.timeout_s)
+                if not all_finite(out[s.start:s.stop]):
+                    why = why or f"the mean of stripe {s.index} holds NaN/Inf"
+            except (CollectiveAborted, TransportError) as e:
+                why = why or str(e)[:400]
+        return out, sp, me, not why, why, sent
+
+    def vote(self, resp: QuorumResponse, ok: bool, why: str) -> CommitResponse:
+        """This rank's vote; returns the quorum's decision."""
+        req = CommitRequest(self.group, self.rank, self.incarnation, resp.id, resp.exchange,
+                            tuple(sorted(resp.members)), ok, why[:500])
+        return self._retry(f"vote on {resp.id}", lambda: self.client.commit(req),
+                           on_not_found=lambda e: CommitResponse(False, f"the coordinator lost quorum {resp.id}: {e}"))
+
+    def call_coordinator(self, what: str, call):
+        """``call()`` with this averager's patience: retried while the coordinator is unreachable,
+        after a rejoin if it restarted."""
+        return self._retry(what, call)
+
+    def retry_quorum(self, ask: QuorumRequest) -> QuorumResponse:
+        return self._ask(dataclasses.replace(ask, retry=True), healable=False)
+
+    # --- liveness -------------------------------------------------------------------------------
+
+    def rejoin(self) -> None:
+        """Join the coordinator again (it restarted) as a member at the next exchange."""
+        with self._rejoin_lock:
+            self.client.join(self.group, self.rank, self.group_size, self.transport.address,
+                             incarnation=self.incarnation, exchange=self.exchanges)
+            self.stats.rejoins += 1
+        log.warning("group %d rank %d: rejoined the coordinator, which no longer knew this rank (restarted?)",
+                    self.group, self.rank)
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        while not self._closed.wait(interval_s):
+            try:
+                self.client.heartbeat(self.group, self.rank, self.step, self.incarnation)
+            except CoordinatorError as e:
+                if e.code == "FAILED_PRECONDITION":
+                    self._evicted = str(e)
+                elif e.code == "NOT_FOUND":
+                    try:
+                        self.rejoin()
+                    except CoordinatorError as again:
+                        log.warning("rejoining the coordinator failed: %s", again)
+            except ValueError:  # the channel was closed under us: we are closing
+                return
+
+    def close(self) -> None:
+        """Stop heartbeating; wait briefly for state transfers this rank serves."""
+        self._closed.set()
+        self._transfer.join(self.timeout_s)
+
+
+class _RolledBack(RuntimeError):
+    """The healer's quorum was rolled back: heal again with the next one."""
+
+
+class _QuorumPending:
+    """One exchange: attempts (rings, vote) run in a background thread until one commits;
+    ``wait`` then shares the stripes inside the group and returns the mean."""
+
+    def __init__(self, avg: QuorumAverager, src: torch.Tensor, ask: QuorumRequest | None, resp: QuorumResponse,
+                 device, *, exact: bool = False, fetched: threading.Event | None = None,
+                 asked: float | None = None, gather: bool = False) -> None:
+        self._avg, self._src, self._ask, self._resp, self._device = avg, src, ask, resp, device
+        self._exact = exact
+        self._gather = gather
+        #: error feedback: after ``wait``, what the other groups decoded of this group's contribution
+        #: in the attempt that committed (each rank's stripes, shared in the group)
+        self.sent: torch.Tensor | None = None
+        self._fetched, self._fetch = fetched, (False, "not fetched")
+        self.own_rejected = avg.group in resp.rejected
+        #: after ``wait``: this group's share of the committed weighted mean (eager's correction)
+        self.own_share: float | None = None
+        self._value: torch.Tensor | None = None
+        self._result = None
+        self._error: BaseException | None = None
+        self._started = time.perf_counter() if asked is None else asked
+        # CUDA: the attempts' kernels (scaling, the rings' sums) go on a stream of their own that
+        # waits for src as the caller's stream holds it now -- not on the thread's default stream,
+        # which would wait for the training kernels queued meanwhile, or not wait for src at all
+        # when the caller computes on a stream of its own
+        self._order = side_stream_for(src)
+        self._thread = threading.Thread(target=self._run, name=f"exchange[{resp.tag}]", daemon=True)
+        self._thread.start()
+
+    def fetch_result(self, ok: bool, why: str) -> None:
+        self._fetch = (ok, why)
+        assert self._fetched is not None
+        self._fetched.set()
+
+    def _run(self) -> None:
+        try:
+            if self._order is None:
+                self._result = self._attempts()
+            else:
+                with self._order.running():
+                    self._result = self._attempts()
+        except BaseException as e:  # noqa: BLE001 - re-raised in wait()
+            self._error = e
+
+    def _attempts(self):
+        avg, resp = self._avg, self._resp
+        attempts = 0
+        while True:
+            attempts += 1
+            self.own_rejected = avg.group in resp.rejected
+            if self.own_rejected:
+                avg.stats.rejected.append(resp.rejected[avg.group])
+                log.warning("group %d: the quorum refused this group's contribution to %s: %s", avg.group,
+                            resp.tag, resp.rejected[avg.group])
+            out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather)
+            if self._fetched is not None:  # healing: the state fetch is part of this rank's vote
+                if not self._fetched.wait(2 * avg.timeout_s + avg.round_timeout_s):
+                    self._fetch = (False, "the state fetch did not finish in time")
+                ok, why = (ok and self._fetch[0]), (why or self._fetch[1])
+            decision = avg.vote(resp, ok, why)
+            if decision.committed:
+                avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))
+                self.own_share = own_share(resp.weights, avg.group)
+                return out, sp, me, sent
+            avg.stats.rollbacks += 1
+            log.warning("group %d rank %d: %s rolled back (%s)", avg.group, avg.rank, resp.id, decision.reason)
+            if self._ask is None:
+                raise _RolledBack(decision.reason)
+            if attempts >= avg.max_attempts:
+                raise avg._gave_up(f"exchange {resp.tag}", attempts, decision.reason)
+            resp = avg.retry_quorum(self._ask)
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            # every step of an attempt has its own deadline; this bounds a pathological chain of them
+            self._thread.join(4 * self._avg.round_timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"exchange {self._resp.tag} did not commit within {4 * self._avg.round_timeout_s:g}s")
+            if self._error is not None:
+                raise self._error
+            out, sp, me, sent = self._result
+            if self._order is not None:  # made on the attempts' stream, used on the caller's from here
+                self._order.hand_over(out, sent)
+            if self._avg.group_size > 1:
+                out = self._avg.share_in_group(out, sp, me)
+                if sent is not None:
+                    sent = self._avg.share_in_group(sent, sp, me)
+            if sent is not None:
+                self.sent = sent.to(self._device)
+            self._value = out.to(self._device)
+        return self._value

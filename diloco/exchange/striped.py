@@ -1,0 +1,202 @@
+"""Group plumbing: one group's ranks average a pseudo-gradient with the other groups.
+
+The flat pseudo-gradient is cut into stripes (``transport.stripe_plan``). In every group each
+stripe is carried by one rank, chosen in proportion to the ranks' measured bandwidth (groups may
+have different numbers of ranks). Each stripe runs its own ring all-reduce across groups over the
+carrying ranks' own data-plane endpoints, so every rank's NIC carries traffic. The averaged
+stripes are then shared inside the group over its process group (Gloo or NCCL): each rank
+broadcasts its contiguous run of stripes. Every rank ends with the whole mean, bit-identical
+across ranks and groups.
+
+The plan (ring order, stripe shares) may change between exchanges; ``plans(k)`` gives the plan of
+exchange k and must give the same answer on every rank of every group (see
+``diloco.exchange.network_plan``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from diloco.exchange.network_plan import NetworkPlan, equal_plan
+from transport import StripePlan, stripe_plan
+
+
+class Membership(Protocol):
+    groups: list[int]
+    ring_order: list[int]
+
+    def ranks(self, group: int) -> list[str]: ...
+
+
+class StripedAverager:
+    """Averages a flat fp32 vector across groups through ``transport``, striped over ranks."""
+
+    def __init__(
+        self,
+        transport,
+        membership: Membership,
+        *,
+        group: int,
+        rank: int,
+        codec=None,
+        timeout_s: float = 60.0,
+        plans: Callable[[int], NetworkPlan] | None = None,
+        stripes_per_rank: int = 4,
+        process_group: dist.ProcessGroup | None = None,
+        comm_device: torch.device | str = "cpu",
+    ) -> None:
+        self.transport = transport
+        self.membership = membership
+        self.group = group
+        self.rank = rank
+        self.group_size = len(membership.ranks(group))
+        sizes = {g: len(membership.ranks(g)) for g in membership.groups}
+        self.plans = plans if plans is not None else (lambda exchange, _p=equal_plan(sizes): _p)
+        self.stripes_per_rank = stripes_per_rank
+        self.codec = codec
+        #: the codec needs error feedback (sign1, topk): exchanges run as all-gathers of each
+        #: group's own encoded contribution, and the caller keeps the residual (``DiLoCo`` does)
+        self.error_feedback = bool(getattr(codec, "requires_error_feedback", False))
+        self.timeout_s = timeout_s
+        self.process_group = process_group
+        self.comm_device = torch.device(comm_device)
+        self.num_groups = len(sizes)
+        self.exchanges = 0
+        self._stripe_plans: dict[tuple[NetworkPlan, int], StripePlan] = {}
+
+    @property
+    def bytes_sent(self) -> int:
+        return int(self.transport.bytes_sent)
+
+    def stripe_plan_for(self, plan: NetworkPlan, numel: int) -> StripePlan:
+        """The stripes of an ``numel``-element vector under ``plan``: ``stripes_per_rank`` per rank
+        of the largest group in it (the same on every member of the plan)."""
+        key = (plan, numel)
+        if key not in self._stripe_plans:
+            bandwidths = [list(b) for b in plan.rank_bandwidths]
+            stripes = self.stripes_per_rank * max(len(b) for b in bandwidths)
+            if len(self._stripe_plans) > 64:
+                self._stripe_plans.clear()
+            self._stripe_plans[key] = stripe_plan(numel, bandwidths, min(stripes, max(numel, 1)))
+        return self._stripe_plans[key]
+
+    @property
+    def group_index(self) -> int:
+        """This group's position among the member groups (sorted ids), 0-based."""
+        return sorted(self.membership.groups).index(self.group)
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False,
+              error_feedback: bool = False) -> "_StripedPending":
+        """Launch the cross-group rings of this rank's stripes; every rank of the group calls it,
+        in the same order as every other rank of every group. ``exact``: fp32 on the wire
+        whatever ``codec`` is (control exchanges such as the initial-parameter check).
+        ``error_feedback``: the caller keeps a residual (required for a codec that needs one);
+        the pending result's ``sent`` then says what the other groups decoded of ``flat``."""
+        gather = self.gathers(exact, error_feedback)
+        plan = self.plans(self.exchanges)
+        self.exchanges += 1
+        # On a GPU the vector stays there: the rings encode it there and only frames cross to the host.
+        src = flat.detach().to(torch.float32).contiguous()
+        out = torch.empty_like(src)
+        sent = torch.empty_like(src) if gather else None
+        addresses = {g: self.membership.ranks(g) for g in plan.groups}
+        sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact, sent=sent)
+        return _StripedPending(self, out, sp, me, handles, flat.device, sent=sent)
+
+    def gathers(self, exact: bool, error_feedback: bool) -> bool:
+        """Whether an exchange runs as an all-gather of each group's own encoded contribution
+        (``transport`` ``all_gather_mean``) instead of the ring all-reduce: for a codec that
+        needs error feedback, except exact (fp32) exchanges. ValueError when such a codec is
+        used by a caller that keeps no residual: without one, its bias is never corrected."""
+        if exact or not self.error_feedback:
+            return False
+        if not error_feedback:
+            raise ValueError(f"codec {getattr(self.codec, 'name', self.codec)!r} needs error feedback: the caller "
+                             "must keep the residual and say so (error_feedback=True, as diloco.DiLoCo does)")
+        return True
+
+    def launch(self, src: torch.Tensor, out: torch.Tensor, plan: NetworkPlan, addresses: dict[int, list[str]],
+               *, tag: str, exact: bool = False, sent: torch.Tensor | None = None,
+               scales: dict[int, float] | None = None) -> tuple[StripePlan, int, list]:
+        """Start the rings of this rank's stripes of ``src`` among ``plan.groups`` (data-plane
+        ``addresses`` by group, by rank); each writes its stripe of the mean into ``out``.
+        With ``sent`` the rings are all-gathers of each group's own encoded stripe, and each
+        writes what the others decoded of ours into its stripe of ``sent``; ``scales``: each
+        group's weight in their mean (by group id; default 1).
+        Returns the stripe plan, this group's index in ``plan.groups`` and the ring handles."""
+        sp = self.stripe_plan_for(plan, src.numel())
+        me = plan.groups.index(self.group)
+        ranks = [addresses[g] for g in plan.groups]
+        order = [plan.groups.index(g) for g in plan.ring_order]
+        index = order.index(me)
+        ring_groups = [plan.groups[o] for o in order]  # each ring member's group: its neighbours must prove it
+        if sent is not None:
+            weights = None if scales is None else [scales[g] for g in ring_groups]
+            return sp, me, [
+                (s, self.transport.all_gather_mean(
+                    src[s.start : s.stop], sp.ring(s.index, ranks, order), index,
+                    tag=f"{tag}/s{s.index}", codec=self.codec, timeout_s=self.timeout_s,
+                    out=out[s.start : s.stop], sent=sent[s.start : s.stop], groups=ring_groups, finite=True,
+                    scales=weights,
+                ))
+                for s in sp.stripes_of(me, self.rank) if s.size
+            ]
+        handles = [
+            (s, self.transport.all_reduce(
+                src[s.start : s.stop], sp.ring(s.index, ranks, order), index,
+                tag=f"{tag}/s{s.index}", codec=None if exact else self.codec, timeout_s=self.timeout_s,
+                out=out[s.start : s.stop], groups=ring_groups, finite=not exact,
+            ))
+            for s in sp.stripes_of(me, self.rank) if s.size
+        ]
+        return sp, me, handles
+
+    def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
+        """Blocking mean of ``flat`` over groups; every rank of this group passes the same vector."""
+        return self.start(flat, tag=f"r{round}").wait()
+
+    def share_in_group(self, out: torch.Tensor, sp: StripePlan, me: int) -> torch.Tensor:
+        """Each rank broadcasts its contiguous run of averaged stripes to the rest of its group
+        (over NCCL on GPUs, where ``out`` already is); the whole mean, on ``comm_device``."""
+        buf = out.to(self.comm_device)
+        group_ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
+        for r in range(self.group_size):
+            stripes = sp.stripes_of(me, r)
+            if not stripes:
+                continue
+            lo, hi = stripes[0].start, stripes[-1].stop
+            if hi > lo:
+                src = r if group_ranks is None else group_ranks[r]
+                dist.broadcast(buf[lo:hi], src=src, group=self.process_group)
+        return buf
+
+
+class _StripedPending:
+    """Cross-group rings in flight; ``wait`` collects them and shares the stripes in the group.
+    With error feedback, ``sent`` (after ``wait``) is the whole of what the other groups
+    decoded of this group's contribution (each rank's stripes, shared in the group)."""
+
+    def __init__(self, averager: StripedAverager, out, sp: StripePlan, me: int, handles, device,
+                 sent: torch.Tensor | None = None) -> None:
+        self._avg, self._out, self._sp, self._me, self._handles, self._device = averager, out, sp, me, handles, device
+        self._sent = sent
+        self.sent: torch.Tensor | None = None
+        self._value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            out = self._out  # each ring wrote its stripe of the mean here
+            for _, h in self._handles:
+                h.wait(self._avg.timeout_s)
+            sent = self._sent
+            if self._avg.group_size > 1:
+                out = self._avg.share_in_group(out, self._sp, self._me)
+                if sent is not None:
+                    sent = self._avg.share_in_group(sent, self._sp, self._me)
+            if sent is not None:
+                self.sent = sent.to(self._device)
+            self._value = out.to(self._device)
+        return self._value

@@ -1,0 +1,407 @@
+"""Typed configuration: dataclass sections, loadable from TOML/JSON, overridable from the CLI.
+
+Every field carries its help text and command-line flag, so ``diloco run --help`` documents
+every option with its default, and a TOML file uses the same names grouped by section::
+
+    [sync]
+    schedule = "qsr"
+    h = 30
+
+Defaults follow the literature where it has one (outer Nesterov lr 0.7 / momentum 0.9,
+DiLoCo §1.2) and otherwise are sized so the embedded demo finishes in a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from compress import Codec
+
+from diloco.engine.modes import INITIAL_SYNCS, MODES
+
+INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
+SCHEDULES = ("fixed", "qsr")
+LR_SCHEDULES = ("cosine", "constant")
+LOG_FORMATS = ("text", "json")
+BACKENDS = ("auto", "gloo", "nccl")
+OUTER_DEVICES = ("model", "cpu")
+LINKS = ("tcp", "grpc")
+DATA_PLANES = ("thread", "process")
+SYNC_MODES = (*MODES, "dp")  # dp: the data-parallel baseline, not an engine mode
+FRAGMENT_PATTERNS = ("strided", "sequential")
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names the option and the allowed values."""
+
+
+def opt(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None):
+    """A config field with its CLI flag and help text."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = opt(2, "transformer blocks", flag="--n-layer")
+    n_head: int = opt(4, "attention heads per block", flag="--n-head")
+    n_embd: int = opt(128, "embedding width", flag="--n-embd")
+    block_size: int = opt(64, "context length in tokens", flag="--block-size")
+    dropout: float = opt(0.0, "dropout probability", flag="--dropout")
+
+
+@dataclass
+class DataConfig:
+    path: str = opt(
+        "", "text directory, text file or uint16 .bin tokens; empty = bundled Shakespeare",
+        flag="--data",
+    )
+    val_fraction: float = opt(0.05, "tail fraction of the corpus held out for eval", flag="--val-fraction")
+    batch_size: int = opt(16, "sequences per rank per inner step", flag="--batch-size")
+    eval_batches: int = opt(20, "validation batches for the final eval loss", flag="--eval-batches")
+
+
+@dataclass
+class InnerConfig:
+    optimizer: str = opt("adamw", "inner optimizer", flag="--inner-optimizer", choices=INNER_OPTIMIZERS)
+    lr: float = opt(1e-3, "peak inner learning rate", flag="--inner-lr")
+    weight_decay: float = opt(0.1, "inner weight decay", flag="--weight-decay")
+    warmup_steps: int = opt(20, "linear lr warmup, inner steps", flag="--warmup-steps")
+    lr_schedule: str = opt("cosine", "inner lr decay after warmup", flag="--lr-schedule", choices=LR_SCHEDULES)
+    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of the peak lr", flag="--min-lr-ratio")
+    grad_clip: float = opt(1.0, "clip inner gradients at this global L2 norm (0 = off)", flag="--grad-clip")
+
+
+@dataclass
+class OuterConfig:
+    optimizer: str = opt("nesterov", "outer optimizer on the pseudo-gradient", flag="--outer-optimizer", choices=OUTER_OPTIMIZERS)
+    # -1: the sync mode's own default (diloco.engine.outer.MODE_DEFAULTS, measurements in its module doc):
+    # a one-round-stale outer gradient under momentum 0.9 overshoots (eager: +11 % loss) or diverges (delayed)
+    lr: float = opt(-1.0, "outer learning rate; -1 = the mode's default (0.7)", flag="--outer-lr")
+    momentum: float = opt(
+        -1.0, "outer momentum (nesterov, sgd); -1 = the mode's default: 0.9 (DiLoCo's), 0.5 for eager and 0 "
+        "for delayed, whose stale outer gradients overshoot with 0.9 (delayed diverges)", flag="--outer-momentum",
+    )
+    device: str = opt("model", "where the fp32 global copy lives", flag="--outer-device", choices=OUTER_DEVICES)
+    alpha: float = opt(
+        -1.0, "merge factor: local = alpha*local + (1-alpha)*global after a sync; "
+        "-1 = the mode's default (0.5 for overlap, else 0)", flag="--merge-alpha",
+    )
+    co2_lr: float = opt(1.0, "CO2 outer lr (authors' default)", flag="--co2-lr")
+    co2_momentum: float = opt(0.0, "CO2 outer momentum (authors' default for <= 16 GPUs; 0.2-0.6 above)", flag="--co2-momentum")
+    co2_penalty: str = opt("adaptive", "CO2 staleness-gap penalty: 'adaptive' or a constant >= 1", flag="--co2-penalty")
+    co2_clip: float = opt(1.0, "CO2 element-wise outer-momentum clip (0 = off)", flag="--co2-clip")
+
+    def outer_lr(self, mode: str) -> float:
+        """The outer lr in force for a sync mode (not co2: --co2-lr)."""
+        from diloco.engine.outer import mode_lr
+
+        return self.lr if self.lr >= 0 else mode_lr(mode)
+
+    def outer_momentum(self, mode: str) -> float:
+        """The outer momentum in force for a sync mode (not co2: --co2-momentum)."""
+        from diloco.engine.outer import mode_momentum
+
+        return self.momentum if self.momentum >= 0 else mode_momentum(mode)
+
+    def merge_alpha(self, mode: str) -> float:
+        """The merge factor in force for a sync mode."""
+        if self.alpha >= 0:
+            return self.alpha
+        return 0.5 if mode == "overlap" else 0.0
+
+
+@dataclass
+class SyncConfig:
+    schedule: str = opt("fixed", "how H (inner steps per sync) is chosen", flag="--schedule", choices=SCHEDULES)
+    h: int = opt(30, "H for 'fixed'; H_base for 'qsr'", flag="--h")
+    qsr_alpha: float = opt(
+        -1.0, "QSR alpha: H = max(H_base, floor((alpha/lr)^gamma)); -1 = peak inner lr x H_base^(1/gamma) "
+        "(H = H_base at the peak lr, x4 at half of it)", flag="--qsr-alpha",
+    )
+    qsr_gamma: float = opt(2.0, "QSR exponent gamma", flag="--qsr-gamma")
+    h_max: int = opt(0, "upper bound on H (0 = only the remaining steps)", flag="--h-max")
+    mode: str = opt(
+        "blocking", "blocking DiLoCo, overlap (Streaming DiLoCo, tau steps), eager, delayed (naive), co2, "
+        "or dp (data parallel: gradients averaged across groups every step, the baseline)",
+        flag="--mode", choices=SYNC_MODES,
+    )
+    fragments: int = opt(1, "fragments P synced at staggered times (Streaming DiLoCo)", flag="--fragments")
+    fragment_pattern: str = opt("strided", "blocks to fragments: strided or sequential", flag="--fragment-pattern", choices=FRAGMENT_PATTERNS)
+    overlap_steps: int = opt(1, "tau: inner steps a fragment's exchange overlaps (mode overlap)", flag="--overlap-steps")
+
+    def qsr_alpha_for(self, peak_lr: float) -> float:
+        """QSR's alpha in force: ``--qsr-alpha``, or for -1 the one that gives H = H_base at the peak
+        inner lr (``peak_lr * H_base**(1/gamma)``), so H grows by (peak/lr)^gamma as the lr decays,
+        whatever the lr's scale."""
+        if self.qsr_alpha >= 0:
+            return self.qsr_alpha
+        return peak_lr * self.h ** (1.0 / self.qsr_gamma)
+
+
+@dataclass
+class TopologyConfig:
+    groups: int = opt(2, "worker groups (datacenters)", flag="--groups")
+    ranks_per_group: int = opt(2, "torchrun ranks per group", flag="--ranks-per-group")
+    group_sizes: str = opt("", "ranks of each group, comma-separated (e.g. 2,1,3); overrides --ranks-per-group", flag="--group-sizes")
+    backend: str = opt("auto", "in-group backend (auto = nccl with CUDA, else gloo)", flag="--backend", choices=BACKENDS)
+    threads_per_rank: int = opt(1, "torch CPU threads per rank", flag="--threads-per-rank")
+
+    def sizes(self) -> list[int]:
+        """Ranks of every group, in group order."""
+        if self.group_sizes:
+            return [int(x) for x in self.group_sizes.split(",")]
+        return [self.ranks_per_group] * self.groups
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(300, "inner steps per rank", flag="--steps")
+    seed: int = opt(1337, "seed for the model init (all groups) and data sampling", flag="--seed")
+    log_every: int = opt(5, "report progress every N inner steps", flag="--log-every")
+    metrics_port: int = opt(
+        0, "serve Prometheus /metrics on this port + local rank (diloco run offsets each group); 0 = off",
+        flag="--metrics-port",
+    )
+    log_format: str = opt(
+        "text", "log lines: text for people, json (one object per line, with group and rank) for collectors",
+        flag="--log-format", choices=LOG_FORMATS,
+    )
+    save: str = opt("", "write the final global model here (atomic; group 0 writes it); empty = don't", flag="--save")
+    entry: str = opt(
+        "", "what to train: package.module:function taking a diloco.TaskContext and returning a "
+        "diloco.Task; empty = the demo GPT (diloco.demo:gpt_task)", flag="--entry",
+    )
+    entry_args: str = opt("", "KEY=VALUE pairs, comma-separated, passed to --entry as ctx.args", flag="--entry-args")
+    initial_sync: str = opt(
+        "check", "start: check that every group built the same initial parameters (refuse if not), "
+        "or copy group 0's to all", flag="--initial-sync", choices=INITIAL_SYNCS,
+    )
+    checkpoint_every: int = opt(
+        0, "write a job checkpoint (everything needed to resume) every N inner steps; 0 = off",
+        flag="--checkpoint-every",
+    )
+    checkpoint_dir: str = opt(
+        "", "folder of job checkpoints (diloco run: RUN_DIR/checkpoints when checkpoints are on; "
+        "diloco run --resume DIR: DIR)", flag="--checkpoint-dir",
+    )
+    checkpoint_keep: int = opt(3, "job checkpoints kept, newest first (>= 2; 0 = keep all)", flag="--checkpoint-keep")
+    stop_after: int = opt(
+        0, "stop after this inner step (< --steps; the lr schedule still follows --steps), write a job "
+        "checkpoint and exit 0; 0 = run to --steps", flag="--stop-after",
+    )
+
+
+@dataclass
+class TransportConfig:
+    host: str = opt("127.0.0.1", "address this rank's data plane listens on and advertises", flag="--host")
+    timeout_s: float = opt(60.0, "deadline for any cross-group wait, seconds", flag="--timeout")
+    link: str = opt("tcp", "data-plane link type between groups", flag="--link", choices=LINKS)
+    data_plane: str = opt("thread", "where each rank's transport runs: thread (in the trainer's process) or process "
+                          "(a child process: its per-chunk Python never holds the trainer's interpreter lock; "
+                          "vectors cross through shared memory; bench/pages/gil.md)",
+                          flag="--data-plane", choices=DATA_PLANES)
+    connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
+    chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
+    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0, lloyd4; sign1 and "
+                     "topk with error feedback: each group's own frames are all-gathered)", flag="--codec")
+    codec_block: int = opt(0, "values per scale block of a blockwise codec or sign1, values per chunk of topk "
+                           "(0 = the codec's default)", flag="--codec-block")
+    topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
+                              "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
+    codec_fast: bool = opt(False, "4-bit codecs: take each block's nearest scale instead of searching its "
+                           "neighbours (2-5x faster encode, for links faster than a core encodes; a little "
+                           "more error: bench/pages/codecs.md)",
+                           flag="--codec-fast")
+    zstd: bool = opt(False, "zstd entropy stage on every frame", flag="--zstd")
+    zstd_level: int = opt(1, "zstd level", flag="--zstd-level")
+    probe_bytes: int = opt(1 << 19, "bytes per bandwidth probe to each other group (0 = no probes: equal stripes, sorted ring)", flag="--probe-bytes")
+    reprobe_every: int = opt(100, "re-measure bandwidths in the background every N exchanges (0 = only at start)", flag="--reprobe-every")
+    plan_every: int = opt(8, "exchanges that share one plan (ring order, stripe shares) from the coordinator", flag="--plan-every")
+    stripes_per_rank: int = opt(4, "stripes per rank of the largest group (finer = better balance, more rings)", flag="--stripes-per-rank")
+    tls_cert: str = opt("", "this rank's TLS certificate (PEM); with --tls-key and --tls-ca turns on mutual TLS", flag="--tls-cert")
+    tls_key: str = opt("", "this rank's TLS private key (PEM)", flag="--tls-key")
+    tls_ca: str = opt("", "CA certificate that signs every peer (PEM)", flag="--tls-ca")
+    plaintext: bool = opt(False, "allow an unencrypted data plane on non-loopback addresses (explicit opt-in)", flag="--plaintext")
+    # what a stranger can hold on this rank's listener before it authenticates (transport.guard)
+    handshake_timeout: float = opt(10.0, "seconds from accept in which an incoming connection must finish its "
+                                   "whole handshake (TLS included), however slowly bytes arrive", flag="--handshake-timeout")
+    max_unauthenticated: int = opt(64, "incoming connections from strangers' addresses that may be unauthenticated "
+                                   "at once (members' addresses have reserved slots besides)", flag="--max-unauthenticated")
+    max_unauthenticated_per_source: int = opt(8, "of those, how many from one source address",
+                                              flag="--max-unauthenticated-per-source")
+    max_pending_bytes: int = opt(256 << 20, "bytes of frames kept for exchanges not yet started here (kept at most "
+                                 "2 x --timeout)", flag="--max-pending-bytes")
+
+
+def make_codec(t: TransportConfig) -> Codec:
+    """The ``compress`` codec the transport settings name (ValueError if it cannot be made); ``compress``
+    (torch) is imported on call, so ``Config.validate`` stays torch-free."""
+    import compress
+
+    params: dict[str, Any] = {"zstd": t.zstd, "zstd_level": t.zstd_level}
+    if t.codec_block:
+        params["chunk" if t.codec == "topk" else "block_size"] = t.codec_block
+    if t.codec == "topk" and t.topk_density:
+        params["density"] = t.topk_density
+    if t.codec_fast:
+        if "search" not in compress.get_codec(t.codec).params:
+            raise ValueError(f"--codec-fast applies to the 4-bit codecs (int4, fp4-e2m1, fp4-e3m0, lloyd4) only, "
+                             f"not {t.codec}")
+        params["search"] = False
+    return compress.get_codec(t.codec, **params)
+
+
+@dataclass
+class FaultConfig:
+    heartbeat_timeout: float = opt(
+        15.0, "seconds without a message from any rank of a group before the group is declared failed "
+        "and left out of the next quorum (ranks heartbeat every fifth of it)", flag="--heartbeat-timeout",
+    )
+    min_groups: int = opt(1, "fewest groups an exchange may run with; below it the survivors wait", flag="--min-groups")
+    outlier_factor: float = opt(
+        10.0, "refuse a group's pseudo-gradient whose norm exceeds this multiple of the median of its last "
+        "8 accepted (0 = only NaN/Inf are refused)", flag="--outlier-factor",
+    )
+    max_restarts: int = opt(3, "diloco run: times each group is restarted after it fails (it then heals)", flag="--max-restarts")
+    chaos: int = opt(0, "diloco run: kill N random groups at random moments and restart them (a fault drill)", flag="--chaos")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        """Raise ConfigError naming every invalid setting; returns self."""
+        problems: list[str] = []
+        for section, f in iter_fields(self):
+            value = getattr(getattr(self, section), f.name)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                problems.append(f"{f.metadata['flag']}: {value!r} is not one of {', '.join(choices)}")
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{f.metadata['flag']}: must be finite, got {value}")
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                problems.append(msg)
+
+        m, d, i, o, s, t = self.model, self.data, self.inner, self.outer, self.sync, self.topology
+        fl = self.fault
+        tr = self.transport
+        need(tr.handshake_timeout > 0, f"--handshake-timeout must be > 0 seconds, got {tr.handshake_timeout}")
+        need(tr.max_unauthenticated >= 1 and tr.max_unauthenticated_per_source >= 1,
+             "--max-unauthenticated and --max-unauthenticated-per-source must be >= 1")
+        need(tr.max_pending_bytes >= 0, f"--max-pending-bytes must be >= 0, got {tr.max_pending_bytes}")
+        need(fl.heartbeat_timeout > 0, f"--heartbeat-timeout must be > 0 seconds, got {fl.heartbeat_timeout}")
+        need(1 <= fl.min_groups <= t.groups, f"--min-groups must be in [1, --groups={t.groups}], got {fl.min_groups}")
+        need(fl.outlier_factor >= 0, f"--outlier-factor must be >= 0 (0 = off), got {fl.outlier_factor}")
+        need(fl.max_restarts >= 0 and fl.chaos >= 0, "--max-restarts and --chaos must be >= 0")
+        need(fl.chaos == 0 or fl.max_restarts >= 1, "--chaos needs --max-restarts >= 1 (killed groups are restarted)")
+        need(m.n_layer >= 1, f"--n-layer must be >= 1, got {m.n_layer}")
+        need(m.n_head >= 1 and m.n_embd % max(m.n_head, 1) == 0,
+             f"--n-embd ({m.n_embd}) must be a positive multiple of --n-head ({m.n_head})")
+        need(m.block_size >= 2, f"--block-size must be >= 2, got {m.block_size}")
+        need(0.0 <= m.dropout < 1.0, f"--dropout must be in [0, 1), got {m.dropout}")
+        need(0.0 < d.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {d.val_fraction}")
+        need(d.batch_size >= 1, f"--batch-size must be >= 1, got {d.batch_size}")
+        need(d.eval_batches >= 1, f"--eval-batches must be >= 1, got {d.eval_batches}")
+        need(i.lr > 0, f"--inner-lr must be > 0, got {i.lr}")
+        need(i.weight_decay >= 0, f"--weight-decay must be >= 0, got {i.weight_decay}")
+        need(i.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {i.warmup_steps}")
+        need(0.0 <= i.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {i.min_lr_ratio}")
+        need(i.grad_clip >= 0, f"--grad-clip must be >= 0, got {i.grad_clip}")
+        need(o.lr == -1.0 or o.lr > 0, f"--outer-lr must be > 0 (or -1 for the mode's default), got {o.lr}")
+        need(o.momentum == -1.0 or 0.0 <= o.momentum < 1.0,
+             f"--outer-momentum must be in [0, 1) (or -1 for the mode's default), got {o.momentum}")
+        need(o.alpha == -1.0 or 0.0 <= o.alpha <= 1.0, f"--merge-alpha must be in [0, 1] (or -1 for the mode's default), got {o.alpha}")
+        need(o.co2_lr > 0, f"--co2-lr must be > 0, got {o.co2_lr}")
+        need(0.0 <= o.co2_momentum < 1.0, f"--co2-momentum must be in [0, 1), got {o.co2_momentum}")
+        need(o.co2_clip >= 0, f"--co2-clip must be >= 0, got {o.co2_clip}")
+        if o.co2_penalty != "adaptive":
+            try:
+                need(float(o.co2_penalty) >= 1.0, f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
+            except ValueError:
+                problems.append(f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
+        need(s.h >= 1, f"--h must be >= 1 (inner steps per sync), got {s.h}")
+        need(s.qsr_alpha == -1.0 or 0.0 <= s.qsr_alpha <= 1.0,
+             f"--qsr-alpha must be in [0, 1] (or -1 for peak lr x H_base^(1/gamma)), got {s.qsr_alpha}")
+        need(s.qsr_gamma > 0, f"--qsr-gamma must be > 0, got {s.qsr_gamma}")
+        need(s.h_max == 0 or s.h_max >= s.h, f"--h-max must be 0 or >= --h ({s.h}), got {s.h_max}")
+        need(s.fragments >= 1, f"--fragments must be >= 1, got {s.fragments}")
+        if not self.train.entry:  # the demo GPT's fragments are its blocks
+            need(m.n_layer >= s.fragments, f"--fragments ({s.fragments}) cannot exceed --n-layer ({m.n_layer})")
+            need(not self.train.entry_args, "--entry-args needs --entry (the demo takes no entry arguments)")
+        else:
+            need(":" in self.train.entry, f"--entry must look like package.module:function, got {self.train.entry!r}")
+        need(s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
+        need(s.overlap_steps >= 0, f"--overlap-steps must be >= 0, got {s.overlap_steps}")
+        if s.mode == "overlap":
+            need(s.overlap_steps < s.h // s.fragments,
+                 f"--overlap-steps ({s.overlap_steps}) must be < H/P ({s.h // max(s.fragments, 1)})")
+        need(1 <= t.groups <= 64, f"--groups must be in [1, 64], got {t.groups}")
+        need(1 <= t.ranks_per_group <= 64, f"--ranks-per-group must be in [1, 64], got {t.ranks_per_group}")
+        if t.group_sizes:
+            try:
+                sizes = t.sizes()
+                need(len(sizes) == t.groups and all(1 <= n <= 64 for n in sizes),
+                     f"--group-sizes needs {t.groups} sizes in [1, 64], got {t.group_sizes!r}")
+            except ValueError:
+                problems.append(f"--group-sizes must be comma-separated integers, got {t.group_sizes!r}")
+        need(t.threads_per_rank >= 1, f"--threads-per-rank must be >= 1, got {t.threads_per_rank}")
+        need(self.train.steps >= 1, f"--steps must be >= 1, got {self.train.steps}")
+        need(0 <= self.train.metrics_port <= 65535 - 64 * 64, f"--metrics-port out of range: {self.train.metrics_port}")
+        need(self.train.log_every >= 1, f"--log-every must be >= 1, got {self.train.log_every}")
+        tc = self.train
+        need(tc.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {tc.checkpoint_every}")
+        need(tc.checkpoint_keep == 0 or tc.checkpoint_keep >= 2,
+             f"--checkpoint-keep must be 0 (all) or >= 2 (the newest complete one survives a crash mid-write), "
+             f"got {tc.checkpoint_keep}")
+        need(0 <= tc.stop_after < tc.steps, f"--stop-after must be in [0, --steps ({tc.steps})), got {tc.stop_after}")
+        try:
+            codec = make_codec(self.transport)
+            need(not getattr(codec, "requires_error_feedback", False) or s.mode not in ("eager", "dp"),
+                 f"--codec {self.transport.codec} needs error feedback, which --mode {s.mode} does not keep "
+                 "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
+            need(self.transport.topk_density == 0.0 or self.transport.codec == "topk",
+                 f"--topk-density applies to --codec topk only, not {self.transport.codec}")
+        except ValueError as e:
+            problems.append(f"--codec {self.transport.codec}: {e}")
+        need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")
+        need(4096 <= tr.chunk_bytes <= 256 << 20, f"--chunk-bytes must be in [4096, 256 MiB], got {tr.chunk_bytes}")
+        need(tr.probe_bytes >= 0, f"--probe-bytes must be >= 0, got {tr.probe_bytes}")
+        need(tr.reprobe_every >= 0, f"--reprobe-every must be >= 0, got {tr.reprobe_every}")
+        need(tr.plan_every >= 1, f"--plan-every must be >= 1, got {tr.plan_every}")
+        need(tr.stripes_per_rank >= 1, f"--stripes-per-rank must be >= 1, got {tr.stripes_per_rank}")
+        tls = [self.transport.tls_cert, self.transport.tls_key, self.transport.tls_ca]
+        need(all(tls) or not any(tls), "--tls-cert, --tls-key and --tls-ca go together")
+        for path in filter(None, tls):
+            need(Path(path).is_file(), f"TLS file not found: {path}")
+        need(not (all(tls) and self.transport.plaintext), "--plaintext contradicts the TLS files given")
+        need(self.transport.timeout_s > 0, f"--timeout must be > 0 s, got {self.transport.timeout_s}")
+        if problems:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+        return self
+
+
+def iter_fields(cfg: Config):
+    """Yield ``(section_name, field)`` for every leaf option."""
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            yield section.name, f

@@ -1,0 +1,116 @@
+"""Reading a ``Config``: TOML or JSON files (sections as tables), then command-line flags.
+
+``add_arguments`` gives every option of ``diloco.job.config`` its flag (help text and default
+from the field's metadata); ``from_args`` builds the validated ``Config`` a command line asks for:
+the ``--config`` file first, then the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from diloco.job.config import Config, ConfigError, iter_fields
+
+
+def _coerce(value: Any, kind: Any, where: str) -> Any:
+    kind = {"int": int, "float": float, "str": str, "bool": bool}.get(kind, kind)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
+    """Build a Config from nested ``{section: {field: value}}``; unknown keys are errors."""
+    cfg = base if base is not None else Config()
+    known = {f.name for f in fields(cfg)}
+    for section, values in data.items():
+        if section not in known:
+            raise ConfigError(f"unknown config section [{section}]; known: {', '.join(sorted(known))}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of settings")
+        obj = getattr(cfg, section)
+        names = {f.name: f for f in fields(obj)}
+        for key, value in values.items():
+            if key not in names:
+                raise ConfigError(f"unknown setting {section}.{key}; known: {', '.join(sorted(names))}")
+            setattr(obj, key, _coerce(value, names[key].type, f"{section}.{key}"))
+    return cfg
+
+
+def _read_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        if p.suffix == ".json":
+            return json.loads(p.read_text())
+        return tomllib.loads(p.read_text())
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot parse config file {p}: {e}") from e
+
+
+def load_file(path: str | Path) -> Config:
+    """Load a Config from a ``.toml`` or ``.json`` file (sections as tables/objects)."""
+    return from_dict(_read_file(path))
+
+
+def parse_bool(text: str) -> bool:
+    """``true/false``, ``yes/no``, ``on/off``, ``1/0`` (any case) as a bool."""
+    value = text.strip().lower()
+    if value in ("true", "yes", "on", "1"):
+        return True
+    if value in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per option (defaults shown in --help)."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="TOML or JSON file with [section] tables; flags override it")
+    defaults = Config()
+    for section, f in iter_fields(defaults):
+        default = getattr(getattr(defaults, section), f.name)
+        kind = {"int": int, "float": float, "str": str, "bool": parse_bool}[f.type]
+        shown = repr(default) if isinstance(default, str) else default
+        parser.add_argument(
+            f.metadata["flag"], dest=f"{section}.{f.name}", type=kind, default=None,
+            choices=f.metadata.get("choices"),
+            metavar=None if f.metadata.get("choices") else ("BOOL" if kind is parse_bool else kind.__name__.upper()),
+            help=f"{f.metadata['help']} [{section}.{f.name}, default: {shown}]",
+        )
+
+
+def explicit_settings(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
+    """The settings a command line names itself: ``(section, field) -> value`` for every key of
+    its ``--config`` file and every flag given (later wins), without the defaults."""
+    out: dict[tuple[str, str], Any] = {}
+    if getattr(args, "config", None):
+        raw = _read_file(args.config)
+        parsed = from_dict(raw)
+        for section, values in raw.items():
+            for key in values:
+                out[(section, key)] = getattr(getattr(parsed, section), key)
+    for section, f in iter_fields(Config()):
+        value = getattr(args, f"{section}.{f.name}", None)
+        if value is not None:
+            out[(section, f.name)] = value
+    return out
+
+
+def from_args(args: argparse.Namespace) -> Config:
+    """The Config a parsed command line asks for: file first, then flags; validated."""
+    cfg = load_file(args.config) if getattr(args, "config", None) else Config()
+    for section, f in iter_fields(cfg):
+        value = getattr(args, f"{section}.{f.name}", None)
+        if value is not None:
+            setattr(getattr(cfg, section), f.name, value)
+    return cfg.validate()

@@ -1,0 +1,436 @@
+"""The public way in: ``diloco.connect(...)`` puts this rank of this group into the job.
+
+It does for any training loop what ``diloco worker`` does for the demo: opens this rank's
+data-plane endpoint, joins the coordinator, probes the other groups' bandwidth and reports it,
+builds the striped averager whose ring order and stripe shares follow the coordinator's plans,
+serves Prometheus metrics, and reports round hashes, progress and the summary::
+
+    import diloco
+    link = diloco.connect("coord.example:29400", group=0, secret=os.environ["DILOCO_SECRET"],
+                          codec="int8")                  # under torchrun: every rank calls it
+    with link, diloco.DiLoCo(model, opt, averager=link, sync_every=100, hook_optimizer=True) as engine:
+        for x, y in loader:                              # the user's own loop, unchanged
+            loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+            link.report_progress(loss=loss.item())       # optional: live progress + loss metric
+    print(link.summary(engine))                          # also reported to the coordinator
+
+The connection is the engine's averager: every ``DiLoCo`` call that averages goes through it,
+and after every inner step the engine tells it what happened (``observe``), which is when it
+counts metrics, re-probes bandwidth in the background and reports round hashes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import transport as transport_pkg
+from diloco.coordinator import CoordinatorClient, CoordinatorError
+from diloco.coordinator.credentials import for_group
+from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
+from diloco.exchange.quorum_averager import QuorumAverager
+from diloco.job.config import ConfigError, TransportConfig, make_codec
+from diloco.runtime.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
+from transport import TcpTransport, TlsConfig
+from transport.identity import GroupKeys
+from transport.tcp import is_loopback
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "DILOCO_SECRET"
+TOKEN_ENV = "DILOCO_TOKEN"
+
+
+class ConnectError(RuntimeError):
+    """This rank cannot join the job; the message says why."""
+
+
+def read_secret(value: bytes | str | GroupKeys | None = None) -> bytes | GroupKeys:
+    """The data plane's job secret: ``value`` (bytes, or hex text) or ``$DILOCO_SECRET`` (hex); or
+    one group's keyring (``GroupKeys``, or its ``to_text()`` form), which lets a rank be only
+    that group (see ``transport.identity``)."""
+    if isinstance(value, GroupKeys):
+        return value
+    if isinstance(value, bytes):
+        secret = value
+    else:
+        text = value if value is not None else os.environ.get(SECRET_ENV, "")
+        if not text:
+            raise ConnectError(f"no secret: pass secret= or set {SECRET_ENV} (hex, 16+ bytes)")
+        if GroupKeys.is_text(text):
+            try:
+                return GroupKeys.from_text(text)
+            except ValueError as e:
+                raise ConnectError(str(e)) from None
+        try:
+            secret = bytes.fromhex(text)
+        except ValueError as e:
+            raise ConnectError("the secret must be hex text (or bytes)") from e
+    if len(secret) < 16:
+        raise ConnectError("the secret must hold at least 16 bytes (32 hex digits)")
+    return secret
+
+
+def group_keys(secret: bytes | GroupKeys, group: int) -> GroupKeys:
+    """Group ``group``'s data-plane credentials: derived from the job secret, or the keyring given
+    (which must be that group's). Its handshakes then prove the group to every peer."""
+    if isinstance(secret, GroupKeys):
+        if secret.group != group:
+            raise ConnectError(f"the data-plane keyring is group {secret.group}'s, not group {group}'s")
+        return secret
+    return GroupKeys.derive(secret, group)
+
+
+def make_transport(t: TransportConfig, secret: bytes | GroupKeys):
+    """This rank's data-plane endpoint (tcp or grpc), listening on ``t.host``, as configured."""
+    tls = TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None
+    options = dict(host=t.host, port=0, secret=secret, timeout_s=t.timeout_s, tls=tls,
+                   allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes,
+                   handshake_timeout_s=t.handshake_timeout, max_unauthenticated=t.max_unauthenticated,
+                   max_unauthenticated_per_source=t.max_unauthenticated_per_source,
+                   max_pending_bytes=t.max_pending_bytes)
+    if t.data_plane == "process":  # its codecs and sums get as many threads as this rank's own ops
+        return transport_pkg.ProcessTransport(t.link, threads=torch.get_num_threads(), **options)
+    link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
+    return link(**options)
+
+
+def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:
+    """The TLS files this rank dials the coordinator ``host:port`` with: the data plane's own
+    (``--tls-cert/--tls-key/--tls-ca``), so one PKI covers both; none without them, or when the
+    coordinator is on a loopback address (``diloco run`` serves it there in plain text)."""
+    if not t.tls_cert or is_loopback(coordinator.rsplit(":", 1)[0]):
+        return None
+    return TlsConfig(t.tls_cert, t.tls_key, t.tls_ca)
+
+
+class _Reprobe:
+    """Starts a background re-measurement every ``every`` exchanges of ``averager``; surfaces
+    its failures."""
+
+    def __init__(self, monitor: BandwidthMonitor, averager: QuorumAverager, every: int) -> None:
+        self.monitor, self.averager, self.every, self._last = monitor, averager, every, 0
+
+    def after_step(self) -> None:
+        if self.monitor.error is not None:
+            raise ConnectError(f"bandwidth re-measurement failed: {self.monitor.error}")
+        exchanges = self.averager.exchanges
+        if self.every and exchanges - self._last >= self.every:
+            self._last = exchanges
+            self.monitor.refresh()
+
+
+def make_averager(t: TransportConfig, transport, membership, client, group: int, rank: int, device,
+                  process_group=None, *, incarnation: str = "", heartbeat_timeout: float = 15.0,
+                  tokens_per_step: float | None = None) -> tuple[QuorumAverager, _Reprobe | None]:
+    """Probe the other groups, report to the coordinator, and build the fault-tolerant striped
+    averager; returns it with the background re-prober (None when probing is off)."""
+    addresses = {g: membership.ranks(g) for g in membership.groups}
+    averager = QuorumAverager(
+        transport, membership, client, group=group, rank=rank, incarnation=incarnation, heal=membership.heal,
+        tokens_per_step=tokens_per_step, heartbeat_interval_s=heartbeat_timeout / 5,
+        codec=make_codec(t), timeout_s=t.timeout_s, plan_every=t.plan_every,
+        stripes_per_rank=t.stripes_per_rank, comm_device=device, process_group=process_group,
+    )
+    if not t.probe_bytes or len(addresses) < 2:
+        return averager, None
+
+    def measure() -> dict[int, float]:
+        return measure_rates(transport, addresses, group, rank, t.probe_bytes)
+
+    client.report_bandwidth(group, rank, measure())
+    monitor = BandwidthMonitor(measure, lambda rates: client.report_bandwidth(group, rank, rates))
+    return averager, _Reprobe(monitor, averager, t.reprobe_every)
+
+
+def _group_rank(process_group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        if process_group is not None:
+            raise ConnectError("process_group given but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _comm_device(process_group) -> torch.device:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GroupConnection:
+    """This rank's membership in the job and its averager (pass it as ``DiLoCo(averager=...)``).
+
+    ``round_hashes``: the global-parameter hash after each step that committed a sync (rank 0
+    reports each to the coordinator, which compares groups). ``metrics``: the Prometheus series.
+    """
+
+    def __init__(self, *, transport, client: CoordinatorClient, membership, averager: QuorumAverager,
+                 reprobe: _Reprobe | None, metrics: WorkerMetrics, group: int, rank: int,
+                 group_size: int, process_group=None) -> None:
+        self.transport, self.client, self.membership = transport, client, membership
+        self.averager, self.reprobe, self.metrics = averager, reprobe, metrics
+        self.group, self.rank, self.group_size, self.process_group = group, rank, group_size, process_group
+        self.round_hashes: list[str] = []
+        self.round_keys: list[int] = []  # engine.round at each of round_hashes
+        self._faults_counted: dict[str, float] = {}
+        self.bytes_sent = self.bytes_received = 0  # the whole group's, as of the last commit
+        self.inner_steps = 0
+        self.periods: list[int] = []  # H of each round of fragment 0, as the engine set them
+        self._rounds_counted = 0
+        self._sync_seconds_seen = 0.0
+        self._last_observe = self._start = time.perf_counter()
+        self._last_progress = (0, self._start)
+        self.compute_seconds = 0.0
+        self.loss: float | None = None
+
+    # --- the averager protocol (the engine calls these) -------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return self.averager.num_groups
+
+    @property
+    def group_index(self) -> int:
+        return self.averager.group_index
+
+    weighted = True
+    screens_contributions = True
+
+    def attach(self, engine) -> bool:
+        return self.averager.attach(engine)
+
+    def heal(self, engine) -> None:
+        self.averager.heal(engine)
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
+              error_feedback: bool = False):
+        return self.averager.start(flat, tag=tag, exact=exact, weight=weight, error_feedback=error_feedback)
+
+    @property
+    def error_feedback(self) -> bool:
+        """The codec needs error feedback (sign1, topk): the engine keeps a residual per fragment."""
+        return self.averager.error_feedback
+
+    @property
+    def stop_requested(self) -> bool:
+        """The job asked every group to checkpoint and stop: True from the step whose exchange said so."""
+        return self.averager.stop_requested
+
+    @property
+    def fault_stats(self):
+        """What fault tolerance did on this rank (``diloco.exchange.quorum_averager.FaultStats``)."""
+        return self.averager.stats
+
+    def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
+        return self.averager.all_reduce_mean(flat, round=round)
+
+    def observe(self, engine, events: list) -> None:
+        """After every engine step (and ``close()``): metrics, background re-probes, round hashes."""
+        now = time.perf_counter()
+        self.averager.step = engine.inner_step
+        sync_s = engine.sync_seconds - self._sync_seconds_seen
+        self._sync_seconds_seen = engine.sync_seconds
+        self.metrics.sync_seconds.inc(sync_s)
+        if not engine.finished:  # one inner step: the time since the last one, less the syncs
+            compute = max(now - self._last_observe - sync_s, 0.0)
+            self.inner_steps += 1
+            self.compute_seconds += compute
+            self.metrics.inner_steps.inc()
+            self.metrics.compute_seconds.inc(compute)
+            if self.reprobe is not None:
+                self.reprobe.after_step()
+        if not self.periods:
+            self.periods.append(engine.next_sync[0])
+        self.periods.extend(e.next_period for e in events if e.kind == "launch" and e.fragment == 0 and e.next_period)
+        committed = any(e.kind == "commit" for e in events)
+        if committed or engine.finished:
+            self.bytes_sent, self.bytes_received = self._group_bytes()
+        # eager groups' global copies differ until close() reconciles them: only the final hash counts
+        report = engine.finished if engine.mode == "eager" else committed
+        if report and self.rank == 0:  # keyed by the syncs launched so far: the same point on every group
+            self.round_hashes.append(engine.global_hash())
+            self.round_keys.append(engine.round)
+            self._report("round hash", lambda: self.client.report_round(self.group, engine.round, self.round_hashes[-1]))
+        self.metrics.outer_rounds.inc(engine.round - self._rounds_counted)
+        self._rounds_counted = engine.round
+        self.metrics.transport_totals(self.transport)
+        self._count_faults()
+        if self.periods:
+            self.metrics.sync_period.set(self.periods[-1])
+        self._last_observe = time.perf_counter()
+
+    def _count_faults(self) -> None:
+        """Bring the fault-tolerance series up to this rank's FaultStats."""
+        st = self.averager.stats
+        now = {"rounds_committed": st.committed, "rounds_rolled_back": st.rollbacks, "heals": int(st.healed),
+               "group_failures": st.failures_seen, "rejected_contributions": len(st.rejected),
+               "stall_seconds": sum(st.stall_seconds)}
+        for name, value in now.items():
+            delta = value - self._faults_counted.get(name, 0)
+            if delta > 0:
+                getattr(self.metrics, name).inc(delta)
+                self._faults_counted[name] = value
+        if st.quorum_sizes:
+            self.metrics.quorum_groups.set(st.quorum_sizes[-1])
+
+    def _report(self, what: str, call) -> None:
+        """A best-effort report: a coordinator that is away (or restarted and does not know us yet)
+        costs a warning, never the training step."""
+        try:
+            call()
+        except CoordinatorError as e:
+            log.warning("%s report skipped: %s", what, e)
+
+    def _group_bytes(self) -> tuple[int, int]:
+        """Bytes this group's ranks sent and received between groups (a collective in the group)."""
+        counts = read_counters(self.transport, WIRE_COUNTERS)
+        sent, received = counts["bytes_sent"], counts["bytes_received"]
+        if self.group_size == 1:
+            return sent, received
+        device = self.averager.comm_device
+        t = torch.tensor([sent, received], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=self.process_group)
+        return int(t[0]), int(t[1])
+
+    # --- what the job sees ----------------------------------------------------------------------
+
+    def report_progress(self, *, loss: float | None = None, step: int | None = None, steps: int = 0,
+                        tokens_per_step: int = 0, lr: float | None = None) -> None:
+        """Rank 0: send a progress snapshot to the coordinator (what ``diloco run`` shows live);
+        every rank: update the loss and lr gauges. ``loss`` in nats/token (or the user's unit)."""
+        if loss is not None:
+            self.loss = float(loss)
+            self.metrics.loss.set(self.loss)
+        if lr is not None:
+            self.metrics.inner_lr.set(lr)
+        if self.rank != 0:
+            return
+        now = time.perf_counter()
+        step = self.inner_steps if step is None else step
+        last_step, last_t = self._last_progress
+        self._last_progress = (step, now)
+        snapshot: dict[str, Any] = {
+            "step": step, "steps": steps,
+            "tokens_per_s": round((step - last_step) * tokens_per_step / max(now - last_t, 1e-9), 1),
+            "bytes_sent": self.bytes_sent, "round": self._rounds_counted,
+            "h": self.periods[-1] if self.periods else 0,
+            "utilization": round(self.compute_seconds / max(now - self._start, 1e-9), 4),
+        }
+        if self.loss is not None:
+            snapshot["loss"] = round(self.loss, 4)
+        if lr is not None:
+            snapshot["lr"] = lr
+        self._report("progress", lambda: self.client.report_progress(self.group, self.rank, snapshot))
+
+    def summary(self, engine, **extra: Any) -> dict[str, Any]:
+        """This group's summary (rank 0 reports it to the coordinator; other ranks get their own
+        counters only). ``extra``: fields to add, e.g. ``eval_loss``."""
+        wall = time.perf_counter() - self._start
+        out: dict[str, Any] = {
+            "group": self.group, "rank": self.rank, "round_hashes": list(self.round_hashes),
+            "outer_rounds": engine.round, "inner_steps": engine.inner_step, "periods": list(self.periods),
+            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "param_hash": engine.global_hash(), "num_parameters": engine.numel,
+            "seconds": wall, "compute_seconds": self.compute_seconds, "sync_seconds": engine.sync_seconds,
+            "utilization": self.compute_seconds / max(wall, 1e-9), "mode": engine.mode,
+            "fragments": len(engine.fragments), "fault": self.averager.stats.to_dict(),
+            "incarnation": self.averager.incarnation, **extra,
+        }
+        if self.rank == 0:  # the job's summary needs it: retried while the coordinator is away
+            self.averager.call_coordinator("summary", lambda: self.client.report_summary(self.group, out))
+        return out
+
+    def close(self) -> None:
+        """Stop the metrics endpoint, the data plane and the coordinator channel. Idempotent."""
+        if self.reprobe is not None:
+            self.reprobe.monitor.join(self.transport.timeout_s)
+        self.averager.close()
+        self.metrics.close()
+        self.transport.close()
+        self.client.close()
+
+    def __enter__(self) -> "GroupConnection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _incarnation(process_group, size: int, device: torch.device) -> str:
+    """A random id of this start of the group, the same on all its ranks (rank 0's)."""
+    value = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    if size > 1:
+        group_ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        dist.broadcast(value, src=group_ranks[0] if group_ranks else 0, group=process_group)
+    return f"{int(value.item()):016x}"
+
+
+def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | None = None, codec: str | None = None,
+            process_group: "dist.ProcessGroup | None" = None, token: str | None = None,
+            settings: TransportConfig | None = None, metrics_port: int = 0, heartbeat_timeout: float = 15.0,
+            tokens_per_step: float | None = None) -> GroupConnection:
+    """Join the job as this rank of ``group``; returns the connection (the engine's averager).
+
+    ``coordinator``: ``host:port``. ``secret``: the data plane's job secret (bytes or hex;
+    default ``$DILOCO_SECRET``), from which this rank derives its group's keys; or the group's own
+    keyring (``transport.identity.GroupKeys``). ``codec``: wire codec name (``fp32``, ``bf16``, ``int8``,
+    ``int4``, ``fp4-e2m1``, ``fp4-e3m0``, or ``sign1`` / ``topk``, which need error feedback: their
+    exchanges gather every group's own encoded Δ and ``DiLoCo`` keeps the residual; default
+    ``settings.codec``). ``process_group``: this
+    group's ranks (default: the whole torch.distributed world, or none when it is not
+    initialized: a one-rank group). ``token``: the coordinator's job token or this group's
+    credential (default ``$DILOCO_TOKEN``); the rank shows the coordinator only its group's.
+    ``settings``: links, TLS, connections, probes, timeouts (``diloco.job.config.TransportConfig``,
+    the same fields as the ``--host``, ``--link``, ``--tls-*`` ... flags); its TLS files also
+    secure the coordinator calls when the coordinator is not on loopback (``coordinator_tls``). ``metrics_port``:
+    serve Prometheus metrics on this port + the local rank (0 = off). ``heartbeat_timeout``: the
+    coordinator's (seconds; this rank heartbeats every fifth of it). ``tokens_per_step``: what one
+    inner step of this group weighs in the mean (default: its number of ranks). Every rank of every
+    group calls it; it returns once every expected group has joined (or, when the job already runs,
+    once this group's ranks have: the engine then heals the group into the job).
+    """
+    t = settings if settings is not None else TransportConfig()
+    if codec is not None:
+        t = dataclasses.replace(t, codec=codec)
+    try:
+        make_codec(t)
+    except ValueError as e:
+        raise ConfigError(f"codec {t.codec!r}: {e}") from None
+    rank, size = _group_rank(process_group)
+    key = group_keys(read_secret(secret), group)  # identity: this group's keys and coordinator credential only
+    try:
+        credential = for_group(token or os.environ.get(TOKEN_ENV) or None, group)
+    except ValueError as e:
+        raise ConnectError(str(e)) from None
+    opened: list[Any] = []
+    try:
+        transport = make_transport(t, key)
+        opened.append(transport)
+        client = CoordinatorClient(coordinator, token=credential, tls=coordinator_tls(t, coordinator),
+                                   timeout_s=t.timeout_s)
+        opened.append(client)
+        device = _comm_device(process_group)
+        incarnation = _incarnation(process_group, size, device)
+        membership = client.join(group, rank, size, transport.address, incarnation=incarnation)
+        averager, reprobe = make_averager(t, transport, membership, client, group, rank, device, process_group,
+                                          incarnation=incarnation, heartbeat_timeout=heartbeat_timeout,
+                                          tokens_per_step=tokens_per_step)
+        opened.append(averager)
+        metrics = WorkerMetrics(group, rank)
+        opened.append(metrics)
+        if metrics_port:
+            metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", rank)))
+    except BaseException:
+        for thing in reversed(opened):
+            thing.close()
+        raise
+    return GroupConnection(transport=transport, client=client, membership=membership, averager=averager,
+                           reprobe=reprobe, metrics=metrics, group=group, rank=rank, group_size=size,
+                           process_group=process_group)

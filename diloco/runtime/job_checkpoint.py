@@ -1,0 +1,372 @@
+"""Job checkpoints: every rank of every group saves its whole state at the same inner step.
+
+``--checkpoint-every N``, ``--stop-after N`` and SIGTERM make every rank write, after the same
+inner step, one file with everything needed to continue bit-identically (``diloco.runtime.rank_state``);
+``diloco run --resume DIR`` continues from the newest step that every group completed. Layout,
+one folder per step::
+
+    DIR/step-000040/group-0-rank-0.pt          rank 0 of group 0 (torch.save; read weights_only)
+    DIR/step-000040/group-0-rank-0.pt.sha256   its SHA-256 (diloco.runtime.checkpoint.save)
+    DIR/step-000040/group-0.json               group 0's manifest: written last, atomically
+    DIR/step-000040/group-1-rank-0.pt ...
+
+A step is *complete for a group* once that group's manifest exists (rank 0 writes it after every
+rank of the group wrote its file, listing the files and their SHA-256), and *complete* once every
+group's manifest exists. A crash mid-write leaves a step without some manifest; resuming ignores
+it. Files are read with ``torch.load(weights_only=True)`` after their checksum is verified.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.job.config import Config, ConfigError, iter_fields
+from diloco.job.config_parse import from_dict
+from diloco.runtime import checkpoint, rank_state
+from diloco.runtime.checkpoint import CheckpointError
+
+FORMAT = "diloco-job-checkpoint"
+VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+# Settings a resumed job may change: they do not change what is computed (where files go, how
+# often to log or checkpoint, addresses, timeouts, lossless wire options). Everything else must
+# equal the checkpoint's value.
+OPERATIONAL: dict[str, frozenset[str]] = {
+    "train": frozenset({"log_every", "log_format", "metrics_port", "save", "checkpoint_every", "checkpoint_dir",
+                        "checkpoint_keep", "stop_after"}),
+    "transport": frozenset({"host", "timeout_s", "link", "connections", "zstd", "zstd_level",
+                            "tls_cert", "tls_key", "tls_ca", "plaintext"}),
+    "fault": frozenset({"heartbeat_timeout", "max_restarts", "chaos"}),
+}
+
+
+def step_path(root: str | Path, step: int) -> Path:
+    """The folder of ``step``'s checkpoint under ``root``."""
+    return Path(root) / f"step-{step:06d}"
+
+
+def rank_file(group: int, rank: int) -> str:
+    return f"group-{group}-rank-{rank}.pt"
+
+
+def manifest_file(group: int) -> str:
+    return f"group-{group}.json"
+
+
+def _step_of(folder: Path) -> int | None:
+    m = _STEP_DIR.match(folder.name)
+    return int(m.group(1)) if m and folder.is_dir() else None
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = ((_step_of(d), d) for d in root.iterdir())
+    return sorted((s, d) for s, d in found if s is not None)
+
+
+def read_manifest(folder: str | Path, group: int) -> dict[str, Any] | None:
+    """Group ``group``'s manifest in a step folder; None if it was not written (yet)."""
+    path = Path(folder) / manifest_file(group)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:  # not written yet, or pruned meanwhile
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not a version-{VERSION} {FORMAT} manifest")
+    return doc
+
+
+def _complete_for(folder: Path, group: int) -> dict[str, Any] | None:
+    doc = read_manifest(folder, group)
+    if doc is None:
+        return None
+    for name in doc.get("files", {}):
+        if not (folder / name).is_file() or not (folder / f"{name}.sha256").is_file():
+            return None
+    return doc
+
+
+def complete_groups(folder: str | Path) -> tuple[int, list[int]]:
+    """``(groups of the job, groups whose manifest and files are there)`` for one step folder
+    (``(0, [])`` when no group finished it)."""
+    folder = Path(folder)
+    done, groups = [], 0
+    for path in folder.glob("group-*.json"):
+        m = re.match(r"^group-(\d+)\.json$", path.name)
+        if m is None:
+            continue
+        doc = _complete_for(folder, int(m.group(1)))
+        if doc is not None:
+            done.append(int(m.group(1)))
+            groups = int(doc["groups"])
+    return groups, sorted(done)
+
+
+def _is_complete(folder: Path, group: int | None) -> bool:
+    groups, done = complete_groups(folder)
+    return group in done if group is not None else (groups > 0 and done == list(range(groups)))
+
+
+def _complete_folders(root: Path, group: int | None) -> list[tuple[int, Path]]:
+    return [(s, d) for s, d in _step_folders(root) if _is_complete(d, group)]
+
+
+def complete_steps(root: str | Path, group: int | None = None) -> list[int]:
+    """Steps under ``root`` that every group completed (``group`` given: that group completed)."""
+    return [s for s, _ in _complete_folders(Path(root), group)]
+
+
+def latest_complete_step(root: str | Path) -> int | None:
+    """The newest step under ``root`` that every group of the job completed, or None."""
+    steps = complete_steps(root)
+    return steps[-1] if steps else None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A checkpoint to resume from: its root, its step folder, its step and the job's config."""
+
+    root: Path
+    path: Path
+    step: int
+    config: Config
+
+
+def find(path: str | Path, group: int | None = None) -> ResumePoint:
+    """The checkpoint ``--resume PATH`` names: PATH is a step folder or a root of them. In a root,
+    the newest step every group completed; with ``group``, if no step is complete for the whole
+    job (each group keeps its own folder), the newest step that group completed. CheckpointError
+    if there is none."""
+    p = Path(path)
+    if _step_of(p) is not None:
+        folder = p
+        if not _is_complete(folder, group):
+            groups, done = complete_groups(folder)
+            raise CheckpointError(f"{folder}: incomplete checkpoint (complete for groups {done} of "
+                                  f"{groups or '?'}; a crash while it was written?)")
+    else:
+        found = _complete_folders(p, None) or (_complete_folders(p, group) if group is not None else [])
+        if not found:
+            raise CheckpointError(f"no complete job checkpoint under {p} (a step counts once every group "
+                                  "wrote its files and its manifest)")
+        folder = found[-1][1]
+    _, done = complete_groups(folder)
+    manifest = folder / manifest_file(group if group is not None else done[0])
+    doc = read_manifest(folder, group if group is not None else done[0])
+    assert doc is not None
+    try:
+        cfg = from_dict(doc["config"])
+    except (ConfigError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{manifest}: bad config: {e}") from e
+    return ResumePoint(folder.parent, folder, int(doc["step"]), cfg)
+
+
+def verify_step(folder: str | Path) -> None:
+    """Check every file every group's manifest lists in a step folder against the manifest and its
+    own checksum (reads them all): CheckpointError naming the first bad file."""
+    folder = Path(folder)
+    _, done = complete_groups(folder)
+    for group in done:
+        doc = read_manifest(folder, group)
+        for name, digest in (doc or {}).get("files", {}).items():
+            if checkpoint.verify(folder / name) != digest:
+                raise CheckpointError(f"{folder / name}: its checksum differs from the one in {manifest_file(group)}")
+
+
+def math_differences(saved: Config, now: Config) -> list[str]:
+    """Settings that change what is computed and differ: ``--flag: now here, saved in the checkpoint``."""
+    out = []
+    for section, f in iter_fields(now):
+        if f.name in OPERATIONAL.get(section, ()):
+            continue
+        a, b = getattr(getattr(saved, section), f.name), getattr(getattr(now, section), f.name)
+        if a != b:
+            out.append(f"{f.metadata['flag']}: {b!r} here, {a!r} in the checkpoint")
+    return out
+
+
+def resume_config(saved: Config, explicit: dict[tuple[str, str], Any], root: str | Path, step: int = 0) -> Config:
+    """The config of a job resumed after ``step`` inner steps: the checkpoint's, with the
+    operational settings the command line names (``config_parse.explicit_settings``). A named setting
+    that changes the math must equal the checkpoint's (ConfigError otherwise: e.g. --steps cannot
+    grow, the lr schedule follows it). ``--stop-after`` is not carried over (given, it must lie
+    after ``step``); ``--checkpoint-dir`` defaults to ``root``."""
+    cfg = copy.deepcopy(saved)
+    cfg.train.stop_after = 0
+    cfg.train.checkpoint_dir = str(root)
+    flags = {(s, f.name): f.metadata["flag"] for s, f in iter_fields(saved)}
+    conflicts = []
+    for (section, name), value in explicit.items():
+        if name in OPERATIONAL.get(section, ()):
+            setattr(getattr(cfg, section), name, value)
+        elif getattr(getattr(saved, section), name) != value:
+            old = getattr(getattr(saved, section), name)
+            conflicts.append(f"{flags[(section, name)]}: {value!r} asked, {old!r} in the checkpoint")
+    if cfg.train.stop_after and cfg.train.stop_after <= step:
+        conflicts.append(f"--stop-after: {cfg.train.stop_after} asked, but the checkpoint is at step {step}")
+    if conflicts:
+        raise ConfigError(
+            "--resume continues the checkpoint's job; these settings change what it computes and must match "
+            "it (leave them out to use the checkpoint's):\n  " + "\n  ".join(conflicts))
+    return cfg.validate()
+
+
+def write_rank(root: str | Path, step: int, group: int, rank: int, state: dict[str, Any]) -> Path:
+    """Write one rank's state (atomically, with its SHA-256); returns the file."""
+    return checkpoint.save(step_path(root, step) / rank_file(group, rank), state)
+
+
+def write_manifest(root: str | Path, step: int, group: int, ranks: int, cfg: Config, **extra: Any) -> Path:
+    """Group ``group``'s manifest for ``step``, after all its ``ranks`` wrote their files; the step
+    is complete for the group once this file exists. ``extra``: JSON values to record."""
+    folder = step_path(root, step)
+    files = {rank_file(group, r): checkpoint.recorded_digest(folder / rank_file(group, r)) for r in range(ranks)}
+    doc = {"format": FORMAT, "version": VERSION, "step": step, "group": group, "groups": cfg.topology.groups,
+           "ranks": ranks, "files": files, **extra, "config": cfg.to_dict()}
+    return checkpoint.atomic_write_text(folder / manifest_file(group), json.dumps(doc, indent=1) + "\n")
+
+
+def prune(root: str | Path, group: int, keep: int) -> list[int]:
+    """Delete ``group``'s files of every step older than its ``keep`` newest complete ones (its
+    manifest first, so a half-deleted step never looks complete); empty folders go too. Other
+    groups' files are left alone. Returns the steps touched."""
+    if keep <= 0:
+        return []
+    folders = _step_folders(Path(root))
+    mine = [s for s, d in folders if (d / manifest_file(group)).is_file()]
+    if len(mine) <= keep:
+        return []
+    oldest_kept = mine[-keep]
+    touched = []
+    prefixes = (f"group-{group}-rank-", f".group-{group}-rank-", f".{manifest_file(group)}.")
+    for step, folder in folders:
+        if step >= oldest_kept:
+            break
+        (folder / manifest_file(group)).unlink(missing_ok=True)
+        for f in folder.iterdir():
+            if f.name.startswith(prefixes):
+                f.unlink(missing_ok=True)
+        try:
+            folder.rmdir()
+        except OSError:  # other groups' files are still there
+            pass
+        touched.append(step)
+    return touched
+
+
+@dataclass
+class RankCheckpoint:
+    """One rank's state read from ``path`` (checksum verified, config checked)."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def load_rank(folder: str | Path, cfg: Config, group: int, rank: int) -> RankCheckpoint:
+    """Read and check this rank's file of a step folder: the group's manifest lists it with the
+    same SHA-256, the file matches it, and it was saved by this group and rank of a job with the
+    same math (``math_differences``). CheckpointError naming the file otherwise."""
+    folder = Path(folder)
+    doc = read_manifest(folder, group)
+    if doc is None:
+        raise CheckpointError(f"{folder}: no manifest {manifest_file(group)}: group {group}'s checkpoint of "
+                              "this step is incomplete")
+    path = folder / rank_file(group, rank)
+    expected = doc.get("files", {}).get(path.name)
+    if expected is None:
+        raise CheckpointError(f"{folder / manifest_file(group)} lists no {path.name} (the group had "
+                              f"{doc.get('ranks')} ranks, this job gives it {cfg.topology.sizes()[group]})")
+    if checkpoint.recorded_digest(path) != expected:
+        raise CheckpointError(f"{path}: its checksum differs from the one in {manifest_file(group)}")
+    state = checkpoint.load(path)
+    if state.get("format") != rank_state.FORMAT or state.get("version") != rank_state.VERSION:
+        raise CheckpointError(f"{path}: not a version-{rank_state.VERSION} {rank_state.FORMAT} file")
+    if (state.get("group"), state.get("rank"), state.get("step")) != (group, rank, doc.get("step")):
+        raise CheckpointError(f"{path}: holds group {state.get('group')} rank {state.get('rank')} step "
+                              f"{state.get('step')}, expected group {group} rank {rank} step {doc.get('step')}")
+    try:
+        saved = from_dict(state["config"])
+    except (ConfigError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: bad config: {e}") from e
+    diffs = math_differences(saved, cfg)
+    if diffs:
+        raise CheckpointError(f"{path}: saved by a different job:\n  " + "\n  ".join(diffs))
+    return RankCheckpoint(path, state)
+
+
+class JobCheckpointer:
+    """The worker's checkpoints: when to write one, when to stop, and the writing.
+
+    After inner step ``s`` a checkpoint is written when ``s`` is a multiple of
+    ``checkpoint_every``, when ``s == stop_after``, or when the job agreed to stop (the
+    connection's ``stop_requested``, set on every group at the same step). The worker then stops
+    at ``stop_after``, on an agreed stop, or — after ``request_stop()`` (SIGTERM) — at the next
+    periodic checkpoint. Nothing is written after the last step (``--save`` has the final model).
+    """
+
+    def __init__(self, cfg: Config, *, group: int, rank: int, group_size: int, engine: Any, model: torch.nn.Module,
+                 inner: torch.optim.Optimizer, task: Any, link: Any, device: torch.device | None = None,
+                 start_step: int = 0, initial_eval_loss: float = math.nan) -> None:
+        t = cfg.train
+        if not t.checkpoint_dir:
+            raise ConfigError("--checkpoint-every / --stop-after need --checkpoint-dir (diloco run sets one)")
+        if t.stop_after and t.stop_after <= start_step:
+            raise ConfigError(f"--stop-after {t.stop_after} is not after the checkpoint's step {start_step}")
+        self.cfg, self.root = cfg, Path(t.checkpoint_dir)
+        self.every, self.stop_after, self.keep = t.checkpoint_every, t.stop_after, t.checkpoint_keep
+        self.steps, self.group, self.rank, self.group_size = t.steps, group, rank, group_size
+        self.engine, self.model, self.inner, self.task = engine, model, inner, task
+        self.link, self.device = link, device
+        self.initial_eval_loss = initial_eval_loss
+        self.stop_signalled = False  # set by request_stop (the worker's SIGTERM handler)
+        self.last: Path | None = None  # the newest step folder written
+
+    def request_stop(self) -> None:
+        """Stop at the next step where a checkpoint is written (``checkpoint_every`` or an agreed stop)."""
+        self.stop_signalled = True
+
+    def after_step(self, step: int, *, loss_ema: float | None) -> bool:
+        """Write a checkpoint after ``step`` inner steps if one is due; True if the worker stops now."""
+        if step >= self.steps:
+            return False
+        agreed = bool(getattr(self.link, "stop_requested", False))
+        periodic = bool(self.every) and step % self.every == 0
+        stop = agreed or step == self.stop_after or (self.stop_signalled and periodic)
+        if stop or periodic:
+            self.save(step, loss_ema=loss_ema)
+        return stop
+
+    def save(self, step: int, *, loss_ema: float | None) -> Path:
+        """Write this rank's file and, on rank 0, the group's manifest; prune old steps."""
+        # a barrier across groups first: every group finished writing its previous checkpoint,
+        # so with keep >= 2 the newest complete step always survives pruning
+        rank_state.agree_on_step(self.link, step, tag=f"checkpoint/{step}")
+        state = rank_state.capture(step=step, cfg=self.cfg, engine=self.engine, model=self.model, inner=self.inner,
+                                   task=self.task, loss_ema=loss_ema, initial_eval_loss=self.initial_eval_loss,
+                                   group=self.group, rank=self.rank, device=self.device)
+        write_rank(self.root, step, self.group, self.rank, state)
+        if self.group_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        if self.rank == 0:
+            write_manifest(self.root, step, self.group, self.group_size, self.cfg,
+                           mode=self.engine.mode, param_hash=self.engine.global_hash())
+            prune(self.root, self.group, self.keep)
+        self.last = step_path(self.root, step)
+        return self.last

@@ -1,0 +1,123 @@
+"""``diloco run``'s supervisor: keeps every group's process tree running until the job ends.
+
+A group whose process exits non-zero (or is killed) is started again, up to ``max_restarts``
+times; the new processes join as a new incarnation and heal into the job (docs/fault_tolerance.md).
+A fault drill (``diloco.runtime.chaos.ChaosMonkey``) may kill groups on purpose; those are started again
+when the drill says, and do not count against ``max_restarts``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from diloco.runtime.chaos import ChaosMonkey
+
+
+class GroupProcess(Protocol):
+    group: int
+    proc: Any
+    log_path: Path
+
+    def tail(self, lines: int = 20) -> str: ...
+
+
+class GroupFailed(RuntimeError):
+    """A group failed more often than it may be restarted."""
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every process below ``pid`` (Linux /proc), children first found first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # the process ended while we listed /proc
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL a process and everything below it, at once (as a machine failure would); reaps it."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # already gone
+            pass
+    proc.wait()
+
+
+@dataclass
+class Supervisor:
+    """``spawn(group, attempt)`` starts a group's process tree (attempt 0, 1, ...)."""
+
+    spawn: Callable[[int, int], GroupProcess]
+    groups: int
+    max_restarts: int
+    chaos: ChaosMonkey | None = None
+    procs: dict[int, GroupProcess] = field(default_factory=dict)
+    restarts: dict[int, int] = field(default_factory=dict)  # failures restarted, per group
+    attempts: dict[int, int] = field(default_factory=dict)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)
+    started: float = field(default_factory=time.monotonic)
+
+    def start(self) -> None:
+        for g in range(self.groups):
+            self._spawn(g)
+
+    def _spawn(self, g: int) -> None:
+        self.attempts[g] = self.attempts.get(g, -1) + 1
+        self.procs[g] = self.spawn(g, self.attempts[g])
+
+    def poll(self, *, live: set[int], progress: float, committed: int = 1) -> bool:
+        """Check every group, restart the failed ones, run the drill; True once every group
+        exited 0. Raises GroupFailed when a group is out of restarts, or fails before the job
+        committed its first training exchange (``committed`` 0: a setup error such as groups
+        with different initial weights, which a restart would only repeat)."""
+        down = self.chaos.down if self.chaos is not None else set()
+        for g, p in list(self.procs.items()):
+            code = p.proc.poll()
+            if code is None or g in down:
+                continue
+            if code == 0:
+                self.finished.add(g)
+                continue
+            if g in self.finished:
+                continue
+            if not committed:
+                raise GroupFailed(f"group {g} exited with code {code} before the job's first training exchange "
+                                  f"committed; last lines of {p.log_path}:\n{p.tail()}")
+            if self.restarts.get(g, 0) >= self.max_restarts:
+                raise GroupFailed(f"group {g} exited with code {code} and was restarted {self.max_restarts} "
+                                  f"time(s) already (--max-restarts); last lines of {p.log_path}:\n{p.tail()}")
+            self.restarts[g] = self.restarts.get(g, 0) + 1
+            self.failures.append({"group": g, "code": code, "at_s": round(time.monotonic() - self.started, 3),
+                                  "log": str(p.log_path)})
+            self._spawn(g)
+        if self.chaos is not None:
+            running = {g for g, p in self.procs.items() if p.proc.poll() is None}
+            plan = self.chaos.tick(time.monotonic(), live=live, running=running, progress=progress)
+            for g in plan.kill:
+                kill_tree(self.procs[g].proc)
+                self.kills.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
+            for g in plan.restart:
+                self._spawn(g)
+        return len(self.finished) == self.groups and not down
+
+    def all_procs(self) -> list[GroupProcess]:
+        return list(self.procs.values())

@@ -1,0 +1,368 @@
+"""One rank of one worker group: the training loop run under ``torchrun``.
+
+Inside the group the ranks are an ordinary DDP job (Gloo on CPU, NCCL on GPU). Across groups,
+each rank opens its own data-plane endpoint, joins the coordinator with its address, and the
+DiLoCo engine averages pseudo-gradients through ``StripedAverager`` every H inner steps.
+
+Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (set by torchrun), ``DILOCO_SECRET``
+(hex shared secret of the data plane) and optionally ``DILOCO_TOKEN`` (coordinator token). With
+NCCL, the GPU of each rank: ``DILOCO_DEVICE_MAP`` (set by ``diloco run``) or ``LOCAL_RANK`` +
+``DILOCO_GPU_OFFSET`` (see ``diloco.runtime.device_placement``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from diloco.engine.data_parallel import DataParallelAcrossGroups
+from diloco.engine.diloco import DiLoCo
+from diloco.engine.outer import by_name, co2
+from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, inner_lr
+from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
+from diloco.job.config import Config
+from diloco.job.task import (
+    DEMO_ENTRY,
+    Task,
+    TaskContext,
+    batch_items,
+    build_task,
+    parse_entry_args,
+    to_device,
+)
+from diloco.runtime import checkpoint, device_placement, job_checkpoint, rank_state
+from diloco.runtime.connection import (
+    SECRET_ENV,
+    TOKEN_ENV,
+    GroupConnection,
+    connect,
+    read_secret,
+)
+
+__all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]
+
+
+EXIT_RESTART_TO_HEAL = 75  # the coordinator took this group out; a restart joins again and heals
+
+
+class WorkerError(RuntimeError):
+    """A worker cannot start or continue; the message says why."""
+
+
+def make_schedule(cfg: Config) -> SyncSchedule:
+    """The sync schedule a config asks for, capped at the run's total inner steps."""
+    s = cfg.sync
+    h_max = s.h_max or None
+    if s.schedule == "qsr":
+        return QSRSchedule(
+            h_base=s.h, alpha=s.qsr_alpha_for(cfg.inner.lr), gamma=s.qsr_gamma,
+            warmup_steps=cfg.inner.warmup_steps, total_steps=cfg.train.steps, h_max=h_max,
+        )
+    return FixedSchedule(s.h, total_steps=cfg.train.steps, h_max=h_max)
+
+
+def make_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """Inner optimizer; weight decay on matrices only (not biases, norms)."""
+    i = cfg.inner
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": i.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if i.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=i.lr, betas=(0.9, 0.99))
+    if i.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=i.lr, betas=(0.9, 0.99))
+    if i.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=i.lr, momentum=0.9)
+    raise WorkerError(f"unknown inner optimizer {i.optimizer!r}")
+
+
+def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None):
+    """The engine a config asks for: ``DiLoCo`` in the configured mode, or data parallel.
+    ``fragments(model, P)``: the task's split for ``--fragments`` (default: ``partition``)."""
+    s, o = cfg.sync, cfg.outer
+    if s.mode == "dp":
+        return DataParallelAcrossGroups(model, averager, initial_sync=cfg.train.initial_sync)
+    if s.mode == "co2":
+        penalty = o.co2_penalty if o.co2_penalty == "adaptive" else float(o.co2_penalty)
+        outer = co2(o.co2_lr, o.co2_momentum, o.co2_clip, penalty)
+    else:
+        outer = by_name(o.optimizer, o.outer_lr(s.mode), o.outer_momentum(s.mode))
+    split = None if s.fragments == 1 else (fragments(model, s.fragments) if fragments else s.fragments)
+    return DiLoCo(
+        model, inner, averager=averager, sync_every=make_schedule(cfg), mode=s.mode, fragments=split,
+        overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
+        outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
+        initial_sync=cfg.train.initial_sync,
+    )
+
+
+def _resolve_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise WorkerError("backend nccl was asked for but CUDA is not available")
+    return requested
+
+
+def _device(backend: str, local_rank: int, *, group: int, rank: int) -> torch.device:
+    """This rank's device: the CPU with gloo; with nccl the GPU ``device_placement.rank_cuda_index``
+    picks (checked against the GPUs this process sees, made the current one)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    index = device_placement.rank_cuda_index(local_rank, torch.cuda.device_count(), os.environ,
+                                             group=group, rank=rank)
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _init_group(backend: str, timeout: datetime.timedelta) -> None:
+    """The group's process group. Under torchrun each restart of the workers gets its own key space
+    in the rendezvous store: Gloo would otherwise read the dead workers' addresses and fail."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"diloco/restart-{restart}/", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | None = None) -> dict:
+    """Train this rank; returns this rank's summary (rank 0's carries the eval loss). ``resume``:
+    a job checkpoint (a step folder, or a folder of them) to continue from."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if not 0 <= group < cfg.topology.groups:
+        raise WorkerError(f"--group-id {group} outside [0, {cfg.topology.groups})")
+    if world != cfg.topology.sizes()[group]:
+        raise WorkerError(f"torchrun started {world} ranks but the config gives group {group} {cfg.topology.sizes()[group]}")
+    if (cfg.train.checkpoint_every or cfg.train.stop_after) and not cfg.train.checkpoint_dir:
+        raise WorkerError("--checkpoint-every and --stop-after need --checkpoint-dir (diloco run sets one)")
+    torch.set_num_threads(cfg.topology.threads_per_rank)
+    backend = _resolve_backend(cfg.topology.backend)
+    device = _device(backend, local_rank, group=group, rank=rank)
+    secret = read_secret()
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm_handler = signal.getsignal(signal.SIGTERM) if main_thread else None
+    _init_group(backend, datetime.timedelta(seconds=cfg.transport.timeout_s))
+    link = None
+    try:
+        restored = None
+        if resume is not None:  # read and check the file before joining the job
+            point = job_checkpoint.find(resume, group=group)
+            restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
+        ctx = TaskContext(group=group, num_groups=cfg.topology.groups, rank=rank, group_size=world, device=device,
+                          seed=cfg.train.seed, steps=cfg.train.steps, batch_size=cfg.data.batch_size,
+                          data_path=cfg.data.path, args=parse_entry_args(cfg.train.entry_args), config=cfg)
+        task = build_task(cfg.train.entry or DEMO_ENTRY, ctx)
+        model = task.model.to(device)
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        inner = make_inner_optimizer(cfg, model)
+        link = connect(coordinator, group, secret=secret, settings=cfg.transport, metrics_port=cfg.train.metrics_port,
+                       heartbeat_timeout=cfg.fault.heartbeat_timeout)
+        try:
+            engine = make_engine(cfg, model, inner, link, task.fragments)  # a group joining a running job heals here
+        except JobFinished as e:
+            late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
+            if rank == 0:
+                link.averager.call_coordinator("summary", lambda: link.client.report_summary(group, late))
+            return late
+        if restored is not None:  # every group resumes from the same step, or all refuse
+            rank_state.agree_on_step(link, restored.step, tag=f"resume/{restored.step}")
+        return _train(cfg, group, rank, device, ddp, task, inner, engine, link, restored)
+    finally:
+        if sigterm_handler is not None:
+            signal.signal(signal.SIGTERM, sigterm_handler)
+        if link is not None:
+            link.close()
+        dist.destroy_process_group()
+
+
+def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.Progress:
+    try:
+        return rank_state.restore(restored.state, **objects)
+    except (ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise checkpoint.CheckpointError(f"{restored.path}: cannot be restored here: {e}") from e
+
+
+def _on_sigterm(keeper: job_checkpoint.JobCheckpointer) -> None:
+    """SIGTERM (main thread only): the first asks ``keeper`` to checkpoint and stop at the next
+    step the job agrees on (a periodic checkpoint, or the connection's ``stop_requested``); a
+    second one ends the process at once, as without checkpoints."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame) -> None:
+        if keeper.stop_signalled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        keeper.request_stop()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Module, task: Task,
+           inner: torch.optim.Optimizer, engine, link: GroupConnection,
+           restored: job_checkpoint.RankCheckpoint | None = None) -> dict:
+    c = cfg.inner
+    steps = cfg.train.steps
+    data_parallel = isinstance(engine, DataParallelAcrossGroups)
+    evaluate = functools.partial(_evaluate, ddp.module, task, device)
+    batches = iter(task.train_batches)
+    items_per_batch = task.tokens_per_batch
+    if restored is None:
+        # a group that healed into a running job continues at the job's step, with a fresh data stream
+        start_step, loss_ema = engine.inner_step, None
+        initial_eval = evaluate() if rank == 0 and start_step == 0 else float("nan")
+    else:  # engine, local model, inner optimizer, data position, then the RNG states
+        progress = _restore(restored, engine=engine, model=ddp.module, inner=inner, task=task, batches=batches,
+                            device=device)
+        start_step, loss_ema, initial_eval = progress.step, progress.loss_ema, progress.initial_eval_loss
+    keeper = None
+    if cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir:
+        keeper = job_checkpoint.JobCheckpointer(
+            cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=ddp.module, inner=inner,
+            task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval)
+        _on_sigterm(keeper)  # run_worker puts the old handler back
+    stopped_at = None
+    for t in range(start_step, steps):
+        lr = inner_lr(t, peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
+                      schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
+        for pg in inner.param_groups:
+            pg["lr"] = lr
+        try:
+            batch = to_device(next(batches), device)
+        except StopIteration:
+            raise WorkerError(f"the task's train_batches ran out after {t} of {steps} steps") from None
+        if items_per_batch is None:
+            items_per_batch = batch_items(batch)
+        loss = task.loss(ddp, batch)
+        inner.zero_grad(set_to_none=True)
+        loss.backward()
+        if data_parallel:
+            engine.average_gradients()
+        if c.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), c.grad_clip)
+        inner.step()
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise WorkerError(f"group {group} rank {rank}: inner loss is {value} at step {t + 1}")
+        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
+        # the lr the next round starts with: what QSR reads when it sets H after this sync
+        nxt = inner_lr(min(t + 1, steps - 1), peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
+                       schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
+        for pg in inner.param_groups:
+            pg["lr"] = nxt
+        events = engine.step()
+        if t + 1 == steps:
+            events = engine.close()
+        if (t + 1) % cfg.train.log_every == 0 or t + 1 == steps or events:
+            link.report_progress(loss=loss_ema, step=t + 1, steps=steps, lr=nxt,
+                                 tokens_per_step=(items_per_batch or 0) * link.group_size)
+        if keeper is not None and keeper.after_step(t + 1, loss_ema=loss_ema):
+            stopped_at = t + 1  # checkpoint written: leave the job here, to be resumed
+            break
+    with engine.global_weights():
+        eval_loss = evaluate() if rank == 0 else float("nan")
+    extra = {}
+    if restored is not None:
+        extra.update(resumed_from=str(restored.path.parent), resumed_at_step=start_step)
+    if stopped_at is not None:
+        extra.update(stopped_at_step=stopped_at, job_checkpoint=str(keeper.last))
+    summary = link.summary(
+        engine, eval_loss=eval_loss, initial_eval_loss=initial_eval, final_train_loss=loss_ema,
+        tokens=(stopped_at or steps) * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
+        **extra,
+    )
+    if cfg.train.save and group == 0 and rank == 0 and stopped_at is None:
+        checkpoint.save(cfg.train.save, {
+            "global": engine.global_state_dict(), "config": cfg.to_dict(),
+            "inner_steps": steps, "eval_loss": eval_loss, "param_hash": summary["param_hash"],
+        })
+        summary["checkpoint"] = cfg.train.save
+    return summary
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, task: Task, device: torch.device) -> float:
+    """Mean of ``task.loss`` over ``task.eval_batches`` (NaN when the task has none)."""
+    if not task.eval_batches:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    total = sum(float(task.loss(model, to_device(b, device))) for b in task.eval_batches)
+    model.train(was_training)
+    return total / len(task.eval_batches)
+
+
+def format_worker_line(s: dict) -> str:
+    """One line per rank at the end: what it did (rank 0's carries the group's eval loss)."""
+    loss = s.get("eval_loss", float("nan"))
+    shown = f"eval loss {loss:.4f} (initial {s.get('initial_eval_loss', float('nan')):.4f}), " if math.isfinite(loss) else ""
+    return (f"diloco worker group {s['group']} rank {s['rank']}: {shown}{s['inner_steps']} steps, "
+            f"{s['outer_rounds']} syncs, {s['bytes_sent']:,} B sent by the group, "
+            f"global params {s['param_hash']}, {s['seconds']:.1f} s, utilization {100 * s['utilization']:.1f}%")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process if its parent (the torchrun agent) dies first."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None,
+         resume: str | Path | None = None) -> int:
+    """Entry point of ``diloco worker``; returns the process exit code (0 also when it stopped
+    early with a job checkpoint). Prints this rank's summary line; rank 0 writes the group's
+    summary to ``json_path`` if given. ``resume``: a job checkpoint to continue from."""
+    from diloco.runtime import logs
+    from diloco.runtime import metrics as metrics_mod
+
+    logs.setup(cfg.train.log_format, component="worker", group=group, rank=int(os.environ.get("RANK", "0")))
+    t = cfg.transport
+    metrics_mod.describe_process(codec=t.codec, codec_block=t.codec_block, link=t.link, zstd=t.zstd,
+                                 chunk_bytes=t.chunk_bytes)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_parent()
+    try:
+        summary = run_worker(cfg, group, coordinator, resume)
+    except GroupEvicted as e:  # the job goes on without this group: restart it and it heals
+        print(f"diloco worker (group {group}, rank {os.environ.get('RANK', '?')}): left the job: {e}; "
+              f"exit {EXIT_RESTART_TO_HEAL} (restart to heal)", file=sys.stderr, flush=True)
+        return EXIT_RESTART_TO_HEAL
+    except Exception as e:  # noqa: BLE001 - every failure becomes one clear line and exit code 1
+        rank = os.environ.get("RANK", "?")
+        if os.environ.get("DILOCO_TRACEBACK"):
+            traceback.print_exc()
+        print(f"diloco worker (group {group}, rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    if summary.get("joined_late"):
+        print(f"diloco worker (group {group}, rank {summary['rank']}): {summary['reason']}", flush=True)
+        return 0
+    print(format_worker_line(summary), flush=True)
+    if json_path and summary.get("rank") == 0:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0

@@ -1,0 +1,69 @@
+"""Test scaffolding shared by the diloco tests: simulated groups in threads, a static ring."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def run_in_threads(work: Callable[[int], None], n: int, timeout_s: float = 120.0) -> None:
+    """Run ``work(i)`` for i in 0..n-1 in threads (one per simulated group); re-raise failures."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a simulated group did not finish"
+    assert not errors, errors
+
+
+def build_in_threads(make: Callable[[int], T], n: int, timeout_s: float = 120.0) -> list[T]:
+    """``[make(i) for i in range(n)]`` with each call in its own thread: engines agree on their
+    initial parameters with the other groups while they are built, so they must be built at once."""
+    out: list = [None] * n
+
+    def work(i: int) -> None:
+        out[i] = make(i)
+
+    run_in_threads(work, n, timeout_s)
+    return out
+
+
+class StaticRing:
+    """Membership of single-rank groups, in the shape the averager reads."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.groups = list(range(len(addresses)))
+        self.ring_order = list(self.groups)
+        self._addresses = addresses
+
+    def ranks(self, group: int) -> list[str]:
+        return [self._addresses[group]]
+
+
+def write_small_job(path, *, steps: int, ranks_per_group: int, groups: int = 2):
+    """A job config small enough for multi-process fault tests (1-layer demo GPT, H=10, 5 s
+    collective deadline, 2 s heartbeat timeout), written as JSON to ``path``; returns the Config."""
+    import json
+
+    from diloco.job.config import Config
+
+    cfg = Config()
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.block_size = 1, 32, 2, 32
+    cfg.data.batch_size, cfg.data.eval_batches = 8, 2
+    cfg.train.steps, cfg.sync.h, cfg.train.log_every = steps, 10, 50
+    cfg.topology.groups, cfg.topology.ranks_per_group = groups, ranks_per_group
+    cfg.transport.timeout_s, cfg.transport.probe_bytes = 5.0, 0
+    cfg.fault.heartbeat_timeout = 2.0
+    path.write_text(json.dumps(cfg.validate().to_dict()))
+    return cfg

@@ -1,0 +1,258 @@
+"""Error feedback across groups (sign1, topk): the residual update by hand, what leaves it alone
+(rollbacks, refused contributions), bit-identical groups, and checkpoints that resume exactly."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+from diloco_helpers import StaticRing, build_in_threads, run_in_threads
+
+import compress
+from diloco.engine.averaging import InProcessGroups
+from diloco.engine.diloco import DiLoCo
+from diloco.engine.error_feedback import Residuals
+from diloco.exchange.striped import StripedAverager
+from transport import TcpTransport
+
+SECRET = b"test-secret-0123456789"
+
+
+class _Pending:
+    def __init__(self, mean, sent, rejected=False, error=None):
+        self.mean, self.sent, self.own_rejected, self.error = mean, sent, rejected, error
+
+    def wait(self):
+        if self.error is not None:
+            raise self.error
+        return self.mean
+
+
+class _OneGroup:
+    """A one-group averager through a codec, that says what it sent (as the real ones do)."""
+
+    error_feedback = True
+
+    def __init__(self, codec, **pending_kw):
+        self.codec, self.pending_kw, self.sent_y = codec, pending_kw, []
+
+    def start(self, flat, *, tag, error_feedback=False):
+        assert error_feedback
+        self.sent_y.append(flat.clone())
+        decoded = self.codec.decode(self.codec.encode(flat))
+        return _Pending(decoded, decoded, **self.pending_kw)
+
+
+def test_residual_update_by_hand():
+    codec = compress.get_codec("sign1", block_size=4)
+    res = Residuals(1)
+    avg = _OneGroup(codec)
+    d1 = torch.tensor([1.0, -3.0, 2.0, 0.5])
+    mean = res.start(avg, 0, d1, tag="f0/r0").wait()
+    # one block: scale = mean |y| = 6.5 / 4 = 1.625, every value decodes to ±1.625
+    assert mean.tolist() == [1.625, -1.625, 1.625, 1.625]
+    assert res.residual[0].tolist() == [-0.625, -1.375, 0.375, -1.125]
+    assert d1.tolist() == [1.0, -3.0, 2.0, 0.5], "Δ changed"
+    d2 = torch.zeros(4)
+    mean2 = res.start(avg, 0, d2, tag="f0/r1").wait()
+    assert torch.equal(avg.sent_y[1], torch.tensor([-0.625, -1.375, 0.375, -1.125]))  # y = Δ + e
+    # scale = 3.5 / 4 = 0.875
+    assert mean2.tolist() == [-0.875, -0.875, 0.875, -0.875]
+    assert res.residual[0].tolist() == [0.25, -0.5, -0.5, -0.25]
+    # nothing lost: everything decoded plus the residual is everything sent
+    assert torch.equal(mean + mean2 + res.residual[0], d1 + d2)
+
+
+def test_topk_residual_keeps_what_was_not_sent():
+    codec = compress.get_codec("topk", chunk=4, k=1, value_bits=1)
+    res = Residuals(1)
+    d = torch.tensor([0.5, -4.0, 1.0, 2.0])
+    mean = res.start(_OneGroup(codec), 0, d, tag="f0/r0").wait()
+    assert mean.tolist() == [0.0, -4.0, 0.0, 0.0]
+    assert res.residual[0].tolist() == [0.5, 0.0, 1.0, 2.0]
+
+
+def test_residual_moves_only_when_the_exchange_lands():
+    codec = compress.get_codec("sign1", block_size=4)
+    res = Residuals(1)
+    res.residual[0] = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    d = torch.tensor([1.0, -1.0, 2.0, -2.0])
+    failing = res.start(_OneGroup(codec, error=RuntimeError("rolled back, never committed")), 0, d, tag="t")
+    with pytest.raises(RuntimeError):
+        failing.wait()
+    assert res.residual[0].tolist() == [0.25] * 4
+    refused = res.start(_OneGroup(codec, rejected=True), 0, d, tag="t2")  # the quorum refused our Δ
+    refused.wait()
+    assert refused.own_rejected and res.residual[0].tolist() == [0.25] * 4
+    pending = res.start(_OneGroup(codec), 0, d, tag="t3")
+    assert res.residual[0].tolist() == [0.25] * 4, "launching must not touch the residual"
+    pending.wait()
+    pending.wait()  # a second wait lands nothing again
+    assert not torch.equal(res.residual[0], torch.full((4,), 0.25))
+
+
+def test_a_codec_that_needs_error_feedback_is_refused_without_a_residual():
+    groups = InProcessGroups(1, codec=compress.get_codec("sign1"))
+    with pytest.raises(ValueError, match="error feedback"):
+        groups.member(0).start(torch.ones(4), tag="x")
+    assert groups.member(0).start(torch.ones(4), tag="y", exact=True).wait().tolist() == [1.0] * 4
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="eager"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=groups.member(0), mode="eager")
+
+
+# --- the engine, two groups in threads --------------------------------------------------------------
+
+G = 2
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(group, step):
+    g = torch.Generator().manual_seed(10_000 * group + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def build(averagers, mode, **kw):
+    models = [make_model() for _ in averagers]
+    kw = {"mode": mode, "sync_every": 6, **kw}
+    if mode == "overlap":
+        kw["overlap_steps"] = 1
+    kw.setdefault("fragments", [["0.weight", "0.bias", "4.weight", "4.bias"], ["2.weight", "2.bias"]])
+
+    def make(i):
+        opt = torch.optim.AdamW(models[i].parameters(), lr=1e-2)
+        return DiLoCo(models[i], opt, averager=averagers[i], **kw)
+
+    return build_in_threads(make, len(averagers))
+
+
+def train(engines, start, stop, close=False):
+    losses = [[] for _ in engines]
+
+    def work(i):
+        e = engines[i]
+        for t in range(start, stop):
+            x, y = batch(i, t)
+            e.inner_optimizer.zero_grad()
+            loss = nn.functional.mse_loss(e.model(x), y)
+            loss.backward()
+            losses[i].append(float(loss.detach()))
+            e.inner_optimizer.step()
+            e.step()
+        if close:
+            e.close()
+
+    run_in_threads(work, len(engines))
+    return losses
+
+
+def roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "overlap", "delayed"])
+@pytest.mark.parametrize("codec", ["sign1", "topk"])
+def test_checkpoint_round_trip_resumes_bit_identically(mode, codec):
+    def groups():
+        return InProcessGroups(G, codec=compress.get_codec(codec, **({"chunk": 64, "k": 4} if codec == "topk" else {})))
+
+    steps, cut = 22, 12
+    g1 = groups()
+    straight = build([g1.member(i) for i in range(G)], mode)
+    train(straight, 0, steps, close=True)
+    assert straight[0].global_hash() == straight[1].global_hash()
+
+    g2 = groups()
+    first = build([g2.member(i) for i in range(G)], mode)
+    train(first, 0, cut)
+    saved = {}
+
+    def save(i):
+        e = first[i]
+        saved[i] = roundtrip({"engine": e.state_dict(), "model": e.model.state_dict(),
+                              "inner": e.inner_optimizer.state_dict()})
+
+    run_in_threads(save, G)
+    residuals = [f["residual"] for f in saved[0]["engine"]["fragments"]]
+    assert all(r is not None and r.abs().sum() > 0 for r in residuals), "no residual saved"
+    assert not torch.equal(residuals[0], saved[1]["engine"]["fragments"][0]["residual"]), "residuals are per group"
+    g3 = groups()
+    resumed = build([g3.member(i) for i in range(G)], mode)
+    for i, e in enumerate(resumed):
+        e.load_state_dict(saved[i]["engine"])
+        e.model.load_state_dict(saved[i]["model"])
+        e.inner_optimizer.load_state_dict(saved[i]["inner"])
+    train(resumed, cut, steps, close=True)
+    for a, b in zip(straight, resumed):
+        assert a.global_hash() == b.global_hash()
+        for p, q in zip(a.error_feedback.residual, b.error_feedback.residual):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("name", ["sign1", "topk"])
+def test_nothing_is_lost_over_many_rounds(name):
+    """sum(decoded) + residual == sum(Δ) after any number of rounds (up to fp32 rounding), while
+    without the residual the codec's bias piles up."""
+    codec = compress.get_codec(name, **({"chunk": 256, "k": 8} if name == "topk" else {}))
+    gen = torch.Generator().manual_seed(3)
+    res = Residuals(1)
+    total = torch.zeros(1000, dtype=torch.float64)
+    got = torch.zeros(1000, dtype=torch.float64)
+    plain = torch.zeros(1000, dtype=torch.float64)
+    for r in range(30):
+        d = torch.randn(1000, generator=gen) * torch.linspace(0.01, 1, 1000) + 0.05
+        total += d.double()
+        got += res.start(_OneGroup(codec), 0, d, tag=f"r{r}").wait().double()
+        plain += codec.decode(codec.encode(d)).double()
+    torch.testing.assert_close(got + res.residual[0].double(), total, rtol=0, atol=1e-4)
+    assert float((got - total).norm()) < 0.5 * float((plain - total).norm())
+
+
+def test_striped_averager_over_real_links_keeps_groups_identical():
+    """Two groups over TCP, several stripes per rank, sign1: the gather path end to end."""
+    codec = compress.get_codec("sign1")
+    ts = [TcpTransport("127.0.0.1", 0, secret=SECRET, timeout_s=20, chunk_bytes=4096) for _ in range(G)]
+    try:
+        ring = StaticRing([t.address for t in ts])
+        avgs = [StripedAverager(t, ring, group=g, rank=0, codec=codec, stripes_per_rank=3, timeout_s=20)
+                for g, t in enumerate(ts)]
+        assert all(a.error_feedback for a in avgs)
+        with pytest.raises(ValueError, match="error feedback"):
+            avgs[0].start(torch.ones(10), tag="no-residual")
+        engines = build(avgs, "blocking", fragments=None)
+        losses = train(engines, 0, 24, close=True)
+        assert engines[0].global_hash() == engines[1].global_hash()
+        assert all(e.error_feedback.residual[0] is not None for e in engines)
+        assert not torch.equal(engines[0].error_feedback.residual[0], engines[1].error_feedback.residual[0])
+        assert all(torch.isfinite(torch.tensor(ls)).all() for ls in losses)
+    finally:
+        for t in ts:
+            t.close(flush_timeout_s=1.0)
+
+
+def test_config_takes_sign1_and_topk_and_refuses_the_modes_that_keep_no_residual():
+    from diloco.job.config import Config, ConfigError, make_codec
+
+    cfg = Config()
+    cfg.transport.codec = "sign1"
+    assert make_codec(cfg.validate().transport).name == "sign1"
+    cfg.transport.codec, cfg.transport.codec_block, cfg.transport.topk_density = "topk", 1024, 0.015
+    codec = make_codec(cfg.validate().transport)
+    assert (codec.name, codec.chunk, codec.k) == ("topk", 1024, 15)
+    for mode in ("eager", "dp"):
+        cfg.sync.mode = mode
+        with pytest.raises(ConfigError, match=f"needs error feedback, which --mode {mode}"):
+            cfg.validate()
+    cfg = Config()
+    cfg.transport.codec, cfg.transport.topk_density = "int8", 0.1
+    with pytest.raises(ConfigError, match="--topk-density applies to --codec topk only"):
+        cfg.validate()

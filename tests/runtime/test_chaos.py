@@ -1,0 +1,57 @@
+"""The fault drill's decisions (pure): spacing, who may be killed, restarts, the end of the drill."""
+
+from diloco.runtime.chaos import ChaosMonkey
+
+
+def drive(monkey: ChaosMonkey, seconds: float, groups: int = 3, progress=lambda t: 0.0):
+    running, kills, restarts = set(range(groups)), [], []
+    t = 0.0
+    while t < seconds:
+        plan = monkey.tick(t, live=set(running), running=set(running), progress=progress(t))
+        for g in plan.kill:
+            assert g in running
+            running.discard(g)
+            kills.append((t, g))
+        for g in plan.restart:
+            assert g not in running
+            running.add(g)
+            restarts.append((t, g))
+        assert running, "the drill must always leave one live group"
+        t += 0.05
+    return kills, restarts
+
+
+def test_kills_are_spaced_restarted_and_reproducible():
+    kills, restarts = drive(ChaosMonkey(5, seed=3, gap_s=(1.0, 2.0), pause_s=(0.2, 0.5)), 30)
+    assert len(kills) == 5
+    times = [t for t, _ in kills]
+    assert all(b - a >= 1.0 - 1e-9 for a, b in zip(times, times[1:]))
+    assert len(restarts) == 5
+    again, _ = drive(ChaosMonkey(5, seed=3, gap_s=(1.0, 2.0), pause_s=(0.2, 0.5)), 30)
+    assert again == kills
+
+
+def test_never_kills_the_last_live_group_nor_after_the_stop_fraction():
+    kills, _ = drive(ChaosMonkey(50, seed=1, gap_s=(0.0, 0.1), pause_s=(5.0, 5.0)), 3, groups=2)
+    assert len(kills) == 1  # the other group is down for 5 s: the survivor is never killed
+    kills, _ = drive(ChaosMonkey(50, seed=1, gap_s=(0.5, 0.5)), 20, progress=lambda t: t / 10)
+    assert kills and max(t for t, _ in kills) < 8.0 + 1e-9  # stop_fraction 0.8 of a job done at t=10
+
+
+def test_a_stale_live_set_never_lets_the_drill_kill_the_last_healthy_group():
+    """The coordinator still counts a killed group live until it notices: the drill must wait
+    until it saw the group drop out and heal back before it counts it healthy again."""
+    monkey = ChaosMonkey(10, seed=5, gap_s=(0.0, 0.0), pause_s=(0.1, 0.1))
+    stale_live = {0, 1, 2}
+    killed = []
+    for i in range(200):
+        plan = monkey.tick(i * 0.05, live=stale_live, running={0, 1, 2}, progress=0.0)
+        killed += plan.kill
+    # the live set never changed, so no victim ever "came back": two kills, the last healthy group spared
+    assert len(killed) == 2 and len(set(killed)) == 2
+    spared = ({0, 1, 2} - set(killed)).pop()
+    first = killed[0]
+    killed += monkey.tick(20.0, live={spared}, running={0, 1, 2}, progress=0.0).kill  # both noticed
+    assert len(killed) == 2
+    killed += monkey.tick(20.1, live={spared, first}, running={0, 1, 2}, progress=0.0).kill  # one healed back
+    assert len(killed) == 3 and killed[2] in {spared, first}
