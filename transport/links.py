@@ -31,6 +31,7 @@ from .errors import PeerAuthError, PeerDisconnected, TransportError, WireError
 from .guard import (DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
                     AdmissionGuard, Ticket)
 from .identity import Credentials, as_credentials
+from .probe import PROBE_MIN_TRANSFER_S, PROBE_PAIRS, ProbeError, probe_rate
 from .ratelog import RateLimitedLog
 from .shaping import TokenBucket
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
@@ -189,17 +190,35 @@ class LinkEndpoint:
     def probe(self, peer: str, nbytes: int = 8 << 20, timeout_s: float | None = None) -> float:
         """Measured bandwidth to peer in bytes/s: time of an nbytes message minus that of a tiny one.
 
-        Both are timed from send to the peer's acknowledgement, so the round trip cancels out.
-        Probe one peer at a time: probes running at once share this host's link.
+        Both are timed from send to the peer's acknowledgement, so the round trip cancels out; a
+        warm-up round trip first (a dial or redial), then ``PROBE_PAIRS`` pairs of (tiny, big), and
+        `transport.probe.probe_rate` takes the median of their differences. When that is shorter
+        than ``PROBE_MIN_TRANSFER_S`` (a fast link, or timings swamped by noise) the probe is
+        repeated with 4x the bytes, up to 16x nbytes (within max_message_bytes); raises ProbeError
+        if it is still too short to time, or the rate is above any link's, rather than report an
+        impossible rate. Probe one peer at a time: probes running at once share this host's link.
         """
         if nbytes < 1 or nbytes + 4096 > self.max_message_bytes:
             raise ValueError(f"nbytes must be in [1, max_message_bytes - 4096], got {nbytes}")
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         link = self._get_link(peer, deadline)
-        self._probe_roundtrip(link, 1, deadline)  # warm-up
-        small = min(self._probe_roundtrip(link, 1, deadline) for _ in range(2))
-        big = self._probe_roundtrip(link, nbytes, deadline)
-        return nbytes / max(big - small, 1e-9)
+        most = max(nbytes, min(16 * nbytes, self.max_message_bytes - 4096))
+        size = nbytes
+        while True:
+            self._probe_roundtrip(link, 1, deadline)  # warm-up
+            pairs = [(self._probe_roundtrip(link, 1, deadline), self._probe_roundtrip(link, size, deadline))
+                     for _ in range(PROBE_PAIRS)]
+            try:
+                rate = probe_rate(size, pairs)
+            except ProbeError as e:
+                raise ProbeError(f"probe to {peer}: {e}") from None
+            if rate is not None:
+                return rate
+            if size >= most:
+                shown = ", ".join(f"{s * 1e6:.0f}/{b * 1e6:.0f}" for s, b in pairs)
+                raise ProbeError(f"probe to {peer}: {size} B took no measurable time over a tiny message "
+                                 f"(us tiny/big: {shown}; under {PROBE_MIN_TRANSFER_S * 1e6:.0f} us): no rate")
+            size = min(4 * size, most)
 
     def _probe_roundtrip(self, link: Link, nbytes: int, deadline: float) -> float:
         with self._lock:

@@ -67,3 +67,43 @@ def test_probe_measures_a_shaped_link(backend: str) -> None:
         measured = slow.probe(fast.address, nbytes=1 << 20)
         assert 0.4 * rate < measured < 1.5 * rate  # a loaded machine only makes it look slower
         assert fast.probe(slow.address, nbytes=1 << 20) > 3 * rate  # the reverse path is not shaped
+
+
+def test_probe_rate_takes_the_median_transfer_and_refuses_what_it_cannot_time() -> None:
+    from transport.probe import PROBE_MAX_RATE, PROBE_MIN_TRANSFER_S, ProbeError, probe_rate
+
+    n = 1 << 20
+    # one pair spoiled by a slow tiny round trip (a redial): the median ignores it
+    assert probe_rate(n, [(1e-3, 11e-3), (0.5, 11e-3), (1e-3, 11e-3)]) == pytest.approx(n / 10e-3)
+    # the big message came back before the tiny one (the 5.24e14 B/s of issue 29): no rate
+    assert probe_rate(n, [(5e-3, 4e-3)] * 3) is None
+    assert probe_rate(n, [(1e-3, 1e-3 + PROBE_MIN_TRANSFER_S / 2)] * 3) is None
+    with pytest.raises(ProbeError, match="above any link"):
+        probe_rate(int(PROBE_MAX_RATE), [(0.0, 0.5)])
+    for bad in ([], [(float("nan"), 1.0)], [(-1.0, 1.0)]):
+        with pytest.raises(ValueError):
+            probe_rate(n, bad)
+
+
+def test_probe_never_reports_an_impossible_rate_from_bad_timings(monkeypatch) -> None:
+    """Scripted round trips on a real link: a tiny message slower than the big one (as after a
+    coordinator restart) gives no 1e14 B/s; the probe retries with more bytes, then refuses."""
+    from transport.probe import ProbeError
+
+    with transports(g=2) as (a, b):
+        sizes = []
+
+        def backwards(link, nbytes, deadline):
+            sizes.append(nbytes)
+            return 5e-3 if nbytes == 1 else 4e-3
+
+        monkeypatch.setattr(a, "_probe_roundtrip", backwards)
+        with pytest.raises(ProbeError, match="no measurable time"):
+            a.probe(b.address, nbytes=1 << 19)
+        assert sorted({s for s in sizes if s > 1}) == [1 << 19, 1 << 21, 1 << 23], "4x the bytes, up to 16x"
+
+        def fast_then_measurable(link, nbytes, deadline):  # too fast to time at 512 KiB, not at 2 MiB
+            return 1e-3 if nbytes == 1 else 1e-3 + (5e-5 if nbytes < 1 << 21 else 1e-3)
+
+        monkeypatch.setattr(a, "_probe_roundtrip", fast_then_measurable)
+        assert a.probe(b.address, nbytes=1 << 19) == pytest.approx((1 << 21) / 1e-3)
