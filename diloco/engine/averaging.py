@@ -30,7 +30,12 @@ class Averager(Protocol):
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
         """Launch the mean of ``flat`` over all groups; ``tag`` names this exchange uniquely.
-        ``exact``: send fp32 whatever the configured codec (for control exchanges)."""
+        ``exact``: send fp32 whatever the configured codec (for control exchanges).
+
+        Averagers that say ``exchanges_shards = True`` also take ``shards=`` (a
+        ``diloco.engine.shard_layout.ShardLayout``): ``flat`` is then this rank's shard of a
+        sharded model's fragment, laid out so, and the mean is of that shard, exchanged with the
+        ranks of the other groups that hold the same elements."""
         ...
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
@@ -49,13 +54,14 @@ class Done:
 
 
 class SingleGroup:
-    """One group: the mean is the input itself (copied)."""
+    """One group: the mean is the input itself (copied). Works for a sharded model as well."""
 
     num_groups = 1
     group_index = 0
     bytes_sent = 0
+    exchanges_shards = True  # each rank's mean of its shard is its shard
 
-    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, shards: object = None) -> PendingMean:
         return Done(flat.detach().clone())
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:

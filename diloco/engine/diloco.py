@@ -31,6 +31,11 @@ fp32 (a descent direction, like a gradient):
 At construction every group's initial parameters are made equal (``initial_sync="copy"``: group
 0's are copied over the data plane) or verified equal by hash (``"check"``, the default: a
 mismatch raises ``InitialParamsMismatch`` on every group).
+
+A model sharded inside the group with FSDP2 (``fully_shard``: its parameters are DTensors) works
+the same way on each rank's shard (``diloco.engine.sharded``): the global copy, the outer state
+and every pseudo-gradient cover only what the rank holds, and each rank exchanges its shard with
+the ranks of the other groups that hold the same elements (the averager's ``shards=``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from diloco.engine.modes import MODES, InitialSync, Mode
 from diloco.engine.outer import OuterOptimizerFactory, by_mode
 from diloco.engine.outer_state import OuterFragment, global_weights_loaded, params_hash
 from diloco.engine.schedule import FixedSchedule, SyncSchedule
+from diloco.engine.sharded import ShardedState
 
 STATE_VERSION = 1
 
@@ -151,12 +157,18 @@ class DiLoCo:
             OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer or by_mode(mode), device=device)
             for f in groups
         ]
+        #: a model sharded in the group (FSDP2): per-fragment layouts and the group's collectives
+        self.sharded = ShardedState.of(self.fragments, averager)
         attach = getattr(averager, "attach", None)  # fault-tolerant averagers: a late group heals instead
         healing = bool(attach(self)) if attach is not None else False
         if not healing:
-            agree(averager, self.global_params, initial_sync)
+            if self.sharded is not None:
+                self.sharded.agree(averager, self.global_params, initial_sync)
+            else:
+                agree(averager, self.global_params, initial_sync)
         for frag in self.fragments:
             frag.merge_into_model(0.0)
+        self._changed()
         self.inner_step = 0
         self.next_sync = first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))
         if self.overlap_steps and self.overlap_steps >= min(self.next_sync):
@@ -247,13 +259,15 @@ class DiLoCo:
             mean = self._wait(p, flight)
             if self.mode in ("delayed", "co2"):  # eager already used its own share of it
                 self.fragments[p].outer_step(mean)
-                events.append(self._event(p, flight.round, "commit", delta_norm=float(mean.norm())))
+                events.append(self._event(p, flight.round, "commit", delta_norm=self._norm(mean)))
         if self.mode == "eager":
             for p, frag in enumerate(self.fragments):
-                frag.load_flat_global(self.averager.start(frag.flat_global(), tag=f"f{p}/final", exact=True).wait())
+                frag.load_flat_global(self.averager.start(frag.flat_global(), tag=f"f{p}/final", exact=True,
+                                                          **self._shards(p)).wait())
         for frag in self.fragments:
             frag.merge_into_model(0.0)
         self.finished = True
+        self._changed()
         return self._done(events, t0)
 
     finish = close
@@ -279,6 +293,20 @@ class DiLoCo:
 
     def _event(self, p: int, round: int, kind: str, **extra: Any) -> SyncEvent:
         return SyncEvent(p, round, kind, self.inner_step, self.fragments[p].numel, **extra)  # type: ignore[arg-type]
+
+    def _shards(self, p: int) -> dict[str, Any]:
+        """The averager's ``shards=`` argument for fragment p: its layout when sharded, else none."""
+        return {} if self.sharded is None else {"shards": self.sharded.layouts[p]}
+
+    def _norm(self, flat: torch.Tensor) -> float:
+        """L2 norm of a fragment's vector: of the whole fragment (every rank's shard) when sharded."""
+        return float(flat.norm()) if self.sharded is None else self.sharded.norm(flat)
+
+    def _changed(self) -> None:
+        """The global parameters changed: a sharded engine hashes them now (a collective of the
+        group, at the same point on every rank), so ``global_hash()`` never needs one."""
+        if self.sharded is not None:
+            self.sharded.rehash(self.fragments)
 
     def _delta(self, p: int) -> torch.Tensor:
         delta = self.fragments[p].pseudo_gradient()
@@ -311,6 +339,7 @@ class DiLoCo:
     def _launch(self, p: int, delta: torch.Tensor) -> SyncEvent:
         r = self.rounds[p]
         extra = {"weight": float(self.inner_step - self._launched_at[p])} if self._weighted else {}
+        extra.update(self._shards(p))
         if self.error_feedback is not None:  # sends Δ + residual; the residual moves when it lands
             return self._launched(p, self.error_feedback.start(self.averager, p, delta, tag=f"f{p}/r{r}", **extra))
         pending = self.averager.start(delta, tag=f"f{p}/r{r}", **extra)
@@ -361,8 +390,9 @@ class DiLoCo:
             update = self._wait(p, flight)
         if update is not None:
             frag.outer_step(update)
+            self._changed()
         frag.merge_into_model(self.merge_alpha)
-        norm = None if update is None else float(update.norm())
+        norm = None if update is None else self._norm(update)
         events.append(self._event(p, self.rounds[p], "commit", delta_norm=norm))
         return events, delta
 
@@ -395,10 +425,11 @@ class DiLoCo:
         frag = self.fragments[p]
         mean = self._wait(p, flight)
         frag.outer_step(mean)
+        self._changed()
         frag.merge_into_model(self.merge_alpha)
         if getattr(flight.pending, "own_rejected", False):
             self._reset_local(p)
-        return self._event(p, flight.round, "commit", delta_norm=float(mean.norm()))
+        return self._event(p, flight.round, "commit", delta_norm=self._norm(mean))
 
     def _period(self) -> int:
         """H of the round starting now; 0 once the schedule's total steps are done."""
@@ -416,6 +447,7 @@ class DiLoCo:
 
     @property
     def local_params(self) -> list[torch.Tensor]:
+        """The model's trainable parameters, in fragment order (DTensors when sharded)."""
         return [p for f in self.fragments for p in f.local_params]
 
     @property
@@ -424,8 +456,13 @@ class DiLoCo:
 
     @property
     def numel(self) -> int:
-        """Trainable parameters (elements) the engine syncs."""
+        """Trainable parameters (elements) the engine syncs (of the whole model when sharded)."""
         return sum(f.numel for f in self.fragments)
+
+    @property
+    def local_numel(self) -> int:
+        """Elements this rank's global copy holds (``numel`` unless sharded)."""
+        return sum(f.local_numel for f in self.fragments)
 
     @property
     def round(self) -> int:
@@ -433,23 +470,32 @@ class DiLoCo:
         return sum(self.rounds)
 
     def pseudo_gradient(self) -> torch.Tensor:
-        """Flat fp32 ``θ_global − θ_local`` of every fragment, on the global copy's device."""
+        """Flat fp32 ``θ_global − θ_local`` of every fragment, on the global copy's device (this
+        rank's shards, concatenated, when sharded)."""
         return torch.cat([f.pseudo_gradient() for f in self.fragments])
 
     def global_hash(self) -> str:
-        """`params_hash` of the global parameters, in fragment order (16 hex chars)."""
+        """`params_hash` of the global parameters, in fragment order (16 hex chars). Sharded: of
+        the whole model (every rank's shard), the same number as unsharded for the same values;
+        computed collectively whenever they change, so calling it needs no collective."""
+        if self.sharded is not None:
+            return self.sharded.hash
         return params_hash(self.global_params)
 
     def fragment_hash(self, p: int) -> str:
+        """`params_hash` of fragment p's global parameters (this rank's shard when sharded)."""
         return params_hash(self.fragments[p].global_params)
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """The global (outer) parameters by name, fp32: what is evaluated and saved."""
+        """The global (outer) parameters by name, fp32: what is evaluated and saved (sharded:
+        DTensors laid out like the model's parameters)."""
+        if self.sharded is not None:
+            return self.sharded.global_state_dict(self.fragments)
         return {n: g.detach().clone() for f in self.fragments for n, g in zip(f.names, f.global_params)}
 
     def global_weights(self) -> contextlib.AbstractContextManager[nn.Module]:
         """Temporarily load the global parameters into the model (e.g. for eval)."""
-        return global_weights_loaded(self.model, self.global_params, self.local_params)
+        return global_weights_loaded(self.model, self.global_params, [v for f in self.fragments for v in f.local_views()])
 
     # --- checkpoints ----------------------------------------------------------------------------
 
@@ -499,10 +545,11 @@ class DiLoCo:
             own = saved["own_previous"]
             self._own_previous[p] = None if own is None else own.to(frag.global_params[0].device)
             if self.error_feedback is not None:  # absent (None) in states saved without error feedback
-                self.error_feedback.load(p, saved.get("residual"), frag.numel, frag.global_params[0].device)
+                self.error_feedback.load(p, saved.get("residual"), frag.local_numel, frag.global_params[0].device)
             frag.merge_into_model(0.0)
         self.inner_step = int(state["inner_step"])
         self.finished = bool(state["finished"])
+        self._changed()
 
 
 SyncResult = SyncEvent  # the name of one release ago

@@ -21,6 +21,7 @@ import torch
 from diloco.engine.averaging import Averager
 from diloco.engine.modes import INITIAL_SYNCS, InitialSync
 from diloco.engine.outer_state import params_digest
+from diloco.engine.shard_layout import ShardLayout
 
 
 class InitialParamsMismatch(RuntimeError):
@@ -47,8 +48,11 @@ def check_same(averager: Averager, params: Sequence[torch.Tensor], *, tag: str =
 
 
 @torch.no_grad()
-def copy_from_first(averager: Averager, params: Sequence[torch.Tensor], *, tag: str = "init/copy") -> None:
-    """Overwrite ``params`` (fp32) on every group with group 0's values, bit for bit."""
+def copy_from_first(averager: Averager, params: Sequence[torch.Tensor], *, tag: str = "init/copy",
+                    shards: ShardLayout | None = None) -> None:
+    """Overwrite ``params`` (fp32) on every group with group 0's values, bit for bit.
+    ``shards``: ``params`` are this rank's shards of a sharded model laid out so; each rank then
+    exchanges its shard with the ranks of the other groups that hold the same elements."""
     if any(p.dtype != torch.float32 for p in params):
         raise ValueError("copy_from_first needs fp32 tensors (the engine's global copy)")
     flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -56,7 +60,12 @@ def copy_from_first(averager: Averager, params: Sequence[torch.Tensor], *, tag: 
     halves = torch.cat([bits >> 16, bits & 0xFFFF]).to(torch.float32)
     if getattr(averager, "group_index", 0) != 0:
         halves.zero_()
-    got = torch.round(_mean(averager, halves, tag) * averager.num_groups).to(torch.int64)
+    if shards is None:
+        mean = _mean(averager, halves, tag)
+    else:  # the high halves then the low ones: the layout of the fragment twice over
+        twice = ShardLayout(shards.shapes * 2, shards.size, shards.rank)
+        mean = averager.start(halves, tag=tag, exact=True, shards=twice).wait().to(halves.device)
+    got = torch.round(mean * averager.num_groups).to(torch.int64)
     n = flat.numel()
     word = (got[:n] << 16) | got[n:]
     word = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)

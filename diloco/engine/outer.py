@@ -55,6 +55,7 @@ lowered lr at 500M and +12.7 % without.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -153,6 +154,14 @@ class CO2Outer(torch.optim.Optimizer):
         if clip < 0:
             raise ValueError(f"clip must be >= 0, got {clip}")
         super().__init__(params, dict(lr=lr, momentum=momentum, clip=clip, penalty=penalty, eps=eps))
+        #: None: the norms are of these tensors (torch's vector_norm). Else Σx² over a list of
+        #: tensors (fp64): a sharded engine sets it to an exactly rounded sum over every rank's shard
+        self.sum_squares: Callable[[list[torch.Tensor]], float] | None = None
+
+    def _norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.sum_squares is None:
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+        return torch.tensor(math.sqrt(self.sum_squares(tensors)), dtype=torch.float32, device=tensors[0].device)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - documented on the class
@@ -162,11 +171,11 @@ class CO2Outer(torch.optim.Optimizer):
                 continue
             bufs = [self.state[p].get("momentum_buffer") for p in params]
             if group["penalty"] == "adaptive":
-                g_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+                g_norm = self._norm([p.grad for p in params])
                 if any(b is None for b in bufs):
                     gap = torch.zeros((), device=g_norm.device)
                 else:
-                    gap = group["lr"] * torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b) for b in bufs]))
+                    gap = group["lr"] * self._norm(bufs)
                 lam = 1.0 + gap / (g_norm + group["eps"])
             else:
                 lam = torch.tensor(float(group["penalty"]))

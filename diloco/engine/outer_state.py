@@ -15,10 +15,15 @@ import xxhash
 
 from compress.fingerprint import fingerprint
 from diloco.engine.outer import OuterOptimizerFactory, nesterov
+from diloco.engine.shard_layout import local_view
 
 
 class OuterFragment:
     """Global fp32 copy of ``local_params`` plus an outer optimizer over it.
+
+    When the parameters are DTensors (a model sharded with FSDP2), the global copy, the outer
+    optimizer's state and every flat vector (pseudo-gradient, mean) cover only the part this rank
+    holds (``local_views()``, concatenated in order: ``diloco.engine.shard_layout``).
 
     With the local parameters on a GPU and the global copy on the host (``--outer-device cpu``),
     the global copy lives in page-locked memory: the pseudo-gradient's device-to-host copies are
@@ -38,16 +43,19 @@ class OuterFragment:
         if not local_params:
             raise ValueError("a fragment needs at least one parameter")
         self.names = list(names)
-        self.local_params = list(local_params)
-        dev = device if device is not None else self.local_params[0].device
+        self.local_params = list(local_params)  # the model's parameters (DTensors when sharded)
+        views = self.local_views()
+        dev = device if device is not None else views[0].device
         #: local parameters on a CUDA device, global copy on the host: page-locked, copies queued
-        self.staged = dev.type == "cpu" and any(p.is_cuda for p in self.local_params)
+        self.staged = dev.type == "cpu" and any(p.is_cuda for p in views)
         self.global_params = [
             torch.empty(p.shape, dtype=torch.float32, device=dev, pin_memory=self.staged).copy_(p.detach())
-            for p in self.local_params
+            for p in views
         ]
         self.optimizer = (outer_optimizer or nesterov())(self.global_params)
-        self.numel = sum(p.numel() for p in self.global_params)
+        #: elements of the whole fragment; ``local_numel``: those this rank holds (the same unless sharded)
+        self.numel = sum(p.numel() for p in self.local_params)
+        self.local_numel = sum(p.numel() for p in self.global_params)
         self._staging: torch.Tensor | None = None  # page-locked landing buffer of the local values
         self._copies_to_device: list[torch.cuda.Event] = []  # the merge's queued copies
 
@@ -59,15 +67,20 @@ class OuterFragment:
         return torch.cat(
             [
                 (g - p.detach().to(device=g.device, dtype=torch.float32)).reshape(-1)
-                for g, p in zip(self.global_params, self.local_params)
+                for g, p in zip(self.global_params, self.local_views())
             ]
         )
 
+    def local_views(self) -> list[torch.Tensor]:
+        """The parts of the parameters this rank holds, sharing their storage (the parameters
+        themselves unless they are DTensors)."""
+        return [local_view(p) for p in self.local_params]
+
     def _staged_pseudo_gradient(self) -> torch.Tensor:
         if self._staging is None:
-            self._staging = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
+            self._staging = torch.empty(self.local_numel, dtype=torch.float32, pin_memory=True)
         offset = 0
-        for p in self.local_params:
+        for p in self.local_views():
             self._staging[offset:offset + p.numel()].view_as(p).copy_(p.detach(), non_blocking=True)
             offset += p.numel()
         for d in self._devices():
@@ -75,7 +88,7 @@ class OuterFragment:
         return self.flat_global().sub_(self._staging)
 
     def _devices(self) -> set[torch.device]:
-        return {p.device for p in self.local_params}
+        return {p.device for p in self.local_views()}
 
     def _settle(self) -> None:
         """Wait for the merge's queued copies before the global copy is written again."""
@@ -86,8 +99,8 @@ class OuterFragment:
     @torch.no_grad()
     def outer_step(self, mean_delta: torch.Tensor) -> None:
         """Use ``mean_delta`` (flat fp32) as the gradient of the global copy and step."""
-        if mean_delta.numel() != self.numel:
-            raise ValueError(f"pseudo-gradient has {mean_delta.numel()} values, fragment {self.numel}")
+        if mean_delta.numel() != self.local_numel:
+            raise ValueError(f"pseudo-gradient has {mean_delta.numel()} values, fragment {self.local_numel}")
         self._settle()
         mean_delta = mean_delta.to(self.global_params[0].device)
         offset = 0
@@ -101,7 +114,7 @@ class OuterFragment:
     @torch.no_grad()
     def merge_into_model(self, alpha: float) -> None:
         """``θ_local ← α·θ_local + (1−α)·θ_global`` (α = 0 copies the global value exactly)."""
-        for g, p in zip(self.global_params, self.local_params):
+        for g, p in zip(self.global_params, self.local_views()):
             if alpha == 0.0:
                 p.copy_(g, non_blocking=self.staged)
             else:

@@ -5,7 +5,9 @@ their engine's ``state_dict()`` to the healer ranks mapped to them (healer rank 
 donor rank h mod donor size) over the data plane: a two-member ring on the same authenticated
 links, the state packed by ``diloco.exchange.state_blob`` (no pickle). The donor announces the blob's
 size and SHA-256 through the coordinator; the healer checks both, then checks the state's
-global-parameter hash against the quorum's agreed one. The exchange around it (joining the
+global-parameter hash against the quorum's agreed one (a sharded group: every rank fetches its
+own shard from the donor rank that holds it, and the ranks check the hash of the shards together,
+``diloco.exchange.shard_healing``). The exchange around it (joining the
 quorum at weight 0, voting, loading, rolling back) is ``diloco.exchange.quorum_averager``'s.
 """
 
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 
 #: calls the coordinator with the averager's patience: ``retry(what, call)`` returns ``call()``
 Retry = Callable[[str, Callable[[], Any]], Any]
+#: a sharded healer's check of the state its ranks fetched (None: this rank's fetch failed):
+#: (ok, why), the same on every rank (``diloco.exchange.shard_healing``)
+SharedCheck = Callable[[Any], tuple[bool, str]]
 
 
 class StateTransfer:
@@ -76,35 +81,46 @@ class StateTransfer:
         except (CollectiveAborted, TransportError) as e:
             log.warning("serving state to group %d rank %d in %s failed: %s", healer, h_rank, quorum_id, e)
 
-    def fetch(self, resp: QuorumResponse, report: Callable[[bool, str], None]) -> dict[str, Any] | None:
+    def fetch(self, resp: QuorumResponse, report: Callable[[bool, str], None],
+              sharded: SharedCheck | None = None) -> dict[str, Any] | None:
         """As a healer rank: fetch and check the donor's state; ``report(ok, why)`` tells whether
         it did (this rank's vote). Returns the state, or None if anything failed (the vote then
-        rolls back)."""
+        rolls back). ``sharded``: the state is this rank's shard of a sharded model; the global
+        hash is then checked by ``sharded(state or None)``, a collective of the healer's ranks
+        that every rank calls once, whether its own fetch worked or not."""
+        why = ""
+        state = None
         try:
-            offer = self.retry("state offer", lambda: self.client.wait_offer(
-                OfferQuery(resp.id, self.group, self.rank), timeout_s=self.timeout_s))
-            donor = resp.members[offer.donor_group][offer.donor_rank]
-            zeros = torch.zeros(state_blob.num_values(offer.nbytes), dtype=torch.float32)
-            me = resp.members[self.group][self.rank]
-            values = self.transport.all_reduce(zeros, [donor, me], 1, tag=f"heal/{resp.id}/{self.group}/{self.rank}",
-                                               timeout_s=self.timeout_s,
-                                               groups=[offer.donor_group, self.group]).wait(self.timeout_s)
-            blob = state_blob.from_values(values, offer.nbytes)
-            if hashlib.sha256(blob).hexdigest() != offer.digest:
-                raise state_blob.StateFormatError("the state's SHA-256 differs from the donor's offer")
-            state = state_blob.unpack(blob)
-            got = params_hash([t for f in state["fragments"] for t in f["global"].values()])
-            if resp.state_hash and got != resp.state_hash:
-                raise state_blob.StateFormatError(f"the state's global hash {got} is not the quorum's {resp.state_hash}")
-            report(True, "")
-            return state
+            state = self._fetch(resp, check_hash=sharded is None)
         except (CoordinatorError, CollectiveAborted, TransportError, state_blob.StateFormatError, KeyError,
-                TypeError) as e:
-            report(False, f"healing fetch failed: {e}"[:400])
-            return None
+                TypeError, ValueError) as e:
+            why = f"healing fetch failed: {e}"
         except BaseException as e:  # the vote must still happen (no), then the error goes on
             report(False, f"healing fetch failed: {type(e).__name__}: {e}"[:400])
             raise
+        if sharded is not None:
+            ok, whose = sharded(None if why else state)
+            why = why or ("" if ok else f"healing fetch failed: {whose}")
+        report(not why, why[:400])
+        return None if why else state
+
+    def _fetch(self, resp: QuorumResponse, *, check_hash: bool) -> dict[str, Any]:
+        offer = self.retry("state offer", lambda: self.client.wait_offer(
+            OfferQuery(resp.id, self.group, self.rank), timeout_s=self.timeout_s))
+        donor = resp.members[offer.donor_group][offer.donor_rank]
+        zeros = torch.zeros(state_blob.num_values(offer.nbytes), dtype=torch.float32)
+        me = resp.members[self.group][self.rank]
+        values = self.transport.all_reduce(zeros, [donor, me], 1, tag=f"heal/{resp.id}/{self.group}/{self.rank}",
+                                           timeout_s=self.timeout_s,
+                                           groups=[offer.donor_group, self.group]).wait(self.timeout_s)
+        blob = state_blob.from_values(values, offer.nbytes)
+        if hashlib.sha256(blob).hexdigest() != offer.digest:
+            raise state_blob.StateFormatError("the state's SHA-256 differs from the donor's offer")
+        state = state_blob.unpack(blob)
+        got = params_hash([t for f in state["fragments"] for t in f["global"].values()]) if check_hash else ""
+        if check_hash and resp.state_hash and got != resp.state_hash:
+            raise state_blob.StateFormatError(f"the state's global hash {got} is not the quorum's {resp.state_hash}")
+        return state
 
     def join(self, timeout_s: float) -> None:
         """Wait for the transfers this rank serves, up to ``timeout_s`` seconds each."""

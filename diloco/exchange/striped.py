@@ -11,6 +11,11 @@ across ranks and groups.
 The plan (ring order, stripe shares) may change between exchanges; ``plans(k)`` gives the plan of
 exchange k and must give the same answer on every rank of every group (see
 ``diloco.exchange.network_plan``).
+
+A sharded group (FSDP2) passes ``shards=``: each rank then exchanges only the shard it holds, with
+the ranks of the other groups that hold the same elements, in the plan's ring order
+(``diloco.exchange.shard_plan``); nothing is shared inside the group afterwards. The stripes of
+such an exchange follow the shards, not the ranks' bandwidths: a rank carries what it holds.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from diloco.engine.shard_layout import ShardLayout
 from diloco.exchange.network_plan import NetworkPlan, equal_plan
+from diloco.exchange.shard_plan import ShardExchangePlan, shard_exchange_plan
 from transport import StripePlan, stripe_plan
+
+Plan = StripePlan | ShardExchangePlan
 
 
 class Membership(Protocol):
@@ -32,7 +41,10 @@ class Membership(Protocol):
 
 
 class StripedAverager:
-    """Averages a flat fp32 vector across groups through ``transport``, striped over ranks."""
+    """Averages a flat fp32 vector across groups through ``transport``, striped over ranks (or,
+    for a sharded model, shard by shard)."""
+
+    exchanges_shards = True
 
     def __init__(
         self,
@@ -66,6 +78,7 @@ class StripedAverager:
         self.num_groups = len(sizes)
         self.exchanges = 0
         self._stripe_plans: dict[tuple[NetworkPlan, int], StripePlan] = {}
+        self._shard_plans: dict[tuple, ShardExchangePlan] = {}
 
     @property
     def bytes_sent(self) -> int:
@@ -83,18 +96,41 @@ class StripedAverager:
             self._stripe_plans[key] = stripe_plan(numel, bandwidths, min(stripes, max(numel, 1)))
         return self._stripe_plans[key]
 
+    def shard_plan_for(self, shards: ShardLayout, sizes: list[int], me: int) -> ShardExchangePlan:
+        """This rank's part of a sharded exchange among groups of ``sizes`` (this one at ``me``)."""
+        if shards.size != self.group_size or shards.rank != self.rank:
+            raise ValueError(f"a shard layout of rank {shards.rank} of {shards.size} given to rank {self.rank} "
+                             f"of a {self.group_size}-rank group: the model must be sharded over the group's ranks")
+        key = (shards, tuple(sizes), me)
+        if key not in self._shard_plans:
+            if len(self._shard_plans) > 64:
+                self._shard_plans.clear()
+            self._shard_plans[key] = shard_exchange_plan(shards, sizes, me, self.stripes_per_rank)
+        return self._shard_plans[key]
+
+    def contribution_norm(self, src: torch.Tensor, shards: ShardLayout | None = None) -> float:
+        """L2 norm of a contribution: of ``src``, or with ``shards`` of the whole fragment (fp64
+        sums of every rank's shard: a collective of the group, so every rank calls it)."""
+        if shards is None:
+            return float(src.norm())
+        sq = src.detach().double().square().sum().reshape(1).to(self.comm_device)
+        if self.group_size > 1:
+            dist.all_reduce(sq, group=self.process_group)
+        return float(sq.item()) ** 0.5
+
     @property
     def group_index(self) -> int:
         """This group's position among the member groups (sorted ids), 0-based."""
         return sorted(self.membership.groups).index(self.group)
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False,
-              error_feedback: bool = False) -> "_StripedPending":
+              error_feedback: bool = False, shards: ShardLayout | None = None) -> "_StripedPending":
         """Launch the cross-group rings of this rank's stripes; every rank of the group calls it,
         in the same order as every other rank of every group. ``exact``: fp32 on the wire
         whatever ``codec`` is (control exchanges such as the initial-parameter check).
         ``error_feedback``: the caller keeps a residual (required for a codec that needs one);
-        the pending result's ``sent`` then says what the other groups decoded of ``flat``."""
+        the pending result's ``sent`` then says what the other groups decoded of ``flat``.
+        ``shards``: ``flat`` is this rank's shard of a sharded fragment laid out so (module doc)."""
         gather = self.gathers(exact, error_feedback)
         plan = self.plans(self.exchanges)
         self.exchanges += 1
@@ -103,7 +139,7 @@ class StripedAverager:
         out = torch.empty_like(src)
         sent = torch.empty_like(src) if gather else None
         addresses = {g: self.membership.ranks(g) for g in plan.groups}
-        sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact, sent=sent)
+        sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact, sent=sent, shards=shards)
         return _StripedPending(self, out, sp, me, handles, flat.device, sent=sent)
 
     def gathers(self, exact: bool, error_feedback: bool) -> bool:
@@ -120,43 +156,66 @@ class StripedAverager:
 
     def launch(self, src: torch.Tensor, out: torch.Tensor, plan: NetworkPlan, addresses: dict[int, list[str]],
                *, tag: str, exact: bool = False, sent: torch.Tensor | None = None,
-               scales: dict[int, float] | None = None) -> tuple[StripePlan, int, list]:
+               scales: dict[int, float] | None = None, shards: ShardLayout | None = None) -> tuple[Plan, int, list]:
         """Start the rings of this rank's stripes of ``src`` among ``plan.groups`` (data-plane
         ``addresses`` by group, by rank); each writes its stripe of the mean into ``out``.
         With ``sent`` the rings are all-gathers of each group's own encoded stripe, and each
         writes what the others decoded of ours into its stripe of ``sent``; ``scales``: each
-        group's weight in their mean (by group id; default 1).
+        group's weight in their mean (by group id; default 1). ``shards``: ``src`` is this
+        rank's shard laid out so; ``out`` and ``sent`` are then in the plan's exchange order
+        until ``land`` puts them back.
         Returns the stripe plan, this group's index in ``plan.groups`` and the ring handles."""
-        sp = self.stripe_plan_for(plan, src.numel())
         me = plan.groups.index(self.group)
         ranks = [addresses[g] for g in plan.groups]
         order = [plan.groups.index(g) for g in plan.ring_order]
+        if shards is None:
+            sp: Plan = self.stripe_plan_for(plan, src.numel())
+            mine, ring_of = sp.stripes_of(me, self.rank), (lambda s: sp.ring(s.index, ranks, order))
+        else:
+            sp = self.shard_plan_for(shards, [len(a) for a in ranks], me)
+            if src.numel() != sp.numel:
+                raise ValueError(f"{tag}: a shard of {src.numel()} elements, its layout says {sp.numel}")
+            src = sp.to_exchange_order(src)
+            mine, ring_of = list(sp.stripes), (lambda s: sp.ring(s, ranks, order))
         index = order.index(me)
         ring_groups = [plan.groups[o] for o in order]  # each ring member's group: its neighbours must prove it
         if sent is not None:
             weights = None if scales is None else [scales[g] for g in ring_groups]
             return sp, me, [
                 (s, self.transport.all_gather_mean(
-                    src[s.start : s.stop], sp.ring(s.index, ranks, order), index,
+                    src[s.start : s.stop], ring_of(s), index,
                     tag=f"{tag}/s{s.index}", codec=self.codec, timeout_s=self.timeout_s,
                     out=out[s.start : s.stop], sent=sent[s.start : s.stop], groups=ring_groups, finite=True,
                     scales=weights,
                 ))
-                for s in sp.stripes_of(me, self.rank) if s.size
+                for s in mine if s.size
             ]
         handles = [
             (s, self.transport.all_reduce(
-                src[s.start : s.stop], sp.ring(s.index, ranks, order), index,
+                src[s.start : s.stop], ring_of(s), index,
                 tag=f"{tag}/s{s.index}", codec=None if exact else self.codec, timeout_s=self.timeout_s,
                 out=out[s.start : s.stop], groups=ring_groups, finite=not exact,
             ))
-            for s in sp.stripes_of(me, self.rank) if s.size
+            for s in mine if s.size
         ]
         return sp, me, handles
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
         """Blocking mean of ``flat`` over groups; every rank of this group passes the same vector."""
         return self.start(flat, tag=f"r{round}").wait()
+
+    def land(self, out: torch.Tensor, sent: torch.Tensor | None, sp: Plan, me: int) \
+            -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After this rank's rings finished: the mean (and ``sent``) as the caller passed its
+        vector. Striped: every rank's stripes shared inside the group; sharded: this rank's
+        shard put back in its own order (nothing crosses the group)."""
+        if isinstance(sp, ShardExchangePlan):
+            return sp.to_shard_order(out), None if sent is None else sp.to_shard_order(sent)
+        if self.group_size > 1:
+            out = self.share_in_group(out, sp, me)
+            if sent is not None:
+                sent = self.share_in_group(sent, sp, me)
+        return out, sent
 
     def share_in_group(self, out: torch.Tensor, sp: StripePlan, me: int) -> torch.Tensor:
         """Each rank broadcasts its contiguous run of averaged stripes to the rest of its group
@@ -179,7 +238,7 @@ class _StripedPending:
     With error feedback, ``sent`` (after ``wait``) is the whole of what the other groups
     decoded of this group's contribution (each rank's stripes, shared in the group)."""
 
-    def __init__(self, averager: StripedAverager, out, sp: StripePlan, me: int, handles, device,
+    def __init__(self, averager: StripedAverager, out, sp: Plan, me: int, handles, device,
                  sent: torch.Tensor | None = None) -> None:
         self._avg, self._out, self._sp, self._me, self._handles, self._device = averager, out, sp, me, handles, device
         self._sent = sent
@@ -191,11 +250,7 @@ class _StripedPending:
             out = self._out  # each ring wrote its stripe of the mean here
             for _, h in self._handles:
                 h.wait(self._avg.timeout_s)
-            sent = self._sent
-            if self._avg.group_size > 1:
-                out = self._avg.share_in_group(out, self._sp, self._me)
-                if sent is not None:
-                    sent = self._avg.share_in_group(sent, self._sp, self._me)
+            out, sent = self._avg.land(out, self._sent, self._sp, self._me)
             if sent is not None:
                 self.sent = sent.to(self._device)
             self._value = out.to(self._device)
