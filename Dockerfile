@@ -17,11 +17,16 @@ FROM scratch AS wheels
 
 FROM ${PYTHON_IMAGE} AS build
 SHELL ["/bin/sh", "-eu", "-c"]
-# gcc builds the optional C kernels of compress/ (without it they fall back to pure torch); its
-# version is whatever the base image's Debian release ships, so it is not pinned
+# gcc and Python's headers build the C kernels of compress/ (int8/int4/fp4 coding, the round
+# hash): without them pip skips the extension and the codecs run the pure-torch path, ~40x slower
+# for int4, so every target checks below that they were built. A python:* image has the headers;
+# Debian's python3 (the offline build's base) needs python3-dev. Versions are whatever the base
+# image's Debian release ships, so they are not pinned.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && if [ ! -e "$(python3 -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" ]; then \
+        apt-get install -y --no-install-recommends python3-dev; fi \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 # PIP_NO_INDEX=1: install only from the "wheels" build context (an offline build)
@@ -50,7 +55,9 @@ COPY transport ./transport
 COPY diloco ./diloco
 RUN --mount=type=bind,from=wheels,target=/wheels \
     pip install --find-links /wheels . \
- && diloco --help > /dev/null
+ && diloco --help > /dev/null \
+ && COMPRESS_NATIVE=1 python -I -c "from compress.codecs import blockwise as b; import sys; \
+sys.exit(0 if b.native_available() else 'compress: the C kernels were not built (no compiler or Python headers?)')"
 
 FROM torch-cuda AS project-cuda
 COPY pyproject.toml setup.py README.md ./
@@ -59,7 +66,9 @@ COPY transport ./transport
 COPY diloco ./diloco
 RUN --mount=type=bind,from=wheels,target=/wheels \
     pip install --find-links /wheels . \
- && diloco --help > /dev/null
+ && diloco --help > /dev/null \
+ && COMPRESS_NATIVE=1 python -I -c "from compress.codecs import blockwise as b; import sys; \
+sys.exit(0 if b.native_available() else 'compress: the C kernels were not built (no compiler or Python headers?)')"
 
 FROM ${PYTHON_IMAGE} AS runtime
 SHELL ["/bin/sh", "-eu", "-c"]
@@ -73,10 +82,12 @@ EXPOSE 29400 9400 9300 29401
 ENTRYPOINT ["diloco"]
 CMD ["--help"]
 
+# No NVIDIA_VISIBLE_DEVICES here: the GPUs a container sees are the ones it was given (Kubernetes'
+# device plugin sets it per pod from nvidia.com/gpu; docker run --gpus does the same), never all of
+# the host's.
 FROM runtime AS cuda
 COPY --from=project-cuda /opt/venv /opt/venv
-ENV NVIDIA_VISIBLE_DEVICES=all \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
 
 FROM runtime AS cpu

@@ -60,6 +60,8 @@ COORDINATOR_SERIES: dict[str, str] = {
     "diloco_coordinator_group_failures_total": "counter",
     "diloco_coordinator_rejected_contributions_total": "counter",
     "diloco_coordinator_evictions_total": "counter",
+    # the coordinator's own TLS files: when each certificate stops being valid
+    "diloco_coordinator_tls_certificate_expiry_timestamp_seconds": "gauge",
 }
 
 # rounds-state count -> (counter name without _total, help)
@@ -91,12 +93,31 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def certificate_expiry(certificates: dict[str, bytes]) -> list[tuple[str, str, float]]:
+    """``(file, subject, notAfter as Unix seconds)`` of every certificate in each PEM text of
+    ``certificates`` (file name -> PEM bytes; a CA file may hold several during a rotation).
+    ValueError naming the file if one holds no certificate."""
+    from cryptography import x509
+
+    out = []
+    for name, pem in certificates.items():
+        try:
+            certs = x509.load_pem_x509_certificates(pem)
+        except ValueError as e:
+            raise ValueError(f"{name}: no PEM certificate in it ({e})") from None
+        for cert in certs:
+            out.append((name, cert.subject.rfc4514_string(), cert.not_valid_after_utc.timestamp()))
+    return out
+
+
 class CoordinatorCollector:
     """A prometheus-client collector that turns each snapshot into the ``diloco_coordinator_*``
-    series; group ids become the ``group`` label."""
+    series; group ids become the ``group`` label. ``certificates``: the coordinator's TLS files
+    (name -> PEM bytes, e.g. ``{"cert": ..., "ca": ...}``), whose expiry it exports."""
 
-    def __init__(self, snapshot: Snapshot) -> None:
+    def __init__(self, snapshot: Snapshot, certificates: dict[str, bytes] | None = None) -> None:
         self._snapshot = snapshot
+        self._expiry = certificate_expiry(certificates or {})
 
     def describe(self) -> list[Metric]:
         return []  # not known before a snapshot; skips the registry's collect-on-register
@@ -111,6 +132,13 @@ class CoordinatorCollector:
         def job_gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"diloco_coordinator_{name}", doc, value=value)
 
+        if self._expiry:
+            expiry = GaugeMetricFamily("diloco_coordinator_tls_certificate_expiry_timestamp_seconds",
+                                       "When a certificate of the coordinator's TLS files stops being valid "
+                                       "(Unix time): connections after it are refused", labels=["file", "subject"])
+            for name, subject, not_after in self._expiry:
+                expiry.add_metric([name, subject], not_after)
+            yield expiry
         yield job_gauge("expected_groups", "Groups the job waits for", snap.get("expected_groups", 0))
         yield job_gauge("epoch", "Membership epoch (0 before the quorum first forms)", snap.get("epoch", 0))
         yield job_gauge("quorum_complete", "1 once every expected group has joined", int(bool(snap.get("complete"))))
@@ -238,12 +266,14 @@ class CoordinatorHttp:
 
     ``snapshot``: ``CoordinatorServer.snapshot``; ``stopped``: returns True once the service is
     shutting down (``/healthz`` then answers 503). ``token``: required on ``/status`` if set.
+    ``certificates``: TLS files (name -> PEM bytes) whose expiry ``/metrics`` exports.
     """
 
     def __init__(self, snapshot: Snapshot, *, host: str = "0.0.0.0", port: int = 0,
-                 token: str | None = None, stopped: Callable[[], bool] = lambda: False) -> None:
+                 token: str | None = None, stopped: Callable[[], bool] = lambda: False,
+                 certificates: dict[str, bytes] | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(CoordinatorCollector(snapshot))
+        self.registry.register(CoordinatorCollector(snapshot, certificates))
         self._snapshot, self._token, self._stopped = snapshot, token, stopped
         self._httpd = ThreadingHTTPServer((host, port), self._handler())
         self._httpd.daemon_threads = True
@@ -307,6 +337,9 @@ class CoordinatorHttp:
         return Handler
 
 
-def serve(server: Any, *, host: str, port: int, token: str | None = None) -> CoordinatorHttp:
-    """Serve a ``CoordinatorServer``'s metrics and status on ``host:port`` (0 = any free port)."""
-    return CoordinatorHttp(server.snapshot, host=host, port=port, token=token, stopped=lambda: server.stopped)
+def serve(server: Any, *, host: str, port: int, token: str | None = None,
+          certificates: dict[str, bytes] | None = None) -> CoordinatorHttp:
+    """Serve a ``CoordinatorServer``'s metrics and status on ``host:port`` (0 = any free port);
+    ``certificates``: its TLS files (name -> PEM bytes), whose expiry it exports."""
+    return CoordinatorHttp(server.snapshot, host=host, port=port, token=token, stopped=lambda: server.stopped,
+                           certificates=certificates)

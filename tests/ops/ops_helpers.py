@@ -11,6 +11,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = sorted(p for p in (DEPLOY / "kubernetes" / "overlays").iterdir() if p.is_dir())
 
+# The addresses the manifests assume (deploy/README.md, "Addresses"): each datacenter's pod network,
+# its nodes' interconnect addresses and its internal load balancers. Where a datacenter's ranks
+# send from: their pods' block on a routed pod network, their nodes' block on the host network.
+ADDRESSES = {
+    "dc-a": {"pods": "10.10.0.0/16", "nodes": "10.12.0.0/16", "load_balancers": "10.11.0.0/24"},
+    "dc-b": {"pods": "10.20.0.0/16", "nodes": "10.21.0.0/16", "load_balancers": "10.22.0.0/24"},
+}
+
 
 def need_binary(name: str, how: str) -> str:
     """The path of ``name``, or skip the test saying how to install it."""

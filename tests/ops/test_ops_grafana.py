@@ -47,26 +47,42 @@ def test_dashboard_queries_only_exported_series_with_group_and_link_panels():
     assert len(ids) == len(set(ids))
 
 
+RULE_FILES = sorted(p for p in (DEPLOY / "prometheus").glob("diloco-*.yml") if not p.name.endswith(".test.yml"))
+
+
 def test_rules_name_only_exported_series():
-    rules = yaml.safe_load((DEPLOY / "prometheus" / "diloco-rules.yml").read_text())
-    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    exprs, alerts = [], set()
+    for path in RULE_FILES:
+        rules = yaml.safe_load(path.read_text())
+        exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+        alerts |= {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
     used = set().union(*map(_names, exprs))
     assert used <= EXPORTED, f"not exported: {used - EXPORTED}"
-    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
-    assert {"DilocoGroupDown", "DilocoRoundStalled", "DilocoLowComputeUtilization"} <= alerts
+    assert {"DilocoGroupDown", "DilocoRoundStalled", "DilocoLowComputeUtilization", "DilocoCoordinatorAbsent",
+            "DilocoGroupAbsent", "DilocoCertificateExpiresSoon"} <= alerts
 
 
-def test_example_scrape_config_gives_the_jobs_the_rules_use(rendered):
-    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
-    relabel = {r.get("target_label"): r for r in job["relabel_configs"]}
-    assert relabel["job"]["replacement"] == "diloco-$1"
-    assert relabel["job"]["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
-    assert relabel["group"]["source_labels"] == ["__meta_kubernetes_pod_label_diloco_dev_group"]
-    components = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
-                  for objects in rendered.values() for o in objects if o["kind"] in ("StatefulSet", "Deployment")}
-    rules_text = (DEPLOY / "prometheus" / "diloco-rules.yml").read_text()
+def test_scrape_configs_give_the_jobs_the_rules_use_and_each_group_has_an_absent_alert(rendered):
+    components, groups = set(), {}
+    for name, objects in rendered.items():
+        for o in objects:
+            if o["kind"] in ("Job", "StatefulSet", "Deployment"):
+                labels = o["spec"]["template"]["metadata"]["labels"]
+                components.add(labels["app.kubernetes.io/component"])
+                if labels["app.kubernetes.io/component"] == "worker":
+                    assert "diloco.dev/group" in labels, f"{name}: worker pods need a group label"
+                    groups[labels["diloco.dev/group"]] = name
+    rules_text = "".join(p.read_text() for p in RULE_FILES)
     assert {f"diloco-{c}" for c in components} == set(re.findall(r'job="(diloco-[a-z]+)"', rules_text))
-    for objects in rendered.values():
-        sts = next(o for o in objects if o["kind"] == "StatefulSet")
-        assert "diloco.dev/group" in sts["spec"]["template"]["metadata"]["labels"]
+    for dc in rendered:
+        config = yaml.safe_load((DEPLOY / "prometheus" / f"prometheus-{dc}.yml").read_text())
+        (job,) = [j for j in config["scrape_configs"] if "kubernetes_sd_configs" in j]
+        relabel = {r.get("target_label"): r for r in job["relabel_configs"]}
+        assert relabel["job"]["replacement"] == "diloco-$1"
+        assert relabel["job"]["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
+        assert relabel["group"]["source_labels"] == ["__meta_kubernetes_pod_label_diloco_dev_group"]
+        assert config["global"]["external_labels"]["datacenter"] == dc
+        absent = "".join((DEPLOY / "prometheus" / f).read_text() for f in config["rule_files"])
+        for group, where in groups.items():
+            rule = f'absent(up{{job="diloco-worker", group="{group}"}})'
+            assert (rule in absent) == (where == dc), f"{dc}'s Prometheus and group {group}'s absent() alert"

@@ -1,23 +1,29 @@
 """deploy/kubernetes: every overlay renders, validates strictly, and is wired to what the code accepts.
 
 The wiring tests read ``diloco worker --help``, ``diloco coordinator --help`` and ``torchrun --help``
-at run time, so a flag renamed in the code fails here until the manifests follow.
+at run time, so a flag renamed in the code fails here until the manifests follow. What the objects
+do when they run is replayed by test_ops_replay.py.
 """
 
 from __future__ import annotations
 
 import copy
+import ipaddress
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import tomllib
-from ops_helpers import OVERLAYS
+from ops_helpers import ADDRESSES, DEPLOY, OVERLAYS
 
 from diloco.job import config as config_mod
 from diloco.job import config_parse
+from diloco.runtime import exit_codes
 from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV
+
+KUBERNETES = DEPLOY / "kubernetes"
 
 
 def _help_flags(*command: str) -> set[str]:
@@ -41,6 +47,10 @@ def _one(objects: list[dict], kind: str, name: str | None = None) -> dict:
     return found[0]
 
 
+def _component(obj: dict) -> str | None:
+    return obj.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {}).get("app.kubernetes.io/component")
+
+
 def _flags(args: list[str]) -> dict[str, str | None]:
     """``--flag=value`` / ``--flag`` -> value (None for a bare switch)."""
     out: dict[str, str | None] = {}
@@ -56,47 +66,100 @@ def _env(container: dict) -> dict[str, dict]:
 
 
 def _worker(objects: list[dict]) -> tuple[dict, dict, list[str], list[str]]:
-    """(StatefulSet, its container, torchrun's args, diloco worker's args)."""
-    sts = _one(objects, "StatefulSet")
-    (container,) = sts["spec"]["template"]["spec"]["containers"]
-    args = container["args"]
-    i = args.index("-m")
-    assert args[i + 1: i + 3] == ["diloco", "worker"], "the worker must run `torchrun ... -m diloco worker`"
-    return sts, container, args[:i], args[i + 3:]
+    """(the group's Job, its container, torchrun's args, diloco worker's args)."""
+    (job,) = [o for o in objects if o["kind"] == "Job" and _component(o) == "worker"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    argv = container["command"] + container["args"]
+    assert argv[:2] == ["diloco", "torchrun"], "the group runs `diloco torchrun` (torchrun keeping the exit codes)"
+    i = argv.index("-m")
+    assert argv[i + 1: i + 3] == ["diloco", "worker"], "... -m diloco worker"
+    return job, container, argv[2:i], argv[i + 3:]
 
 
-def _job_toml(objects: list[dict], container: dict, spec: dict) -> dict:
+def _job_toml(objects: list[dict]) -> dict:
     """The TOML the worker's --config points at, read from the rendered ConfigMap it mounts."""
-    path = _flags(_worker_args(container))["--config"]
+    job, container, _, worker_args = _worker(objects)
+    spec = job["spec"]["template"]["spec"]
+    path = _flags(worker_args)["--config"]
     mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
     cm = _one(objects, "ConfigMap", volume["configMap"]["name"])
     return tomllib.loads(cm["data"][path[len(mount["mountPath"]):].lstrip("/")])
 
 
-def _worker_args(container: dict) -> list[str]:
-    args = container["args"]
-    return args[args.index("-m") + 3:]
+def _senders(objects: list[dict], dc: str) -> str:
+    """The address block a datacenter's ranks send from: nodes with hostNetwork, else pods."""
+    job, _, _, _ = _worker(objects)
+    return ADDRESSES[dc]["nodes" if job["spec"]["template"]["spec"].get("hostNetwork") else "pods"]
 
 
-def test_every_overlay_renders_a_group_and_one_hosts_the_coordinator(rendered):
+def _pod_specs(objects: list[dict]):
+    for obj in objects:
+        spec = obj.get("spec", {}).get("template", {}).get("spec")
+        if spec is not None:
+            yield obj, spec
+
+
+def test_every_overlay_renders_a_finite_group_and_one_hosts_the_coordinator(rendered):
     assert len(rendered) >= 2, f"need an overlay per datacenter, found {list(rendered)}"
     with_coordinator = []
     for name, objects in rendered.items():
         kinds = {o["kind"] for o in objects}
-        assert {"StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "PodDisruptionBudget"} <= kinds, name
-        sts = _one(objects, "StatefulSet")
-        service = _one(objects, "Service", sts["spec"]["serviceName"])
+        assert {"Job", "Service", "ConfigMap", "PodDisruptionBudget", "PersistentVolumeClaim"} <= kinds, name
+        assert not kinds & {"StatefulSet", "Deployment"}, f"{name}: a finished job must not be restarted forever"
+        job, container, _, _ = _worker(objects)
+        service = _one(objects, "Service", job["metadata"]["name"])
+        pod = job["spec"]["template"]["spec"]
         assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
-        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert pod["subdomain"] == service["metadata"]["name"], f"{name}: pods are GROUP-i.GROUP for the rendezvous"
+        labels = job["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= labels.items()
-        for kind in ("NetworkPolicy", "PodDisruptionBudget"):
-            selectors = [o["spec"].get("podSelector", o["spec"].get("selector"))["matchLabels"]
-                         for o in objects if o["kind"] == kind]
-            assert any(s.items() <= labels.items() for s in selectors), f"{name}: no {kind} selects the workers"
-        if any(o["kind"] == "Deployment" for o in objects):
+        if any(_component(o) == "coordinator" for o in objects):
             with_coordinator.append(name)
     assert len(with_coordinator) == 1, f"exactly one datacenter hosts the coordinator: {with_coordinator}"
+
+
+def test_jobs_tell_done_restart_me_and_configuration_errors_apart(rendered):
+    for name, objects in rendered.items():
+        for job in (o for o in objects if o["kind"] == "Job"):
+            spec, pod = job["spec"], job["spec"]["template"]["spec"]
+            (container,) = pod["containers"]
+            assert pod["restartPolicy"] == "Never", "podFailurePolicy needs restartPolicy Never"
+            assert 0 < spec["ttlSecondsAfterFinished"] and 0 < spec["backoffLimit"] <= 10
+            rules = spec["podFailurePolicy"]["rules"]
+            by_code = {}
+            for rule in rules:
+                codes = rule.get("onExitCodes")
+                if codes:
+                    assert codes["containerName"] == container["name"] and codes["operator"] == "In"
+                    by_code.update(dict.fromkeys(codes["values"], rule["action"]))
+            assert by_code[exit_codes.CONFIGURATION] == "FailJob", f"{name}: a configuration error must fail the Job"
+            assert by_code[exit_codes.RESTART] == "Ignore", f"{name}: 'restart me' restarts without counting"
+            assert exit_codes.DONE not in by_code
+            assert any(c["type"] == "DisruptionTarget" and r["action"] == "Ignore"
+                       for r in rules for c in r.get("onPodConditions", [])), "evictions restart without counting"
+            if _component(job) == "worker":
+                env = _env(container)
+                nodes = int(env["DILOCO_NODES"]["value"])
+                assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
+            else:
+                assert spec.get("completions", 1) == 1 and spec.get("parallelism", 1) == 1, "one coordinator"
+                assert "--keep-running" not in container["args"], "the coordinator must end with the job"
+
+
+def test_budgets_hold_running_pods_only_and_never_block_a_drain_after_completion(rendered):
+    import k8s_replay as kr
+
+    for name, objects in rendered.items():
+        budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+        for workload in (o for o in objects if o["kind"] == "Job"):
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            mine = [b for b in budgets if kr.selects(b["spec"]["selector"], labels)]
+            assert len(mine) == 1, f"{name}: {workload['metadata']['name']} needs exactly one budget"
+            assert mine[0]["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow"
+            assert kr.may_evict(labels, "Running", mine, [labels])[0] is False, "a running rank is held"
+            assert kr.may_evict(labels, "Succeeded", mine, [])[0], "a finished one is not"
+            assert kr.may_evict(labels, "Pending", mine, [])[0], "nor one that never ran"
 
 
 def test_rendered_objects_validate_strictly_against_current_kubernetes(rendered):
@@ -106,17 +169,35 @@ def test_rendered_objects_validate_strictly_against_current_kubernetes(rendered)
         for obj in objects:  # a custom resource would raise SchemaNotFoundError: there is none
             kv.validate(obj, version, strict=True)
     # the validation is strict: an unknown field in a pod template is refused
-    broken = copy.deepcopy(_one(next(iter(rendered.values())), "StatefulSet"))
+    broken = copy.deepcopy(_worker(next(iter(rendered.values())))[0])
     broken["spec"]["template"]["spec"]["containers"][0]["cpuCount"] = 2
     with pytest.raises(kv.ValidationError):
         kv.validate(broken, version, strict=True)
 
 
+def test_both_datacenters_fit_one_namespace(rendered):
+    """The one-cluster variant (two node pools): applying both overlays to one namespace replaces
+    nothing: every object either has a name of its own or is the same object."""
+    seen: dict[tuple[str, str, str], tuple[str, dict]] = {}
+    for name, objects in rendered.items():
+        for obj in objects:
+            key = (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+            if key in seen:
+                other, first = seen[key]
+                strip = lambda o: {**o, "metadata": {**o["metadata"], "labels": {  # noqa: E731
+                    k: v for k, v in o["metadata"].get("labels", {}).items() if k != "diloco.dev/datacenter"}}}
+                assert strip(first) == strip(obj), f"{key} differs between {other} and {name}: one would replace the other"
+            else:
+                seen[key] = (name, obj)
+    names = {o["metadata"]["name"] for objects in rendered.values() for o in objects if o["kind"] == "Job"}
+    assert len(names) == sum(1 for objects in rendered.values() for o in objects if o["kind"] == "Job")
+
+
 def test_overlays_differ_in_nic_count_and_link_settings(rendered):
     nics, links = {}, {}
     for name, objects in rendered.items():
-        sts, container, _, worker_args = _worker(objects)
-        nics[name] = sts["spec"]["replicas"] * int(_env(container)["DILOCO_RANKS_PER_NODE"]["value"])
+        job, container, _, worker_args = _worker(objects)
+        nics[name] = job["spec"]["completions"] * int(_env(container)["DILOCO_RANKS_PER_NODE"]["value"])
         links[name] = {k: v for k, v in _flags(worker_args).items() if k in ("--connections", "--timeout")}
     assert len(set(nics.values())) > 1, f"overlays should differ in NIC (rank) count: {nics}"
     assert len({tuple(sorted(v.items())) for v in links.values()}) > 1, f"and in link settings: {links}"
@@ -124,8 +205,7 @@ def test_overlays_differ_in_nic_count_and_link_settings(rendered):
 
 def test_worker_command_line_matches_what_torchrun_and_diloco_worker_accept(rendered, help_flags):
     for name, objects in rendered.items():
-        sts, container, torchrun_args, worker_args = _worker(objects)
-        assert container["command"] == ["torchrun"]
+        job, container, torchrun_args, worker_args = _worker(objects)
         unknown = set(_flags(torchrun_args)) - help_flags["torchrun"]
         assert not unknown, f"{name}: torchrun does not accept {unknown}"
         unknown = set(_flags(worker_args)) - help_flags["worker"]
@@ -134,27 +214,35 @@ def test_worker_command_line_matches_what_torchrun_and_diloco_worker_accept(rend
         for ref in re.findall(r"\$\((\w+)\)", " ".join(container["args"])):
             assert ref in env, f"{name}: $({ref}) in the args is not defined in the container's env"
         t = _flags(torchrun_args)
-        assert env["DILOCO_NODES"]["value"] == str(sts["spec"]["replicas"]), \
-            f"{name}: torchrun --nnodes must equal the StatefulSet's replicas"
-        assert t["--master-addr"] == f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}", \
-            f"{name}: the rendezvous must be rank 0's stable DNS name"
+        assert env["DILOCO_NODES"]["value"] == str(job["spec"]["completions"]), \
+            f"{name}: torchrun --nnodes must equal the Job's completions"
+        assert t["--master-addr"] == "$(JOB_NAME)-0.$(JOB_NAME)" and env["JOB_NAME"]["valueFrom"]["fieldRef"][
+            "fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']", "the rendezvous is pod 0's stable name"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert int(t["--master-port"]) == ports["rendezvous"]
+        assert int(t["--master-port"]) == ports["rendezvous"] and t["--max-restarts"] == "0"
         assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-            "metadata.labels['apps.kubernetes.io/pod-index']" and t["--node-rank"] == "$(POD_INDEX)"
+            "metadata.annotations['batch.kubernetes.io/job-completion-index']" and t["--node-rank"] == "$(POD_INDEX)"
         w = _flags(worker_args)
         assert w["--host"] == "$(POD_IP)" and env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        assert int(w["--metrics-port"]) == ports["metrics"]
-        annotations = sts["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == ports["metrics"]
+        ranks = int(env["DILOCO_RANKS_PER_NODE"]["value"])
+        metrics = {n: p for n, p in ports.items() if n.startswith("metrics")}
+        assert metrics == {f"metrics-{i}": int(w["--metrics-port"]) + i for i in range(ranks)}, \
+            f"{name}: every local rank's metrics port (--metrics-port + local rank) is declared"
+        annotations = job["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and "prometheus.io/port" not in annotations, \
+            "one annotated port would leave the other ranks unscraped"
         assert w["--log-format"] in config_mod.LOG_FORMATS
+        assert env["GLOO_SOCKET_IFNAME"]["value"], "Gloo must not guess its interface from the host name"
+        cpu = env["DILOCO_CPU_REQUEST"]["valueFrom"]["resourceFieldRef"]
+        assert cpu["resource"] == "requests.cpu" and cpu["containerName"] == container["name"]
+        assert "OMP_NUM_THREADS" not in env and "--threads-per-rank" not in w, "threads follow the CPU request"
 
 
 def test_coordinator_command_line_matches_diloco_coordinator_and_the_job(rendered, help_flags):
-    (objects,) = [o for o in rendered.values() if any(x["kind"] == "Deployment" for x in o)]
-    deployment = _one(objects, "Deployment")
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["args"][0] == "coordinator"
+    (objects,) = [o for o in rendered.values() if any(_component(x) == "coordinator" for x in o)]
+    (job,) = [o for o in objects if o["kind"] == "Job" and _component(o) == "coordinator"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert "command" not in container and container["args"][0] == "coordinator", "the image's entrypoint is diloco"
     flags = _flags(container["args"][1:])
     unknown = set(flags) - help_flags["coordinator"]
     assert not unknown, f"diloco coordinator does not accept {unknown}"
@@ -162,43 +250,48 @@ def test_coordinator_command_line_matches_diloco_coordinator_and_the_job(rendere
     assert int(flags["--port"]) == ports["grpc"] and int(flags["--metrics-port"]) == ports["metrics"]
     assert container["livenessProbe"]["httpGet"]["port"] == "metrics"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz" and "readinessProbe" in container
-    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert int(annotations["prometheus.io/port"]) == ports["metrics"]
     service = _one(objects, "Service", "diloco-coordinator")
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
     for name, group_objects in rendered.items():  # every group dials a coordinator port that exists
         _, worker_container, _, _ = _worker(group_objects)
         address = _env(worker_container)["DILOCO_COORDINATOR"]["value"]
         assert address.rsplit(":", 1)[1] == flags["--port"], f"{name} dials {address}"
-        job = _job_toml(group_objects, worker_container, _one(group_objects, "StatefulSet")["spec"]["template"]["spec"])
-        assert job["topology"]["groups"] == int(flags["--groups"]), f"{name}: groups differ from the coordinator's"
+        assert _job_toml(group_objects)["topology"]["groups"] == int(flags["--groups"]), f"{name}: groups differ"
 
 
-def test_job_config_loads_and_every_group_matches_its_size(rendered):
+def test_job_config_loads_checkpoints_to_each_groups_volume_and_every_group_matches_its_size(rendered):
     group_ids = []
     for name, objects in rendered.items():
-        sts, container, _, worker_args = _worker(objects)
-        job = _job_toml(objects, container, sts["spec"]["template"]["spec"])
-        cfg = config_parse.from_dict(job).validate()
+        job, container, _, _ = _worker(objects)
+        toml = _job_toml(objects)
+        cfg = config_parse.from_dict(toml).validate()
         env = _env(container)
         group = int(env["DILOCO_GROUP_ID"]["value"])
         group_ids.append(group)
-        ranks = sts["spec"]["replicas"] * int(env["DILOCO_RANKS_PER_NODE"]["value"])
+        ranks = job["spec"]["completions"] * int(env["DILOCO_RANKS_PER_NODE"]["value"])
         assert cfg.topology.sizes()[group] == ranks, \
             f"{name}: group {group} has {ranks} ranks but the job config gives {cfg.topology.sizes()[group]}"
+        # checkpoints on, into a PersistentVolumeClaim of this group's
+        assert cfg.train.checkpoint_every > 0 and cfg.train.checkpoint_dir, f"{name}: job checkpoints are off"
+        pod = job["spec"]["template"]["spec"]
+        mount = next(m for m in container["volumeMounts"]
+                     if (cfg.train.checkpoint_dir + "/").startswith(m["mountPath"].rstrip("/") + "/"))
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert "persistentVolumeClaim" in volume, f"{name}: checkpoints on {sorted(volume)} die with the pod"
+        claim = _one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        if job["spec"]["completions"] > 1:
+            assert "ReadWriteMany" in claim["spec"]["accessModes"], f"{name}: the group's nodes share the volume"
+        assert not mount.get("readOnly")
     assert sorted(group_ids) == list(range(len(group_ids))), f"each overlay must be another group: {group_ids}"
-    tomls = {name: _job_toml(o, _worker(o)[1], _one(o, "StatefulSet")["spec"]["template"]["spec"])
-             for name, o in rendered.items()}
+    tomls = {name: _job_toml(o) for name, o in rendered.items()}
     assert len({repr(sorted(t.items())) for t in tomls.values()}) == 1, "every group must get the same job config"
 
 
-def test_secrets_and_certificates_come_only_from_secrets(rendered):
+def test_secrets_come_only_from_secrets_and_their_files_are_readable_by_the_pod(rendered):
     for name, objects in rendered.items():
         for obj in objects:
             assert obj["kind"] != "Secret", f"{name}: a Secret in the manifests would put its value in git"
-            spec = obj.get("spec", {}).get("template", {}).get("spec")
-            if spec is None:
-                continue
+        for obj, spec in _pod_specs(objects):
             (container,) = spec["containers"]
             env = _env(container)
             for var in (SECRET_ENV, TOKEN_ENV):
@@ -207,53 +300,127 @@ def test_secrets_and_certificates_come_only_from_secrets(rendered):
             text = " ".join(container.get("args", []) + container.get("command", [])).lower()
             assert "secret" not in text and "token" not in text, f"{name}: credentials in the command line"
             tls_args = {k: v for k, v in _flags(container.get("args", [])).items() if k.startswith("--tls-")}
+            ctx = spec["securityContext"]
             for flag, path in tls_args.items():
                 mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
                 volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
                 assert "secret" in volume, f"{name}: {flag} must be read from a Secret volume"
-            # the data plane, and a coordinator on a non-loopback host, serve mutual TLS
+                # the kubelet writes the files as root; the user reads them through fsGroup, or not at all
+                mode = volume["secret"].get("defaultMode", 0o644)
+                readable = mode & 0o004 or (mode & 0o040 and "fsGroup" in ctx) or ctx.get("runAsUser") == 0
+                assert readable, (f"{name}: {obj['metadata']['name']} runs as {ctx.get('runAsUser')} without fsGroup: "
+                                  f"it cannot read {path} (mode {mode:o}, owned by root)")
+                assert not mode & 0o004, f"{name}: {path} must not be world-readable"
             assert set(tls_args) == {"--tls-cert", "--tls-key", "--tls-ca"}, f"{name}: {obj['kind']} needs mTLS"
             assert "--insecure-coordinator" not in container.get("args", [])
 
 
 def test_pods_are_bounded_and_unprivileged(rendered):
     for name, objects in rendered.items():
-        for obj in objects:
-            spec = obj.get("spec", {}).get("template", {}).get("spec")
-            if spec is None:
-                continue
+        for obj, spec in _pod_specs(objects):
             assert spec["securityContext"]["runAsNonRoot"] and spec["automountServiceAccountToken"] is False
             for c in spec["containers"]:
                 assert set(c["resources"]["requests"]) >= {"cpu", "memory"} <= set(c["resources"]["limits"]), \
                     f"{name}: {c['name']} needs requests and limits"
                 assert c["securityContext"]["allowPrivilegeEscalation"] is False
                 assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+                assert c["securityContext"]["readOnlyRootFilesystem"] is True
                 assert ":" in c["image"] and not c["image"].endswith(":latest")
 
 
-def test_network_policies_admit_only_the_data_plane_rendezvous_coordinator_and_metrics_ports(rendered):
+def _admitted(policy: dict) -> list[tuple[list, set]]:
+    """[(sources, {(port, endPort)})] of each ingress rule."""
+    return [(rule.get("from", []), {(p["port"], p.get("endPort")) for p in rule.get("ports", [])})
+            for rule in policy["spec"]["ingress"]]
+
+
+def test_network_policies_and_node_firewalls_follow_each_datacenters_network_model(rendered):
+    """A routed pod network: a NetworkPolicy admits the other datacenters from where their ranks
+    send (their pod block, or their node block when they use the host network). The host network:
+    NetworkPolicies would do nothing, so none is made and the overlay ships a node firewall."""
+    import k8s_replay as kr
+
+    others = {name: [(o, _senders(rendered[o], o)) for o in rendered if o != name] for name in rendered}
     for name, objects in rendered.items():
-        sts, container, _, _ = _worker(objects)
-        pod = sts["spec"]["template"]["spec"]
-        policy = _one(objects, "NetworkPolicy", "diloco-worker")
-        ports = {(p["port"], p.get("endPort")) for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-        named = {p["containerPort"] for p in container["ports"]}
+        job, container, _, _ = _worker(objects)
+        pod = job["spec"]["template"]["spec"]
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+        mine = [p for p in policies if kr.selects(p["spec"]["podSelector"], labels)]
         sysctls = {s["name"]: s["value"] for s in pod.get("securityContext", {}).get("sysctls", [])}
         if pod.get("hostNetwork"):
+            assert not mine, f"{name}: a NetworkPolicy does nothing for host-network pods"
             assert not sysctls, f"{name}: a host-network pod may not set namespaced sysctls"
-        else:
-            low, high = map(int, sysctls["net.ipv4.ip_local_port_range"].split())
-            assert (low, high) in ports, f"{name}: the data-plane port range {low}-{high} is not admitted"
-        assert {p for p, end in ports if end is None} <= named, f"{name}: {ports} admits a port nothing listens on"
-        if any(o["kind"] == "Deployment" for o in objects):
-            coordinator = _one(objects, "NetworkPolicy", "diloco-coordinator")
-            deployment = _one(objects, "Deployment")
-            cports = {p["containerPort"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
-            admitted = {p["port"] for rule in coordinator["spec"]["ingress"] for p in rule["ports"]}
+            firewall = (KUBERNETES / "overlays" / name / "node-firewall.nft").read_text()
+            for other, block in others[name]:
+                assert block in firewall, f"{name}'s node firewall does not admit {other} ({block})"
+            nft = shutil.which("nft")
+            if nft:  # syntax and semantics, in a network namespace of its own (needs root)
+                check = subprocess.run(["unshare", "--net", nft, "-c", "-f",
+                                        str(KUBERNETES / "overlays" / name / "node-firewall.nft")],
+                                       capture_output=True, text=True, timeout=30)
+                assert check.returncode == 0 or "Operation not permitted" in check.stderr, check.stderr
+            continue
+        assert len(mine) == 1, f"{name}: exactly one NetworkPolicy selects the workers"
+        low, high = map(int, sysctls["net.ipv4.ip_local_port_range"].split())
+        rules = _admitted(mine[0])
+        own = [s for s, ports in rules if (low, high) in ports
+               and any(kr.selects(p.get("podSelector"), labels) and "namespaceSelector" not in p for p in s)]
+        assert own, f"{name}: the group's own pods (Gloo, the data plane's in-group side) are not admitted"
+        for p in (p for s, _ in rules for p in s if "podSelector" in p):
+            assert p["podSelector"]["matchLabels"].get("diloco.dev/group") == labels["diloco.dev/group"], \
+                f"{name}: in-group traffic is admitted from another group's pods"
+        blocks = {p["ipBlock"]["cidr"] for s, ports in rules if (low, high) in ports for p in s if "ipBlock" in p}
+        assert blocks == {block for _, block in others[name]}, \
+            f"{name}: the data plane is admitted from {blocks}, but the other datacenters send from {others[name]}"
+        named = {p["containerPort"] for p in container["ports"]}
+        single = {p for _, ports in rules for p, end in ports if end is None}
+        assert single <= named, f"{name}: admits a port nothing listens on"
+        if any(_component(o) == "coordinator" for o in objects):
+            policy = _one(objects, "NetworkPolicy", "diloco-coordinator")
+            (cjob,) = [o for o in objects if o["kind"] == "Job" and _component(o) == "coordinator"]
+            cports = {p["containerPort"] for p in cjob["spec"]["template"]["spec"]["containers"][0]["ports"]}
+            admitted = {p for _, ports in _admitted(policy) for p, _ in ports}
             assert admitted == cports
+            outside = {p["ipBlock"]["cidr"] for s, _ in _admitted(policy) for p in s if "ipBlock" in p}
+            assert outside == {block for _, block in others[name]}, f"the coordinator admits {outside}"
+            external = [o for o in objects if o["kind"] == "Service" and o["spec"].get("type") == "LoadBalancer"]
+            for svc in external:
+                assert set(svc["spec"]["loadBalancerSourceRanges"]) == outside
+                assert svc["spec"]["externalTrafficPolicy"] == "Local", "the policy must see the clients' addresses"
+    for dc, plan in ADDRESSES.items():  # the plan itself: no two blocks overlap
+        nets = [ipaddress.ip_network(b) for b in plan.values()]
+        assert not any(a.overlaps(b) for i, a in enumerate(nets) for b in nets[i + 1:]), dc
 
 
 def test_overlays_are_listed_for_the_docs():
-    readme = (OVERLAYS[0].parents[2] / "README.md").read_text()
+    readme = (DEPLOY / "README.md").read_text()
     for overlay in OVERLAYS:
         assert f"overlays/{overlay.name}" in readme, f"deploy/README.md does not describe {overlay.name}"
+    for dc, plan in ADDRESSES.items():
+        for block in plan.values():
+            assert block in readme, f"deploy/README.md does not give {dc}'s block {block}"
+
+
+def test_gpu_component_requests_a_gpu_per_rank_and_sees_only_its_own(help_flags):
+    yaml = pytest.importorskip("yaml", reason="PyYAML comes with yamllint (the dev extras)")
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not on PATH (it ships kustomize)")
+    text = subprocess.run([kubectl, "kustomize", str(KUBERNETES / "examples" / "dc-a-gpu")], capture_output=True,
+                          text=True, timeout=60, check=True).stdout
+    objects = [d for d in yaml.safe_load_all(text) if d]
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (in the dev extras)")
+    for obj in objects:
+        kv.validate(obj, kv.latest_version(), strict=True)
+    job, container, _, worker_args = _worker(objects)
+    env = _env(container)
+    ranks = int(env["DILOCO_RANKS_PER_NODE"]["value"])
+    resources = container["resources"]
+    assert int(resources["limits"]["nvidia.com/gpu"]) == int(resources["requests"]["nvidia.com/gpu"]) == ranks
+    assert _flags(worker_args)["--backend"] == "nccl" and set(_flags(worker_args)) <= help_flags["worker"]
+    assert env["NCCL_SOCKET_IFNAME"]["value"] and "NVIDIA_VISIBLE_DEVICES" not in env
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert {f"metrics-{i}" for i in range(ranks)} <= set(ports)
+    assert container["image"].endswith("-cuda") and ":" in container["image"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in job["spec"]["template"]["spec"]["tolerations"])

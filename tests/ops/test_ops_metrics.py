@@ -31,10 +31,22 @@ def _exposed(registry: CollectorRegistry) -> dict[str, str]:
     return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M))
 
 
-def _coordinator_registry(snapshot: dict) -> CollectorRegistry:
+def _coordinator_registry(snapshot: dict, certificates: dict[str, bytes] | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(CoordinatorCollector(lambda: snapshot))
+    registry.register(CoordinatorCollector(lambda: snapshot, certificates))
     return registry
+
+
+@pytest.fixture(scope="module")
+def coordinator_certificates(tmp_path_factory) -> dict[str, bytes]:
+    """A 30-day certificate and its CA, as ``python -m transport.certs`` makes them."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("pki")
+    subprocess.run([sys.executable, "-m", "transport.certs", str(out), "--name", "coordinator", "--days", "30"],
+                   check=True, capture_output=True, timeout=60)
+    return {"cert": (out / "coordinator.pem").read_bytes(), "ca": (out / "ca.pem").read_bytes()}
 
 
 def test_worker_series_are_the_documented_list_and_follow_the_conventions():
@@ -47,10 +59,28 @@ def test_worker_series_are_the_documented_list_and_follow_the_conventions():
             assert ("group", "1") in labels and ("rank", "2") in labels, name
 
 
-def test_coordinator_series_are_the_documented_list_and_follow_the_conventions():
-    exposed = _exposed(_coordinator_registry(SNAPSHOT))
+def test_coordinator_series_are_the_documented_list_and_follow_the_conventions(coordinator_certificates):
+    exposed = _exposed(_coordinator_registry(SNAPSHOT, coordinator_certificates))
     assert exposed == COORDINATOR_SERIES
     _check_conventions(exposed)
+
+
+def test_coordinator_exports_when_its_certificates_expire(coordinator_certificates):
+    import time
+
+    from diloco.coordinator.metrics import certificate_expiry
+
+    samples = _samples(_coordinator_registry(SNAPSHOT, coordinator_certificates))
+    expiry = {dict(labels)["file"]: (dict(labels)["subject"], value) for (name, labels), value in samples.items()
+              if name == "diloco_coordinator_tls_certificate_expiry_timestamp_seconds"}
+    assert set(expiry) == {"cert", "ca"} and "coordinator" in expiry["cert"][0]
+    for _, not_after in expiry.values():
+        assert 29.9 < (not_after - time.time()) / 86400 <= 30.0
+    assert not any(name.endswith("expiry_timestamp_seconds") for name, _ in _samples(_coordinator_registry(SNAPSHOT)))
+    with pytest.raises(ValueError, match="cert: no PEM certificate"):
+        certificate_expiry({"cert": b"not a certificate"})
+    two = coordinator_certificates["ca"] + coordinator_certificates["cert"]  # a CA bundle during a rotation
+    assert len(certificate_expiry({"ca": two})) == 2
 
 
 def _check_conventions(series: dict[str, str]) -> None:

@@ -23,8 +23,10 @@ from prometheus_client.exposition import generate_latest
 from diloco.coordinator.metrics import CoordinatorCollector
 from diloco.runtime.metrics import WorkerMetrics
 
-RULES = DEPLOY / "prometheus" / "diloco-rules.yml"
-RULE_TESTS = DEPLOY / "prometheus" / "diloco-rules.test.yml"
+PROM = DEPLOY / "prometheus"
+RULES = PROM / "diloco-rules.yml"
+RULE_FILES = sorted(p for p in PROM.glob("diloco-*.yml") if not p.name.endswith(".test.yml"))
+RULE_TESTS = PROM / "diloco-rules.test.yml"
 HOW = "Debian: apt-get install prometheus (.ci/run does)"
 SMALL = ["--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--batch-size", "8", "--eval-batches", "4",
          "--warmup-steps", "5"]
@@ -36,8 +38,19 @@ def _promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
 
 
 def test_rules_pass_promtool_check():
-    result = _promtool("check", "rules", str(RULES))
+    assert len(RULE_FILES) >= 4, RULE_FILES
+    result = _promtool("check", "rules", *map(str, RULE_FILES))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_rule_file_is_loaded_by_a_datacenters_prometheus_and_unit_tested():
+    import yaml
+
+    tested = set(yaml.safe_load(RULE_TESTS.read_text())["rule_files"])
+    loaded = set()
+    for config in PROM.glob("prometheus-*.yml"):
+        loaded |= set(yaml.safe_load(config.read_text())["rule_files"])
+    assert {p.name for p in RULE_FILES} == tested == loaded
 
 
 def test_rules_pass_their_promtool_unit_tests():
@@ -45,10 +58,13 @@ def test_rules_pass_their_promtool_unit_tests():
     assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
 
 
-def test_exposition_passes_promtools_metric_linter():
+def test_exposition_passes_promtools_metric_linter(tmp_path):
+    subprocess.run([sys.executable, "-m", "transport.certs", str(tmp_path), "--name", "coordinator"], check=True,
+                   capture_output=True, timeout=60)
+    certs = {"cert": (tmp_path / "coordinator.pem").read_bytes(), "ca": (tmp_path / "ca.pem").read_bytes()}
     worker = WorkerMetrics(group=0, rank=0, codec="int8", link="tcp", zstd=False, chunk_bytes=1 << 20)
     coordinator = CollectorRegistry()
-    coordinator.register(CoordinatorCollector(lambda: SNAPSHOT))
+    coordinator.register(CoordinatorCollector(lambda: SNAPSHOT, certs))
     for registry in (worker.registry, coordinator):
         text = generate_latest(registry).decode()
         result = _promtool("check", "metrics", stdin=text)
@@ -99,7 +115,7 @@ def test_prometheus_scrapes_a_diloco_run_and_answers_queries(tmp_path: Path):
     (prom_port,) = [_free_ports(1)]
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
+        "rule_files": [str(p) for p in RULE_FILES],
         "scrape_configs": [
             {"job_name": "diloco-worker", "static_configs": [
                 {"targets": [f"127.0.0.1:{metrics + g}"], "labels": {"group": str(g)}} for g in (0, 1)],
@@ -155,7 +171,7 @@ def test_prometheus_scrapes_a_diloco_run_and_answers_queries(tmp_path: Path):
         with urllib.request.urlopen(f"{base}/api/v1/rules", timeout=5) as reply:
             groups = json.loads(reply.read())["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        in_file = len(re.findall(r"^\s+- (?:alert|record): ", RULES.read_text(), flags=re.M))
+        in_file = sum(len(re.findall(r"^\s+- (?:alert|record): ", p.read_text(), flags=re.M)) for p in RULE_FILES)
         assert len(rules) == in_file and all(r["health"] == "ok" for r in rules), rules
         sent = _query(base, "max_over_time(diloco_wire_sent_bytes_total[10m])")
         summary = json.loads((tmp_path / "summary.json").read_text())

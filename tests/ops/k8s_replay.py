@@ -1,0 +1,1042 @@
+"""Replay rendered Kubernetes manifests on one machine: the next best check to a cluster.
+
+Kubernetes itself cannot run here, so this runs what the rendered objects declare, as a kubelet
+and the workload controllers would, with the host's Python standing in for the image:
+
+* every pod of a Job (Indexed or not), Deployment or StatefulSet runs its container's command and
+  args (the image's ENTRYPOINT/CMD, ENV and WORKDIR read from the Dockerfile's target where the
+  manifest leaves them out), with ``$(VAR)`` expanded as Kubernetes does, its env (values,
+  fieldRef, resourceFieldRef, secretKeyRef, configMapKeyRef), as ``runAsUser``/``runAsGroup`` with
+  ``fsGroup`` as a supplementary group, without capabilities and with no_new_privs, in a root of its
+  own (read-only when ``readOnlyRootFilesystem``), in its own PID, mount, UTS and IPC namespaces;
+* its volumes: Secrets and ConfigMaps as files with the manifest's modes, owned by root (group
+  ``fsGroup`` when set, as the kubelet makes them), emptyDirs, and PersistentVolumeClaims as
+  folders that outlive the pods (new volumes root-owned 0755, as a fresh file system's root);
+* its network: each datacenter's pods in network namespaces of their own with the addresses the
+  manifests and deploy/README.md assume, ``hostNetwork`` pods in their node's namespace, routed
+  (no address translation) through one router namespace that plays the interconnect and
+  kube-proxy (ClusterIP and LoadBalancer Services are DNAT rules there, ``loadBalancerSourceRanges``
+  enforced), namespaced sysctls, NetworkPolicies (Ingress) as nftables rules in each selected pod's
+  namespace, Services' and pods' names in each pod's /etc/hosts (what cluster DNS would answer);
+* the controllers: a Job's completions, parallelism, podFailurePolicy (exit codes and the
+  DisruptionTarget condition of an eviction), backoffLimit (its delays scaled by ``time_scale``),
+  completion; a Deployment's or StatefulSet's ``restartPolicy: Always`` (containers restarted in
+  place with the crash-loop delays, scaled); PodDisruptionBudgets when draining.
+
+What it cannot honour, and says so in ``UNSUPPORTED``: CPU and memory limits (no cgroups are
+set), probes (not run), scheduling (node selectors, affinities: one node per host-network pod),
+seccomp profiles, image pulls (the host's installation is the image).
+
+Needs root, ``ip``, ``unshare``, ``setpriv``, ``chroot`` and ``nft``. Every namespace, process and
+file it makes is removed by ``close()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+UNSUPPORTED = ("resources (cpu/memory limits are not enforced)", "liveness/readiness/startup probes",
+               "scheduling (nodeSelector, affinity, tolerations)", "seccompProfile", "image pulls")
+
+ROUTER_GW = "169.254.1.1"  # every pod's and node's next hop: the router end of its veth
+
+
+class ReplayError(RuntimeError):
+    """The manifests ask for something the replay cannot do, or a pod cannot be started."""
+
+
+def run(*cmd: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(list(cmd), capture_output=True, text=True, input=input, timeout=60)
+    if check and result.returncode != 0:
+        raise ReplayError(f"{' '.join(cmd)}: exit {result.returncode}: {result.stderr.strip()}")
+    return result
+
+
+# --- the image -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Image:
+    """What a Dockerfile target gives a container: ENTRYPOINT, CMD, ENV, WORKDIR, USER."""
+
+    entrypoint: list[str]
+    cmd: list[str]
+    env: dict[str, str]
+    workdir: str
+    user: str
+
+
+def read_image(dockerfile: Path, target: str) -> Image:
+    """The target stage's settings, following its FROM chain through earlier stages."""
+    stages: dict[str, tuple[str, list[str]]] = {}
+    order: list[str] = []
+    current = None
+    for raw in _logical_lines(dockerfile.read_text()):
+        word, _, rest = raw.partition(" ")
+        if word.upper() == "FROM":
+            parts = rest.split()
+            name = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else f"#{len(order)}"
+            stages[name] = (parts[0], [])
+            order.append(name)
+            current = name
+        elif current is not None:
+            stages[current][1].append(raw)
+    if target not in stages:
+        raise ReplayError(f"{dockerfile}: no stage {target!r} (stages: {order})")
+    chain, name = [], target
+    while name in stages:
+        chain.append(name)
+        name = stages[name][0]
+    image = Image([], [], {}, "/", "root")
+    for name in reversed(chain):
+        for line in stages[name][1]:
+            word, _, rest = line.partition(" ")
+            word = word.upper()
+            if word == "ENV":
+                for key, value in re.findall(r'([A-Za-z_][A-Za-z0-9_]*)=("[^"]*"|\S+)', rest):
+                    value = value.strip('"')
+                    image.env[key] = re.sub(r"\$(\w+)|\$\{(\w+)\}",
+                                            lambda m: image.env.get(m.group(1) or m.group(2), ""), value)
+            elif word == "WORKDIR":
+                image.workdir = rest.strip()
+            elif word == "USER":
+                image.user = rest.strip()
+            elif word in ("ENTRYPOINT", "CMD"):
+                value = json.loads(rest) if rest.strip().startswith("[") else ["/bin/sh", "-c", rest.strip()]
+                if word == "ENTRYPOINT":
+                    image.entrypoint, image.cmd = value, []
+                else:
+                    image.cmd = value
+    return image
+
+
+def _logical_lines(text: str) -> list[str]:
+    out, buf = [], ""
+    for line in text.splitlines():
+        if not buf and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            buf += line.rstrip()[:-1] + " "
+            continue
+        out.append((buf + line).strip())
+        buf = ""
+    return out
+
+
+# --- Kubernetes semantics that are pure functions ------------------------------------------------
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: defined names are replaced, $$ escapes, others stay."""
+    def sub(m: re.Match) -> str:
+        if m.group(0).startswith("$$"):
+            return m.group(0)[1:]
+        name = m.group(1)
+        return env[name] if name in env else m.group(0)
+    return re.sub(r"\$\$\(?|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", sub, value)
+
+
+def quantity(text: str | int | float) -> float:
+    """A Kubernetes quantity (\"250m\", \"4\", \"8Gi\") as a number."""
+    s = str(text)
+    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
+                "Ti": 2**40}
+    for suffix in sorted(suffixes, key=len, reverse=True):
+        if s.endswith(suffix):
+            return float(s[: -len(suffix)]) * suffixes[suffix]
+    return float(s)
+
+
+def selects(selector: dict | None, labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist) against labels;
+    an empty selector selects everything."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def failure_action(job: dict, container: str, exit_code: int, disrupted: bool) -> str:
+    """What a Job does with a failed pod: its podFailurePolicy's first matching rule's action
+    (FailJob, Ignore, Count, FailIndex), Count when none matches or there is no policy."""
+    for rule in (job["spec"].get("podFailurePolicy") or {}).get("rules", []):
+        codes = rule.get("onExitCodes")
+        if codes is not None:
+            if codes.get("containerName") not in (None, container):
+                continue
+            inside = exit_code in codes["values"]
+            if exit_code != 0 and (inside if codes["operator"] == "In" else not inside):
+                return rule["action"]
+        for condition in rule.get("onPodConditions") or []:
+            if condition["type"] == "DisruptionTarget" and disrupted and condition.get("status", "True") == "True":
+                return rule["action"]
+    return "Count"
+
+
+def may_evict(pod_labels: dict[str, str], pod_phase: str, budgets: list[dict], healthy: list[dict]) -> tuple[bool, str]:
+    """Whether the eviction API lets a drain evict a pod: terminal pods always; otherwise every
+    PodDisruptionBudget selecting it must allow one more disruption (an unhealthy pod passes a
+    budget with ``unhealthyPodEvictionPolicy: AlwaysAllow``). ``healthy``: the labels of the
+    namespace's running pods."""
+    if pod_phase in ("Succeeded", "Failed"):
+        return True, "terminal"
+    for pdb in budgets:
+        spec = pdb["spec"]
+        if not selects(spec.get("selector"), pod_labels):
+            continue
+        if (pod_phase != "Running" or pod_labels not in healthy) and spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow":
+            continue
+        matched = [p for p in healthy if selects(spec.get("selector"), p)]
+        allowed = int(spec["maxUnavailable"]) if "maxUnavailable" in spec else len(matched) - int(spec["minAvailable"])
+        if allowed < 1:
+            return False, f"PodDisruptionBudget {pdb['metadata']['name']} allows no disruption"
+    return True, "allowed"
+
+
+# --- network ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Datacenter:
+    """One cluster's address plan: pods on ``pod_cidr``, nodes (host network) on ``node_cidr`` with
+    interface ``node_ifname``, ClusterIPs on ``service_cidr``, load balancers on ``lb_cidr``."""
+
+    name: str
+    pod_cidr: str
+    node_cidr: str
+    service_cidr: str
+    lb_cidr: str
+    node_ifname: str = "eth1"
+    names: dict[str, str] = dataclasses.field(default_factory=dict)  # extra DNS names (e.g. an LB's)
+
+    def __post_init__(self) -> None:
+        self._pods = itertools.islice(ipaddress.ip_network(self.pod_cidr).hosts(), 1, None)
+        self._services = itertools.islice(ipaddress.ip_network(self.service_cidr).hosts(), 9, None)
+        self._lbs = itertools.islice(ipaddress.ip_network(self.lb_cidr).hosts(), 9, None)
+        self.nodes: list[str] = []
+
+    def next_pod_ip(self) -> str:
+        return str(next(self._pods))
+
+    def next_service_ip(self) -> str:
+        return str(next(self._services))
+
+    def next_lb_ip(self) -> str:
+        return str(next(self._lbs))
+
+
+class Network:
+    """The router namespace and every pod's or node's namespace wired to it by a veth pair, with a
+    /32 route each way (so every packet between two of them crosses the router, where the
+    Services' DNAT happens)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.router = f"{prefix}-wan"
+        self.namespaces: list[str] = []
+        self._ids = itertools.count()
+        self._nat: dict[str, str] = {}  # rule set name -> nft statements
+        self._add_ns(self.router)
+        self.exec(self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        self.exec(self.router, "ip", "link", "set", "lo", "up")
+
+    def _add_ns(self, name: str) -> None:
+        run("ip", "netns", "add", name)
+        self.namespaces.append(name)
+
+    def exec(self, ns: str, *cmd: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+        return run("ip", "netns", "exec", ns, *cmd, check=check, input=input)
+
+    def attach(self, name: str, address: str, ifname: str = "eth0") -> str:
+        """A new namespace ``name`` with ``address`` on ``ifname``, routed through the router."""
+        ns = f"{self.prefix}-{name}"
+        self._add_ns(ns)
+        host = f"{self.prefix[:6]}v{next(self._ids)}"
+        run("ip", "link", "add", host, "netns", self.router, "type", "veth", "peer", "name", ifname, "netns", ns)
+        self.exec(self.router, "ip", "addr", "add", f"{ROUTER_GW}/32", "dev", host)
+        self.exec(self.router, "ip", "link", "set", host, "up")
+        self.exec(self.router, "ip", "route", "add", f"{address}/32", "dev", host)
+        self.exec(ns, "ip", "link", "set", "lo", "up")
+        self.exec(ns, "ip", "addr", "add", f"{address}/32", "dev", ifname)
+        self.exec(ns, "ip", "link", "set", ifname, "up")
+        self.exec(ns, "ip", "route", "add", ROUTER_GW, "dev", ifname)
+        self.exec(ns, "ip", "route", "add", "default", "via", ROUTER_GW, "dev", ifname)
+        return ns
+
+    def remove(self, ns: str) -> None:
+        if ns in self.namespaces:
+            self.namespaces.remove(ns)
+            run("ip", "netns", "del", ns, check=False)
+
+    def set_nat(self, key: str, filters: list[str], nat: list[str]) -> None:
+        """Replace one Service's statements in the router: filters (before address translation)
+        and DNAT rules."""
+        self._nat[key] = (filters, nat)
+        f = "\n".join(s for fs, _ in self._nat.values() for s in fs)
+        n = "\n".join(s for _, ns in self._nat.values() for s in ns)
+        ruleset = ("table ip replay\ndelete table ip replay\ntable ip replay {\n"
+                   "  chain sources {\n    type filter hook prerouting priority -200; policy accept;\n"
+                   f"{f}\n  }}\n"
+                   "  chain services {\n    type nat hook prerouting priority dstnat; policy accept;\n"
+                   f"{n}\n  }}\n}}\n")
+        self.exec(self.router, "nft", "-f", "-", input=ruleset)
+
+    def close(self) -> None:
+        for ns in reversed(list(self.namespaces)):
+            run("ip", "netns", "del", ns, check=False)
+        self.namespaces.clear()
+
+
+def policy_ruleset(pod: "Pod", policies: list[dict], peers: Callable[[dict | None, dict | None], list[str]]) -> str:
+    """The nftables table that enforces the Ingress NetworkPolicies selecting ``pod``, in its own
+    namespace (nothing when none selects it). ``peers(podSelector, namespaceSelector)``: the
+    addresses of the pods they select."""
+    mine = [p for p in policies if selects(p["spec"].get("podSelector"), pod.labels)
+            and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    lines = ["table inet replay-policy", "delete table inet replay-policy", "table inet replay-policy {",
+             "  chain input {", "    type filter hook input priority filter; policy accept;"]
+    if mine:
+        lines += ["    ct state established,related accept", "    iif lo accept",
+                  f"    ip saddr {pod.ip} accept"]
+        named = {p["name"]: p["containerPort"] for c in pod.spec["containers"] for p in c.get("ports", [])
+                 if "name" in p}
+        for policy in mine:
+            for rule in policy["spec"].get("ingress") or []:
+                sources: list[str] | None = None  # None: from anywhere
+                if rule.get("from"):
+                    sources = []
+                    for peer in rule["from"]:
+                        if "ipBlock" in peer:
+                            block = peer["ipBlock"]
+                            if block.get("except"):
+                                raise ReplayError("ipBlock.except is not replayed")
+                            sources.append(block["cidr"])
+                        else:
+                            sources += peers(peer.get("podSelector"), peer.get("namespaceSelector"))
+                    if not sources:
+                        continue  # selects no pod now
+                ports = []
+                for p in rule.get("ports") or [None]:
+                    if p is None:
+                        ports.append("")
+                        continue
+                    if p.get("protocol", "TCP") != "TCP":
+                        raise ReplayError("only TCP ports are replayed")
+                    port = p["port"]
+                    if isinstance(port, str):
+                        if port not in named:
+                            continue  # a named port this pod does not have admits nothing here
+                        port = named[port]
+                    ports.append(f"tcp dport {port}-{p['endPort']}" if "endPort" in p else f"tcp dport {port}")
+                src = "" if sources is None else f"ip saddr {{ {', '.join(sources)} }}"
+                lines += ["    " + " ".join(x for x in (src, port, "accept") if x) for port in ports]
+        lines.append("    drop")
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+# --- pods ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Pod:
+    name: str
+    dc: str
+    owner: "Workload"
+    index: int
+    spec: dict
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    hostname: str
+    subdomain: str | None
+    ip: str = ""
+    netns: str = ""
+    node: str | None = None
+    dir: Path = Path()
+    proc: subprocess.Popen | None = None
+    phase: str = "Pending"
+    exit_code: int | None = None
+    restarts: int = 0
+    disrupted: bool = False
+    next_restart: float = 0.0
+    started_at: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "container.log"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def container_pid(self) -> int | None:
+        """The host PID of the container's process (PID 2 of the pod's PID namespace; PID 1 is the
+        shell that set the pod up and records the container's exit code)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        init = _children(self.proc.pid)
+        found = _children(init[0]) if init else []
+        return found[0] if found else None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@dataclasses.dataclass
+class Workload:
+    obj: dict
+    dc: str
+    pods: dict[int, Pod] = dataclasses.field(default_factory=dict)
+    succeeded: set[int] = dataclasses.field(default_factory=set)
+    failures: int = 0
+    status: str = "Running"  # Job: Running, Complete, Failed
+    reason: str = ""
+    next_start: dict[int, float] = dataclasses.field(default_factory=dict)
+    history: list[dict] = dataclasses.field(default_factory=list)  # every pod that ended: name, phase, exit code
+
+    @property
+    def kind(self) -> str:
+        return self.obj["kind"]
+
+    @property
+    def name(self) -> str:
+        return self.obj["metadata"]["name"]
+
+
+class Replay:
+    """Runs the rendered objects of each datacenter (``{datacenter: objects}``) on this machine."""
+
+    def __init__(self, workdir: Path, datacenters: dict[str, Datacenter], rendered: dict[str, list[dict]], *,
+                 secrets: dict[str, dict[str, dict[str, bytes]]], image: Image, repo: Path, time_scale: float = 0.1,
+                 monitoring: dict[str, str] | None = None, node_setup: dict[str, Callable[[str], None]] | None = None,
+                 pod_network: dict[str, bool] | None = None) -> None:
+        if os.geteuid() != 0:
+            raise ReplayError("the replay needs root (network namespaces, mounts, other users)")
+        for tool in ("ip", "unshare", "setpriv", "chroot", "nft"):
+            if shutil.which(tool) is None:
+                raise ReplayError(f"the replay needs {tool} on PATH")
+        self.workdir = workdir
+        self.dcs = datacenters
+        self.rendered = rendered
+        self.secrets = secrets
+        self.image = image
+        self.repo = repo
+        self.time_scale = time_scale
+        self.events: list[str] = []
+        self.pods: list[Pod] = []
+        self.workloads: list[Workload] = []
+        self._lock = threading.RLock()
+        self._t0 = time.monotonic()
+        self.net = Network(f"rp{os.getpid() % 100000}")
+        self._closed = False
+        self._node_setup = node_setup or {}
+        self._node_ns: dict[tuple[str, str], str] = {}
+        self._node_busy: dict[tuple[str, str], str | None] = {}
+        self.service_ips: dict[tuple[str, str], str] = {}
+        self.monitoring: dict[str, tuple[str, str]] = {}  # dc -> (netns, ip) of a pod in namespace monitoring
+        try:
+            for dc, objects in rendered.items():
+                for obj in objects:
+                    if obj["kind"] in ("Job", "Deployment", "StatefulSet"):
+                        self.workloads.append(Workload(obj, dc))
+                    elif obj["kind"] == "Service":
+                        self._plan_service(dc, obj)
+            for dc, ip in (monitoring or {}).items():
+                self.monitoring[dc] = (self.net.attach(f"mon-{dc}", ip), ip)
+                self._event(f"{dc}: a pod of namespace monitoring at {ip}")
+        except BaseException:
+            self.close()
+            raise
+
+    # -- bookkeeping --------------------------------------------------------------------------------
+    def _event(self, text: str) -> None:
+        self.events.append(f"{time.monotonic() - self._t0:7.1f}s {text}")
+
+    def objects(self, dc: str, kind: str) -> list[dict]:
+        return [o for o in self.rendered[dc] if o["kind"] == kind]
+
+    def workload(self, name: str, dc: str | None = None) -> Workload:
+        found = [w for w in self.workloads if w.name == name and (dc is None or w.dc == dc)]
+        if len(found) != 1:
+            raise ReplayError(f"{len(found)} workloads named {name}")
+        return found[0]
+
+    def running(self) -> list[Pod]:
+        return [p for p in self.pods if p.phase == "Running"]
+
+    # -- services and names ----------------------------------------------------------------------------
+    def _plan_service(self, dc: str, svc: dict) -> None:
+        spec = svc["spec"]
+        if spec.get("clusterIP") == "None":
+            return  # headless: names of its pods (hostname.subdomain)
+        key = (dc, svc["metadata"]["name"])
+        self.service_ips[key] = self.dcs[dc].next_service_ip()
+        if spec.get("type") == "LoadBalancer":
+            self.service_ips[(dc, svc["metadata"]["name"] + "@lb")] = self.dcs[dc].next_lb_ip()
+
+    def _hosts(self, pod: Pod) -> str:
+        dc = self.dcs[pod.dc]
+        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
+        if pod.spec.get("hostNetwork"):
+            lines.append(f"{pod.ip} {pod.node}")
+        else:
+            full = f"{pod.hostname}.{pod.subdomain}" if pod.subdomain else pod.hostname
+            lines.append(f"{pod.ip} {full} {pod.hostname}" if full != pod.hostname else f"{pod.ip} {pod.hostname}")
+        for (sdc, name), ip in self.service_ips.items():
+            if sdc == pod.dc and not name.endswith("@lb"):
+                lines.append(f"{ip} {name}")
+        for other in self.running():  # what cluster DNS answers for a headless Service's pods
+            if other.dc == pod.dc and other.subdomain and (other is not pod or pod.spec.get("hostNetwork")):
+                lines.append(f"{other.ip} {other.hostname}.{other.subdomain}")
+        for name, target in dc.names.items():
+            ip = self.service_ips.get(tuple(target.split("/", 1))) if "/" in target else target
+            if ip:
+                lines.append(f"{ip} {name}")
+        return "\n".join(lines) + "\n"
+
+    def _refresh_network(self) -> None:
+        """Rewrite every pod's /etc/hosts, the Services' DNAT rules and the NetworkPolicies' rules
+        for the pods running now (what cluster DNS, kube-proxy and the network plugin keep current)."""
+        with self._lock:
+            for pod in self.running():
+                (pod.dir / "hosts").write_text(self._hosts(pod))
+            for dc, objects in self.rendered.items():
+                for svc in (o for o in objects if o["kind"] == "Service"):
+                    self._service_rules(dc, svc)
+                policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+                for pod in self.running():
+                    if pod.dc == dc and not pod.spec.get("hostNetwork"):
+                        ruleset = policy_ruleset(pod, policies, lambda ps, ns, dc=dc: self._peers(dc, ps, ns))
+                        self.net.exec(pod.netns, "nft", "-f", "-", input=ruleset)
+
+    def _peers(self, dc: str, pod_selector: dict | None, ns_selector: dict | None) -> list[str]:
+        if ns_selector is not None:
+            names = (ns_selector.get("matchLabels") or {}).get("kubernetes.io/metadata.name")
+            if names == "monitoring" and dc in self.monitoring and not pod_selector:
+                return [self.monitoring[dc][1]]
+            if names == "monitoring":
+                return []
+            raise ReplayError(f"namespaceSelector {ns_selector} is not replayed")
+        return [p.ip for p in self.running() if p.dc == dc and selects(pod_selector, p.labels)]
+
+    def _service_rules(self, dc: str, svc: dict) -> None:
+        spec, name = svc["spec"], svc["metadata"]["name"]
+        if spec.get("clusterIP") == "None":
+            return
+        backends = [p for p in self.running() if p.dc == dc and selects({"matchLabels": spec["selector"]}, p.labels)]
+        statements, filters = [], []
+        if backends:
+            pod = backends[0]
+            named = {p["name"]: p["containerPort"] for c in pod.spec["containers"] for p in c.get("ports", [])}
+            for port in spec["ports"]:
+                target = port.get("targetPort", port["port"])
+                target = named[target] if isinstance(target, str) else target
+                statements.append(f"    ip daddr {self.service_ips[(dc, name)]} tcp dport {port['port']} "
+                                  f"dnat to {pod.ip}:{target}")
+                if spec.get("type") == "LoadBalancer":
+                    lb = self.service_ips[(dc, name + "@lb")]
+                    ranges = spec.get("loadBalancerSourceRanges")
+                    if ranges:
+                        filters.append(f"    ip daddr {lb} ip saddr != {{ {', '.join(ranges)} }} drop")
+                    if spec.get("externalTrafficPolicy") != "Local":
+                        raise ReplayError(f"{name}: only externalTrafficPolicy Local (no SNAT) is replayed")
+                    statements.append(f"    ip daddr {lb} tcp dport {port['port']} dnat to {pod.ip}:{target}")
+        self.net.set_nat(f"{dc}/{name}", filters, statements)
+
+    # -- volumes ----------------------------------------------------------------------------------------
+    def _volume(self, pod: Pod, volume: dict, fs_group: int | None, pvcs: Path) -> Path:
+        name = volume["name"]
+        path = pod.dir / "volumes" / name
+        if "persistentVolumeClaim" in volume:
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            if not any(o["metadata"]["name"] == claim for o in self.objects(pod.dc, "PersistentVolumeClaim")):
+                raise ReplayError(f"pod {pod.name}: PersistentVolumeClaim {claim} is not in the manifests")
+            path = pvcs / pod.dc / claim
+            if not path.exists():  # a fresh volume: its file system's root belongs to root
+                path.mkdir(parents=True)
+                path.chmod(0o755)
+                self._event(f"{pod.dc}: bound PersistentVolumeClaim {claim}")
+            if fs_group is not None:
+                for p in [path, *path.rglob("*")]:
+                    os.lchown(p, -1, fs_group)
+                    if not p.is_symlink():
+                        p.chmod(p.stat().st_mode | (0o2770 if p.is_dir() else 0o660))
+            return path
+        if path.exists():
+            return path  # a container restarted in place keeps its pod's volumes
+        path.mkdir(parents=True)
+        if "emptyDir" in volume:
+            path.chmod(0o777)
+            if fs_group is not None:
+                os.chown(path, -1, fs_group)
+                path.chmod(0o2777)
+            return path
+        if "secret" in volume or "configMap" in volume:
+            kind = "secret" if "secret" in volume else "configMap"
+            source = volume[kind]
+            ref = source["secretName"] if kind == "secret" else source["name"]
+            data = self._data(pod.dc, kind, ref)
+            items = source.get("items") or [{"key": k, "path": k} for k in data]
+            for item in items:
+                if item["key"] not in data:
+                    raise ReplayError(f"pod {pod.name}: {kind} {ref} has no key {item['key']}")
+                f = path / item["path"]
+                f.write_bytes(data[item["key"]])
+                mode = item.get("mode", source.get("defaultMode", 0o644))
+                os.chown(f, 0, fs_group if fs_group is not None else 0)
+                f.chmod(mode | 0o440 if fs_group is not None else mode)
+            os.chown(path, 0, fs_group if fs_group is not None else 0)
+            path.chmod(0o2755 if fs_group is not None else 0o755)
+            return path
+        raise ReplayError(f"pod {pod.name}: volume {name} of a kind the replay does not know: {sorted(volume)}")
+
+    def _data(self, dc: str, kind: str, name: str) -> dict[str, bytes]:
+        if kind == "secret":
+            if name not in self.secrets.get(dc, {}):
+                raise ReplayError(f"{dc}: Secret {name} does not exist (CreateContainerConfigError)")
+            return self.secrets[dc][name]
+        for cm in self.objects(dc, "ConfigMap"):
+            if cm["metadata"]["name"] == name:
+                return {k: v.encode() for k, v in (cm.get("data") or {}).items()}
+        raise ReplayError(f"ConfigMap {name} does not exist")
+
+    # -- starting a pod ---------------------------------------------------------------------------------
+    def _env(self, pod: Pod, container: dict) -> dict[str, str]:
+        env = dict(self.image.env)
+        env["HOSTNAME"] = pod.node if pod.spec.get("hostNetwork") else pod.hostname
+        env["HOME"] = "/home/diloco" if self._uid(pod, container) == 10001 else "/"
+        if pod.owner.kind == "Job" and pod.owner.obj["spec"].get("completionMode") == "Indexed":
+            env["JOB_COMPLETION_INDEX"] = str(pod.index)
+        for e in container.get("env") or []:
+            if "value" in e:
+                env[e["name"]] = expand(str(e["value"]), env)
+                continue
+            source = e["valueFrom"]
+            if "fieldRef" in source:
+                env[e["name"]] = self._field(pod, source["fieldRef"]["fieldPath"])
+            elif "resourceFieldRef" in source:
+                ref = source["resourceFieldRef"]
+                target = next(c for c in pod.spec["containers"] if c["name"] == ref.get("containerName", container["name"]))
+                kind, _, res = ref["resource"].partition(".")
+                value = (target.get("resources") or {}).get(kind, {}).get(res)
+                if value is None:
+                    raise ReplayError(f"{pod.name}: {ref['resource']} is not set")
+                env[e["name"]] = str(math.ceil(quantity(value) / quantity(ref.get("divisor", "1"))))
+            elif "secretKeyRef" in source or "configMapKeyRef" in source:
+                kind = "secret" if "secretKeyRef" in source else "configMap"
+                ref = source["secretKeyRef" if kind == "secret" else "configMapKeyRef"]
+                data = self._data(pod.dc, kind, ref["name"])
+                if ref["key"] not in data:
+                    raise ReplayError(f"{pod.name}: {kind} {ref['name']} has no key {ref['key']}")
+                env[e["name"]] = data[ref["key"]].decode()
+            else:
+                raise ReplayError(f"{pod.name}: env {e['name']} from {sorted(source)} is not replayed")
+        return env
+
+    def _field(self, pod: Pod, path: str) -> str:
+        m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+        if m:
+            source = pod.labels if m.group(1) == "labels" else pod.annotations
+            if m.group(2) not in source:
+                raise ReplayError(f"{pod.name}: {path} is not set on the pod")
+            return source[m.group(2)]
+        values = {"metadata.name": pod.name, "metadata.namespace": self._namespace(pod), "status.podIP": pod.ip,
+                  "status.hostIP": pod.ip if pod.spec.get("hostNetwork") else ROUTER_GW,
+                  "spec.nodeName": pod.node or f"{pod.dc}-node-{pod.index}",
+                  "spec.serviceAccountName": pod.spec.get("serviceAccountName", "default")}
+        if path not in values:
+            raise ReplayError(f"{pod.name}: fieldRef {path} is not replayed")
+        return values[path]
+
+    def _namespace(self, pod: Pod) -> str:
+        return pod.owner.obj["metadata"].get("namespace", "default")
+
+    def _uid(self, pod: Pod, container: dict) -> int:
+        ctx = {**(pod.spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
+        if "runAsUser" in ctx:
+            return int(ctx["runAsUser"])
+        user = self.image.user.split(":")[0]
+        return int(user) if user.isdigit() else 0
+
+    def _start(self, pod: Pod) -> None:
+        """Start (or restart in place) the pod's one container."""
+        spec = pod.spec
+        (container,) = spec["containers"]
+        if spec.get("initContainers"):
+            raise ReplayError("init containers are not replayed")
+        pod_ctx = spec.get("securityContext") or {}
+        ctx = {**pod_ctx, **(container.get("securityContext") or {})}
+        uid = self._uid(pod, container)
+        gid = int(ctx.get("runAsGroup", uid if ctx.get("runAsUser") is not None else 0))
+        if ctx.get("runAsNonRoot") and uid == 0:
+            raise ReplayError(f"{pod.name}: runAsNonRoot with uid 0 (CreateContainerConfigError)")
+        fs_group = pod_ctx.get("fsGroup")
+        groups = sorted({int(fs_group)} | {int(g) for g in pod_ctx.get("supplementalGroups", [])}
+                        if fs_group is not None else {int(g) for g in pod_ctx.get("supplementalGroups", [])})
+        volumes = {v["name"]: self._volume(pod, v, fs_group, self.workdir / "pvcs") for v in spec.get("volumes", [])}
+        env = self._env(pod, container)
+        command = container.get("command") or self.image.entrypoint
+        args = container.get("args") if "args" in container else ([] if "command" in container else self.image.cmd)
+        argv = [expand(a, env) for a in [*command, *args]]
+        if not argv:
+            raise ReplayError(f"{pod.name}: nothing to run")
+        (pod.dir / "hosts").write_text(self._hosts(pod))
+        (pod.dir / "passwd").write_text(f"root:x:0:0:root:/root:/bin/sh\ndiloco:x:10001:10001::/home/diloco:/usr/sbin/nologin\n")
+        (pod.dir / "group").write_text("root:x:0:\ndiloco:x:10001:\n")
+        root = pod.dir / "root"
+        root.mkdir(exist_ok=True)
+        prefixes = sorted({sys.prefix, sys.base_prefix})
+        mounts = []
+        for m in container.get("volumeMounts", []):
+            if m.get("subPath"):
+                raise ReplayError("subPath mounts are not replayed")
+            src = volumes[m["name"]]
+            mounts.append((str(src), m["mountPath"], bool(m.get("readOnly")), m["mountPath"] == "/dev/shm"))
+        script = self._setup_script(root, pod, prefixes, mounts, bool(ctx.get("readOnlyRootFilesystem")))
+        env_args = [f"{k}={v}" for k, v in env.items()]
+        workdir = container.get("workingDir") or self.image.workdir
+        caps = ["--inh-caps=-all", "--bounding-set=-all"]
+        if ctx.get("capabilities", {}).get("add"):
+            raise ReplayError("added capabilities are not replayed")
+        exec_line = ["exec", "chroot", str(root), "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={gid}",
+                     f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", *caps,
+                     *(["--no-new-privs"] if ctx.get("allowPrivilegeEscalation") is False else []),
+                     "/usr/bin/env", "-i", "-C", workdir, *env_args, *argv]
+        exit_file = shlex.quote(str(pod.dir / "exit_code"))
+        (pod.dir / "setup.sh").write_text(
+            script + " ".join(shlex.quote(a) for a in exec_line[1:]) + " &\n"  # the container: PID 2, this shell's child
+            f"set +e\nexec 2>/dev/null\nwait $!\ncode=$?\necho $code > {exit_file}\nexit $code\n")
+        unshare = ["unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "--kill-child", "--propagation", "private",
+                   "/bin/sh", "-e", str(pod.dir / "setup.sh")]
+        cmd = ["ip", "netns", "exec", pod.netns, *unshare]
+        log = open(pod.log, "ab")
+        try:
+            pod.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        finally:
+            log.close()
+        pod.phase, pod.exit_code, pod.started_at = "Running", None, time.monotonic()
+        (pod.dir / "argv.json").write_text(json.dumps({"argv": argv, "env": sorted(env), "uid": uid, "gid": gid,
+                                                      "groups": groups}))
+        self._event(f"{pod.dc}: started pod {pod.name} ({pod.ip}{', host network' if spec.get('hostNetwork') else ''})"
+                    f" as {uid}:{gid} groups {groups}: {' '.join(argv[:3])} ...")
+
+    def _setup_script(self, root: Path, pod: Pod, prefixes: list[str], mounts: list, read_only: bool) -> str:
+        """Shell run as root in the pod's new namespaces: builds its root file system from the host's
+        (read-only) with the installation at its own path and at /opt/venv (the image's), the pod's
+        /etc files and volumes, then the exec line follows."""
+        q = shlex.quote
+        r = q(str(root))
+        lines = ["set -e", "mount --make-rprivate /", f"mount -t tmpfs -o mode=0755 tmpfs {r}"]
+        for d in ("usr", "etc", "proc", "sys", "dev", "opt/venv", "root", "home/diloco", "tmp", "var", "run"):
+            lines.append(f"mkdir -p {r}/{d}")
+        for link in ("bin", "lib", "lib64", "sbin"):
+            target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
+            if target:
+                lines.append(f"ln -s {q(target)} {r}/{link}")
+            elif os.path.isdir(f"/{link}"):
+                lines += [f"mkdir -p {r}/{link}", f"mount --rbind -o ro /{link} {r}/{link}"]
+        upper, work = pod.dir / "etc-upper", pod.dir / "etc-work"
+        lines += [f"mount --bind /usr {r}/usr", f"mount -o remount,bind,ro {r}/usr",
+                  f"mkdir -p {q(str(upper))} {q(str(work))}",  # the host's /etc, below what the pod adds
+                  f"mount -t overlay overlay -o lowerdir=/etc,upperdir={q(str(upper))},workdir={q(str(work))} {r}/etc"]
+        for name in ("hosts", "passwd", "group"):
+            lines.append(f"mount --bind {q(str(pod.dir / name))} {r}/etc/{name}")
+        lines += [f"mount --rbind /sys {r}/sys", f"mount --rbind /dev {r}/dev", f"mount -t proc proc {r}/proc"]
+        for prefix in prefixes:
+            lines += [f"mkdir -p {r}{q(prefix)}", f"mount --bind {q(prefix)} {r}{q(prefix)}",
+                      f"mount -o remount,bind,ro {r}{q(prefix)}"]
+        lines += [f"mount --bind {q(sys.prefix)} {r}/opt/venv", f"mount -o remount,bind,ro {r}/opt/venv"]
+        repo = str(self.repo)
+        lines += [f"mkdir -p {r}{q(repo)}", f"mount --bind {q(repo)} {r}{q(repo)}",
+                  f"mount -o remount,bind,ro {r}{q(repo)}"]
+        lines.append(f"chown 10001:10001 {r}/home/diloco")
+        for src, target, ro, shm in mounts:
+            t = f"{r}{q(target)}"
+            lines.append(f"mkdir -p {t}")
+            if shm:
+                lines.append(f"mount -t tmpfs -o mode=1777,size=1g tmpfs {t}")
+            else:
+                lines.append(f"mount --bind {q(src)} {t}")
+                if ro:
+                    lines.append(f"mount -o remount,bind,ro {t}")
+        if pod.spec.get("hostNetwork"):
+            lines.append(f"hostname {q(pod.node or 'node')}")
+        else:
+            lines.append(f"hostname {q(pod.hostname)}")
+        if read_only:
+            lines.append(f"mount -o remount,ro {r}")
+        return "\n".join(lines) + "\n"
+
+    def _new_pod(self, w: Workload, index: int) -> Pod:
+        template = w.obj["spec"]["template"]
+        labels = dict(template["metadata"].get("labels") or {})
+        annotations = dict(template["metadata"].get("annotations") or {})
+        spec = json.loads(json.dumps(template["spec"]))
+        subdomain = spec.get("subdomain")
+        attempt = sum(1 for p in self.pods if p.owner is w and p.index == index)
+        if w.kind == "Job":
+            labels.update({"batch.kubernetes.io/job-name": w.name, "job-name": w.name})
+            if w.obj["spec"].get("completionMode") == "Indexed":
+                labels["batch.kubernetes.io/job-completion-index"] = str(index)
+                annotations["batch.kubernetes.io/job-completion-index"] = str(index)
+                hostname = f"{w.name}-{index}"
+            else:
+                hostname = f"{w.name}-{attempt}"
+            name = f"{w.name}-{index}-r{attempt}"
+        elif w.kind == "StatefulSet":
+            name = hostname = f"{w.name}-{index}"
+            labels["apps.kubernetes.io/pod-index"] = str(index)
+            labels["statefulset.kubernetes.io/pod-name"] = name
+            subdomain = w.obj["spec"].get("serviceName")
+        else:
+            name = hostname = f"{w.name}-{index}"
+        pod = Pod(name=name, dc=w.dc, owner=w, index=index, spec=spec, labels=labels, annotations=annotations,
+                  hostname=spec.get("hostname", hostname), subdomain=subdomain)
+        pod.dir = self.workdir / "pods" / name
+        pod.dir.mkdir(parents=True)
+        dc = self.dcs[w.dc]
+        if spec.get("hostNetwork"):
+            node = next((n for n in dc.nodes if self._node_busy.get((w.dc, n)) is None), None)
+            if node is None:
+                node_ip = str(list(ipaddress.ip_network(dc.node_cidr).hosts())[10 + len(dc.nodes)])
+                node = f"{w.dc}-node-{len(dc.nodes)}"
+                ns = self.net.attach(node, node_ip, ifname=dc.node_ifname)
+                self._node_ns[(w.dc, node)] = ns
+                dc.nodes.append(node)
+                self._event(f"{w.dc}: node {node} at {node_ip} on {dc.node_ifname}")
+                for setup in [self._node_setup.get(w.dc)]:
+                    if setup is not None:
+                        setup(ns)
+            pod.node, pod.netns = node, self._node_ns[(w.dc, node)]
+            pod.ip = self.net.exec(pod.netns, "ip", "-4", "-o", "addr", "show", "dev", dc.node_ifname).stdout.split()[3].split("/")[0]
+            self._node_busy[(w.dc, node)] = name
+            if spec.get("securityContext", {}).get("sysctls"):
+                raise ReplayError(f"{name}: a host-network pod may not set namespaced sysctls (the kubelet refuses it)")
+        else:
+            pod.ip = dc.next_pod_ip()
+            pod.netns = self.net.attach(name, pod.ip)
+            for s in (spec.get("securityContext") or {}).get("sysctls", []):
+                self.net.exec(pod.netns, "sysctl", "-qw", f"{s['name']}={s['value']}")
+        self.pods.append(pod)
+        return pod
+
+    # -- controllers ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            for w in self.workloads:
+                self._reconcile(w)
+            self._refresh_network()
+
+    def _reconcile(self, w: Workload) -> None:
+        spec = w.obj["spec"]
+        now = time.monotonic()
+        if w.kind == "Job":
+            if w.status != "Running":
+                return
+            completions = int(spec.get("completions", 1))
+            running = {i for i, p in w.pods.items() if p.phase == "Running"}
+            budget = int(spec.get("parallelism", 1)) - len(running)
+            for i in range(completions):
+                if budget <= 0:
+                    break
+                if i in w.succeeded or i in running or now < w.next_start.get(i, 0.0):
+                    continue
+                pod = self._new_pod(w, i)
+                w.pods[i] = pod
+                self._start(pod)
+                budget -= 1
+        else:
+            replicas = int(spec.get("replicas", 1))
+            for i in range(replicas):
+                pod = w.pods.get(i)
+                if pod is None:
+                    pod = w.pods[i] = self._new_pod(w, i)
+                    self._start(pod)
+                elif pod.phase != "Running" and now >= pod.next_restart:
+                    pod.restarts += 1
+                    self._start(pod)  # restartPolicy Always: the same pod, a new container
+
+    def tick(self) -> None:
+        """Collect exited containers and act as the controllers do; call it often."""
+        changed = False
+        with self._lock:
+            for pod in list(self.pods):
+                if pod.phase != "Running" or pod.proc is None or pod.proc.poll() is None:
+                    continue
+                recorded = pod.dir / "exit_code"
+                if not recorded.exists():  # the pod's setup failed: the replay's fault, not the pod's
+                    raise ReplayError(f"pod {pod.name} could not be set up (exit {pod.proc.returncode}):\n"
+                                      f"{pod.log_text()[-3000:]}")
+                code = int(recorded.read_text())  # the container's own status (128 + N: killed by signal N)
+                recorded.unlink()
+                pod.exit_code = code
+                changed = True
+                self._exited(pod, code)
+            for w in self.workloads:
+                before = len(self.running())
+                self._reconcile(w)
+                changed |= len(self.running()) != before
+            if changed:
+                self._refresh_network()
+
+    def _exited(self, pod: Pod, code: int) -> None:
+        w = pod.owner
+        restart_policy = pod.spec.get("restartPolicy", "Always")
+        if w.kind == "Job" and restart_policy not in ("Never", "OnFailure"):
+            raise ReplayError(f"Job {w.name}: restartPolicy {restart_policy} is invalid for a Job")
+        if w.kind != "Job":
+            pod.phase = "Waiting"  # CrashLoopBackOff between restarts
+            delay = min(10.0 * 2 ** min(pod.restarts, 5), 300.0) * self.time_scale
+            pod.next_restart = time.monotonic() + delay
+            self._event(f"{pod.dc}: container of {pod.name} exited {code}; restarting in {delay:.1f}s "
+                        f"(restartPolicy Always, restart {pod.restarts + 1})")
+            return
+        self._release(pod)
+        pod.phase = "Succeeded" if code == 0 else "Failed"
+        w.history.append({"pod": pod.name, "index": pod.index, "phase": pod.phase, "exit_code": code})
+        if code == 0:
+            w.succeeded.add(pod.index)
+            self._event(f"{pod.dc}: pod {pod.name} Succeeded")
+            if len(w.succeeded) == int(w.obj["spec"].get("completions", 1)):
+                w.status = "Complete"
+                self._event(f"{pod.dc}: Job {w.name} Complete (ttlSecondsAfterFinished: "
+                            f"{w.obj['spec'].get('ttlSecondsAfterFinished', 'unset')})")
+            return
+        (container,) = pod.spec["containers"]
+        action = failure_action(w.obj, container["name"], code, pod.disrupted)
+        self._event(f"{pod.dc}: pod {pod.name} Failed, exit {code}: podFailurePolicy action {action}")
+        if action == "FailJob":
+            self._fail_job(w, f"pod {pod.name} exited {code}: the podFailurePolicy fails the Job")
+        elif action == "Count":
+            w.failures += 1
+            if w.failures > int(w.obj["spec"].get("backoffLimit", 6)):
+                self._fail_job(w, f"backoffLimit {w.obj['spec'].get('backoffLimit', 6)} reached")
+            else:
+                delay = min(10.0 * 2 ** (w.failures - 1), 360.0) * self.time_scale
+                w.next_start[pod.index] = time.monotonic() + delay
+        elif action == "Ignore":
+            w.next_start[pod.index] = time.monotonic()
+        else:
+            raise ReplayError(f"podFailurePolicy action {action} is not replayed")
+
+    def _fail_job(self, w: Workload, reason: str) -> None:
+        w.status, w.reason = "Failed", reason
+        self._event(f"{w.dc}: Job {w.name} Failed: {reason}")
+        for pod in w.pods.values():
+            if pod.phase == "Running":
+                self.kill(pod, signal.SIGKILL, wait=True)
+                pod.phase = "Failed"
+
+    def _release(self, pod: Pod) -> None:
+        if pod.node is not None:
+            self._node_busy[(pod.dc, pod.node)] = None
+        elif pod.netns:
+            self.net.remove(pod.netns)
+
+    # -- actions -----------------------------------------------------------------------------------------
+    def kill(self, pod: Pod, sig: int = signal.SIGKILL, *, wait: bool = False) -> None:
+        """Send sig to the pod's container (as the kubelet would: SIGKILL kills it at once)."""
+        if pod.proc is None or pod.proc.poll() is not None:
+            return
+        pid = pod.container_pid()
+        if pid is not None:
+            os.kill(pid, sig)
+        elif sig == signal.SIGKILL:
+            pod.proc.kill()
+        self._event(f"{pod.dc}: sent {signal.Signals(sig).name} to pod {pod.name}")
+        if wait:
+            pod.proc.wait(30)
+
+    def evict(self, pod: Pod) -> tuple[bool, str]:
+        """A drain's eviction of ``pod``: refused when a PodDisruptionBudget forbids it; otherwise the
+        pod gets the DisruptionTarget condition and SIGTERM, then SIGKILL after its grace period."""
+        budgets = [o for o in self.rendered[pod.dc] if o["kind"] == "PodDisruptionBudget"]
+        healthy = [p.labels for p in self.running() if p.dc == pod.dc]
+        ok, why = may_evict(pod.labels, pod.phase, budgets, healthy)
+        if not ok or pod.phase != "Running":
+            return ok, why
+        pod.disrupted = True
+        self.kill(pod, signal.SIGTERM)
+        grace = float(pod.spec.get("terminationGracePeriodSeconds", 30)) * self.time_scale
+        try:
+            pod.proc.wait(max(grace, 1.0))
+        except subprocess.TimeoutExpired:
+            self.kill(pod, signal.SIGKILL, wait=True)
+        return True, why
+
+    def drain_blockers(self) -> list[str]:
+        """The pods (of any Job/Deployment/StatefulSet) a drain could not evict now, with why."""
+        out = []
+        for pod in self.pods:
+            if pod.owner.pods.get(pod.index) is not pod:
+                continue  # replaced
+            budgets = [o for o in self.rendered[pod.dc] if o["kind"] == "PodDisruptionBudget"]
+            healthy = [p.labels for p in self.running() if p.dc == pod.dc]
+            ok, why = may_evict(pod.labels, pod.phase, budgets, healthy)
+            if not ok:
+                out.append(f"{pod.name}: {why}")
+        return out
+
+    def wait_for(self, what: str, predicate: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.tick()
+            if predicate():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"replay: timed out after {timeout_s:g}s waiting for {what}\n{self.report()}")
+
+    def exec_in(self, dc: str, *cmd: str, timeout_s: float = 20.0) -> subprocess.CompletedProcess:
+        """Run a command as root in datacenter dc's monitoring pod's network namespace."""
+        ns, _ = self.monitoring[dc]
+        return subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True, timeout=timeout_s)
+
+    def report(self, tail: int = 25) -> str:
+        lines = ["events:", *self.events[-60:], "pods:"]
+        for pod in self.pods:
+            lines.append(f"  {pod.dc} {pod.name} {pod.phase} exit={pod.exit_code} restarts={pod.restarts} ip={pod.ip}")
+            lines += [f"    | {line}" for line in pod.log_text().splitlines()[-tail:]]
+        return "\n".join(lines)
+
+    # -- teardown ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pod in self.pods:
+            if pod.proc is not None and pod.proc.poll() is None:
+                init = _children(pod.proc.pid)
+                for pid in init[:1]:  # the pod's PID 1: every process of the pod dies with it
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                pod.proc.kill()
+        for pod in self.pods:
+            if pod.proc is not None:
+                try:
+                    pod.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.net.close()

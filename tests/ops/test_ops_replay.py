@@ -1,0 +1,228 @@
+"""The manifest replay: deploy/kubernetes's overlays, run as a cluster would run them, on one machine.
+
+``k8s_replay`` runs every pod of both datacenters' rendered overlays (the coordinator's Job, each
+group's Indexed Job) as its manifest says: command and args, user, group and fsGroup, Secrets and
+ConfigMaps as files with their modes, env, volumes (a PersistentVolumeClaim per group that outlives
+the pods), each datacenter's pods in network namespaces with the addresses deploy/README.md
+assumes, NetworkPolicies, dc-b's node firewall and sysctls, and the Jobs' podFailurePolicy and
+backoff. The test then plays an operator's day: the job starts and trains; a drain cannot evict a
+running rank; a killed worker pod is replaced and heals; losing every group's pods leads to a
+resume from the checkpoint volumes; every worker pod ends Succeeded, the Jobs complete, and drains
+are no longer blocked. Every pod's log is JSON, line by line, and shows progress.
+
+What the replay changes, to fit two cores in about two minutes (``_scaled``): one node per group,
+one CPU requested, a small model and 2,000 steps in job.toml. Everything else is as rendered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from ops_helpers import DEPLOY, OVERLAYS, ROOT
+
+import k8s_replay as kr
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+# The address plan of deploy/README.md ("Addresses the manifests assume")
+DATACENTERS = {
+    "dc-a": dict(pod_cidr="10.10.0.0/16", node_cidr="10.12.0.0/16", service_cidr="10.96.0.0/16",
+                 lb_cidr="10.11.0.0/24"),
+    "dc-b": dict(pod_cidr="10.20.0.0/16", node_cidr="10.21.0.0/16", service_cidr="10.97.0.0/16",
+                 lb_cidr="10.22.0.0/24", node_ifname="eth1",
+                 names={"coordinator.dc-a.example.net": "dc-a/diloco-coordinator-external@lb"}),
+}
+MONITORING = {"dc-a": "10.10.200.1", "dc-b": "10.20.200.1"}  # a Prometheus pod in each cluster's pod network
+STEPS, EVERY = 2000, 100  # [train] steps and checkpoint_every in the replay
+
+
+def _need_replay() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the replay needs root: network namespaces, mounts and a second user (uid 10001)")
+    for tool, how in (("ip", "iproute2"), ("unshare", "util-linux"), ("setpriv", "util-linux"),
+                      ("chroot", "coreutils"), ("nft", "apt-get install nftables"),
+                      ("kubectl", "it ships kustomize: https://kubernetes.io/docs/tasks/tools/")):
+        if shutil.which(tool) is None:
+            pytest.skip(f"the replay needs {tool} on PATH ({how})")
+    probe = subprocess.run(["unshare", "--net", "nft", "list", "ruleset"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"nftables does not work in a new network namespace here: {probe.stderr.strip()}")
+
+
+def _scaled(rendered: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The rendered objects, with each group on one node and one CPU and a small, short job."""
+    out = json.loads(json.dumps(rendered))
+    for objects in out.values():
+        for obj in objects:
+            if obj["kind"] == "Job" and obj["spec"]["template"]["metadata"]["labels"].get(
+                    "app.kubernetes.io/component") == "worker":
+                obj["spec"]["completions"] = obj["spec"]["parallelism"] = 1
+                (container,) = obj["spec"]["template"]["spec"]["containers"]
+                for e in container["env"]:
+                    if e["name"] == "DILOCO_NODES":
+                        e["value"] = "1"
+                container["resources"] = {"requests": {"cpu": "1", "memory": "2Gi"},
+                                          "limits": {"cpu": "1", "memory": "2Gi"}}
+            if obj["kind"] == "ConfigMap" and "job.toml" in obj.get("data", {}):
+                job = tomllib.loads(obj["data"]["job.toml"])
+                job["model"].update(n_layer=2, n_head=2, n_embd=64, block_size=64)
+                job["data"].update(batch_size=16, eval_batches=2)
+                job["inner"].update(warmup_steps=5)
+                job["sync"].update(h=10)
+                job["topology"].update(group_sizes="1,1")
+                job["train"].update(steps=STEPS, log_every=50, checkpoint_every=EVERY)
+                obj["data"]["job.toml"] = _toml(job)
+    return out
+
+
+def _toml(doc: dict) -> str:
+    lines = []
+    for section, values in doc.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _secrets(tmp: Path) -> dict[str, dict[str, dict[str, bytes]]]:
+    """The Secrets deploy/README.md says to create, in each datacenter."""
+    pki = tmp / "pki"
+    subprocess.run([sys.executable, "-m", "transport.certs", str(pki), "--name", "dc-a", "--name", "dc-b",
+                    "--name", "coordinator", "--san", "diloco-coordinator", "--san", "coordinator.dc-a.example.net"],
+                   check=True, capture_output=True, timeout=60)
+    shared = {"data-plane-secret": os.urandom(32).hex().encode(), "coordinator-token": os.urandom(16).hex().encode()}
+
+    def tls(name: str) -> dict[str, bytes]:
+        return {"tls.crt": (pki / f"{name}.pem").read_bytes(), "tls.key": (pki / f"{name}.key").read_bytes(),
+                "ca.crt": (pki / "ca.pem").read_bytes()}
+
+    return {"dc-a": {"diloco-secrets": shared, "diloco-tls": tls("dc-a"), "diloco-coordinator-tls": tls("coordinator")},
+            "dc-b": {"diloco-secrets": shared, "diloco-tls": tls("dc-b")}}
+
+
+def _node_setup(ns: str) -> None:
+    """Datacenter B's documented node settings: its sysctl file and firewall."""
+    for line in (DEPLOY / "kubernetes" / "overlays" / "dc-b" / "node-sysctl.conf").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, value = (x.strip() for x in line.split("=", 1))
+            kr.run("ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}")
+    kr.run("ip", "netns", "exec", ns, "nft", "-f", str(DEPLOY / "kubernetes" / "overlays" / "dc-b" / "node-firewall.nft"))
+
+
+def _step_done(replay: kr.Replay, dc: str, claim: str, group: int, step: int) -> bool:
+    return (replay.workdir / "pvcs" / dc / claim / f"step-{step:06d}" / f"group-{group}.json").exists()
+
+
+def _newest(replay: kr.Replay, dc: str, claim: str, group: int) -> int:
+    folder = replay.workdir / "pvcs" / dc / claim
+    steps = [int(p.parent.name.split("-")[1]) for p in folder.glob(f"step-*/group-{group}.json")] if folder.exists() else []
+    return max(steps, default=0)
+
+
+def _fetch(replay: kr.Replay, dc: str, url: str, timeout_s: float = 10.0) -> int:
+    """HTTP status of GET url from datacenter dc's monitoring pod (0: no connection within timeout_s)."""
+    code = ("import sys, urllib.request\ntry:\n    print(urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])).status)\n"
+            "except Exception as e:\n    print(getattr(e, 'code', 0)); print(repr(e), file=sys.stderr)")
+    out = replay.exec_in(dc, sys.executable, "-c", code, url, str(timeout_s), timeout_s=timeout_s + 20)
+    if out.stderr.strip():
+        print(f"fetch {url} from {dc}: {out.stderr.strip()[-500:]}")
+    return int(out.stdout.strip() or 0)
+
+
+@pytest.fixture
+def replay(tmp_path: Path, rendered):
+    _need_replay()
+    workdir = tmp_path / "replay"
+    workdir.mkdir()
+    datacenters = {name: kr.Datacenter(name, **plan) for name, plan in DATACENTERS.items()}
+    assert set(datacenters) == {o.name for o in OVERLAYS}, "the replay's address plan names every overlay"
+    r = kr.Replay(workdir, datacenters, _scaled(rendered), secrets=_secrets(tmp_path),
+                  image=kr.read_image(ROOT / "Dockerfile", "cpu"), repo=ROOT, monitoring=MONITORING,
+                  node_setup={"dc-b": _node_setup})
+    try:
+        yield r
+    finally:
+        r.close()
+        shutil.rmtree(workdir, ignore_errors=True)  # files of uid 10001 included
+
+
+def test_replayed_job_trains_survives_a_killed_pod_and_the_loss_of_every_group_and_completes(replay):
+    r = replay
+    coordinator = r.workload("diloco-coordinator", "dc-a")
+    groups = {0: r.workload("diloco-group-0", "dc-a"), 1: r.workload("diloco-group-1", "dc-b")}
+    claims = {0: ("dc-a", "diloco-checkpoints-0"), 1: ("dc-b", "diloco-checkpoints-1")}
+    t0 = time.monotonic()
+    r.start()
+
+    # 1. the job starts and trains: both groups write their first checkpoint to their volume
+    r.wait_for("the first checkpoint of both groups",
+               lambda: all(_step_done(r, *claims[g], g, EVERY) for g in groups)
+               or coordinator.status == "Failed" or any(w.status == "Failed" for w in groups.values()), 150)
+    assert coordinator.status == "Running" and all(w.status == "Running" for w in groups.values()), r.report()
+
+    # every local rank's metrics port answers the monitoring namespace; the other datacenter gets nothing
+    for g, w in groups.items():
+        pod = w.pods[0]
+        ports = [p["containerPort"] for p in pod.spec["containers"][0]["ports"] if p["name"].startswith("metrics-")]
+        assert ports, "each local rank's metrics port is declared"
+        for port in ports:
+            assert _fetch(r, pod.dc, f"http://{pod.ip}:{port}/metrics") == 200, f"group {g} :{port}\n{r.report()}"
+    a_pod = groups[0].pods[0]
+    assert _fetch(r, "dc-b", f"http://{a_pod.ip}:9300/metrics", 3) == 0, "dc-a's NetworkPolicy admits metrics from dc-b"
+    coord = coordinator.pods[0]
+    assert _fetch(r, "dc-a", f"http://{coord.ip}:9400/healthz") == 200, r.report()
+
+    # a drain cannot evict a running rank or the coordinator
+    blockers = r.drain_blockers()
+    assert any("diloco-group-0" in b for b in blockers) and any("diloco-coordinator" in b for b in blockers), blockers
+
+    # 2. a killed worker pod is replaced (counted against backoffLimit) and heals from the other group
+    killed = groups[1].pods[0]
+    r.kill(killed, signal.SIGKILL)
+    r.wait_for("group 1's replacement pod", lambda: groups[1].pods[0] is not killed
+               and groups[1].pods[0].phase == "Running", 60)
+    assert groups[1].history[-1]["exit_code"] == 137 and groups[1].failures == 1
+    healer = groups[1].pods[0]
+    r.wait_for("group 1 to heal", lambda: "healed from group 0" in healer.log_text() or healer.phase != "Running", 90)
+    assert healer.phase == "Running", r.report()
+
+    # 3. every group lost at once: the new pods resume from their checkpoint volumes
+    r.wait_for("a checkpoint after the heal", lambda: min(_newest(r, *claims[g], g) for g in groups) >= 3 * EVERY
+               or healer.phase != "Running", 120)
+    resumable = min(_newest(r, *claims[g], g) for g in groups)
+    lost = [w.pods[0] for w in groups.values()]
+    for pod in lost:
+        r.kill(pod, signal.SIGKILL)
+    r.wait_for("both groups' replacement pods", lambda: all(w.pods[0] not in lost and w.pods[0].phase != "Pending"
+                                                            for w in groups.values()), 60)
+
+    # 4. the job finishes: every worker pod Succeeded, both Jobs and the coordinator's complete
+    r.wait_for("the Jobs to finish", lambda: all(w.status != "Running" for w in [coordinator, *groups.values()]), 180)
+    assert coordinator.status == "Complete" and all(w.status == "Complete" for w in groups.values()), r.report()
+    for w in groups.values():
+        assert all(p.phase == "Succeeded" for p in w.pods.values()), r.report()
+    for g, w in groups.items():
+        log = w.pods[0].log_text()
+        assert f"resumed from" in log and f"step-{resumable:06d}" in log, f"group {g} did not resume:\n{r.report()}"
+    assert r.drain_blockers() == [], "finished pods must not block drains"
+
+    # logs: JSON on every line of every pod, progress lines while training, the coordinator's summary
+    for pod in r.pods:
+        for line in pod.log_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                pytest.fail(f"{pod.name}: a line that is not JSON: {line!r}")
+            assert {"ts", "level", "msg"} <= set(record), line
+    progress = [json.loads(line) for line in groups[0].pods[0].log_text().splitlines() if '"progress"' in line]
+    assert progress, "workers print progress lines"
+    assert any("summary" in json.loads(line).get("msg", "") for line in coordinator.pods[0].log_text().splitlines())
+    print(f"replay: {time.monotonic() - t0:.1f} s\n" + "\n".join(r.events))
