@@ -449,11 +449,14 @@ class Replay:
         self._t0 = time.monotonic()
         self.net = Network(f"rp{os.getpid() % 100000}")
         self._closed = False
+        self._spawned: list[subprocess.Popen] = []
         self._node_setup = node_setup or {}
         self._node_ns: dict[tuple[str, str], str] = {}
         self._node_busy: dict[tuple[str, str], str | None] = {}
         self.service_ips: dict[tuple[str, str], str] = {}
         self.monitoring: dict[str, tuple[str, str]] = {}  # dc -> (netns, ip) of a pod in namespace monitoring
+        #: called (with this replay) whenever the set of running pods changed, after the network follows
+        self.on_change: list[Callable[["Replay"], None]] = []
         try:
             for dc, objects in rendered.items():
                 for obj in objects:
@@ -528,6 +531,8 @@ class Replay:
                     if pod.dc == dc and not pod.spec.get("hostNetwork"):
                         ruleset = policy_ruleset(pod, policies, lambda ps, ns, dc=dc: self._peers(dc, ps, ns))
                         self.net.exec(pod.netns, "nft", "-f", "-", input=ruleset)
+            for hook in self.on_change:
+                hook(self)
 
     def _peers(self, dc: str, pod_selector: dict | None, ns_selector: dict | None) -> list[str]:
         if ns_selector is not None:
@@ -1012,6 +1017,16 @@ class Replay:
         ns, _ = self.monitoring[dc]
         return subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True, timeout=timeout_s)
 
+    def spawn_in(self, dc: str, *cmd: str, log: Path) -> subprocess.Popen:
+        """Start a long-running process as root in dc's monitoring pod's network namespace (a
+        Prometheus server); close() stops it."""
+        ns, _ = self.monitoring[dc]
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self._spawned.append(proc)
+        return proc
+
     def report(self, tail: int = 25) -> str:
         lines = ["events:", *self.events[-60:], "pods:"]
         for pod in self.pods:
@@ -1024,6 +1039,13 @@ class Replay:
         if self._closed:
             return
         self._closed = True
+        for proc in self._spawned:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         for pod in self.pods:
             if pod.proc is not None and pod.proc.poll() is None:
                 init = _children(pod.proc.pid)

@@ -137,6 +137,72 @@ def _fetch(replay: kr.Replay, dc: str, url: str, timeout_s: float = 10.0) -> int
     return int(out.stdout.strip() or 0)
 
 
+def _meta(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+
+
+def _discovery(r: kr.Replay, dc: str, path: Path) -> None:
+    """What Kubernetes' pod discovery would give dc's Prometheus now: one target per container
+    port of each running pod, with the pod's labels and annotations as meta labels."""
+    groups = []
+    for pod in r.running():
+        if pod.dc != dc:
+            continue
+        meta = {"__meta_kubernetes_namespace": pod.owner.obj["metadata"].get("namespace", "default"),
+                "__meta_kubernetes_pod_name": pod.name, "__meta_kubernetes_pod_phase": "Running"}
+        meta.update({f"__meta_kubernetes_pod_label_{_meta(k)}": v for k, v in pod.labels.items()})
+        meta.update({f"__meta_kubernetes_pod_annotation_{_meta(k)}": v for k, v in pod.annotations.items()})
+        for c in pod.spec["containers"]:
+            for port in c.get("ports", []):
+                groups.append({"targets": [f"{pod.ip}:{port['containerPort']}"], "labels": {
+                    **meta, "__meta_kubernetes_pod_container_name": c["name"],
+                    "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                    "__meta_kubernetes_pod_container_port_number": str(port["containerPort"])}})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups))
+    tmp.replace(path)  # Prometheus re-reads the file on change
+
+
+def _start_prometheus(r: kr.Replay, workdir: Path) -> dict[str, str]:
+    """Each datacenter's Prometheus, as deploy/prometheus/prometheus-DC.yml configures it (pod
+    discovery from ``_discovery``; B's federation of A's Prometheus at its monitoring pod's
+    address), in its monitoring pod's network namespace. Returns {dc: base URL}."""
+    import yaml
+
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("prometheus is not on PATH (Debian: apt-get install prometheus; .ci/run does)")
+    urls = {}
+    for dc in DATACENTERS:
+        config = yaml.safe_load((DEPLOY / "prometheus" / f"prometheus-{dc}.yml").read_text())
+        config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "2s"
+        config["rule_files"] = [str(DEPLOY / "prometheus" / f) for f in config["rule_files"]]
+        sd = workdir / f"sd-{dc}.json"
+        for job in config["scrape_configs"]:
+            job.pop("scrape_interval", None)
+            if "kubernetes_sd_configs" in job:
+                del job["kubernetes_sd_configs"]
+                job["file_sd_configs"] = [{"files": [str(sd)]}]
+            if job.get("metrics_path") == "/federate":  # A's Prometheus: its monitoring pod's address
+                job["static_configs"] = [{"targets": [f"{MONITORING['dc-a']}:9090"]}]
+        r.on_change.append(lambda replay, dc=dc, sd=sd: _discovery(replay, dc, sd))
+        _discovery(r, dc, sd)
+        (workdir / f"prometheus-{dc}.yml").write_text(json.dumps(config))
+        r.spawn_in(dc, prometheus, f"--config.file={workdir / f'prometheus-{dc}.yml'}",
+                   f"--storage.tsdb.path={workdir / f'tsdb-{dc}'}", "--web.listen-address=0.0.0.0:9090",
+                   "--log.level=warn", log=workdir / f"prometheus-{dc}.log")
+        urls[dc] = f"http://{MONITORING[dc]}:9090"
+    return urls
+
+
+def _query(r: kr.Replay, dc: str, url: str, expr: str) -> list[dict]:
+    code = ("import json, sys, urllib.parse, urllib.request\n"
+            "u = sys.argv[1] + '/api/v1/query?' + urllib.parse.urlencode({'query': sys.argv[2]})\n"
+            "print(json.dumps(json.loads(urllib.request.urlopen(u, timeout=5).read())['data']['result']))")
+    out = r.exec_in(dc, sys.executable, "-c", code, url, expr)
+    return json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
+
+
 @pytest.fixture
 def replay(tmp_path: Path, rendered):
     _need_replay()
@@ -161,6 +227,7 @@ def test_replayed_job_trains_survives_a_killed_pod_and_the_loss_of_every_group_a
     claims = {0: ("dc-a", "diloco-checkpoints-0"), 1: ("dc-b", "diloco-checkpoints-1")}
     t0 = time.monotonic()
     r.start()
+    prometheus = _start_prometheus(r, r.workdir)
 
     # 1. the job starts and trains: both groups write their first checkpoint to their volume
     r.wait_for("the first checkpoint of both groups",
@@ -179,6 +246,24 @@ def test_replayed_job_trains_survives_a_killed_pod_and_the_loss_of_every_group_a
     assert _fetch(r, "dc-b", f"http://{a_pod.ip}:9300/metrics", 3) == 0, "dc-a's NetworkPolicy admits metrics from dc-b"
     coord = coordinator.pods[0]
     assert _fetch(r, "dc-a", f"http://{coord.ip}:9400/healthz") == 200, r.report()
+
+    # each datacenter's Prometheus, configured as shipped, scrapes every rank of its own pods, A the
+    # coordinator too, and B sees the coordinator's series (its `up` included) by federation from A
+    for dc in DATACENTERS:
+        want = {"diloco-worker": sum(1 for p in r.running() if p.dc == dc and p.owner.name.startswith("diloco-group")
+                                     for port in p.spec["containers"][0]["ports"] if port["name"].startswith("metrics-")),
+                "diloco-coordinator": 1}
+        def scraped(dc=dc, want=want):
+            up = _query(r, dc, prometheus[dc], 'up{job=~"diloco-worker|diloco-coordinator"} == 1')
+            got = {}
+            for series in up:
+                got[series["metric"]["job"]] = got.get(series["metric"]["job"], 0) + 1
+            return got == want
+        r.wait_for(f"{dc}'s Prometheus scraping every rank", scraped, 60)
+    r.wait_for("dc-b's Prometheus seeing the coordinator (federation)", lambda: _query(
+        r, "dc-b", prometheus["dc-b"], 'diloco_coordinator_quorum_complete{job="diloco-coordinator"} == 1'), 60)
+    absent = _query(r, "dc-b", prometheus["dc-b"], 'ALERTS{alertname=~"DilocoCoordinatorAbsent|DilocoGroupAbsent"}')
+    assert not absent, absent
 
     # a drain cannot evict a running rank or the coordinator
     blockers = r.drain_blockers()
