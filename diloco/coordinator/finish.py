@@ -29,10 +29,13 @@ def wait_for_job(server: CoordinatorServer, stop: threading.Event,
 
 
 def report_job(summaries: dict[int, dict[str, Any]], json_path: str | None, *,
-               out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print the job's summary to ``out`` and each problem (e.g. diverged parameters) to ``err``,
-    write the summary as JSON to ``json_path`` if given; returns 0 if the job ended cleanly,
-    else 1."""
+               out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Print the job's summary to ``out`` and each problem (e.g. diverged parameters) to ``err``
+    (default: ``sys.stdout`` and ``sys.stderr`` as they are when it is called, so a JSON log setup
+    made after this module was imported turns them into records), write the summary as JSON to
+    ``json_path`` if given; returns 0 if the job ended cleanly, else 1."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     job = job_summary(summaries)
     print(format_job_summary(job), file=out, flush=True)
     for problem in job["problems"]:

@@ -13,13 +13,16 @@ line per record::
 The JSON format is one object per line (``ts``, ``level``, ``logger``, ``msg``, ``component``,
 ``group``, ``rank``, the ``extra`` fields, and ``exc`` with a traceback). With JSON the lines a
 process prints to ``sys.stdout`` / ``sys.stderr`` (summaries, error lines, tracebacks) are
-re-emitted as records too (stdout at INFO, stderr at ERROR, Python warnings at WARNING), so a
-collector reads nothing but JSON. Output that native libraries write straight to the file
-descriptors (NCCL, Gloo) is not wrapped.
+re-emitted as records too (stdout at INFO, stderr at ERROR, Python warnings at WARNING), and so
+are the lines written straight to the file descriptors 1 and 2 (native libraries: NCCL, Gloo,
+torch's C++ warnings; child processes that inherit them, such as torchrun's workers): those go
+through a pipe each, and a thread turns every line into a record, passing lines that are JSON
+objects already (a child's own records) through unchanged. A collector reads nothing but JSON.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import logging
@@ -125,17 +128,90 @@ class _LineLogger(io.TextIOBase):
         return False
 
 
+class _FdCapture:
+    """File descriptors 1 and 2 redirected into pipes whose lines become records (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.saved = {fd: os.dup(fd) for fd in (1, 2)}
+        #: where records and passed-through lines go: the process's real stderr / stdout
+        self.err = os.fdopen(os.dup(self.saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
+        self.out = os.fdopen(os.dup(self.saved[1]), "w", buffering=1, encoding="utf-8", errors="replace")
+        self.threads = []
+        for fd, level, name, passthrough in ((1, logging.INFO, "diloco.stdout", self.out),
+                                             (2, logging.ERROR, "diloco.stderr", self.err)):
+            read, write = os.pipe()
+            os.dup2(write, fd)
+            os.close(write)
+            t = threading.Thread(target=self._pump, args=(read, logging.getLogger(name), level, passthrough),
+                                 name=f"log-fd{fd}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    @staticmethod
+    def _pump(read: int, logger: logging.Logger, level: int, passthrough: TextIO) -> None:
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            buffered = b""
+            while True:
+                chunk = pipe.read(65536)
+                if not chunk:
+                    break
+                *lines, buffered = (buffered + chunk).split(b"\n")
+                for raw in lines:
+                    _FdCapture._emit(raw, logger, level, passthrough)
+            if buffered:
+                _FdCapture._emit(buffered, logger, level, passthrough)
+
+    @staticmethod
+    def _emit(raw: bytes, logger: logging.Logger, level: int, passthrough: TextIO) -> None:
+        line = raw.decode("utf-8", errors="replace").rstrip("\r")
+        if not line.strip():
+            return
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                json.loads(line)
+            except ValueError:
+                pass
+            else:
+                passthrough.write(line + "\n")
+                return
+        logger.log(level, line)
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """Point 1 and 2 back at the real streams; the pumps end once every writer closed its end
+        (children may hold it longer), within ``wait_s``."""
+        for stream in (sys.__stdout__, sys.__stderr__):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, saved in self.saved.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        for t in self.threads:
+            t.join(wait_s)
+
+
 _installed: dict[str, Any] = {}
 
 
 def setup(fmt: str = "text", *, component: str, group: int | None = None, rank: int | None = None,
-          level: str | int | None = None, stream: TextIO | None = None) -> None:
+          level: str | int | None = None, stream: TextIO | None = None, capture_fds: bool | None = None) -> None:
     """Configure the root logger for this process: ``fmt`` ``text`` or ``json``; records go to
     ``stream`` (default: the process's stderr). ``level``: default ``$DILOCO_LOG_LEVEL`` or INFO.
-    Calling it again replaces the previous setup."""
+    ``capture_fds``: turn what is written to the file descriptors 1 and 2 into records too
+    (default: with JSON to the process's own stderr). Calling it again replaces the previous setup."""
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     teardown()
+    if capture_fds is None:
+        capture_fds = fmt == "json" and stream is None
+    if capture_fds:
+        capture = _FdCapture()
+        _installed["capture"] = capture
+        atexit.register(_close_capture, capture)
+        if stream is None:
+            stream = capture.err
     out = stream if stream is not None else sys.stderr
     handler = logging.StreamHandler(out)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -163,4 +239,14 @@ def teardown() -> None:
     if handler is not None:
         logging.getLogger().removeHandler(handler)
         logging.captureWarnings(False)
+    capture = _installed.pop("capture", None)
+    if capture is not None:
+        _close_capture(capture)
+        atexit.unregister(_close_capture)
     _installed.clear()
+
+
+def _close_capture(capture: _FdCapture) -> None:
+    if not getattr(capture, "closed", False):
+        capture.closed = True
+        capture.close()

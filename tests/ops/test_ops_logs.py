@@ -70,3 +70,48 @@ def test_setup_replaces_itself_and_rejects_unknown_formats():
     assert first.getvalue() == "" and second.getvalue().count("once") == 1
     with pytest.raises(ValueError, match="log format must be one of text, json"):
         logs.setup("xml", component="run")
+
+
+def test_json_wraps_every_line_of_the_process_native_writes_and_children_included():
+    """What reaches the file descriptors (a C++ warning, a child process's raw lines) becomes a
+    record; lines that are records already (a child's own JSON) pass through unchanged."""
+    import subprocess
+
+    code = "\n".join([
+        "import logging, os, subprocess, sys",
+        "from diloco.runtime import logs",
+        "logs.setup('json', component='worker', group=0, rank=0)",
+        "os.write(2, b'[W socket.cpp:207] [c10d] a native warning\\n')",
+        "os.write(1, b'{\"ts\": \"t\", \"level\": \"INFO\", \"msg\": \"a record of a child\"}\\n')",
+        "print('printed')",
+        "subprocess.run([sys.executable, '-c', 'import sys; print(\"child out\"); print(\"child err\", file=sys.stderr)'])",
+        "logging.getLogger('t').info('logged')",
+    ])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (result.stdout + result.stderr).splitlines()]
+    msgs = {r["msg"]: r for r in records}
+    assert set(msgs) == {"[W socket.cpp:207] [c10d] a native warning", "a record of a child", "printed",
+                         "child out", "child err", "logged"}
+    assert msgs["a record of a child"] == {"ts": "t", "level": "INFO", "msg": "a record of a child"}
+    assert msgs["child err"]["level"] == "ERROR" and msgs["child out"]["level"] == "INFO"
+    assert all(r["component"] == "worker" for m, r in msgs.items() if m != "a record of a child")
+
+
+def test_the_coordinators_job_summary_is_json_too():
+    """The summary is printed after the command's JSON setup: every line of it is a record."""
+    from diloco.coordinator.finish import report_job
+
+    out = io.StringIO()
+    logs.setup("json", component="coordinator", stream=out)
+    summary = {"group": 0, "rank": 0, "eval_loss": 3.0, "initial_eval_loss": 5.0, "inner_steps": 10,
+               "outer_rounds": 1, "param_hash": "ab", "bytes_sent": 10, "bytes_received": 10, "seconds": 1.0,
+               "utilization": 0.5, "tokens": 100}
+    try:
+        report_job({0: summary, 1: {**summary, "group": 1}}, None)
+    except (KeyError, TypeError) as e:  # the summary's required fields changed: keep this test's in step
+        pytest.fail(f"a summary of this shape no longer formats: {e!r}")
+    lines = out.getvalue().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert any(r["msg"].startswith("diloco job summary") for r in records), lines
+    assert all(r["component"] == "coordinator" for r in records)
