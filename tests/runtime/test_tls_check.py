@@ -1,0 +1,64 @@
+"""tls_problem names why TLS to a coordinator fails, from one handshake, against a real TLS coordinator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from diloco.coordinator import CoordinatorServer
+from diloco.runtime.tls_check import tls_problem
+from transport.tls import TlsConfig
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    out = {}
+    for name in ("a", "b"):  # two unrelated CAs
+        folder = tmp_path_factory.mktemp(f"pki-{name}")
+        subprocess.run([sys.executable, "-m", "transport.certs", str(folder), "--name", "coordinator", "--name",
+                        "rank", "--san", "127.0.0.1"], check=True, capture_output=True, timeout=60)
+        out[name] = folder
+    return out
+
+
+@pytest.fixture(scope="module")
+def coordinator(pki):
+    a = pki["a"]
+    with CoordinatorServer("127.0.0.1", 0, 1, token="tok",
+                           tls=TlsConfig(str(a / "coordinator.pem"), str(a / "coordinator.key"), str(a / "ca.pem"))) as s:
+        yield s.address
+
+
+def _files(folder, ca_folder=None):
+    return {"cert": str(folder / "rank.pem"), "key": str(folder / "rank.key"), "ca": str((ca_folder or folder) / "ca.pem")}
+
+
+def test_matching_files_have_no_problem(pki, coordinator):
+    assert tls_problem(coordinator, **_files(pki["a"])) is None
+
+
+def test_a_coordinator_certificate_from_another_ca_is_named(pki, coordinator):
+    problem = tls_problem(coordinator, **_files(pki["a"], ca_folder=pki["b"]))
+    assert problem and "does not trust the certificate of the coordinator" in problem and "CA file" in problem
+
+
+def test_a_rank_certificate_the_coordinator_refuses_is_named(pki, coordinator):
+    # trusts the coordinator (CA a), shows a certificate of CA b
+    files = {"cert": str(pki["b"] / "rank.pem"), "key": str(pki["b"] / "rank.key"), "ca": str(pki["a"] / "ca.pem")}
+    problem = tls_problem(coordinator, **files)
+    assert problem and "refused this side's certificate" in problem, problem
+
+
+def test_nothing_listening_is_not_a_tls_problem_and_bad_input_is_an_error(pki):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert tls_problem(f"127.0.0.1:{port}", **_files(pki["a"])) is None
+    with pytest.raises(ValueError, match="host:port"):
+        tls_problem("nowhere", **_files(pki["a"]))
+    with pytest.raises(OSError):
+        tls_problem(f"127.0.0.1:{port}", cert="/nonexistent.pem", key="/nonexistent.key", ca=str(pki["a"] / "ca.pem"))
