@@ -18,7 +18,7 @@ FROM scratch AS wheels
 FROM ${PYTHON_IMAGE} AS build
 SHELL ["/bin/sh", "-eu", "-c"]
 # gcc and Python's headers build the C kernels of compress/ (int8/int4/fp4 coding, the round
-# hash): without them pip skips the extension and the codecs run the pure-torch path, ~40x slower
+# hash): without them pip skips the extension and the codecs run the pure-torch path, tens of times slower
 # for int4, so every target checks below that they were built. A python:* image has the headers;
 # Debian's python3 (the offline build's base) needs python3-dev. Versions are whatever the base
 # image's Debian release ships, so they are not pinned.
