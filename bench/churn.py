@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from diloco.job.config import Config  # noqa: E402
 from diloco.runtime import launcher  # noqa: E402
 from diloco.runtime.chaos import ChaosMonkey  # noqa: E402
+from diloco.runtime.processes import processes_mentioning  # noqa: E402
 
 
 def make_config(a: argparse.Namespace) -> Config:
@@ -107,7 +108,7 @@ def run(a: argparse.Namespace) -> dict:
         finally:
             if wan is not None:
                 wan.close()
-        leaked = launcher.processes_mentioning(run_dir)
+        leaked = processes_mentioning(run_dir)
     wall = time.perf_counter() - started
     if s is None:
         return {"error": error, "hangs": hangs, "kills": monkey.kills_done, "leaked_processes": len(leaked),

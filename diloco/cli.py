@@ -1,4 +1,6 @@
-"""The ``diloco`` command: ``run`` (embedded default), ``worker`` (under torchrun), ``coordinator``."""
+"""The ``diloco`` command: ``run`` (embedded default), ``worker`` (under torchrun), ``torchrun``,
+``coordinator``, ``status``. Exit codes: ``diloco.runtime.exit_codes`` (0 done, 1 error, 2
+configuration, 75 restart me, 130 interrupted)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 from diloco.job import config as config_mod
 from diloco.job import config_parse
-from diloco.runtime import logs
+from diloco.runtime import exit_codes, logs
 
 DESCRIPTION = """\
 Low-bandwidth local-update training (DiLoCo) across worker groups.
@@ -20,7 +22,11 @@ Low-bandwidth local-update training (DiLoCo) across worker groups.
   diloco run           coordinator + groups on this machine (the embedded default)
   diloco coordinator   the membership service alone (one per job, e.g. on Kubernetes)
   diloco worker        one rank of one group; start it under torchrun
+  diloco torchrun      torchrun (its own arguments) whose exit code says why the group stopped
   diloco status        ask a running coordinator (its --metrics-port) how the job is doing
+
+Exit codes: 0 done, 1 error, 2 configuration error (nothing was started, or a restart would
+repeat it), 75 restart me (a fault: the group heals when restarted), 130 interrupted.
 """
 
 
@@ -58,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", metavar="DIR", default=None, help="folder for logs and the resolved config [default: a new temp folder]")
     run.add_argument("--no-progress", action="store_true", help="no progress bar [default: show it]")
     run.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long [default: no limit]")
+    run.add_argument("--stop-timeout", type=float, default=None, metavar="SECONDS",
+                     help="after a first Ctrl-C or SIGTERM every group checkpoints at its next exchange and stops; "
+                     "past this deadline (or at a second signal) every process is stopped at once [default: three "
+                     "rounds at the pace so far, between 30 and 300 s]")
     run.add_argument("--resume", metavar="DIR", default=None,
                      help="continue the job of a checkpoint folder (--checkpoint-dir; the newest step every group "
                      "completed) or of one step-N folder in it; the config is the checkpoint's, and flags may only "
@@ -67,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser(
         "worker", help="one rank of one worker group (run under torchrun)",
         description="Run under torchrun, one job per group: torchrun --nproc-per-node R --max-restarts N -m diloco "
-        "worker --coordinator HOST:PORT --group-id G [options]. Needs DILOCO_SECRET (hex) in the environment. "
-        "Exits 75 when the coordinator took the group out (restart it: it heals). With NCCL, local rank i "
+        "worker --coordinator HOST:PORT --group-id G [options] (diloco torchrun, with the same arguments, keeps the "
+        "workers' exit codes). Needs DILOCO_SECRET (hex) in the environment. Exits 0 when done, 75 after a "
+        "fault (the coordinator took the group out, a peer or the coordinator was lost: restart it and it "
+        "heals), 2 for a configuration error (a restart would repeat it), 1 for anything else. A rank that "
+        "waits (for the coordinator, a quorum, a donor, the other groups' data) says so every 10 s. With NCCL, local rank i "
         "uses GPU i + $DILOCO_GPU_OFFSET (default 0): give each group on a shared host its own offset, e.g. 0 "
         "and 4 for two groups of 4 ranks on 8 GPUs ($DILOCO_DEVICE_MAP=\"2,3\", a GPU per local rank, "
         "overrides it; diloco run sets that).",
@@ -82,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "every group completed, else the newest this group completed); every group must resume "
                         "from the same step [default: none]")
     config_parse.add_arguments(worker)
+
+    sub.add_parser(
+        "torchrun", help="torchrun whose exit code says why the workers stopped (0, 2, 75, 1)", add_help=False,
+        description="diloco torchrun TORCHRUN-ARGS: exactly torchrun's arguments (diloco torchrun --help shows "
+        "them); exits with the workers' own code (diloco.runtime.exit_codes) where torchrun would exit 1.",
+    )
 
     coord = sub.add_parser(
         "coordinator", help="run the membership/quorum service",
@@ -146,22 +165,35 @@ def _config(args: argparse.Namespace, group: int | None = None) -> tuple[config_
 
     point = job_checkpoint.find(args.resume, group=group)
     if group is None:  # diloco run: every file is checked before any process starts
-        job_checkpoint.verify_step(point.path)
+        try:
+            job_checkpoint.verify_step(point.path)
+        except job_checkpoint.CheckpointError as e:
+            older = job_checkpoint.newest_intact_step(point.root, below=point.step)
+            hint = (f"; the newest intact step before it is {older.name}: diloco run --resume {older}" if older
+                    else "; no older step under it is intact")
+            raise job_checkpoint.CheckpointError(f"{e}{hint}") from None
     cfg = job_checkpoint.resume_config(point.config, config_parse.explicit_settings(args), point.root, point.step)
     return cfg, point
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from diloco.runtime import launcher
+    from diloco.runtime import launcher, preflight
     from diloco.runtime import summary as summary_mod
 
     cfg, point = _config(args)
+    preflight.check_run_paths(cfg, run_dir=args.run_dir, json_path=args.json)
     logs.setup(cfg.train.log_format, component="run")
     progress = not args.no_progress and cfg.train.log_format == "text"  # a bar is no log line
     # ranks per group the user did not name (flag or --config key) may be cut to the host's GPUs
     named = config_parse.explicit_settings(args).keys() & {("topology", "ranks_per_group"), ("topology", "group_sizes")}
-    summary = launcher.run(cfg, run_dir=args.run_dir, progress=progress, timeout_s=args.run_timeout,
-                           resume=point, fit_ranks=point is None and not named)
+    if args.stop_timeout is not None and args.stop_timeout <= 0:
+        raise config_mod.ConfigError(f"--stop-timeout must be > 0 seconds, got {args.stop_timeout}")
+    try:
+        summary = launcher.run(cfg, run_dir=args.run_dir, progress=progress, timeout_s=args.run_timeout,
+                               resume=point, fit_ranks=point is None and not named, stop_timeout_s=args.stop_timeout)
+    except launcher.LaunchError as e:
+        print(f"diloco run: error: {e}", file=sys.stderr)
+        return e.code
     print(summary_mod.format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:
@@ -226,18 +258,37 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return status.main(args.address, as_json=args.json, timeout_s=args.timeout)
 
 
+def _die_with_agent() -> None:
+    """A worker under torchrun ends with its agent (parent-death signal), asked for before torch
+    loads (seconds during which a killed agent would otherwise leave the worker running)."""
+    from diloco.runtime import agent
+
+    parent = os.environ.get(agent.PARENT_ENV)
+    if parent is not None:
+        agent.die_with_parent(int(parent))
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # a plain torchrun: its agent is the parent now
+        agent.die_with_parent()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:  # torchrun's own arguments, which argparse here would not pass through
+        from diloco.runtime import agent
+
+        return agent.main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "worker":
+        _die_with_agent()
     handler = {"run": _cmd_run, "worker": _cmd_worker, "coordinator": _cmd_coordinator,
                "status": _cmd_status}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:
         print("diloco: interrupted; stopped every process it started", file=sys.stderr)
-        return 130
+        return exit_codes.INTERRUPTED
     except (config_mod.ConfigError, ValueError, RuntimeError, OSError) as e:
         print(f"diloco {args.command}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ValueError) else 1
+        return exit_codes.CONFIGURATION if isinstance(e, ValueError) else exit_codes.OTHER
     finally:  # the command's logging setup (logs.setup) ends with it
         logs.teardown()
 

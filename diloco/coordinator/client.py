@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -10,14 +12,37 @@ import grpc
 from .credentials import GROUP_FIELDS, GROUP_HEADER, group_token, parse_group_token
 from .errors import CoordinatorError
 from .membership import Membership
-from .messages import (RPCS, SERVICE, Ack, BandwidthRequest, CommitRequest, CommitResponse, HeartbeatRequest,
-                       JoinRequest, JoinResponse, Message, MessageError, OfferQuery, Ping, PlanRequest,
-                       PlanResponse, ProgressRequest, QuorumRequest, QuorumResponse, RoundRequest,
-                       StateOffer, StopRequest, SummaryRequest)
+from .messages import (
+    RPCS,
+    SERVICE,
+    Ack,
+    BandwidthRequest,
+    CommitRequest,
+    CommitResponse,
+    HeartbeatRequest,
+    JoinRequest,
+    JoinResponse,
+    Message,
+    MessageError,
+    OfferQuery,
+    Ping,
+    PlanRequest,
+    PlanResponse,
+    ProgressRequest,
+    QuorumRequest,
+    QuorumResponse,
+    RoundRequest,
+    StateOffer,
+    StopRequest,
+    SummaryRequest,
+)
 from .server import GRPC_MAX_MESSAGE_BYTES, PemFiles, read_tls
+from .waiting import waiting
 
 if TYPE_CHECKING:
     from transport.tls import TlsConfig
+
+log = logging.getLogger(__name__)
 
 JOIN_DEADLINE_S = 3600.0  # default client-side bound on a join; the server's join_timeout_s is
                           # normally the tighter one and answers with the missing members
@@ -72,7 +97,8 @@ class CoordinatorClient:
         # A real call rather than channel_ready_future: subscribing to connectivity starts a
         # polling thread in grpcio that can raise "Channel closed!" when the channel closes.
         try:
-            self._call("Ping", Ping(), Ack)
+            self._call("Ping", Ping(), Ack,
+                       waits_for=lambda: f"the coordinator at {address} to answer ({self._connect_error()})")
         except CoordinatorError as exc:
             try:
                 if exc.code in ("DEADLINE_EXCEEDED", "UNAVAILABLE"):
@@ -82,19 +108,30 @@ class CoordinatorClient:
             finally:
                 self._channel.close()
 
-    def _last_error(self, exc: CoordinatorError) -> str:
-        """Why the channel cannot connect (a TLS handshake that failed, say), with a hint."""
-        why = str(exc).split(" failed: ", 1)[-1]
-        try:  # without wait_for_ready a channel that keeps failing answers at once with its last error
+    def _probe(self) -> str | None:
+        """The channel's last connection error (a TLS handshake that failed, say), or None when it
+        answers now: a call without wait_for_ready fails at once with that error."""
+        try:
             self._calls["Ping"](Ping().encode(), timeout=1.0, metadata=self._metadata("Ping", Ping()))
         except grpc.RpcError as probe:
             details = probe.details() if hasattr(probe, "details") else ""
-            if details and "last error" in details:
-                why = details
-        except ValueError:
-            pass
-        else:
+            return details or str(probe)
+        except ValueError as e:  # a closed channel
+            return str(e)
+        return None
+
+    def _connect_error(self) -> str:
+        why = self._probe()
+        return "it answers now" if why is None else f"last error: {why}"
+
+    def _last_error(self, exc: CoordinatorError) -> str:
+        """Why the channel cannot connect (a TLS handshake that failed, say), with a hint."""
+        why = str(exc).split(" failed: ", 1)[-1]
+        details = self._probe()
+        if details is None:
             return why  # reachable now: the coordinator was slow to start
+        if "last error" in details:
+            why = details
         if "Connection refused" in why:  # nothing listens there: TLS is not the question
             return why
         if self.tls:
@@ -115,7 +152,8 @@ class CoordinatorClient:
         JOIN_DEADLINE_S); the server's join_timeout_s usually ends it first with an error naming
         the missing groups and ranks."""
         reply = self._call("Join", JoinRequest(group, rank, group_size, address, incarnation, exchange),
-                           JoinResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s)
+                           JoinResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s,
+                           waits_for=f"every group to join at the coordinator {self.address} (group {group} rank {rank})")
         assert isinstance(reply, JoinResponse)
         return Membership(epoch=reply.epoch, members=reply.members, ring=reply.ring_order, heal=reply.heal)
 
@@ -126,13 +164,17 @@ class CoordinatorClient:
 
     def quorum(self, request: QuorumRequest, *, timeout_s: float | None = None) -> QuorumResponse:
         """Block until the quorum of this rank's exchange is decided (``diloco.coordinator.rounds``)."""
-        reply = self._call("Quorum", request, QuorumResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s)
+        what = ("a quorum to heal into" if request.exchange < 0 else
+                f"the other groups to reach exchange {request.exchange} ({request.tag}), for its quorum")
+        reply = self._call("Quorum", request, QuorumResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s,
+                           waits_for=what)
         assert isinstance(reply, QuorumResponse)
         return reply
 
     def commit(self, request: CommitRequest, *, timeout_s: float | None = None) -> CommitResponse:
         """Vote on a quorum; block until it is decided (committed or rolled back)."""
-        reply = self._call("Commit", request, CommitResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s)
+        reply = self._call("Commit", request, CommitResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s,
+                           waits_for=f"every member's vote on {request.quorum_id}")
         assert isinstance(reply, CommitResponse)
         return reply
 
@@ -142,7 +184,7 @@ class CoordinatorClient:
 
     def wait_offer(self, query: OfferQuery, *, timeout_s: float | None = None) -> StateOffer:
         """As a healer rank: wait for the donor's offer."""
-        reply = self._call("WaitOffer", query, StateOffer, timeout_s)
+        reply = self._call("WaitOffer", query, StateOffer, timeout_s, waits_for="the donor group's state offer")
         assert isinstance(reply, StateOffer)
         return reply
 
@@ -199,7 +241,14 @@ class CoordinatorClient:
         return self._group_tokens[group]
 
     def _call(self, name: str, request: Message, reply_type: type[Message],
-              timeout_s: float | None = None) -> Message:
+              timeout_s: float | None = None, waits_for: Any = None) -> Message:
+        """One call, retried while the coordinator is busy; ``waits_for`` (a text, or a function
+        giving one) is logged every few seconds while the answer is awaited."""
+        with waiting(log, waits_for) if waits_for is not None else contextlib.nullcontext():
+            return self._call_now(name, request, reply_type, timeout_s)
+
+    def _call_now(self, name: str, request: Message, reply_type: type[Message],
+                  timeout_s: float | None = None) -> Message:
         assert (type(request), reply_type) == RPCS[name], name
         try:
             data = request.encode()

@@ -159,8 +159,12 @@ class Liveness:
                           lambda: quorum.missing({g: self._members.get(g, {})}, {g: req.group_size}, g + 1))
         if g in self._group_failed:
             raise quorum.QuorumError("ABORTED", f"group {g} failed while it joined: {self._group_failed[g]}")
+        # the groups it may exchange with: not failed, and not finished (a finished group's data
+        # plane is closed: a healer that dialed it would wait out its deadline, and when every
+        # other group has finished it learns so from its first quorum, at once)
         members = {h: tuple(self._members[h][r] for r in range(self._sizes[h]))
-                   for h in sorted(self._members) if self._complete(h) and h not in self._group_failed}
+                   for h in sorted(self._members) if self._complete(h) and h not in self._group_failed
+                   and (h == g or h not in self._summaries)}
         return Membership(epoch=self._epoch, members=members, ring=tuple(sorted(members)),
                           heal=g in self._healing)
 
@@ -257,6 +261,16 @@ class Liveness:
     def _known_group(self, group: int) -> None:
         if group not in self._members and group not in self._incarnations:
             raise quorum.QuorumError("NOT_FOUND", f"group {group} has no joined rank")
+
+    def _member_group(self, group: int) -> None:
+        """Refuse a group that is not a member now (lock held): one declared failed (it must join
+        again and heal first) with FAILED_PRECONDITION, one that never joined with NOT_FOUND."""
+        if group in self._group_failed:
+            raise quorum.QuorumError("FAILED_PRECONDITION",
+                                     f"group {group} is not a member: it was declared failed "
+                                     f"({self._group_failed[group]}); join again to heal")
+        if group not in self._members:
+            raise quorum.QuorumError("NOT_FOUND", f"group {group} is not a member: it has no joined rank")
 
     # --- finished groups ----------------------------------------------------------------------
 

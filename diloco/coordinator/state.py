@@ -59,7 +59,7 @@ class CoordinatorState(RoundState):
         across groups are recorded as a divergence."""
         with self._cond:
             self._check_open()
-            self._known_group(req.group)
+            self._member_group(req.group)
             self._rounds[req.group] = max(req.round, self._rounds.get(req.group, req.round))
             hashes = self._hashes.setdefault(req.round, {})
             hashes[req.group] = req.param_hash

@@ -42,6 +42,7 @@ from diloco.coordinator.messages import (
     QuorumResponse,
 )
 from diloco.coordinator.rounds import HEAL, own_share, weighted_scale
+from diloco.coordinator.waiting import waiting
 from diloco.engine.averaging import Done
 from diloco.exchange.fault_stats import FaultStats
 from diloco.exchange.healing import StateTransfer
@@ -394,7 +395,9 @@ class _QuorumPending:
     def wait(self) -> torch.Tensor:
         if self._value is None:
             # every step of an attempt has its own deadline; this bounds a pathological chain of them
-            self._thread.join(4 * self._avg.round_timeout_s)
+            with waiting(log, lambda: f"exchange {self._resp.tag} among groups {sorted(self._resp.members)} "
+                                      "to finish (the rings' data and every member's vote)"):
+                self._thread.join(4 * self._avg.round_timeout_s)
             if self._thread.is_alive():
                 raise TimeoutError(f"exchange {self._resp.tag} did not commit within {4 * self._avg.round_timeout_s:g}s")
             if self._error is not None:

@@ -244,13 +244,19 @@ def make_codec(t: TransportConfig) -> Codec:
     (torch) is imported on call, so ``Config.validate`` stays torch-free."""
     import compress
 
+    knobs = compress.get_codec(t.codec).params  # ValueError for an unknown name
     params: dict[str, Any] = {"zstd": t.zstd, "zstd_level": t.zstd_level}
     if t.codec_block:
-        params["chunk" if t.codec == "topk" else "block_size"] = t.codec_block
+        key = "chunk" if t.codec == "topk" else "block_size"
+        if key not in knobs:
+            blocked = [n for n in compress.available_codecs() if {"block_size", "chunk"} & set(compress.get_codec(n).params)]
+            raise ValueError(f"--codec-block applies to the codecs with scale blocks or chunks ({', '.join(blocked)}), "
+                             f"not {t.codec}")
+        params[key] = t.codec_block
     if t.codec == "topk" and t.topk_density:
         params["density"] = t.topk_density
     if t.codec_fast:
-        if "search" not in compress.get_codec(t.codec).params:
+        if "search" not in knobs:
             raise ValueError(f"--codec-fast applies to the 4-bit codecs (int4, fp4-e2m1, fp4-e3m0, lloyd4) only, "
                              f"not {t.codec}")
         params["search"] = False

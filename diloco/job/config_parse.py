@@ -30,6 +30,8 @@ def _coerce(value: Any, kind: Any, where: str) -> Any:
 def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
     """Build a Config from nested ``{section: {field: value}}``; unknown keys are errors."""
     cfg = base if base is not None else Config()
+    if not isinstance(data, dict):
+        raise ConfigError(f"a configuration is a table of sections, got {type(data).__name__}")
     known = {f.name for f in fields(cfg)}
     for section, values in data.items():
         if section not in known:
@@ -47,14 +49,25 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
 
 def _read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a folder; give a .toml or .json file")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
+    if p.suffix.lower() in (".yaml", ".yml"):
+        raise ConfigError(f"config file {p}: YAML is not read; config files are TOML (.toml) or JSON (.json), "
+                          "with the same [section] tables")
     try:
-        if p.suffix == ".json":
-            return json.loads(p.read_text())
-        return tomllib.loads(p.read_text())
+        text = p.read_text()
+        data = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot parse config file {p}: {e}") from e
+        kind = "JSON" if p.suffix.lower() == ".json" else "TOML (a file not named .json is read as TOML)"
+        raise ConfigError(f"cannot parse config file {p} as {kind}: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: the top level must be an object of sections ({{\"sync\": {{\"h\": 30}}}}), "
+                          f"got {type(data).__name__}")
+    return data
 
 
 def load_file(path: str | Path) -> Config:

@@ -333,9 +333,10 @@ class GroupConnection:
         """This group's summary (rank 0 reports it to the coordinator; other ranks get their own
         counters only). ``extra``: fields to add, e.g. ``eval_loss``."""
         wall = time.perf_counter() - self._start
+        launched = getattr(engine, "rounds", [engine.round])[0]  # fragment 0's rounds, which periods lists
         out: dict[str, Any] = {
             "group": self.group, "rank": self.rank, "round_hashes": list(self.round_hashes),
-            "outer_rounds": engine.round, "inner_steps": engine.inner_step, "periods": list(self.periods),
+            "outer_rounds": engine.round, "inner_steps": engine.inner_step, "periods": self.periods[:launched],
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "param_hash": engine.global_hash(), "num_parameters": engine.numel,
             "seconds": wall, "compute_seconds": self.compute_seconds, "sync_seconds": engine.sync_seconds,
@@ -390,7 +391,7 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
     ``settings``: links, TLS, connections, probes, timeouts (``diloco.job.config.TransportConfig``,
     the same fields as the ``--host``, ``--link``, ``--tls-*`` ... flags); its TLS files also
     secure the coordinator calls when the coordinator is not on loopback (``coordinator_tls``). ``metrics_port``:
-    serve Prometheus metrics on this port + the local rank (0 = off). ``heartbeat_timeout``: the
+    serve Prometheus metrics on this port + the local rank, on ``settings.host`` (0 = off). ``heartbeat_timeout``: the
     coordinator's (seconds; this rank heartbeats every fifth of it). ``tokens_per_step``: what one
     inner step of this group weighs in the mean (default: its number of ranks). Every rank of every
     group calls it; it returns once every expected group has joined (or, when the job already runs,
@@ -426,7 +427,7 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
         metrics = WorkerMetrics(group, rank)
         opened.append(metrics)
         if metrics_port:
-            metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", rank)))
+            metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", rank)), host=t.host)
     except BaseException:
         for thing in reversed(opened):
             thing.close()

@@ -186,6 +186,20 @@ def verify_step(folder: str | Path) -> None:
                 raise CheckpointError(f"{folder / name}: its checksum differs from the one in {manifest_file(group)}")
 
 
+def newest_intact_step(root: str | Path, below: int) -> Path | None:
+    """The newest step folder under ``root`` before step ``below`` that every group completed and
+    whose files all match their manifests (``verify_step``), or None: where to resume instead of
+    a newest step that turned out corrupt."""
+    for step, folder in reversed(_complete_folders(Path(root), None)):
+        if step < below:
+            try:
+                verify_step(folder)
+            except (CheckpointError, OSError):
+                continue
+            return folder
+    return None
+
+
 def math_differences(saved: Config, now: Config) -> list[str]:
     """Settings that change what is computed and differ: ``--flag: now here, saved in the checkpoint``."""
     out = []
@@ -360,7 +374,8 @@ class JobCheckpointer:
         rank_state.agree_on_step(self.link, step, tag=f"checkpoint/{step}")
         state = rank_state.capture(step=step, cfg=self.cfg, engine=self.engine, model=self.model, inner=self.inner,
                                    task=self.task, loss_ema=loss_ema, initial_eval_loss=self.initial_eval_loss,
-                                   group=self.group, rank=self.rank, device=self.device)
+                                   group=self.group, rank=self.rank, device=self.device,
+                                   periods=getattr(self.link, "periods", ()))
         write_rank(self.root, step, self.group, self.rank, state)
         if self.group_size > 1 and dist.is_available() and dist.is_initialized():
             dist.barrier()

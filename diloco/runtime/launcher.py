@@ -24,20 +24,29 @@ from typing import Callable
 
 from diloco.coordinator import CoordinatorServer
 from diloco.coordinator.credentials import group_token
-from diloco.demo import data as data_mod
 from diloco.job.config import Config
-from diloco.job.task import load_entry, parse_entry_args
+from diloco.runtime import preflight
+from diloco.runtime.agent import PARENT_ENV
 from diloco.runtime.chaos import ChaosMonkey
 from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV, coordinator_tls
 from diloco.runtime.device_placement import DEVICE_MAP_ENV, DevicePlan, place_ranks
 from diloco.runtime.job_checkpoint import ResumePoint
+from diloco.runtime.processes import RUN_ID_ENV, end_trees
 from diloco.runtime.summary import fault_summary, human_bytes, summarize
-from diloco.runtime.supervise import GroupFailed, Supervisor, descendants
+from diloco.runtime.supervise import GroupFailed, Supervisor
 from transport.identity import GroupKeys
+
+
+STOP_GRACE_S = 3.0  # a hard stop: SIGTERM, then SIGKILL what is left after this long
+STOP_TIMEOUT_BOUNDS_S = (30.0, 300.0)  # the automatic graceful-stop deadline: 3 rounds, within these
 
 
 class LaunchError(RuntimeError):
     """A run could not start or a group failed; the message says which and why."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code  # what diloco run exits with (a group's own code when it failed)
 
 
 @dataclass
@@ -54,23 +63,6 @@ class GroupProcess:
             return "(no log)"
         errors = [line for line in text if line.startswith("diloco worker (")]
         return "\n".join(errors[-lines:] if errors else text[-lines:])
-
-
-def preflight(cfg: Config) -> data_mod.Corpus | None:
-    """Check everything that can be checked before a process starts (config; the demo's data,
-    or that a user's ``--entry`` imports and is callable)."""
-    cfg.validate()
-    if cfg.train.entry:
-        parse_entry_args(cfg.train.entry_args)
-        load_entry(cfg.train.entry)
-        return None
-    corpus = data_mod.load_corpus(cfg.data.path or None)
-    train, val = data_mod.split(corpus, cfg.data.val_fraction)
-    data_mod.check_feedable(len(train), cfg.topology.groups, cfg.model.block_size, what="training")
-    data_mod.check_feedable(len(val), 1, cfg.model.block_size, what="validation")
-    if corpus.vocab_size > 65536:
-        raise data_mod.DataError(f"vocabulary of {corpus.vocab_size} tokens is too large")
-    return corpus
 
 
 def place_devices(cfg: Config, *, fit_ranks: bool = False) -> tuple[Config, DevicePlan]:
@@ -113,7 +105,7 @@ def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env:
     log_path = run_dir / (f"group-{group}.log" if attempt == 0 else f"group-{group}.restart-{attempt}.log")
     host = placement.host(group)
     cmd = [
-        *placement.prefix(group), sys.executable, "-m", "torch.distributed.run", "--standalone",
+        *placement.prefix(group), sys.executable, "-m", "diloco", "torchrun", "--standalone",
         f"--nproc-per-node={cfg.topology.sizes()[group]}", "--monitor-interval=0.5",
         "--max-restarts=0",  # the supervisor restarts the whole group (see diloco/runtime/supervise.py)
         "-m", "diloco", "worker", "--config", str(cfg_path),
@@ -124,50 +116,10 @@ def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env:
           if cfg.train.metrics_port else []),
     ]
     log = open(log_path, "wb")
+    env = {**env, PARENT_ENV: str(os.getpid())}  # the group's agent dies with this process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
     return GroupProcess(group, proc, log_path)
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:  # already gone: nothing to signal
-            pass
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """PIDs of live processes whose command line contains ``text`` (e.g. a run folder): what a
-    run leaked if any are left after it ended."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:  # ended while we looked
-                continue
-            if text in cmdline and state != "Z":
-                out.append(int(entry.name))
-    return out
-
-
-def _stop(groups: list[GroupProcess], grace_s: float = 5.0) -> None:
-    """Stop every group's whole process tree: SIGTERM, then SIGKILL what is left after grace_s."""
-    trees = {g.proc.pid: [g.proc.pid, *descendants(g.proc.pid)] for g in groups if g.proc.poll() is None}
-    for pids in trees.values():
-        _signal(pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for g in groups:
-        try:
-            g.proc.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:  # still running: killed below
-            pass
-    for pids in trees.values():  # torchrun may be gone while a worker of it is not
-        _signal(pids, signal.SIGKILL)
-    for g in groups:
-        g.proc.wait()
 
 
 class _Progress:
@@ -204,27 +156,37 @@ class _Progress:
 
 def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeout_s: float | None = None,
         placement: Placement | None = None, resume: ResumePoint | None = None,
-        chaos: ChaosMonkey | None = None, fit_ranks: bool = False) -> dict:
-    """Run a whole job on this machine; returns the summary dict (see ``format_summary``).
+        chaos: ChaosMonkey | None = None, fit_ranks: bool = False, stop_timeout_s: float | None = None) -> dict:
+    """Run a whole job on this machine; returns the summary dict (see ``summary.format_summary``).
     ``resume``: continue from this job checkpoint (``job_checkpoint.find``; ``cfg`` from
     ``job_checkpoint.resume_config``). ``chaos``: a fault drill (default: ``--chaos N`` kills).
-    Groups that fail are started again (``--max-restarts``) and heal. With checkpoints on and no ``--checkpoint-dir``, they go
-    to ``RUN_DIR/checkpoints``. Each rank gets its device from ``place_devices`` (``fit_ranks``:
-    fewer ranks per group where the host has fewer GPUs, rather than an error)."""
+    Groups that fail for a fault are started again (``--max-restarts``) and heal. Job checkpoints
+    go to ``--checkpoint-dir``, by default ``RUN_DIR/checkpoints``. Each rank gets its device from
+    ``place_devices`` (``fit_ranks``: fewer ranks per group where the host has fewer GPUs, rather
+    than an error).
+
+    In the main thread, the first SIGINT or SIGTERM asks every group to checkpoint at its next
+    exchange and stop (the summary then says how to resume), within ``stop_timeout_s`` (None: 3
+    rounds, within ``STOP_TIMEOUT_BOUNDS_S``); a second signal, or that deadline, ends every
+    process at once. However it ends, ``run`` returns only after every process it started is gone.
+    """
     placement = placement or Placement()
-    corpus = preflight(cfg)
+    corpus = preflight.check_workload(cfg)
+    preflight.check_run_paths(cfg, run_dir=run_dir)
     cfg, devices = place_devices(cfg, fit_ranks=fit_ranks)
     out_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="diloco-run-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.train.checkpoint_dir and (cfg.train.checkpoint_every or cfg.train.stop_after):
+    if not cfg.train.checkpoint_dir:  # where a stop (Ctrl-C, SIGTERM) leaves a checkpoint to resume from
         cfg = copy.deepcopy(cfg)
         cfg.train.checkpoint_dir = str((out_dir / "checkpoints").resolve())
     cfg_path = out_dir / "config.json"
     cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
     token = secrets.token_hex(16)
+    run_id = secrets.token_hex(8)
     env = dict(os.environ)
     env[SECRET_ENV] = secrets.token_hex(32)
     env[TOKEN_ENV] = token
+    env[RUN_ID_ENV] = run_id
     env.setdefault("OMP_NUM_THREADS", str(cfg.topology.threads_per_rank))
     host = placement.coordinator_host or cfg.transport.host
     server = CoordinatorServer(
@@ -258,7 +220,9 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         return _spawn_group(cfg_path, cfg, g, address, own, out_dir, placement, resume=point, attempt=attempt)
 
     supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos)
-    restore_sigterm = _stop_on_sigterm(server, checkpoints=bool(cfg.train.checkpoint_dir))
+    stop = _Stop(server, lambda: stop_timeout_s if stop_timeout_s is not None else _auto_stop_timeout(
+        server.snapshot(), time.perf_counter() - started))
+    stop.install()
     try:
         supervisor.start()
         while True:
@@ -270,20 +234,27 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
                                    committed=rs["committed_training"]):
                     break
             except GroupFailed as e:
-                raise LaunchError(f"{e}\nstopped all groups.") from None
+                raise LaunchError(f"{e}\nstopped all groups.", e.code) from None
             if timeout_s is not None and time.perf_counter() - started > timeout_s:
                 raise LaunchError(f"run exceeded its {timeout_s:.0f} s limit; stopped all groups (logs in {out_dir})")
+            if stop.overdue():
+                raise LaunchError(f"the groups did not checkpoint and stop within {stop.timeout_s:.0f} s of the "
+                                  f"signal (--stop-timeout); stopped every process (logs in {out_dir})")
             time.sleep(0.1 if chaos is not None else 0.25)
         summaries = server.wait_for_summaries(cfg.topology.groups, timeout_s=10.0)
         bar.update(server.snapshot())
         snapshot = server.snapshot()
     finally:
-        restore_sigterm()
+        stop.ending.set()  # from here a signal only hurries the end: it never interrupts it
         bar.close()
-        _stop(supervisor.all_procs())
+        left = end_trees([g.proc for g in supervisor.all_procs()], grace_s=STOP_GRACE_S, run_id=run_id,
+                         hurry=stop.hurry)
         server.stop()
         if http is not None:
             http.close()
+        stop.restore()
+        if left:
+            logging.getLogger("diloco.run").error("processes %s of this run did not end after SIGKILL", left)
     per_group = [summaries[g] for g in sorted(summaries) if not summaries[g].get("joined_late")]
     if not per_group:
         raise LaunchError("no group finished the job (every summary came from a group that joined too late)")
@@ -294,27 +265,59 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     return summary
 
 
-def _stop_on_sigterm(server: CoordinatorServer, *, checkpoints: bool) -> Callable[[], None]:
-    """With job checkpoints on, a first SIGTERM asks every group, through the coordinator, to
-    checkpoint at the same step and stop (``diloco run --resume`` continues); a second one, or
-    any SIGTERM without checkpoints, stops every process at once. Returns what restores the
-    previous handler. Only in the main thread (signals can be handled nowhere else)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.getsignal(signal.SIGTERM)
-    asked = []
+class _Stop:
+    """``diloco run``'s answer to SIGINT and SIGTERM (main thread only; elsewhere it does nothing).
 
-    def handler(signum, frame) -> None:
-        if checkpoints and not asked:
-            asked.append(True)
+    The first asks every group, through the coordinator, to checkpoint at its next exchange and
+    stop, and starts the deadline ``timeout_s()``; a second raises KeyboardInterrupt (the run then
+    ends every process at once). Once ``ending`` is set, a signal only sets ``hurry`` (SIGKILL
+    without waiting out the grace period): nothing can interrupt the ending of the processes.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, server: CoordinatorServer, timeout_s: Callable[[], float]) -> None:
+        self.server, self._timeout = server, timeout_s
+        self.ending, self.hurry = threading.Event(), threading.Event()
+        self.deadline: float | None = None
+        self.timeout_s = 0.0
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def overdue(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.ending.is_set():
+            self.hurry.set()
+            return
+        if self.deadline is None:
+            self.timeout_s = self._timeout()
+            self.deadline = time.monotonic() + self.timeout_s
             logging.getLogger("diloco.run").warning(
-                "SIGTERM: every group checkpoints at its next exchange and stops (SIGTERM again: stop now)")
-            server.request_stop("SIGTERM to diloco run")
+                "%s: every group checkpoints at its next exchange and stops (within %.0f s; %s again: stop now)",
+                name, self.timeout_s, "Ctrl-C" if signum == signal.SIGINT else name)
+            self.server.request_stop(f"{name} to diloco run")
             return
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, handler)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+
+def _auto_stop_timeout(snapshot: dict, elapsed_s: float) -> float:
+    """The graceful-stop deadline when none is given: three rounds at the pace so far (start-up
+    included), within ``STOP_TIMEOUT_BOUNDS_S``."""
+    rounds = int(snapshot.get("rounds_state", {}).get("committed_training", 0))
+    per_round = elapsed_s / max(rounds, 1)
+    low, high = STOP_TIMEOUT_BOUNDS_S
+    return min(max(3.0 * per_round, low), high)
 
 
 def _job_progress(snapshot: dict, steps: int) -> float:

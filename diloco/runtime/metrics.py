@@ -161,8 +161,9 @@ class WorkerMetrics:
         Gauge("diloco_codec_compression_ratio", "fp32 bytes per wire byte of one full chunk's frame "
               "(before the optional zstd stage)", list(labels), registry=self.registry).labels(**labels).set(ratio)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Start the HTTP endpoint (port 0 = any free port); returns the bound port."""
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the HTTP endpoint on ``host`` (the rank's ``--host``; port 0 = any free port);
+        returns the bound port."""
         self.server, _ = start_http_server(port, addr=host, registry=self.registry)
         return self.server.server_port
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -30,11 +30,13 @@ STEP_BITS = 48  # agree_on_step compares steps below 2**48
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a restored rank stands: inner steps done, smoothed loss, the run's initial eval loss."""
+    """Where a restored rank stands: inner steps done, smoothed loss, the run's initial eval loss,
+    and H of every round of fragment 0 so far (what the summary shows)."""
 
     step: int
     loss_ema: float | None
     initial_eval_loss: float
+    periods: tuple[int, ...] = ()
 
 
 def engine_state(engine: Any) -> dict[str, Any]:
@@ -83,7 +85,8 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
 
 def capture(*, step: int, cfg: Config | None, engine: Any, model: nn.Module, inner: torch.optim.Optimizer,
             task: Any = None, loss_ema: float | None = None, initial_eval_loss: float = math.nan,
-            group: int = 0, rank: int = 0, device: torch.device | None = None) -> dict[str, Any]:
+            group: int = 0, rank: int = 0, device: torch.device | None = None,
+            periods: Sequence[int] = ()) -> dict[str, Any]:
     """This rank's state after ``step`` inner steps (``model``: the bare module, not DDP). The
     dict shares tensors with the live objects: save it before training on. Waits for the
     exchanges in flight, so every group must call it at the same step."""
@@ -100,6 +103,7 @@ def capture(*, step: int, cfg: Config | None, engine: Any, model: nn.Module, inn
         "rng": rng_state(device),
         "loss_ema": loss_ema,
         "initial_eval_loss": float(initial_eval_loss),
+        "periods": [int(h) for h in periods],
     }
 
 
@@ -127,7 +131,8 @@ def restore(state: dict[str, Any], *, engine: Any, model: nn.Module, inner: torc
                 raise ValueError(f"train_batches ran out after {drawn} batches while replaying {step}") from None
     set_rng_state(state["rng"], device)
     loss = state.get("loss_ema")
-    return Progress(step, None if loss is None else float(loss), float(state.get("initial_eval_loss", math.nan)))
+    return Progress(step, None if loss is None else float(loss), float(state.get("initial_eval_loss", math.nan)),
+                    tuple(int(h) for h in state.get("periods", ())))
 
 
 @torch.no_grad()

@@ -149,6 +149,8 @@ def _bits(x: float) -> str:
 
 
 def _compact(periods: list[int]) -> str:
+    if not periods:
+        return "none"
     if len(set(periods)) == 1:
         return f"{periods[0]} x{len(periods)}"
     return ", ".join(map(str, periods[:12])) + (" ..." if len(periods) > 12 else "")

@@ -1,21 +1,24 @@
 """``diloco run``'s supervisor: keeps every group's process tree running until the job ends.
 
-A group whose process exits non-zero (or is killed) is started again, up to ``max_restarts``
-times; the new processes join as a new incarnation and heal into the job (docs/fault_tolerance.md).
+A group whose process exits for a fault (75, "restart me", or killed by a signal:
+``exit_codes.restartable``) is started again, up to ``max_restarts`` times; the new processes join
+as a new incarnation and heal into the job (docs/fault_tolerance.md). A group that exits with a
+configuration error (2) or another error (1) is not: a restart would repeat it, so the run stops
+with the group's own error lines.
 A fault drill (``diloco.runtime.chaos.ChaosMonkey``) may kill groups on purpose; those are started again
 when the drill says, and do not count against ``max_restarts``.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from diloco.runtime import exit_codes
 from diloco.runtime.chaos import ChaosMonkey
+from diloco.runtime.processes import kill_tree
 
 
 class GroupProcess(Protocol):
@@ -27,37 +30,11 @@ class GroupProcess(Protocol):
 
 
 class GroupFailed(RuntimeError):
-    """A group failed more often than it may be restarted."""
+    """A group failed in a way a restart cannot fix, or more often than it may be restarted."""
 
-
-def descendants(pid: int) -> list[int]:
-    """PIDs of every process below ``pid`` (Linux /proc), children first found first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # the process ended while we listed /proc
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(proc) -> None:
-    """SIGKILL a process and everything below it, at once (as a machine failure would); reaps it."""
-    pids = [proc.pid, *descendants(proc.pid)]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:  # already gone
-            pass
-    proc.wait()
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code  # the group's exit code
 
 
 @dataclass
@@ -86,9 +63,10 @@ class Supervisor:
 
     def poll(self, *, live: set[int], progress: float, committed: int = 1) -> bool:
         """Check every group, restart the failed ones, run the drill; True once every group
-        exited 0. Raises GroupFailed when a group is out of restarts, or fails before the job
-        committed its first training exchange (``committed`` 0: a setup error such as groups
-        with different initial weights, which a restart would only repeat)."""
+        exited 0. Raises GroupFailed when a group exits with a code no restart fixes, is out of
+        restarts, or fails before the job committed its first training exchange (``committed``
+        0: a setup error such as a coordinator that cannot be reached from one group, which a
+        restart would only repeat)."""
         down = self.chaos.down if self.chaos is not None else set()
         for g, p in list(self.procs.items()):
             code = p.proc.poll()
@@ -99,12 +77,16 @@ class Supervisor:
                 continue
             if g in self.finished:
                 continue
+            if not exit_codes.restartable(code):
+                raise GroupFailed(f"group {g} exited with code {exit_codes.describe(code)}, which a restart "
+                                  f"would repeat; last lines of {p.log_path}:\n{p.tail()}", code)
             if not committed:
-                raise GroupFailed(f"group {g} exited with code {code} before the job's first training exchange "
-                                  f"committed; last lines of {p.log_path}:\n{p.tail()}")
+                raise GroupFailed(f"group {g} exited with code {exit_codes.describe(code)} before the job's first "
+                                  f"training exchange committed; last lines of {p.log_path}:\n{p.tail()}", code)
             if self.restarts.get(g, 0) >= self.max_restarts:
-                raise GroupFailed(f"group {g} exited with code {code} and was restarted {self.max_restarts} "
-                                  f"time(s) already (--max-restarts); last lines of {p.log_path}:\n{p.tail()}")
+                raise GroupFailed(f"group {g} exited with code {exit_codes.describe(code)} and was restarted "
+                                  f"{self.max_restarts} time(s) already (--max-restarts); last lines of "
+                                  f"{p.log_path}:\n{p.tail()}", code)
             self.restarts[g] = self.restarts.get(g, 0) + 1
             self.failures.append({"group": g, "code": code, "at_s": round(time.monotonic() - self.started, 3),
                                   "log": str(p.log_path)})

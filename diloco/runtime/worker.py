@@ -33,7 +33,7 @@ from diloco.engine.diloco import DiLoCo
 from diloco.engine.outer import by_name, co2
 from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, inner_lr
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
-from diloco.job.config import Config
+from diloco.job.config import Config, ConfigError
 from diloco.job.task import (
     DEMO_ENTRY,
     Task,
@@ -43,7 +43,7 @@ from diloco.job.task import (
     parse_entry_args,
     to_device,
 )
-from diloco.runtime import checkpoint, device_placement, job_checkpoint, rank_state
+from diloco.runtime import checkpoint, device_placement, exit_codes, job_checkpoint, preflight, rank_state
 from diloco.runtime.connection import (
     SECRET_ENV,
     TOKEN_ENV,
@@ -55,7 +55,6 @@ from diloco.runtime.connection import (
 __all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]
 
 
-EXIT_RESTART_TO_HEAL = 75  # the coordinator took this group out; a restart joins again and heals
 
 
 class WorkerError(RuntimeError):
@@ -86,7 +85,7 @@ def make_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer
         return torch.optim.Adam(model.parameters(), lr=i.lr, betas=(0.9, 0.99))
     if i.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=i.lr, momentum=0.9)
-    raise WorkerError(f"unknown inner optimizer {i.optimizer!r}")
+    raise ConfigError(f"unknown inner optimizer {i.optimizer!r}")
 
 
 def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None):
@@ -113,7 +112,7 @@ def _resolve_backend(requested: str) -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
-        raise WorkerError("backend nccl was asked for but CUDA is not available")
+        raise ConfigError("--backend nccl was asked for but CUDA is not available (use --backend gloo)")
     return requested
 
 
@@ -150,11 +149,11 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     if not 0 <= group < cfg.topology.groups:
-        raise WorkerError(f"--group-id {group} outside [0, {cfg.topology.groups})")
+        raise ConfigError(f"--group-id {group} outside [0, {cfg.topology.groups})")
     if world != cfg.topology.sizes()[group]:
-        raise WorkerError(f"torchrun started {world} ranks but the config gives group {group} {cfg.topology.sizes()[group]}")
+        raise ConfigError(f"torchrun started {world} ranks but the config gives group {group} {cfg.topology.sizes()[group]}")
     if (cfg.train.checkpoint_every or cfg.train.stop_after) and not cfg.train.checkpoint_dir:
-        raise WorkerError("--checkpoint-every and --stop-after need --checkpoint-dir (diloco run sets one)")
+        raise ConfigError("--checkpoint-every and --stop-after need --checkpoint-dir (diloco run sets one)")
     torch.set_num_threads(cfg.topology.threads_per_rank)
     backend = _resolve_backend(cfg.topology.backend)
     device = _device(backend, local_rank, group=group, rank=rank)
@@ -235,6 +234,7 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
         progress = _restore(restored, engine=engine, model=ddp.module, inner=inner, task=task, batches=batches,
                             device=device)
         start_step, loss_ema, initial_eval = progress.step, progress.loss_ema, progress.initial_eval_loss
+        link.periods = list(progress.periods)  # H of the rounds before the checkpoint, for the summary
     keeper = None
     if cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir:
         keeper = job_checkpoint.JobCheckpointer(
@@ -321,17 +321,6 @@ def format_worker_line(s: dict) -> str:
             f"global params {s['param_hash']}, {s['seconds']:.1f} s, utilization {100 * s['utilization']:.1f}%")
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process if its parent (the torchrun agent) dies first."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None,
          resume: str | Path | None = None) -> int:
     """Entry point of ``diloco worker``; returns the process exit code (0 also when it stopped
@@ -344,20 +333,22 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
     t = cfg.transport
     metrics_mod.describe_process(codec=t.codec, codec_block=t.codec_block, link=t.link, zstd=t.zstd,
                                  chunk_bytes=t.chunk_bytes)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        _die_with_parent()
     try:
+        rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+        preflight.check_worker_paths(cfg, group=group, rank=rank, local_rank=local_rank, json_path=json_path)
         summary = run_worker(cfg, group, coordinator, resume)
     except GroupEvicted as e:  # the job goes on without this group: restart it and it heals
         print(f"diloco worker (group {group}, rank {os.environ.get('RANK', '?')}): left the job: {e}; "
-              f"exit {EXIT_RESTART_TO_HEAL} (restart to heal)", file=sys.stderr, flush=True)
-        return EXIT_RESTART_TO_HEAL
-    except Exception as e:  # noqa: BLE001 - every failure becomes one clear line and exit code 1
+              f"exit {exit_codes.describe(exit_codes.RESTART)}: restart to heal", file=sys.stderr, flush=True)
+        return exit_codes.RESTART
+    except Exception as e:  # noqa: BLE001 - every failure becomes one clear line and an exit code that says why
         rank = os.environ.get("RANK", "?")
         if os.environ.get("DILOCO_TRACEBACK"):
             traceback.print_exc()
-        print(f"diloco worker (group {group}, rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
+        code = exit_codes.for_exception(e)
+        print(f"diloco worker (group {group}, rank {rank}): {type(e).__name__}: {e}; exit {exit_codes.describe(code)}",
+              file=sys.stderr, flush=True)
+        return code
     if summary.get("joined_late"):
         print(f"diloco worker (group {group}, rank {summary['rank']}): {summary['reason']}", flush=True)
         return 0

@@ -4,8 +4,9 @@ import threading
 
 import pytest
 
-from diloco.coordinator.messages import (HeartbeatRequest, JoinRequest, ProgressRequest,
+from diloco.coordinator.messages import (HeartbeatRequest, JoinRequest, ProgressRequest, QuorumRequest,
                                          RoundRequest, SummaryRequest)
+from diloco.coordinator.rounds import HEAL
 from diloco.coordinator.quorum import QuorumError
 from diloco.coordinator.state import CoordinatorState
 
@@ -104,6 +105,34 @@ def test_reports_need_a_joined_group():
     state, _ = formed(groups=1)
     with pytest.raises(QuorumError, match="group 5 has no joined rank"):
         state.summary(SummaryRequest(5, {}))
+
+
+def test_round_hashes_come_only_from_members():
+    state, clock = formed(groups=2, heartbeat_timeout_s=10.0)
+    with pytest.raises(QuorumError, match="group 5 is not a member: it has no joined rank") as info:
+        state.round(RoundRequest(5, 1, "aa"))
+    assert info.value.code == "NOT_FOUND"
+    clock.now += 6
+    state.heartbeat(HeartbeatRequest(0, 0, 5))
+    clock.now += 6  # group 1 is declared failed: out of the membership until it heals
+    state.snapshot()
+    with pytest.raises(QuorumError, match="group 1 is not a member: it was declared failed") as info:
+        state.round(RoundRequest(1, 1, "aa"))
+    assert info.value.code == "FAILED_PRECONDITION"
+    state.round(RoundRequest(0, 1, "aa"))
+    assert state.snapshot()["rounds"] == {0: 1}
+
+
+def test_a_group_restarted_after_the_others_finished_learns_so_at_once():
+    state, clock = formed(groups=3)
+    state.summary(SummaryRequest(1, {"eval_loss": 1.0}))  # group 1 finished; 0 and 2 still train
+    restarted = state.join(JoinRequest(2, 0, 1, "10.0.2.0:7001", incarnation="second"), deadline=clock.now + 1)
+    assert restarted.heal and sorted(restarted.members) == [0, 2]  # not the finished group's closed data plane
+    state.summary(SummaryRequest(0, {"eval_loss": 1.0}))  # now every other group has finished
+    late = state.join(JoinRequest(2, 0, 1, "10.0.2.0:7002", incarnation="third"), deadline=clock.now + 1)
+    assert late.heal and sorted(late.members) == [2]
+    answer = state.quorum(QuorumRequest(2, 0, "third", HEAL, healable=True), deadline=clock.now)
+    assert answer.finished  # at once: no deadline waited out
 
 
 def test_wait_for_summaries_times_out_naming_silent_groups():

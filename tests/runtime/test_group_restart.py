@@ -16,7 +16,7 @@ from diloco_helpers import write_small_job
 
 from diloco.coordinator import CoordinatorServer
 from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV
-from diloco.runtime.launcher import processes_mentioning
+from diloco.runtime.processes import processes_mentioning
 
 pytestmark = pytest.mark.slow
 

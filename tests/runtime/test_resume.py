@@ -188,6 +188,22 @@ def test_cli_resume_refuses_a_corrupt_checkpoint_before_any_process(tmp_path, ca
     assert "group-0-rank-0.pt: contents do not match" in capsys.readouterr().err
 
 
+def test_a_corrupt_newest_step_is_refused_naming_the_newest_intact_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launcher, "_spawn_group", lambda *a, **k: pytest.fail("a process was started"))
+    for step in (2, 4, 6):
+        write_step(tmp_path, step)
+    for step in (4, 6):  # both newer steps are damaged: the hint names step 2
+        path = tmp_path / f"step-{step:06d}" / "group-1-rank-0.pt"
+        path.write_bytes(path.read_bytes()[:-1])
+    assert cli.main(["run", "--resume", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "step-000006/group-1-rank-0.pt: contents do not match" in err
+    assert f"the newest intact step before it is step-000002: diloco run --resume {tmp_path / 'step-000002'}" in err
+    (tmp_path / "step-000002" / "group-0-rank-0.pt").write_bytes(b"x")
+    assert cli.main(["run", "--resume", str(tmp_path), "--no-progress"]) == 2
+    assert "no older step under it is intact" in capsys.readouterr().err
+
+
 def test_a_step_without_every_manifest_is_ignored(tmp_path):
     write_step(tmp_path, 2)
     write_step(tmp_path, 4)
@@ -382,3 +398,5 @@ def test_diloco_run_stop_and_resume_equals_a_straight_run(tmp_path):
     assert resumed["params_identical"]
     assert resumed["eval_loss"] == straight["eval_loss"]
     assert resumed["initial_eval_loss"] == straight["initial_eval_loss"]
+    assert resumed["periods"] == straight["periods"] and resumed["outer_rounds"] == straight["outer_rounds"]
+    assert stopped["periods"] == straight["periods"][:stopped["outer_rounds"]]  # the rounds it did, no more

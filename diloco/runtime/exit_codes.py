@@ -1,0 +1,111 @@
+"""What the exit code of a ``diloco`` process says, and which codes a restart can fix.
+
+    0   done (trained, or stopped with a job checkpoint, or joined after the job had finished)
+    1   another error: a bug or something this table does not know; a restart would repeat it
+    2   configuration: a flag, a file, a path, a corrupt checkpoint, different initial weights;
+        deterministic, so never restarted (the message names what to change)
+    75  restart me: a fault (this group was declared failed, a peer or the coordinator was lost,
+        a rank was killed); a restarted group joins again and heals
+    130 interrupted (Ctrl-C)
+
+``diloco torchrun`` (``diloco.runtime.agent``) keeps these through torchrun, which reports any
+failure of its workers as 1: ``group_exit_code`` makes one code of its ranks' codes. ``diloco run``
+restarts a group for ``restartable`` codes only, as a Kubernetes Job's podFailurePolicy does.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+from typing import Mapping
+
+DONE = 0
+OTHER = 1
+CONFIGURATION = 2
+RESTART = 75  # EX_TEMPFAIL of sysexits.h: "try again later"
+INTERRUPTED = 130
+
+MEANING = {DONE: "done", OTHER: "error", CONFIGURATION: "configuration error", RESTART: "restart me",
+           INTERRUPTED: "interrupted"}
+
+# errors of a path the user named: what is there, or who may write it, is wrong
+_PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST, errno.EROFS,
+                errno.ENOSPC, errno.ENAMETOOLONG, errno.ELOOP}
+# coordinator answers that mean it is gone or this group is out, and those that mean a setting is wrong
+_COORDINATOR_FAULTS = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "NOT_FOUND", "FAILED_PRECONDITION",
+                       "ABORTED", "RESOURCE_EXHAUSTED", "UNKNOWN", "INTERNAL"}
+_COORDINATOR_SETTINGS = {"UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "UNIMPLEMENTED"}
+
+
+def describe(code: int) -> str:
+    """``code`` with its meaning: ``75 (restart me)``; a negative code is death by a signal."""
+    if code < 0:
+        try:
+            return f"{code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f"{code} (killed by signal {-code})"
+    return f"{code} ({MEANING.get(code, 'error')})"
+
+
+def restartable(code: int) -> bool:
+    """True for the codes of a fault that a restart can fix: 75, or death by a signal (a negative
+    code as ``subprocess`` reports it, or 128 + the signal's number as a shell and Kubernetes do,
+    SIGINT's 130 excepted: that is the user's Ctrl-C)."""
+    return code == RESTART or code < 0 or (128 < code < 128 + 65 and code != INTERRUPTED)
+
+
+def for_exception(exc: BaseException) -> int:
+    """The exit code a rank's uncaught error stands for (see the module doc)."""
+    from diloco.coordinator import CoordinatorError
+    from diloco.engine.initial import InitialParamsMismatch
+    from diloco.exchange.quorum_averager import ExchangeFailed, GroupEvicted
+    from transport import TransportError
+    from transport.errors import PeerAuthError
+
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED
+    if isinstance(exc, (GroupEvicted, ExchangeFailed)):
+        return RESTART
+    if isinstance(exc, CoordinatorError):
+        if exc.code in _COORDINATOR_SETTINGS:
+            return CONFIGURATION
+        return RESTART if exc.code in _COORDINATOR_FAULTS else OTHER
+    if isinstance(exc, PeerAuthError):
+        return CONFIGURATION  # a wrong secret or certificate: the same again after a restart
+    if isinstance(exc, (TransportError, ConnectionError, TimeoutError)):
+        return RESTART
+    if _is_distributed_error(exc):
+        return RESTART  # the group's own collectives (Gloo, NCCL) lost a rank
+    if isinstance(exc, (ValueError, InitialParamsMismatch)):
+        return CONFIGURATION  # ConfigError, CheckpointError, TaskError, DataError, PlacementError ...
+    if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS:
+        return CONFIGURATION
+    return OTHER
+
+
+def _is_distributed_error(exc: BaseException) -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return isinstance(exc, dist.DistError)
+
+
+def group_exit_code(rank_codes: Mapping[int, int]) -> int:
+    """One exit code for a group from its failed ranks' codes (negative: killed by that signal).
+
+    A configuration error on any rank makes the group's 2 (it would repeat); else a rank that
+    asked for a restart, or one that was killed by anything but SIGTERM (which is how torchrun
+    stops the other ranks once one failed), makes it 75; else an error makes it 1; ranks that
+    were only stopped with SIGTERM make it 75 (the group was stopped from outside).
+    """
+    codes = set(rank_codes.values())
+    if not codes or codes == {DONE}:
+        return DONE
+    if CONFIGURATION in codes:
+        return CONFIGURATION
+    if RESTART in codes or any(c < 0 and c != -signal.SIGTERM for c in codes):
+        return RESTART
+    if codes - {DONE, -signal.SIGTERM, INTERRUPTED}:
+        return OTHER
+    return RESTART
