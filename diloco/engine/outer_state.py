@@ -64,12 +64,12 @@ class OuterFragment:
         """Flat fp32 ``θ_global − θ_local`` on the global copy's device."""
         if self.staged:
             return self._staged_pseudo_gradient()
-        return torch.cat(
-            [
-                (g - p.detach().to(device=g.device, dtype=torch.float32)).reshape(-1)
-                for g, p in zip(self.global_params, self.local_views())
-            ]
-        )
+        out = torch.empty(self.local_numel, dtype=torch.float32, device=self.global_params[0].device)
+        offset = 0  # written in place: one vector of transient memory, not two (pieces, then their cat)
+        for g, p in zip(self.global_params, self.local_views()):
+            torch.sub(g, p.detach().to(device=g.device, dtype=torch.float32), out=out[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return out
 
     def local_views(self) -> list[torch.Tensor]:
         """The parts of the parameters this rank holds, sharing their storage (the parameters
@@ -98,14 +98,18 @@ class OuterFragment:
 
     @torch.no_grad()
     def outer_step(self, mean_delta: torch.Tensor) -> None:
-        """Use ``mean_delta`` (flat fp32) as the gradient of the global copy and step."""
+        """Use ``mean_delta`` (flat fp32) as the gradient of the global copy and step. The
+        gradients are views of ``mean_delta`` (no copy); an outer optimizer must not write into
+        its gradients (torch's do not, except with ``maximize=True``, which is refused)."""
         if mean_delta.numel() != self.local_numel:
             raise ValueError(f"pseudo-gradient has {mean_delta.numel()} values, fragment {self.local_numel}")
+        if any(group.get("maximize") for group in self.optimizer.param_groups):
+            raise ValueError("an outer optimizer with maximize=True: the pseudo-gradient is a descent direction")
         self._settle()
-        mean_delta = mean_delta.to(self.global_params[0].device)
+        mean_delta = mean_delta.to(device=self.global_params[0].device, dtype=torch.float32).contiguous()
         offset = 0
         for g in self.global_params:
-            g.grad = mean_delta[offset : offset + g.numel()].view_as(g).clone()
+            g.grad = mean_delta[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
         self.optimizer.step()
         for g in self.global_params:

@@ -84,11 +84,12 @@ def engine_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_synthetic(engine, model: nn.Module, group: int, steps: int, shard: tuple[int, int] | None = None) -> list[list]:
-    """``steps`` synthetic inner steps; the global hash after every step that committed.
-    ``shard``: (group size, rank) of a sharded model, whose rank adds its rows of each change."""
+def run_synthetic(engine, model: nn.Module, group: int, steps: int, shard: tuple[int, int] | None = None,
+                  start: int = 0) -> list[list]:
+    """Synthetic inner steps ``start`` .. ``steps - 1``; the global hash after every step that
+    committed. ``shard``: (group size, rank) of a sharded model, whose rank adds its rows of each change."""
     hashes = []
-    for t in range(steps):
+    for t in range(start, steps):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 full = perturbation(name, tuple(p.shape), group, t)
@@ -128,40 +129,65 @@ def reference(config: dict[str, Any], groups: int = 2) -> list[list[list]]:
     return out
 
 
-def launch(sizes: list[int], configs: list[dict[str, Any]], tmp: Path, timeout_s: float = 150.0) -> list[list[list]]:
-    """Run ``configs`` (in order, fresh transports each) on sharded groups of ``sizes`` ranks;
-    ``results[g][r][k]`` is what rank r of group g reported for config k."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    for stale in tmp.glob("*.store"):  # a FileStore left by an earlier launch would be read as this one's
-        stale.unlink()
-    spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"sizes": sizes, "configs": configs, "dir": str(tmp)}))
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    procs = []
-    try:
-        for g, size in enumerate(sizes):
-            for r in range(size):
-                log = open(tmp / f"log-{g}-{r}.txt", "w")
-                procs.append((g, r, log, subprocess.Popen(
-                    [sys.executable, str(HERE / "sharded_worker.py"), str(spec), str(g), str(r)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT)))
-        deadline = time.monotonic() + timeout_s
-        for g, r, log, p in procs:
+class Ranks:
+    """Processes of sharded test ranks (``sharded_worker.py``), killed if still running at exit."""
+
+    def __init__(self, tmp: Path, sizes: list[int], configs: list[dict[str, Any]]) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for stale in tmp.glob("*.store"):  # a FileStore left by an earlier launch would be read as this one's
+            stale.unlink()
+        self.tmp, self.sizes, self.configs = tmp, sizes, configs
+        self.procs: list[tuple[int, int, int, Any, subprocess.Popen]] = []
+
+    def start(self, group: int, incarnation: int = 0) -> None:
+        """Start every rank of ``group`` (a restarted group: a new ``incarnation``, a new Gloo world)."""
+        spec = self.tmp / f"spec-{group}-{incarnation}.json"
+        spec.write_text(json.dumps({"sizes": self.sizes, "configs": self.configs, "dir": str(self.tmp),
+                                    "incarnation": incarnation}))
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        for r in range(self.sizes[group]):
+            log = open(self.tmp / f"log-{group}-{r}-{incarnation}.txt", "w")
+            self.procs.append((group, r, incarnation, log, subprocess.Popen(
+                [sys.executable, str(HERE / "sharded_worker.py"), str(spec), str(group), str(r)],
+                env=env, stdout=log, stderr=subprocess.STDOUT)))
+
+    def wait(self, group: int | None, incarnation: int, deadline: float, expect_rc: int = 0) -> None:
+        """Wait for the ranks of ``group`` (None: all) of ``incarnation`` to exit with ``expect_rc``."""
+        for g, r, inc, _, p in self.procs:
+            if inc != incarnation or group is not None and g != group:
+                continue
+            log = self.tmp / f"log-{g}-{r}-{inc}.txt"
             try:
                 p.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"group {g} rank {r} did not finish in {timeout_s:g}s:\n"
-                                     + (tmp / f"log-{g}-{r}.txt").read_text()[-3000:]) from None
-        for g, r, log, p in procs:
-            if p.returncode != 0:
-                raise AssertionError(f"group {g} rank {r} exited {p.returncode}:\n"
-                                     + (tmp / f"log-{g}-{r}.txt").read_text()[-4000:])
-    finally:
-        for _, _, log, p in procs:
+                raise AssertionError(f"group {g} rank {r} did not finish in time:\n" + log.read_text()[-3000:]) from None
+            if p.returncode != expect_rc:
+                raise AssertionError(f"group {g} rank {r} exited {p.returncode}, not {expect_rc}:\n"
+                                     + log.read_text()[-4000:])
+
+    def results(self, incarnations: dict[int, int] | None = None) -> list[list[list]]:
+        """``results[g][r][k]``: what rank r of group g reported for config k (its last incarnation)."""
+        inc = incarnations or {}
+        return [[json.loads((self.tmp / f"out-{g}-{r}-{inc.get(g, 0)}.json").read_text()) for r in range(size)]
+                for g, size in enumerate(self.sizes)]
+
+    def close(self) -> None:
+        for _, _, _, log, p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
             log.close()
-    return [[json.loads((tmp / f"out-{g}-{r}.json").read_text()) for r in range(size)]
-            for g, size in enumerate(sizes)]
+
+
+def launch(sizes: list[int], configs: list[dict[str, Any]], tmp: Path, timeout_s: float = 150.0) -> list[list[list]]:
+    """Run ``configs`` (in order, fresh transports each) on sharded groups of ``sizes`` ranks;
+    ``results[g][r][k]`` is what rank r of group g reported for config k."""
+    ranks = Ranks(tmp, sizes, configs)
+    try:
+        for g in range(len(sizes)):
+            ranks.start(g)
+        ranks.wait(None, 0, time.monotonic() + timeout_s)
+        return ranks.results()
+    finally:
+        ranks.close()
