@@ -23,6 +23,7 @@ _EXPORTS = {
     "StripedAverager": "diloco.exchange.striped",
     "InProcessGroups": "diloco.engine.averaging", "SingleGroup": "diloco.engine.averaging",
     "TransportConfig": "diloco.job.config",
+    "shard_model": "diloco.job.fsdp",
 }
 __all__ = sorted(_EXPORTS)
 

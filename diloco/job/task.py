@@ -64,7 +64,11 @@ class Task:
     with the global parameters at the start and the end (mean loss). ``tokens_per_batch``: what
     throughput and the summary's ``tokens`` count per batch (tokens, samples, ...); default the
     leading dimension of the batch's first tensor. ``fragments``: parameter-name lists for
-    ``--fragments`` (default ``diloco.engine.fragments.partition(model, P)``).
+    ``--fragments`` (default ``diloco.engine.fragments.partition(model, P)``). ``shard``: the task
+    asks for its model to be sharded inside the group with FSDP2 (``--parallel auto``, the
+    default, then shards it; ``--parallel fsdp`` always does, ``ddp`` never): ``True`` for each
+    block of every ``nn.ModuleList``, or the units ``diloco.shard_model`` takes (module names, a
+    module class, a predicate ``f(name, module)``).
 
     Resuming (``--resume``): ``data_state()`` returns the position of ``train_batches`` after the
     batches taken so far (tensors and plain values: it is saved with ``torch.save`` and read
@@ -81,6 +85,7 @@ class Task:
     fragments: Callable[[nn.Module, int], list[list[str]]] | None = None
     data_state: Callable[[], dict[str, Any]] | None = None
     load_data_state: Callable[[dict[str, Any]], None] | None = None
+    shard: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -89,6 +94,10 @@ class Task:
             raise TaskError("Task.loss must be callable as loss(model, batch) -> scalar tensor")
         if (self.data_state is None) != (self.load_data_state is None):
             raise TaskError("Task.data_state and Task.load_data_state go together (give both or neither)")
+        s = self.shard
+        if not (s is None or s is True or isinstance(s, (str, type, list, tuple, nn.Module)) or callable(s)):
+            raise TaskError("Task.shard must be None, True, module names, a module class or a predicate "
+                            f"f(name, module), got {self.shard!r}")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
