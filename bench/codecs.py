@@ -158,7 +158,7 @@ def cached_vectors(size: str, seed: int = 0) -> tuple[dict, dict]:
     n_layer, n_embd, block, batch, rounds = SIZES[size]
     path = CACHE / f"diloco-{n_layer}x{n_embd}-b{block}-r{rounds}-s{seed}.pt"
     if path.exists():
-        blob = torch.load(path)
+        blob = torch.load(path, weights_only=True)
         return blob["vectors"], blob["info"]
     t0 = time.perf_counter()
     vectors, info = diloco_vectors(n_layer, n_embd, block, batch, rounds, seed=seed)

@@ -1,12 +1,15 @@
-"""topk: per chunk, the k largest-magnitude values, with low-bit values and bit-packed indices
-(as in SparseLoCo: k=64 of every 4096, 2-bit values, 12-bit indices).
+"""topk: per chunk, the k largest-magnitude values, with low-bit values and coded indices
+(as in SparseLoCo: k=64 of every 4096, 2-bit values).
 
 Biased on its own; use it through ErrorFeedback. For each chunk, the kept magnitudes are coded
 on ``2^(value_bits-1)`` evenly spaced levels between the chunk's smallest and largest kept
 magnitude, plus a sign bit. Payload, in this order: per chunk fp32 ``lo`` and fp32 ``step``;
-then the level+sign fields (``value_bits`` each); then the in-chunk indices
-(``ceil(log2 chunk)`` bits each), ascending within every chunk. A short last chunk keeps
-``min(k, its length)`` values.
+then the level+sign fields (``value_bits`` each); then the in-chunk indices, ascending within
+every chunk, either Elias-Fano coded (``indices="elias-fano"``, the default: 8.0 bits per index
+at k=64 of 4096, ``elias_fano``) as their low fields then their bitmaps, or as plain
+``ceil(log2 chunk)``-bit fields (``indices="fixed"``: 12 bits). A short last chunk keeps
+``min(k, its length)`` values. The header's third parameter holds ``value_bits``, plus 256 for
+Elias-Fano indices.
 """
 from __future__ import annotations
 
@@ -16,10 +19,13 @@ from ..codec import Codec, Parts
 from ..errors import FrameError
 from ..finite import all_finite
 from ..codec_table import register
+from . import elias_fano
 from .common import check_block, header_block, n_blocks
 from .packing import pack_fields, packed_bytes, unpack_fields
 
 MAX_CHUNK = 1 << 16
+INDEX_CODINGS = ("elias-fano", "fixed")
+ELIAS_FANO_FLAG = 256  # in the header's third parameter, above value_bits
 
 
 def _index_bits(chunk: int) -> int:
@@ -35,8 +41,11 @@ class TopK(Codec):
     requires_error_feedback = True
 
     def __init__(self, *, chunk: int = 4096, k: int | None = None, density: float | None = None,
-                 value_bits: int = 2, **kw) -> None:
+                 value_bits: int = 2, indices: str = "elias-fano", **kw) -> None:
         super().__init__(**kw)
+        if indices not in INDEX_CODINGS:
+            raise ValueError(f"indices must be one of {', '.join(INDEX_CODINGS)}, got {indices!r}")
+        self.indices = indices
         self.chunk = check_block("chunk", chunk, hi=MAX_CHUNK)
         if k is not None and density is not None:
             raise ValueError("give topk either k or density, not both")
@@ -49,18 +58,20 @@ class TopK(Codec):
 
     @property
     def params(self) -> dict:
-        return {"chunk": self.chunk, "k": self.k, "value_bits": self.value_bits, **super().params}
+        return {"chunk": self.chunk, "k": self.k, "value_bits": self.value_bits, "indices": self.indices,
+                **super().params}
 
     @property
     def header_params(self) -> tuple[int, int, int]:
-        return (self.chunk, self.k, self.value_bits)
+        return (self.chunk, self.k, self.value_bits + (ELIAS_FANO_FLAG if self.indices == "elias-fano" else 0))
 
     @classmethod
     def from_header(cls, p0: int, p1: int, p2: int) -> "TopK":
         header_block(cls.name, "chunk", p0, hi=MAX_CHUNK)
         header_block(cls.name, "k", p1, hi=p0)
-        header_block(cls.name, "value_bits", p2, hi=8)
-        return cls(chunk=p0, k=p1, value_bits=p2)
+        coded = p2 >= ELIAS_FANO_FLAG
+        header_block(cls.name, "value_bits", p2 - ELIAS_FANO_FLAG if coded else p2, hi=8)
+        return cls(chunk=p0, k=p1, value_bits=p2 % ELIAS_FANO_FLAG, indices="elias-fano" if coded else "fixed")
 
     def kept(self, count: int) -> int:
         """Number of values kept from ``count`` inputs."""
@@ -69,16 +80,26 @@ class TopK(Codec):
             return 0
         return (nc - 1) * self.k + min(self.k, count - (nc - 1) * self.chunk)
 
+    def _chunks(self, count: int) -> list[tuple[int, int, int]]:
+        """``(chunks, values, kept)``: the full chunks, then a short last one if there is one."""
+        full, rest = divmod(count, self.chunk)
+        return [(full, self.chunk, self.k)] * bool(full) + [(1, rest, min(self.k, rest))] * bool(rest)
+
     def part_layout(self, count: int) -> list[tuple[torch.dtype, int]]:
         nc, m = n_blocks(count, self.chunk), self.kept(count)
-        return [(torch.float32, 2 * nc), (torch.uint8, packed_bytes(m, self.value_bits)),
-                (torch.uint8, packed_bytes(m, _index_bits(self.chunk)))]
+        layout = [(torch.float32, 2 * nc), (torch.uint8, packed_bytes(m, self.value_bits))]
+        if self.indices == "fixed":
+            return layout + [(torch.uint8, packed_bytes(m, _index_bits(self.chunk)))]
+        for chunks, n, k in self._chunks(count):
+            layout += [(torch.uint8, packed_bytes(chunks * k, elias_fano.low_bits(n, k))),
+                       (torch.uint8, packed_bytes(chunks * elias_fano.bitmap_bits(n, k), 1))]
+        return layout
 
     def quantize(self, x: torch.Tensor) -> Parts:
         n, c, k = x.numel(), self.chunk, self.k
-        if n == 0:
+        if n == 0:  # no chunk: no lo/step, no fields, and fixed indices' empty part (none for Elias-Fano)
             e = x.new_empty(0, dtype=torch.uint8)
-            return [x.new_empty(0), e, e]
+            return [x.new_empty(0), e] + [e] * (self.indices == "fixed")
         if not all_finite(x):
             raise ValueError("topk cannot encode NaN or infinite values")
         nc = n_blocks(n, c)
@@ -105,15 +126,25 @@ class TopK(Codec):
         neg = xp.view(nc, c).gather(1, idx) < 0
         fields = (j << 1) | neg.to(torch.int32)  # sign in bit 0
         keep = self.kept(n)
-        fields, idx = fields.reshape(-1)[:keep], idx.reshape(-1)[:keep]
-        return [torch.stack([lo, step], dim=1).reshape(-1),
-                pack_fields(fields, self.value_bits), pack_fields(idx, _index_bits(c))]
+        parts = [torch.stack([lo, step], dim=1).reshape(-1), pack_fields(fields.reshape(-1)[:keep], self.value_bits)]
+        if self.indices == "fixed":
+            return parts + [pack_fields(idx.reshape(-1)[:keep], _index_bits(c))]
+        done = 0
+        for chunks, values, kept in self._chunks(n):
+            parts += elias_fano.encode(idx[done:done + chunks, :kept].to(torch.int64), values)
+            done += chunks
+        return parts
 
     def _unpack(self, parts: Parts, count: int) -> tuple[torch.Tensor, ...]:
-        meta, vbytes, ibytes = parts
+        meta, vbytes, *ibytes = parts
         m = self.kept(count)
         fields = unpack_fields(vbytes, m, self.value_bits)
-        idx = unpack_fields(ibytes, m, _index_bits(self.chunk))
+        if self.indices == "fixed":
+            idx = unpack_fields(ibytes[0], m, _index_bits(self.chunk)).to(torch.int64)
+        else:
+            rows = [elias_fano.decode(low, bitmap, chunks, kept, values).reshape(-1)
+                    for (chunks, values, kept), low, bitmap in zip(self._chunks(count), ibytes[0::2], ibytes[1::2])]
+            idx = torch.cat(rows) if rows else fields.new_empty(0, dtype=torch.int64)
         chunk_of = torch.arange(m, device=idx.device, dtype=torch.int64) // self.k
         flat = chunk_of * self.chunk + idx
         return meta.view(-1, 2), fields, idx, chunk_of, flat

@@ -122,7 +122,9 @@ def test_peek_reports_the_header():
     frame = compress.get_codec("topk", chunk=64, k=4, zstd=True).encode(torch.randn(200))
     info = compress.peek(frame)
     assert info["codec"] == "topk" and info["count"] == 200 and info["zstd"]
-    assert info["params"] == (64, 4, 2) and info["wire_len"] == len(frame) - 52
+    assert info["params"] == (64, 4, 256 + 2) and info["wire_len"] == len(frame) - 52  # Elias-Fano indices
+    fixed = compress.get_codec("topk", chunk=64, k=4, indices="fixed").encode(torch.randn(200))
+    assert compress.peek(fixed)["params"] == (64, 4, 2)
 
 
 def test_frame_size_matches_encode_and_bits_per_value():
@@ -135,7 +137,9 @@ def test_frame_size_matches_encode_and_bits_per_value():
         assert compress.get_codec(name).frame_size(4096) == 52 + 4 + 128 + 2048
         assert compress.get_codec(name).frame_size(1 << 18) * 8 / (1 << 18) < 4.26
     assert compress.get_codec("sign1").frame_size(4096) == 52 + 16 * 4 + 512
-    assert compress.get_codec("topk").frame_size(4096) == 52 + 8 + 16 + 96
+    # topk at 64 of 4096: lo and step, 2-bit values; Elias-Fano 6-bit low fields and a 128-bit bitmap
+    assert compress.get_codec("topk").frame_size(4096) == 52 + 8 + 16 + 48 + 16
+    assert compress.get_codec("topk", indices="fixed").frame_size(4096) == 52 + 8 + 16 + 96
 
 
 def test_topk_refuses_non_finite_values_it_would_not_select():

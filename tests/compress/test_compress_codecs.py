@@ -30,10 +30,10 @@ def codec_strategy():
                   st.booleans(), st.booleans()),
         st.builds(lambda b, z: compress.get_codec("sign1", block_size=b, zstd=z), block,
                   st.booleans()),
-        st.builds(lambda c, k, v, z: compress.get_codec("topk", chunk=c, k=min(k, c),
-                                                        value_bits=v, zstd=z),
+        st.builds(lambda c, k, v, z, i: compress.get_codec("topk", chunk=c, k=min(k, c),
+                                                           value_bits=v, zstd=z, indices=i),
                   st.sampled_from([1, 7, 16, 64]), st.integers(1, 20), st.integers(1, 8),
-                  st.booleans()),
+                  st.booleans(), st.sampled_from(["elias-fano", "fixed"])),
     )
 
 
@@ -184,7 +184,25 @@ def test_topk_keeps_the_largest_magnitudes_of_each_chunk(x, c, k):
 def test_topk_bits_per_value_at_sparseloco_settings():
     codec = compress.get_codec("topk", chunk=4096, k=64, value_bits=2)
     n = 4096 * 64
-    assert len(codec.encode(torch.randn(n))) * 8 / n < 0.24
+    x = torch.randn(n)
+    assert len(codec.encode(x)) * 8 / n < 0.175  # (2-bit value + 8-bit Elias-Fano index) * 64 + 64 bits of scales, per 4096
+    assert len(compress.get_codec("topk", indices="fixed").encode(x)) * 8 / n < 0.24  # 12-bit indices
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 2**32 - 1))
+def test_elias_fano_decodes_every_index_pattern_as_fixed_fields_do(k, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 64 * 3 + int(torch.randint(1, 64, (1,), generator=g))  # three full chunks and a short one
+    x = torch.randn(n, generator=g)
+    pattern = int(seed % 3)
+    if pattern == 1:  # the largest values at the start of every chunk: high parts all zero
+        x = torch.where(torch.arange(n) % 64 < k, x * 100, x)
+    elif pattern == 2:  # at the end: the bitmap's last bits
+        x = torch.where(torch.arange(n) % 64 >= 64 - k, x * 100, x)
+    ef = compress.get_codec("topk", chunk=64, k=k, value_bits=3)
+    fixed = compress.get_codec("topk", chunk=64, k=k, value_bits=3, indices="fixed")
+    assert torch.equal(ef.decode(ef.encode(x)), fixed.decode(fixed.encode(x)))
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"])

@@ -101,7 +101,7 @@ def test_bad_scales_are_rejected(int8_frame, value):
 
 
 def test_topk_indices_must_be_ascending_and_inside_the_chunk():
-    codec = compress.get_codec("topk", chunk=16, k=2, value_bits=4)
+    codec = compress.get_codec("topk", chunk=16, k=2, value_bits=4, indices="fixed")
     f = codec.encode(torch.arange(16.0))  # keeps indices 14, 15 -> 4-bit fields 0xE, 0xF
     idx_at = 44 + 8 + 1
     assert f[idx_at] == 0xFE
@@ -109,9 +109,25 @@ def test_topk_indices_must_be_ascending_and_inside_the_chunk():
         compress.decode_frame(edit(f, idx_at, "B", 0xEF))
     with pytest.raises(compress.FrameError, match="not strictly ascending"):
         compress.decode_frame(edit(f, idx_at, "B", 0xEE))
-    short = compress.get_codec("topk", chunk=16, k=2, value_bits=4).encode(torch.arange(10.0))
+    short = compress.get_codec("topk", chunk=16, k=2, value_bits=4, indices="fixed").encode(torch.arange(10.0))
     with pytest.raises(compress.FrameError, match="outside its chunk"):
         compress.decode_frame(edit(short, idx_at, "B", 0xF8))
+
+
+def test_elias_fano_indices_are_checked_like_fixed_ones():
+    codec = compress.get_codec("topk", chunk=16, k=2, value_bits=4)  # L = 3 low bits, a 4-bit bitmap
+    f = codec.encode(torch.arange(16.0))  # keeps 14, 15: low fields 6, 7; high parts 1, 1
+    low_at, bitmap_at = 44 + 8 + 1, 44 + 8 + 2
+    assert (f[low_at], f[bitmap_at]) == (6 | 7 << 3, 0b0110)
+    assert torch.equal(compress.decode_frame(edit(f, bitmap_at, "B", 0b0011))[6:8], compress.decode_frame(f)[14:])
+    with pytest.raises(compress.FrameError, match="not strictly ascending"):
+        compress.decode_frame(edit(f, low_at, "B", 7 | 6 << 3))  # 15, 14
+    with pytest.raises(compress.FrameError, match="does not hold 2 indices"):
+        compress.decode_frame(edit(f, bitmap_at, "B", 0b0111))
+    short = codec.encode(torch.arange(10.0))  # a 10-value chunk: L = 2, a 5-bit bitmap; keeps 8, 9
+    assert short[bitmap_at] == 0b01100
+    with pytest.raises(compress.FrameError, match="beyond its chunk of 10"):
+        compress.decode_frame(edit(short, bitmap_at, "B", 0b11000))  # 12, 13
 
 
 def test_zstd_bomb_is_refused_before_allocating():
