@@ -67,25 +67,30 @@ def apportion(num_items: int, bandwidths: list[float]) -> list[int]:
     return counts
 
 
-def stripe_plan(num_elements: int, rank_bandwidths: list[list[float]], num_stripes: int) -> StripePlan:
+def stripe_plan(num_elements: int, rank_bandwidths: list[list[float]], num_stripes: int,
+                align: int = 1) -> StripePlan:
     """Plan the stripes of a num_elements vector.
 
     rank_bandwidths[g][r]: measured bandwidth of rank r of group g (any unit, bytes/s say; only
     ratios within a group matter; 0 = carries nothing). Groups may have different rank counts.
     num_stripes: how many stripes (more stripes = finer balance, more rings). Stripes may be
-    empty when num_elements < num_stripes.
+    empty when num_elements < num_stripes. align: every stripe starts at a multiple of it (a
+    codec's chunk, so that its chunks are the caller's: SparseLoCo's tiles).
     """
     if num_elements < 0:
         raise ValueError(f"num_elements must be >= 0, got {num_elements}")
     if num_stripes < 1:
         raise ValueError(f"num_stripes must be >= 1, got {num_stripes}")
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
     if not rank_bandwidths:
         raise ValueError("need at least one group")
     owners: list[list[int]] = []
     for bws in rank_bandwidths:
         counts = apportion(num_stripes, list(bws))
         owners.append([r for r, c in enumerate(counts) for _ in range(c)])
-    bounds = segment_bounds(num_elements, num_stripes)
+    bounds = [(min(a * align, num_elements), min(b * align, num_elements))
+              for a, b in segment_bounds(-(-num_elements // align), num_stripes)]
     stripes = tuple(
         Stripe(k, a, b, tuple(owners[g][k] for g in range(len(rank_bandwidths)))) for k, (a, b) in enumerate(bounds)
     )

@@ -114,3 +114,13 @@ def test_stripes_reduce_over_their_own_rings() -> None:
             result[g][s.start : s.stop] = h.wait()
     assert torch.equal(result[0], result[1])
     torch.testing.assert_close(result[0], (group_vec[0] + group_vec[1]) / 2)
+
+
+def test_aligned_stripes_start_at_multiples_of_the_alignment():
+    plan = stripe_plan(10 * 4096 + 100, [[1.0, 1.0], [1.0]], num_stripes=4, align=4096)
+    starts = [s.start for s in plan.stripes]
+    assert all(a % 4096 == 0 for a in starts) and plan.stripes[-1].stop == 10 * 4096 + 100
+    sizes = [s.stop - s.start for s in plan.stripes]  # 11 units of 4096 (the last one short) over 4 stripes
+    assert sum(sizes) == 10 * 4096 + 100 and max(sizes) - min(sizes) <= 4096
+    assert stripe_plan(1000, [[1.0]], num_stripes=3, align=4096).stripes[0].stop == 1000  # one stripe holds all
+    assert stripe_plan(12, [[1.0]], 3).stripes == stripe_plan(12, [[1.0]], 3, align=1).stripes
