@@ -28,10 +28,33 @@ _BIAS = 149
 _BUCKETS = 128 + _BIAS + 1
 
 
+_CHUNK = 1 << 20  # elements per step of the reductions: their temporaries stay small (a few MiB)
+
+
+def _comm_device(group: Any) -> torch.device:
+    """Where a collective of ``group`` takes its tensors: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """``t`` (on the CPU) summed over ``group`` (None or one rank: ``t`` itself)."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        on = t.to(_comm_device(group))
+        dist.all_reduce(on, op=dist.ReduceOp.SUM, group=group)
+        t = on.cpu()
     return t
+
+
+def all_gather_cpu(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``t`` (a small CPU tensor, the same shape everywhere), in rank order, on the CPU."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [t]
+    on = t.to(_comm_device(group))
+    parts = [torch.zeros_like(on) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, on, group=group)
+    return [p.cpu() for p in parts]
 
 
 def group_fingerprint(pieces: Sequence[tuple[torch.Tensor, int]], lengths: Sequence[int], group: Any) -> int:
@@ -39,28 +62,22 @@ def group_fingerprint(pieces: Sequence[tuple[torch.Tensor, int]], lengths: Seque
     ``pieces`` (values, stream offset) this rank holds; the other pieces are the other ranks'."""
     part = rows_part(pieces)
     mine = torch.tensor([part - (1 << 64) if part >> 63 else part], dtype=torch.int64)
-    if group is not None and dist.get_world_size(group) > 1:
-        parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, mine, group=group)
-        total = sum(int(p.item()) for p in parts)
-    else:
-        total = part
+    total = sum(int(p.item()) for p in all_gather_cpu(mine, group))
     return finish(total & ((1 << 64) - 1), lengths)
 
 
 def _square_buckets(x: torch.Tensor) -> torch.Tensor:
     """[2, buckets] int64: per frexp exponent, the sums of the high and low 24 bits of m²."""
-    out = torch.zeros(2, _BUCKETS, dtype=torch.int64)
-    x = x.detach().reshape(-1).to("cpu", torch.float32)
-    if not x.numel():
-        return out
-    mant, exp = torch.frexp(x)
-    m = (mant.abs().double() * 16777216.0).to(torch.int64)  # the 24-bit integer mantissa
-    sq = m * m  # < 2^48: exact
-    idx = exp.to(torch.int64) + _BIAS
-    out[0].index_add_(0, idx, sq >> 24)
-    out[1].index_add_(0, idx, sq & 0xFFFFFF)
-    return out
+    out = torch.zeros(2, _BUCKETS, dtype=torch.int64, device=x.device)
+    flat = x.detach().reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK):  # integer sums: the same in any order or cut
+        mant, exp = torch.frexp(flat[start:start + _CHUNK].to(torch.float32))
+        m = (mant.abs().double() * 16777216.0).to(torch.int64)  # the 24-bit integer mantissa
+        sq = m * m  # < 2^48: exact
+        idx = exp.to(torch.int64) + _BIAS
+        out[0].index_add_(0, idx, sq >> 24)
+        out[1].index_add_(0, idx, sq & 0xFFFFFF)
+    return out.cpu()
 
 
 def exact_sum_of_squares(tensors: Sequence[torch.Tensor], group: Any = None) -> float:
@@ -86,6 +103,11 @@ def exact_sum_of_squares(tensors: Sequence[torch.Tensor], group: Any = None) -> 
 
 
 def sum_of_squares(tensors: Sequence[torch.Tensor], group: Any = None) -> float:
-    """Σx² in fp64 over ``tensors`` on every rank of ``group`` (None: this rank only)."""
-    local = sum((t.detach().double().square().sum() for t in tensors if t.numel()), torch.zeros((), dtype=torch.float64))
-    return float(_all_reduce_sum(local.reshape(1).cpu(), group).item())
+    """Σx² in fp64 over ``tensors`` on every rank of ``group`` (None: this rank only), a chunk
+    at a time (no fp64 copy of a whole tensor)."""
+    local = torch.zeros(1, dtype=torch.float64)
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        for start in range(0, flat.numel(), _CHUNK):
+            local += flat[start:start + _CHUNK].double().square().sum().cpu()
+    return float(_all_reduce_sum(local, group).item())

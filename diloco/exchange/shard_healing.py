@@ -14,10 +14,10 @@ import re
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from compress.fingerprint_parts import finish, rows_part
 from diloco.engine.shard_layout import ShardLayout
+from diloco.engine.shard_reduce import all_gather_cpu
 
 _FRAGMENT = re.compile(r"f(\d+)/")
 
@@ -60,8 +60,7 @@ def sharded_check(engine: Any, resp: Any) -> Callable[[Any], tuple[bool, str]] |
             except (KeyError, TypeError, ValueError):
                 ok = 0
         mine = torch.tensor([ok, part - (1 << 64) if part >> 63 else part], dtype=torch.int64)
-        parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(sharded.group))]
-        dist.all_gather(parts, mine, group=sharded.group)
+        parts = all_gather_cpu(mine, sharded.group)
         if not all(int(p[0]) for p in parts):
             return False, "a rank of this group did not get a state that fits its shard"
         lengths = [rows * per_row for lay in sharded.layouts for rows, per_row in lay.shapes]

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.engine.shard_layout import ShardLayout
+from diloco.engine.shard_reduce import sum_of_squares
 from diloco.exchange.network_plan import NetworkPlan, equal_plan
 from diloco.exchange.shard_plan import ShardExchangePlan, shard_exchange_plan
 from transport import StripePlan, stripe_plan
@@ -113,10 +114,7 @@ class StripedAverager:
         sums of every rank's shard: a collective of the group, so every rank calls it)."""
         if shards is None:
             return float(src.norm())
-        sq = src.detach().double().square().sum().reshape(1).to(self.comm_device)
-        if self.group_size > 1:
-            dist.all_reduce(sq, group=self.process_group)
-        return float(sq.item()) ** 0.5
+        return sum_of_squares([src], self.process_group if self.group_size > 1 else None) ** 0.5
 
     @property
     def group_index(self) -> int:

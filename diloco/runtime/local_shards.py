@@ -46,7 +46,11 @@ def _refuse(what: str, saved: torch.Tensor, here: torch.Tensor) -> ShardMismatch
 @torch.no_grad()
 def load_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
     """Load ``localize(model.state_dict())`` as saved: DTensor entries by copying into this rank's
-    part, the rest with ``load_state_dict``. ShardMismatch when a shard's shape differs."""
+    part, the rest with ``load_state_dict``. ShardMismatch when a shard's shape differs. An
+    unsharded model: ``model.load_state_dict(saved)`` (strict), as ever."""
+    if not any(_is_dtensor(t) for t in model.state_dict().values()):
+        model.load_state_dict(saved)
+        return
     plain = {}
     for name, here in model.state_dict().items():
         if name not in saved:
@@ -68,6 +72,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
     from torch.distributed.tensor import DTensor
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(_is_dtensor(p) for p in params):  # unsharded: as ever
+        optimizer.load_state_dict(saved)
+        return
     state = {}
     for index, per_param in saved["state"].items():
         p = params[int(index)]

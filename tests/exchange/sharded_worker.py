@@ -133,7 +133,7 @@ def connected(config: dict, group: int, rank: int, sizes: list[int], folder: Pat
     model = shard(make_model(), sizes[group])
     if restarted:  # about to build the engine, which asks to heal at once
         (folder / f"connected-{group}-{rank}").write_text("")
-    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=link.averager, **engine_kwargs(config))
+    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=link, **engine_kwargs(config))
     out: dict = {"start": engine.inner_step, "hashes": []}
     for t in range(engine.inner_step, config["steps"]):
         if group == config["die_group"] and t == config["die_at"] and not restarted:
