@@ -1,7 +1,7 @@
 """SparseLoCo's chunks: every 2-D tensor in 64 x 64 tiles, every 1-D tensor in runs of 4096.
 
 Top-k chooses the k largest values of each chunk of ``tile * tile`` values; for that to be
-SparseLoCo's chunking (ALGORITHMS.md §8.2), a fragment's flat vector is laid out tile-major
+SparseLoCo's chunking (docs/algorithms.md §8.2), a fragment's flat vector is laid out tile-major
 before it is encoded: each 2-D tensor (a tensor of more dimensions is seen as its first dimension
 by the rest) is cut into ``tile x tile`` tiles in row-major order, each tile's values row-major,
 and each tile (an edge tile too, its missing rows and columns as zeros) takes a whole chunk; a
