@@ -16,8 +16,9 @@ process prints to ``sys.stdout`` / ``sys.stderr`` (summaries, error lines, trace
 re-emitted as records too (stdout at INFO, stderr at ERROR, Python warnings at WARNING), and so
 are the lines written straight to the file descriptors 1 and 2 (native libraries: NCCL, Gloo,
 torch's C++ warnings; child processes that inherit them, such as torchrun's workers): those go
-through a pipe each, and a thread turns every line into a record, passing lines that are JSON
-objects already (a child's own records) through unchanged. A collector reads nothing but JSON.
+through a pipe each to a small pump process (``logpump.py``), which turns every line into a
+record, passing lines that are JSON objects already (a child's own records) through unchanged. A
+collector reads nothing but JSON.
 """
 
 from __future__ import annotations
@@ -129,56 +130,31 @@ class _LineLogger(io.TextIOBase):
 
 
 class _FdCapture:
-    """File descriptors 1 and 2 redirected into pipes whose lines become records (see the module doc)."""
+    """File descriptors 1 and 2 redirected into pipes whose lines become records, by a pump process
+    of its own (``logpump.py``: see there why not a thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: dict[str, Any]) -> None:
+        import subprocess
+
         self.saved = {fd: os.dup(fd) for fd in (1, 2)}
-        #: where records and passed-through lines go: the process's real stderr / stdout
+        #: where this process's own records go: its real stderr
         self.err = os.fdopen(os.dup(self.saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
-        self.out = os.fdopen(os.dup(self.saved[1]), "w", buffering=1, encoding="utf-8", errors="replace")
-        self.threads = []
-        for fd, level, name, passthrough in ((1, logging.INFO, "diloco.stdout", self.out),
-                                             (2, logging.ERROR, "diloco.stderr", self.err)):
-            read, write = os.pipe()
+        (r_out, w_out), (r_err, w_err) = os.pipe(), os.pipe()
+        try:
+            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "logpump.py")
+            self.pump = subprocess.Popen([sys.executable, "-I", script, str(r_out), str(r_err), json.dumps(context)],
+                                         pass_fds=(r_out, r_err), stdin=subprocess.DEVNULL,
+                                         stdout=self.saved[1], stderr=self.saved[2])
+        finally:
+            os.close(r_out)
+            os.close(r_err)
+        for fd, write in ((1, w_out), (2, w_err)):
             os.dup2(write, fd)
             os.close(write)
-            t = threading.Thread(target=self._pump, args=(read, logging.getLogger(name), level, passthrough),
-                                 name=f"log-fd{fd}", daemon=True)
-            t.start()
-            self.threads.append(t)
 
-    @staticmethod
-    def _pump(read: int, logger: logging.Logger, level: int, passthrough: TextIO) -> None:
-        with os.fdopen(read, "rb", buffering=0) as pipe:
-            buffered = b""
-            while True:
-                chunk = pipe.read(65536)
-                if not chunk:
-                    break
-                *lines, buffered = (buffered + chunk).split(b"\n")
-                for raw in lines:
-                    _FdCapture._emit(raw, logger, level, passthrough)
-            if buffered:
-                _FdCapture._emit(buffered, logger, level, passthrough)
-
-    @staticmethod
-    def _emit(raw: bytes, logger: logging.Logger, level: int, passthrough: TextIO) -> None:
-        line = raw.decode("utf-8", errors="replace").rstrip("\r")
-        if not line.strip():
-            return
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                json.loads(line)
-            except ValueError:
-                pass
-            else:
-                passthrough.write(line + "\n")
-                return
-        logger.log(level, line)
-
-    def close(self, wait_s: float = 1.0) -> None:
-        """Point 1 and 2 back at the real streams; the pumps end once every writer closed its end
-        (children may hold it longer), within ``wait_s``."""
+    def close(self, wait_s: float = 2.0) -> None:
+        """Point 1 and 2 back at the real streams; the pump ends once every writer closed its end
+        (children may hold it longer), waited for up to ``wait_s``."""
         for stream in (sys.__stdout__, sys.__stderr__):
             try:
                 if stream is not None:
@@ -188,8 +164,10 @@ class _FdCapture:
         for fd, saved in self.saved.items():
             os.dup2(saved, fd)
             os.close(saved)
-        for t in self.threads:
-            t.join(wait_s)
+        try:
+            self.pump.wait(wait_s)
+        except Exception:  # noqa: BLE001 - children still hold the pipe: the pump ends with them
+            pass
 
 
 _installed: dict[str, Any] = {}
@@ -207,7 +185,7 @@ def setup(fmt: str = "text", *, component: str, group: int | None = None, rank: 
     if capture_fds is None:
         capture_fds = fmt == "json" and stream is None
     if capture_fds:
-        capture = _FdCapture()
+        capture = _FdCapture({"component": component, "group": group, "rank": rank})
         _installed["capture"] = capture
         atexit.register(_close_capture, capture)
         if stream is None:

@@ -115,3 +115,24 @@ def test_the_coordinators_job_summary_is_json_too():
     records = [json.loads(line) for line in lines]
     assert any(r["msg"].startswith("diloco job summary") for r in records), lines
     assert all(r["component"] == "coordinator" for r in records)
+
+
+def test_native_output_written_under_the_interpreter_lock_does_not_block_the_process():
+    """Native code that writes megabytes to stderr while holding the interpreter lock (as torch's
+    C++ warnings may) must not deadlock: the pipe is drained by a process of its own."""
+    import subprocess
+
+    code = "\n".join([
+        "import ctypes",
+        "from diloco.runtime import logs",
+        "logs.setup('json', component='worker', group=0, rank=0)",
+        "line = b'[W native] ' + b'x' * 500 + b'\\n'",
+        "data = line * 4000",  # 2 MB, far above a pipe's 64 KiB
+        "ctypes.PyDLL(None).write(2, data, len(data))",  # PyDLL: the lock stays held during the call
+        "print('done')",
+    ])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (result.stdout + result.stderr).splitlines()]
+    assert sum(r["msg"].startswith("[W native]") for r in records) == 4000
+    assert any(r["msg"] == "done" for r in records)
