@@ -17,6 +17,7 @@ _EXPORTS = {
     "FixedSchedule": "diloco.engine.schedule", "QSRSchedule": "diloco.engine.schedule",
     "fixed_period": "diloco.engine.schedule", "qsr_period": "diloco.engine.schedule",
     "nesterov": "diloco.engine.outer", "sgd": "diloco.engine.outer", "co2": "diloco.engine.outer", "CO2Outer": "diloco.engine.outer",
+    "sparseloco": "diloco.engine.outer", "SparseLoCo": "diloco.engine.outer",
     "StreamingDiLoCo": "diloco.engine.streaming", "FragmentEvent": "diloco.engine.streaming",
     "partition": "diloco.engine.fragments", "gpt_fragments": "diloco.engine.fragments",
     "DataParallelAcrossGroups": "diloco.engine.data_parallel",

@@ -53,6 +53,7 @@ import torch.nn as nn
 from compress.finite import all_finite
 from diloco.engine.averaging import Averager, Done, PendingMean
 from diloco.engine.error_feedback import Residuals
+from diloco.engine.tiles import FromTiles, TileLayout
 from diloco.engine.initial import agree
 from diloco.engine.modes import MODES, InitialSync, Mode
 from diloco.engine.outer import OuterOptimizerFactory, by_mode
@@ -183,13 +184,33 @@ class DiLoCo:
         self._weighted = bool(getattr(averager, "weighted", False))
         self._screened = bool(getattr(averager, "screens_contributions", False))
         # sign1/topk: each fragment's residual of what this group's exchanges have not delivered yet
-        self.error_feedback = Residuals(len(self.fragments)) if getattr(averager, "error_feedback", False) else None
+        rule = outer_optimizer or by_mode(mode)
+        decay = getattr(rule, "error_decay", None)  # SparseLoCo's β; its tiles below
+        if decay is not None and not getattr(averager, "error_feedback", False):
+            raise ValueError(f"{rule!r} needs an averager with error feedback: a codec that needs one (--codec topk, "
+                             "or sign1), whose residual stands in for outer momentum")
+        self.error_feedback = Residuals(len(self.fragments), 1.0 if decay is None else decay) \
+            if getattr(averager, "error_feedback", False) else None
+        #: SparseLoCo: each fragment laid out tile-major before the residual and the codec see it
+        self.tiles = self._tile_layouts(getattr(rule, "tile", None) if decay is not None else None)
         self.finished = False
         self.sync_seconds = 0.0  # time spent inside step()/close() on syncs
         self.last_events: list[SyncEvent] = []
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if hook_optimizer else None
         if healing:
             averager.heal(self)
+
+    def _tile_layouts(self, tile: int | None) -> list[TileLayout] | None:
+        if tile is None:
+            return None
+        if self.sharded is not None:
+            raise ValueError("SparseLoCo's tiles need each group's whole tensors; with a sharded model use "
+                             "sparseloco(tile=None) (top-k over chunks of each rank's flat shards)")
+        chunk = getattr(getattr(self.averager, "codec", None), "chunk", tile * tile)
+        if chunk != tile * tile:
+            raise ValueError(f"SparseLoCo's {tile}x{tile} tiles need the codec's chunk to be {tile * tile} values, "
+                             f"not {chunk} (--codec-block {tile * tile})")
+        return [TileLayout([tuple(g.shape) for g in frag.global_params], tile) for frag in self.fragments]
 
     @staticmethod
     def _fragment_names(model: nn.Module, named: dict, fragments) -> list[list[str]]:
@@ -341,6 +362,10 @@ class DiLoCo:
         extra = {"weight": float(self.inner_step - self._launched_at[p])} if self._weighted else {}
         extra.update(self._shards(p))
         if self.error_feedback is not None:  # sends Δ + residual; the residual moves when it lands
+            if self.tiles is not None:  # residual and codec in tile-major order, the mean back in place
+                layout = self.tiles[p]
+                landing = self.error_feedback.start(self.averager, p, layout.to_tiles(delta), tag=f"f{p}/r{r}", **extra)
+                return self._launched(p, FromTiles(landing, layout))
             return self._launched(p, self.error_feedback.start(self.averager, p, delta, tag=f"f{p}/r{r}", **extra))
         pending = self.averager.start(delta, tag=f"f{p}/r{r}", **extra)
         return self._launched(p, pending)
@@ -545,7 +570,8 @@ class DiLoCo:
             own = saved["own_previous"]
             self._own_previous[p] = None if own is None else own.to(frag.global_params[0].device)
             if self.error_feedback is not None:  # absent (None) in states saved without error feedback
-                self.error_feedback.load(p, saved.get("residual"), frag.local_numel, frag.global_params[0].device)
+                numel = frag.local_numel if self.tiles is None else self.tiles[p].padded_numel
+                self.error_feedback.load(p, saved.get("residual"), numel, frag.global_params[0].device)
             frag.merge_into_model(0.0)
         self.inner_step = int(state["inner_step"])
         self.finished = bool(state["finished"])

@@ -3,7 +3,7 @@
 With a biased codec (``sign1``, ``topk``) every group keeps, per fragment, a residual ``e`` (fp32,
 the fragment's length, on the global copy's device) and sends ``y = Δ + e`` instead of Δ::
 
-    y = Δ + e;   send C(y);   e ← y − decode(C(y))
+    y = Δ + β·e;   send C(y);   e ← y − decode(C(y))      (β = 1; SparseLoCo's outer rule: 0.95)
 
 so over any number of rounds everything the other groups decoded of this group, plus ``e``, is
 the sum of its Δs: nothing a round drops is lost, it is sent later (docs/algorithms.md §8.2). The
@@ -31,16 +31,21 @@ from diloco.engine.averaging import PendingMean
 
 
 class Residuals:
-    """The error-feedback residual of each of ``num_fragments`` fragments of one group."""
+    """The error-feedback residual of each of ``num_fragments`` fragments of one group.
+    ``decay``: β of SparseLoCo, ``y = Δ + β·e`` (1: plain error feedback)."""
 
-    def __init__(self, num_fragments: int) -> None:
+    def __init__(self, num_fragments: int, decay: float = 1.0) -> None:
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"the residual's decay must be in [0, 1], got {decay}")
         self.residual: list[torch.Tensor | None] = [None] * num_fragments  # None: zero
+        self.decay = decay
 
     def start(self, averager: Any, p: int, delta: torch.Tensor, *, tag: str, **kwargs: Any) -> "Landing":
-        """Launch fragment p's exchange of ``delta + residual`` (``delta`` is not changed); the
-        residual is updated when the returned pending result is first waited for."""
+        """Launch fragment p's exchange of ``delta + decay * residual`` (``delta`` is not changed);
+        the residual is updated when the returned pending result is first waited for."""
         e = self.residual[p]
-        y = delta.detach().to(torch.float32).clone() if e is None else delta.detach().to(torch.float32) + e
+        y = delta.detach().to(torch.float32).clone() if e is None else delta.detach().to(torch.float32) + (
+            e if self.decay == 1.0 else self.decay * e)
         pending = averager.start(y, tag=tag, error_feedback=True, **kwargs)
         return Landing(self, p, y, pending)
 

@@ -81,6 +81,45 @@ def adam(lr: float = 1e-3, eps: float = 0.1) -> OuterOptimizerFactory:
     return lambda params: torch.optim.Adam(params, lr=lr, eps=eps)
 
 
+class SparseLoCo:
+    """SparseLoCo's outer rule (Sarfi et al. 2025; docs/algorithms.md §8.2): plain SGD with no
+    momentum on the mean of what the groups sent, the error-feedback residual standing in for
+    outer momentum. Per group r and fragment, with Δ_r its pseudo-gradient and C the codec::
+
+        y_r = β·e_r + Δ_r;   send C(y_r);   e_r ← y_r − decode(C(y_r))
+        θ ← θ − α·mean_r decode(C(y_r))
+
+    Defaults as Covenant-72B ran it: α = 1 (``lr``), β = 0.95 (``beta``), top-k of every 64 x 64
+    tile of a 2-D tensor and every 4096 values of a 1-D one (``tile``; None: chunks of the flat
+    vector as they come). The engine reads ``error_decay`` and ``tile``: it needs an averager with
+    error feedback (``--codec topk``, or another codec that needs it) and lays each fragment out
+    tile-major (``diloco.engine.tiles``) before the residual and the codec see it.
+    """
+
+    name = "sparseloco"
+
+    def __init__(self, lr: float = 1.0, beta: float = 0.95, tile: int | None = 64) -> None:
+        if not lr > 0:
+            raise ValueError(f"sparseloco: lr must be > 0, got {lr}")
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"sparseloco: beta (the residual's decay) must be in [0, 1], got {beta}")
+        if tile is not None and tile < 1:
+            raise ValueError(f"sparseloco: tile must be >= 1 or None, got {tile}")
+        self.lr, self.error_decay, self.tile = lr, beta, tile
+
+    def __call__(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=self.lr)
+
+    def __repr__(self) -> str:
+        return f"sparseloco(lr={self.lr}, beta={self.error_decay}, tile={self.tile})"
+
+
+def sparseloco(lr: float = 1.0, beta: float = 0.95, tile: int | None = 64) -> SparseLoCo:
+    """SparseLoCo's outer rule (``SparseLoCo``): outer SGD lr ``lr``, residual decay ``beta``,
+    top-k per ``tile`` x ``tile`` tile."""
+    return SparseLoCo(lr, beta, tile)
+
+
 # Outer Nesterov (lr, momentum) each sync mode uses unless told otherwise; why: the module doc.
 MODE_DEFAULTS: dict[str, tuple[float, float]] = {
     "blocking": (0.7, 0.9),
@@ -117,15 +156,20 @@ def by_mode(mode: str) -> OuterOptimizerFactory:
     return nesterov(*_mode(mode))
 
 
-def by_name(name: str, lr: float, momentum: float) -> OuterOptimizerFactory:
-    """Factory for a configured outer optimizer name: ``nesterov``, ``sgd`` or ``adam``."""
+def by_name(name: str, lr: float, momentum: float, *, beta: float = 0.95) -> OuterOptimizerFactory:
+    """Factory for a configured outer optimizer name: ``nesterov``, ``sgd``, ``adam`` or
+    ``sparseloco`` (``beta``: its residual decay; it takes no momentum)."""
+    if name == "sparseloco":
+        if momentum:
+            raise ValueError(f"sparseloco takes no outer momentum (its residual stands in for it), got {momentum}")
+        return sparseloco(lr, beta)
     if name == "nesterov":
         return nesterov(lr, momentum)
     if name == "sgd":
         return sgd(lr, momentum)
     if name == "adam":
         return adam(lr)
-    raise ValueError(f"unknown outer optimizer {name!r}; choose nesterov, sgd or adam")
+    raise ValueError(f"unknown outer optimizer {name!r}; choose nesterov, sgd, adam or sparseloco")
 
 
 class CO2Outer(torch.optim.Optimizer):

@@ -74,3 +74,20 @@ class TileLayout:
         out = tiled.new_empty(self.numel)
         out[self._from.to(tiled.device)] = tiled[self._targets.to(tiled.device)]
         return out
+
+
+class FromTiles:
+    """A pending mean exchanged in tile-major order: ``wait`` gives it back in the flat order.
+    Everything else (``own_rejected``, ``sent``, ...) is the wrapped pending result's."""
+
+    def __init__(self, pending, layout: TileLayout) -> None:
+        self._pending, self._layout = pending, layout
+        self._value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._layout.from_tiles(self._pending.wait())
+        return self._value
+
+    def __getattr__(self, name: str):
+        return getattr(self._pending, name)

@@ -87,14 +87,17 @@ class StripedAverager:
 
     def stripe_plan_for(self, plan: NetworkPlan, numel: int) -> StripePlan:
         """The stripes of an ``numel``-element vector under ``plan``: ``stripes_per_rank`` per rank
-        of the largest group in it (the same on every member of the plan)."""
+        of the largest group in it (the same on every member of the plan), each starting at a
+        multiple of the codec's chunk where it has one (top-k's: its chunks are then the caller's,
+        SparseLoCo's tiles)."""
         key = (plan, numel)
         if key not in self._stripe_plans:
             bandwidths = [list(b) for b in plan.rank_bandwidths]
             stripes = self.stripes_per_rank * max(len(b) for b in bandwidths)
             if len(self._stripe_plans) > 64:
                 self._stripe_plans.clear()
-            self._stripe_plans[key] = stripe_plan(numel, bandwidths, min(stripes, max(numel, 1)))
+            align = int(getattr(self.codec, "chunk", 1))
+            self._stripe_plans[key] = stripe_plan(numel, bandwidths, min(stripes, max(numel, 1)), align=align)
         return self._stripe_plans[key]
 
     def shard_plan_for(self, shards: ShardLayout, sizes: list[int], me: int) -> ShardExchangePlan:
