@@ -38,6 +38,13 @@ from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_heade
 
 log = logging.getLogger("transport.core")  # one logger for the transport's messages, as before the split
 
+#: a probe not acknowledged within this many seconds is sent again (see _probe_roundtrip)
+PROBE_RESEND_S = 2.0
+
+
+class _Unanswered(TransportError):
+    """A probe needed resending: its timing measures the wait, not the link."""
+
 # Free chunk buffers kept for reuse (see wire.BufferPool): enough for the chunks in flight of a
 # 64 MiB all-reduce, so steady-state collectives allocate nothing per chunk.
 _POOL_BYTES = 128 << 20
@@ -194,33 +201,43 @@ class LinkEndpoint:
         warm-up round trip first (a dial or redial), then ``PROBE_PAIRS`` pairs of (tiny, big), and
         `transport.probe.probe_rate` takes the median of their differences. When that is shorter
         than ``PROBE_MIN_TRANSFER_S`` (a fast link, or timings swamped by noise) the probe is
-        repeated with 4x the bytes, up to 16x nbytes (within max_message_bytes); raises ProbeError
-        if it is still too short to time, or the rate is above any link's, rather than report an
-        impossible rate. Probe one peer at a time: probes running at once share this host's link.
+        repeated with 4x the bytes, up to 16x nbytes (within max_message_bytes); if even that is too
+        short to time, the measured time is floored at ``PROBE_MIN_TRANSFER_S`` (the rate reported is
+        then a lower bound, and a warning says so). ProbeError for a rate above any link's, never an
+        impossible one. Probe one peer at a time: probes running at once share this host's link.
         """
         if nbytes < 1 or nbytes + 4096 > self.max_message_bytes:
             raise ValueError(f"nbytes must be in [1, max_message_bytes - 4096], got {nbytes}")
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        link = self._get_link(peer, deadline)
         most = max(nbytes, min(16 * nbytes, self.max_message_bytes - 4096))
         size = nbytes
         while True:
-            self._probe_roundtrip(link, 1, deadline)  # warm-up
-            pairs = [(self._probe_roundtrip(link, 1, deadline), self._probe_roundtrip(link, size, deadline))
-                     for _ in range(PROBE_PAIRS)]
+            link = self._get_link(peer, deadline)
+            try:
+                self._probe_roundtrip(link, 1, deadline)  # warm-up
+                pairs = [(self._probe_roundtrip(link, 1, deadline), self._probe_roundtrip(link, size, deadline))
+                         for _ in range(PROBE_PAIRS)]
+            except _Unanswered:  # measured again, on a link both ways known good
+                continue
             try:
                 rate = probe_rate(size, pairs)
             except ProbeError as e:
                 raise ProbeError(f"probe to {peer}: {e}") from None
             if rate is not None:
                 return rate
-            if size >= most:
+            if size >= most:  # faster than this size can time, or noise: the floor's rate, a lower bound
                 shown = ", ".join(f"{s * 1e6:.0f}/{b * 1e6:.0f}" for s, b in pairs)
-                raise ProbeError(f"probe to {peer}: {size} B took no measurable time over a tiny message "
-                                 f"(us tiny/big: {shown}; under {PROBE_MIN_TRANSFER_S * 1e6:.0f} us): no rate")
+                log.warning("%s: probe to %s: %d B took no measurable time over a tiny message (us tiny/big: %s); "
+                            "reporting %.3g B/s, the rate of the %.0f us floor", self.address, peer, size, shown,
+                            size / PROBE_MIN_TRANSFER_S, PROBE_MIN_TRANSFER_S * 1e6)
+                return size / PROBE_MIN_TRANSFER_S
             size = min(4 * size, most)
 
     def _probe_roundtrip(self, link: Link, nbytes: int, deadline: float) -> float:
+        """Seconds from sending an nbytes probe to its acknowledgement. When none comes within
+        PROBE_RESEND_S the probe is sent again (the peer's way back may have been a stale link to
+        an earlier process at this address: answering on it fails, and the peer redials), and
+        _Unanswered tells the caller that this timing is not a measurement."""
         with self._lock:
             pid = next(self._probe_ids)
             done = threading.Event()
@@ -230,10 +247,16 @@ class LinkEndpoint:
             failed: list[str] = []
             start = time.perf_counter()
             link.send([head, bytes(nbytes)], lambda reason: (failed.append(reason), done.set()))
-            if not done.wait(max(0.0, deadline - time.monotonic())):
-                raise TransportError(f"probe to {link.peer} timed out")
+            resent = False
+            while not done.wait(max(0.0, min(PROBE_RESEND_S, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"probe to {link.peer} timed out")
+                resent = True
+                link.send([head, bytes(nbytes)], lambda reason: (failed.append(reason), done.set()))
             if failed:
                 raise TransportError(f"probe to {link.peer} failed: {failed[0]}")
+            if resent:
+                raise _Unanswered(link.peer)
             return time.perf_counter() - start
         finally:
             with self._lock:
@@ -248,11 +271,19 @@ class LinkEndpoint:
             return
 
         def answer() -> None:
+            deadline = time.monotonic() + self.timeout_s
             try:
-                link = self._get_link(peer, time.monotonic() + self.timeout_s)
-                if link.peer_group != group:  # answer only the group that asked, not whoever its address is
-                    raise PeerAuthError(f"the probe came from group {group}, {peer} proved group {link.peer_group}")
-                link.send([pack_header(MsgType.PROBE_ACK, b"", msg.seg, 0, 0, 0)], None)
+                for _ in range(2):  # a link to an earlier process at peer's address fails: redial once
+                    link = self._get_link(peer, deadline)
+                    if link.peer_group != group:  # answer only the group that asked, not whoever its address is
+                        raise PeerAuthError(f"the probe came from group {group}, {peer} proved group {link.peer_group}")
+                    settled, failed = threading.Event(), []
+                    link.send([pack_header(MsgType.PROBE_ACK, b"", msg.seg, 0, 0, 0)],
+                              lambda reason: (failed.append(reason), settled.set()), settled.set)
+                    settled.wait(max(0.0, deadline - time.monotonic()))
+                    if not failed:
+                        return
+                raise TransportError(failed[0])
             except Exception as e:
                 log.warning("%s: could not answer a probe from %s: %s", self.address, peer, e)
 

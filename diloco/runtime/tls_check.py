@@ -13,12 +13,35 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
+
+
+def check_coordinator(address: str, *, cert: str, key: str, ca: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Wait until the coordinator at ``address`` completes a TLS handshake with this side's files;
+    raise ``ConfigError`` naming the cause as soon as a handshake fails (a certificate problem does
+    not heal by waiting). While nothing answers it keeps trying, and returns after ``timeout_s``
+    (the client then reports the coordinator unreachable)."""
+    from diloco.job.config import ConfigError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state, problem = _attempt(address, cert=cert, key=key, ca=ca, timeout_s=min(5.0, timeout_s))
+        if state == "failed":
+            raise ConfigError(f"coordinator TLS: {problem}")
+        if state == "ok" or time.monotonic() + poll_s > deadline:
+            return
+        time.sleep(poll_s)
 
 
 def tls_problem(address: str, *, cert: str, key: str, ca: str, timeout_s: float = 5.0) -> str | None:
     """What is wrong with TLS between this side's files and the TLS server at ``address``
     (``host:port``), or None when the handshake succeeds or nothing answers there. OSError /
     ssl.SSLError from reading the files propagate (a configuration error)."""
+    return _attempt(address, cert=cert, key=key, ca=ca, timeout_s=timeout_s)[1]
+
+
+def _attempt(address: str, *, cert: str, key: str, ca: str, timeout_s: float) -> tuple[str, str | None]:
+    """``("ok", None)``, ``("unreachable", None)`` or ``("failed", why)`` for one handshake."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     if not host or not port.isdigit():
@@ -29,7 +52,7 @@ def tls_problem(address: str, *, cert: str, key: str, ca: str, timeout_s: float 
     try:
         raw = socket.create_connection((host, int(port)), timeout=timeout_s)
     except OSError:
-        return None
+        return "unreachable", None
     try:
         with ctx.wrap_socket(raw, server_hostname=host) as tls:
             # with TLS 1.3 the server judges the client's certificate after the client's handshake
@@ -40,20 +63,22 @@ def tls_problem(address: str, *, cert: str, key: str, ca: str, timeout_s: float 
             try:
                 data = tls.recv(1)
             except (socket.timeout, TimeoutError):
-                return None  # it waits for this side's first frame: the certificate passed
+                return "ok", None  # it waits for this side's first frame: the certificate passed
             except ssl.SSLError as e:  # an alert, or the connection cut inside TLS
-                return refused.format(e.reason or e)
+                return "failed", refused.format(e.reason or e)
             except OSError as e:
-                return refused.format(f"the connection was reset: {e}")
+                return "failed", refused.format(f"the connection was reset: {e}")
             # an HTTP/2 server speaks first (its settings); a closed connection is a refusal
-            return None if data else refused.format("it closed the connection after the handshake")
+            if data:
+                return "ok", None
+            return "failed", refused.format("it closed the connection after the handshake")
     except ssl.SSLCertVerificationError as e:
-        return (f"this side does not trust the certificate of the coordinator at {address}: {e.verify_message} "
-                f"(CA file {ca}; the coordinator's certificate must be signed by it, be valid now and "
-                f"name {host!r})")
+        return "failed", (f"this side does not trust the certificate of the coordinator at {address}: "
+                          f"{e.verify_message} (CA file {ca}; the coordinator's certificate must be signed by it, "
+                          f"be valid now and name {host!r})")
     except ssl.SSLError as e:
-        return f"the TLS handshake with the coordinator at {address} failed: {e.reason or e}"
+        return "failed", f"the TLS handshake with the coordinator at {address} failed: {e.reason or e}"
     except OSError:
-        return None
+        return "unreachable", None
     finally:
         raw.close()

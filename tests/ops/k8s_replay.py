@@ -226,6 +226,10 @@ class Datacenter:
     lb_cidr: str
     node_ifname: str = "eth1"
     names: dict[str, str] = dataclasses.field(default_factory=dict)  # extra DNS names (e.g. an LB's)
+    #: None: the pod network is routed to the other datacenters. An address: it is not (an overlay
+    #: or a NATed pod network): pods leave the cluster translated to this address (the nodes' NAT),
+    #: and outside sources reach them only through a Service's translation (a load balancer)
+    pod_egress: str | None = None
 
     def __post_init__(self) -> None:
         self._pods = itertools.islice(ipaddress.ip_network(self.pod_cidr).hosts(), 1, None)
@@ -292,8 +296,10 @@ class Network:
         self._nat[key] = (filters, nat)
         f = "\n".join(s for fs, _ in self._nat.values() for s in fs)
         n = "\n".join(s for _, ns in self._nat.values() for s in ns)
+        # the source check runs after any source translation (a datacenter's egress NAT), on the
+        # connection's original destination (the balancer's address, before DNAT)
         ruleset = ("table ip replay\ndelete table ip replay\ntable ip replay {\n"
-                   "  chain sources {\n    type filter hook prerouting priority -200; policy accept;\n"
+                   "  chain sources {\n    type filter hook postrouting priority 300; policy accept;\n"
                    f"{f}\n  }}\n"
                    "  chain services {\n    type nat hook prerouting priority dstnat; policy accept;\n"
                    f"{n}\n  }}\n}}\n")
@@ -562,7 +568,8 @@ class Replay:
                     lb = self.service_ips[(dc, name + "@lb")]
                     ranges = spec.get("loadBalancerSourceRanges")
                     if ranges:
-                        filters.append(f"    ip daddr {lb} ip saddr != {{ {', '.join(ranges)} }} drop")
+                        filters.append(f"    ct direction original ct original ip daddr {lb} "
+                                       f"ip saddr != {{ {', '.join(ranges)} }} drop")
                     if spec.get("externalTrafficPolicy") != "Local":
                         raise ReplayError(f"{name}: only externalTrafficPolicy Local (no SNAT) is replayed")
                     statements.append(f"    ip daddr {lb} tcp dport {port['port']} dnat to {pod.ip}:{target}")
@@ -708,6 +715,9 @@ class Replay:
         (pod.dir / "hosts").write_text(self._hosts(pod))
         (pod.dir / "passwd").write_text(f"root:x:0:0:root:/root:/bin/sh\ndiloco:x:10001:10001::/home/diloco:/usr/sbin/nologin\n")
         (pod.dir / "group").write_text("root:x:0:\ndiloco:x:10001:\n")
+        # names come from /etc/hosts (what cluster DNS would answer); a DNS query is refused at once,
+        # and never leaves the pod for the host's resolver
+        (pod.dir / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
         root = pod.dir / "root"
         root.mkdir(exist_ok=True)
         prefixes = sorted({sys.prefix, sys.base_prefix})
@@ -765,7 +775,7 @@ class Replay:
         lines += [f"mount --bind /usr {r}/usr", f"mount -o remount,bind,ro {r}/usr",
                   f"mkdir -p {q(str(upper))} {q(str(work))}",  # the host's /etc, below what the pod adds
                   f"mount -t overlay overlay -o lowerdir=/etc,upperdir={q(str(upper))},workdir={q(str(work))} {r}/etc"]
-        for name in ("hosts", "passwd", "group"):
+        for name in ("hosts", "passwd", "group", "resolv.conf"):
             lines.append(f"mount --bind {q(str(pod.dir / name))} {r}/etc/{name}")
         lines += [f"mount --rbind /sys {r}/sys", f"mount --rbind /dev {r}/dev", f"mount -t proc proc {r}/proc"]
         for prefix in prefixes:
@@ -849,9 +859,26 @@ class Replay:
     # -- controllers ------------------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
+            for name, dc in self.dcs.items():
+                if dc.pod_egress is not None:
+                    self._unrouted_pods(name, dc)
             for w in self.workloads:
                 self._reconcile(w)
             self._refresh_network()
+
+    def _unrouted_pods(self, name: str, dc: Datacenter) -> None:
+        """dc's pod network is not routed: from outside, only translated (load-balanced) connections
+        reach its pods, and its pods' connections out of it leave from ``dc.pod_egress``."""
+        table = f"replay-{name}"
+        self.net.exec(self.net.router, "nft", "-f", "-", input=(
+            f"table ip {table} {{\n"
+            "  chain forward {\n    type filter hook forward priority filter; policy accept;\n"
+            "    ct state established,related accept\n"
+            "    ct status dnat accept\n"  # what a load balancer or NodePort forwards
+            f"    ip daddr {dc.pod_cidr} ip saddr != {dc.pod_cidr} drop\n  }}\n"
+            "  chain postrouting {\n    type nat hook postrouting priority srcnat; policy accept;\n"
+            f"    ip saddr {dc.pod_cidr} ip daddr != {dc.pod_cidr} snat to {dc.pod_egress}\n  }}\n}}\n"))
+        self._event(f"{name}: pod network {dc.pod_cidr} not routed; pods leave as {dc.pod_egress}")
 
     def _reconcile(self, w: Workload) -> None:
         spec = w.obj["spec"]

@@ -342,8 +342,11 @@ def test_network_policies_and_node_firewalls_follow_each_datacenters_network_mod
 
     others = {name: [(o, _senders(rendered[o], o)) for o in rendered if o != name] for name in rendered}
     for name, objects in rendered.items():
-        job, container, _, _ = _worker(objects)
+        job, container, _, worker_args = _worker(objects)
         pod = job["spec"]["template"]["spec"]
+        ranks = int(_env(container)["DILOCO_RANKS_PER_NODE"]["value"])
+        data = int(_flags(worker_args)["--data-port"])  # local rank i listens on data + i
+        assert data > 0, f"{name}: a fixed data-plane port, so a policy, firewall or load balancer can name it"
         labels = job["spec"]["template"]["metadata"]["labels"]
         policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
         mine = [p for p in policies if kr.selects(p["spec"]["podSelector"], labels)]
@@ -353,7 +356,11 @@ def test_network_policies_and_node_firewalls_follow_each_datacenters_network_mod
             assert not sysctls, f"{name}: a host-network pod may not set namespaced sysctls"
             firewall = (KUBERNETES / "overlays" / name / "node-firewall.nft").read_text()
             for other, block in others[name]:
-                assert block in firewall, f"{name}'s node firewall does not admit {other} ({block})"
+                assert re.search(rf"tcp dport {data}-(\d+) ip saddr {{[^}}]*{re.escape(block)}", firewall), \
+                    f"{name}'s node firewall does not admit the data plane from {other} ({block})"
+            sysctl = (KUBERNETES / "overlays" / name / "node-sysctl.conf").read_text()
+            low, high = map(int, re.search(r"ip_local_port_range = (\d+) (\d+)", sysctl).groups())
+            assert high < data or low > data + 63, f"{name}: the nodes' ephemeral ports overlap the data ports"
             nft = shutil.which("nft")
             if nft:  # syntax and semantics, in a network namespace of its own (needs root)
                 check = subprocess.run(["unshare", "--net", nft, "-c", "-f",
@@ -363,16 +370,22 @@ def test_network_policies_and_node_firewalls_follow_each_datacenters_network_mod
             continue
         assert len(mine) == 1, f"{name}: exactly one NetworkPolicy selects the workers"
         low, high = map(int, sysctls["net.ipv4.ip_local_port_range"].split())
+        assert high < data or low > data + 63, f"{name}: the ephemeral ports overlap the data ports"
         rules = _admitted(mine[0])
-        own = [s for s, ports in rules if (low, high) in ports
+        own = [s for s, ports in rules if (low, high) in ports and any(p <= data and data + ranks - 1 <= (e or p)
+                                                                       for p, e in ports)
                and any(kr.selects(p.get("podSelector"), labels) and "namespaceSelector" not in p for p in s)]
-        assert own, f"{name}: the group's own pods (Gloo, the data plane's in-group side) are not admitted"
+        assert own, f"{name}: the group's own pods (Gloo, the data plane) are not admitted"
         for p in (p for s, _ in rules for p in s if "podSelector" in p):
             assert p["podSelector"]["matchLabels"].get("diloco.dev/group") == labels["diloco.dev/group"], \
                 f"{name}: in-group traffic is admitted from another group's pods"
-        blocks = {p["ipBlock"]["cidr"] for s, ports in rules if (low, high) in ports for p in s if "ipBlock" in p}
+        outside = [(s, ports) for s, ports in rules if any("ipBlock" in p for p in s)]
+        blocks = {p["ipBlock"]["cidr"] for s, ports in outside for p in s}
         assert blocks == {block for _, block in others[name]}, \
             f"{name}: the data plane is admitted from {blocks}, but the other datacenters send from {others[name]}"
+        for _, ports in outside:  # the data ports, and nothing else, from outside
+            assert all(data <= p and (e or p) <= data + 63 for p, e in ports) and \
+                any(p <= data and data + ranks - 1 <= (e or p) for p, e in ports), f"{name}: {ports}"
         named = {p["containerPort"] for p in container["ports"]}
         single = {p for _, ports in rules for p, end in ports if end is None}
         assert single <= named, f"{name}: admits a port nothing listens on"

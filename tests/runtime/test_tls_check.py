@@ -62,3 +62,23 @@ def test_nothing_listening_is_not_a_tls_problem_and_bad_input_is_an_error(pki):
         tls_problem("nowhere", **_files(pki["a"]))
     with pytest.raises(OSError):
         tls_problem(f"127.0.0.1:{port}", cert="/nonexistent.pem", key="/nonexistent.key", ca=str(pki["a"] / "ca.pem"))
+
+
+def test_check_coordinator_raises_at_once_and_waits_for_a_coordinator_not_up_yet(pki, coordinator):
+    import socket
+    import time
+
+    from diloco.job.config import ConfigError
+    from diloco.runtime.tls_check import check_coordinator
+
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="coordinator TLS: this side does not trust"):
+        check_coordinator(coordinator, timeout_s=60, **_files(pki["a"], ca_folder=pki["b"]))
+    assert time.monotonic() - t0 < 10, "a certificate problem is reported at once, not after the deadline"
+    check_coordinator(coordinator, timeout_s=60, **_files(pki["a"]))  # returns: the handshake works
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    check_coordinator(f"127.0.0.1:{port}", timeout_s=2.0, poll_s=0.2, **_files(pki["a"]))  # nothing there: waits
+    assert 1.5 < time.monotonic() - t0 < 6
