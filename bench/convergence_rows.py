@@ -12,6 +12,19 @@ DEFAULT_OUTER = (0.7, 0.9)  # DiLoCo's outer Nesterov lr / momentum
 OUTER_SWEEP = ((0.4, 0.9), (1.0, 0.9), (0.7, 0.8), (0.7, 0.95), (0.7, 0.7), (1.0, 0.8), (0.7, 0.5), (1.0, 0.7))
 
 
+#: SparseLoCo (issue 31): its H and densities (k of every 4096: 41, 64, 123)
+SPARSE_HS = (30, 50, 100)
+SPARSE_DENSITIES = (0.01, 64 / 4096, 0.03)
+
+
+def _slo(h: int, density: float) -> str:
+    return f"slo-h{h}-d{100 * density:.3g}"
+
+
+SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "slo-sign1-h30", "slo-overlap-p2-tau5",
+                   "slo-m4-h30")
+
+
 @dataclass(frozen=True)
 class Size:
     """A demo GPT and the budget of its rows: ``steps`` inner steps of ``batch`` sequences (all
@@ -50,7 +63,8 @@ SIZES = {
     # four times longer again (about 140 tokens per parameter): does M=4 keep closing on data parallel?
     "small-xlong": Size("small-xlong", n_layer=2, n_embd=64, steps=8000, seeds=1, tuned_on="small",
                         rows=("dp", "dp-lr0.004", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager", "qsr-outer",
-                              "m2-h100-outer", "m2-h200-int4-outer", "delayed", "co2")),
+                              "m2-h100-outer", "m2-h200-int4-outer", "delayed", "co2", "m2-h50-outer",
+                              *SPARSELOCO_ROWS)),
     # the medium model as long as the small one: the trend with model size at equal steps
     "medium-long": Size("medium-long", n_layer=4, n_embd=128, steps=1000, seeds=1, tuned_on="medium",
                         rows=("dp", "m2-h30-outer", "m4-h30-outer")),
@@ -75,6 +89,8 @@ class Row:
     outer: tuple[float, float] | None = None  # outer (lr, momentum); None: the default (0.7, 0.9)
     outer_tuned: bool = False  # True: the sweep's best outer (lr, momentum) instead of the default
     co2: tuple[float, float] | None = None  # CO2's outer (lr, momentum); None: CO2_DEFAULTS
+    rule: str = ""  # "sparseloco": SparseLoCo's outer rule (its lr 1, beta 0.95, 64x64 tiles) instead of Nesterov
+    density: float = 0.0  # topk: fraction of each chunk kept (0: the codec's 64 of 4096)
     seeded: bool = False  # run with every seed of the size (else the first only)
     note: str = ""
 
@@ -106,7 +122,7 @@ def study_rows() -> list[Row]:
     ]
     tuned = "best outer lr/momentum of the sweep"
     rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
-    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 100, 200)]
+    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 50, 100, 200)]
     rows += [Row(f"m2-h30-{c}-outer", codec=c, outer_tuned=True, seeded=True, note=tuned)
              for c in CODECS if c != "fp32"]
     rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
@@ -128,6 +144,19 @@ def study_rows() -> list[Row]:
              Row("eager-lr0.7-mom0.7", mode="eager", outer=(0.7, 0.7), note="eager, outer momentum 0.7"),
              Row("eager-h10", mode="eager", h=10, seeded=True, note="eager at H=10: a round is 1 % of the run"),
              Row("eager-lr1-mom0.5", mode="eager", outer=(1.0, 0.5), note="eager, outer lr 1")]
+    rows += sparseloco_rows()
+    return rows
+
+
+def sparseloco_rows() -> list[Row]:
+    """SparseLoCo's rule (issue 31): top-k per 64x64 tile, 2-bit values, residual beta 0.95, outer
+    SGD lr 1 without momentum; against fp32 DiLoCo (m2-h30-outer) and data parallel at equal tokens."""
+    rows = [Row(_slo(h, d), h=h, codec="topk", rule="sparseloco", density=d, seeded=(h, d) == (30, 64 / 4096),
+                note=f"SparseLoCo, H={h}, top-k {100 * d:.3g} %") for h in SPARSE_HS for d in SPARSE_DENSITIES]
+    rows += [Row("slo-sign1-h30", codec="sign1", rule="sparseloco", note="SparseLoCo's rule with sign1 (1 bit, error-fed)"),
+             Row("slo-overlap-p2-tau5", mode="overlap", fragments=2, tau=5, codec="topk", rule="sparseloco",
+                 note="SparseLoCo with Streaming DiLoCo's overlap (2 fragments, tau 5)"),
+             Row("slo-m4-h30", groups=4, codec="topk", rule="sparseloco", note="SparseLoCo with 4 groups")]
     return rows
 
 

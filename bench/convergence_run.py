@@ -76,6 +76,8 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
         cfg.outer.lr, cfg.outer.momentum = row.outer or lrs.outer
     if row.co2:
         cfg.outer.co2_lr, cfg.outer.co2_momentum = row.co2
+    if row.rule:
+        cfg.outer.optimizer = row.rule  # its own lr and momentum (sparseloco: 1, none)
     s = cfg.sync
     s.mode, s.h, s.fragments, s.schedule = row.mode, max(row.h, row.fragments), row.fragments, row.schedule
     s.overlap_steps = row.tau if row.mode == "overlap" else 1
@@ -84,6 +86,7 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     cfg.train.log_every = max(1, size.steps // 10)  # loss-curve points
     t = cfg.transport
     t.codec, t.timeout_s, t.probe_bytes, t.reprobe_every = row.codec, 300.0, 0, 0
+    t.topk_density = row.density
     return cfg.validate()
 
 
@@ -158,6 +161,9 @@ class _Model:
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):  # training, eval(), train(): the model's
+        return getattr(self.module, name)
 
 
 def run_in_process(cfg: Config) -> dict:
@@ -265,6 +271,7 @@ def make_record(size: Size, row: Row, seed: int, cfg: Config, result: dict) -> d
         "row": row.name, "stage": row.stage, "size": size.name, "mode": row.mode, "codec": row.codec,
         "groups": row.groups, "h": 1 if row.mode == "dp" else row.h, "schedule": row.schedule,
         "fragments": row.fragments, "overlap_steps": row.tau if row.mode == "overlap" else 0, "seed": seed,
+        "outer_rule": cfg.outer.optimizer, "topk_density": row.density,
         "steps": steps, "batch_per_group": cfg.data.batch_size, "block_size": cfg.model.block_size,
         "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
         "inner_lr": cfg.inner.lr, "warmup_steps": cfg.inner.warmup_steps,

@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--resume", metavar="DIR", default=None,
                         help="continue from a job checkpoint: a step-N folder, or a folder of them (the newest step "
                         "every group completed, else the newest this group completed); every group must resume "
-                        "from the same step [default: none]")
+                        "from the same step. auto: from the newest step in --checkpoint-dir this group completed, "
+                        "if any, unless the job is running (the group then heals from a live group): what a "
+                        "restarted pod wants [default: none]")
     config_parse.add_arguments(worker)
 
     sub.add_parser(
@@ -202,11 +204,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from diloco.runtime import worker
+    from diloco.runtime import job_checkpoint, worker
 
+    auto = args.resume == "auto"
+    if auto:  # the newest step of --checkpoint-dir this group completed, if any: used unless the group heals
+        from pathlib import Path
+
+        checkpoint_dir = config_parse.from_args(args).train.checkpoint_dir
+        if not checkpoint_dir:
+            raise config_mod.ConfigError("--resume auto needs --checkpoint-dir (where this group's checkpoints are)")
+        root = Path(checkpoint_dir)
+        done = root.is_dir() and any(root.glob(f"step-*/{job_checkpoint.manifest_file(args.group_id)}"))
+        args.resume = str(root) if done else None
     cfg, point = _config(args, group=args.group_id)
     return worker.main(cfg, args.group_id, args.coordinator, json_path=args.json,
-                       resume=point.path if point is not None else None)
+                       resume=point.path if point is not None else None, resume_unless_healing=auto)
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
@@ -225,13 +237,15 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         token=os.environ.get("DILOCO_TOKEN") or None, join_timeout_s=args.join_timeout,
         tls=TlsConfig(*tls_files) if all(tls_files) else None, allow_insecure=args.insecure_coordinator,
         heartbeat_timeout_s=args.heartbeat_timeout, min_groups=args.min_groups, outlier_factor=args.outlier_factor,
+        restart_when_state_lost=True,  # every group lost: exit 75, the groups resume from their checkpoints
     )
     address = server.start()
     print(f"diloco coordinator listening on {address} for {args.groups} groups", flush=True)
     http = None
     if args.metrics_port:
         http = coordinator_metrics.serve(server, host=args.host, port=args.metrics_port,
-                                         token=os.environ.get("DILOCO_TOKEN") or None)
+                                         token=os.environ.get("DILOCO_TOKEN") or None,
+                                         certificates=server.tls_certificates)
         print(f"diloco coordinator metrics and status on http://{args.host}:{http.port} "
               "(/metrics, /status, /healthz)", flush=True)
     stop = threading.Event()
@@ -243,6 +257,10 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             code = report_job(summaries, args.json)
             if args.keep_running:
                 stop.wait()
+        elif server.state_lost:
+            print(f"diloco coordinator: {server.state_lost}; exit {exit_codes.describe(exit_codes.RESTART)}",
+                  file=sys.stderr, flush=True)
+            code = exit_codes.RESTART
     except KeyboardInterrupt:  # Ctrl-C is how a foreground coordinator is stopped
         pass
     finally:  # calls in flight (the last summary's Ack) get up to FINISH_GRACE_S to finish

@@ -31,6 +31,12 @@ class Liveness:
     """Who is in the job and alive; all times are ``clock()`` seconds (monotonic). Also keeps the
     job's counters and event log, which the rounds part (``round_state.RoundState``) adds to."""
 
+    #: with it on (``diloco coordinator``), once every group was lost while the job ran (healers
+    #: wait and no group holds the job's state) the healers are evicted and ``state_lost`` says
+    #: why: the coordinator then restarts, and the groups resume from their job checkpoints
+    restart_when_state_lost = False
+    state_lost: str | None = None
+
     def __init__(self, expected_groups: int, *, join_timeout_s: float, heartbeat_timeout_s: float,
                  max_group_size: int, clock: Callable[[], float]) -> None:
         if expected_groups < 1:
@@ -84,6 +90,8 @@ class Liveness:
         key = (req.group, req.rank)
         with self._cond:
             self._check_open()
+            if self.state_lost is not None:  # this coordinator is about to restart: join its successor
+                raise quorum.QuorumError("UNAVAILABLE", f"the coordinator restarts: {self.state_lost}")
             if not self._started and req.exchange >= 0:
                 self._start_running()  # our predecessor's job goes on: members rejoin us
                 # every member rejoins within a heartbeat or so: no quorum forms before they could,
@@ -223,6 +231,8 @@ class Liveness:
 
     def _known(self, group: int, rank: int) -> tuple[int, int]:
         key = (group, rank)
+        if self.state_lost is not None:  # every process of this job restarts: tell each that calls
+            raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: {self.state_lost}")
         if rank not in self._members.get(group, {}):
             raise quorum.QuorumError("NOT_FOUND", f"group {group} rank {rank} has not joined")
         return key
@@ -230,6 +240,8 @@ class Liveness:
     def _check_member(self, group: int, rank: int, incarnation: str) -> tuple[int, int]:
         """Refuse calls from failed, stale or unknown members (lock held); returns the key."""
         key = (group, rank)
+        if self.state_lost is not None:  # every process of this job restarts: tell each that calls
+            raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: {self.state_lost}")
         known = self._incarnations.get(group)
         if incarnation and known is not None and known != incarnation:
             raise quorum.QuorumError("FAILED_PRECONDITION",

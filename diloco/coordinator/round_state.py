@@ -133,6 +133,13 @@ class RoundState(Liveness):
             for g in heal_asks:
                 self._answer(g, self._asks[rounds.HEAL].pop(g), rounds.HEAL, ("finished", None))
             return
+        if heal_asks and not live and self.restart_when_state_lost:  # no donor will ever come
+            self.state_lost = (f"every group was lost (groups {sorted(heal_asks)} restarted and none holds the "
+                               "job's state): restart, and resume from the job checkpoints")
+            self._event("state_lost", groups=sorted(heal_asks))
+            for g in list(heal_asks):
+                self._evict(g, rounds.HEAL, self.state_lost)
+            return
         for exchange in sorted(x for x in self._asks if x >= 0):
             asks = self._group_asks(exchange)
             if not asks:

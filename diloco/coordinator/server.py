@@ -131,7 +131,7 @@ class CoordinatorServer:
                  outlier_factor: float = 10.0, max_blocking_calls: int | None = None,
                  max_blocking_per_caller: int | None = None, max_quick_calls: int = DEFAULT_MAX_QUICK_CALLS,
                  max_quick_per_caller: int = DEFAULT_MAX_QUICK_PER_CALLER,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, restart_when_state_lost: bool = False) -> None:
         if token is not None and (not token or not token.isascii() or not token.isprintable()):
             raise ValueError("token must be a non-empty printable ASCII string")
         check_exposure(host, token=token, tls=tls, allow_insecure=allow_insecure)
@@ -146,6 +146,7 @@ class CoordinatorServer:
                                        heartbeat_timeout_s=heartbeat_timeout_s,
                                        max_group_size=max_group_size, min_groups=min_groups,
                                        outlier_factor=outlier_factor)
+        self._state.restart_when_state_lost = restart_when_state_lost
         if request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         per_caller = max_blocking_per_caller if max_blocking_per_caller is not None else 4 * max_group_size
@@ -232,6 +233,21 @@ class CoordinatorServer:
     def stopped(self) -> bool:
         """True once stop() was called (calls are then refused)."""
         return self._state.closed
+
+    @property
+    def state_lost(self) -> str | None:
+        """Why no group holds the job's state any more (every group was lost; see
+        ``restart_when_state_lost``): the coordinator should restart; None while the job is whole."""
+        return self._state.state_lost
+
+    @property
+    def tls_certificates(self) -> dict[str, bytes]:
+        """The certificate files it serves TLS with (``cert``, ``ca``: PEM), for their expiry metric;
+        empty without TLS."""
+        if self._tls_pem is None:
+            return {}
+        cert, _, ca = self._tls_pem
+        return {"cert": cert, "ca": ca}
 
     def __enter__(self) -> CoordinatorServer:
         if self._server is None:

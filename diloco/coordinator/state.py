@@ -82,10 +82,11 @@ class CoordinatorState(RoundState):
         with self._cond:
             self._check_open()
             self._known(req.group, req.rank)
-            unknown = [g for g in req.rates if g not in self._members or g == req.group]
-            if unknown:
-                raise quorum.QuorumError("INVALID_ARGUMENT", f"rates for groups {unknown}: not peers of group {req.group}")
-            self._bandwidth.setdefault(req.group, {})[req.rank] = dict(req.rates)
+            never = [g for g in req.rates if g == req.group or g not in self._incarnations]
+            if never:
+                raise quorum.QuorumError("INVALID_ARGUMENT", f"rates for groups {never}: not peers of group {req.group}")
+            # a peer that failed or was evicted since it was probed: its rate is dropped, not an error
+            self._bandwidth.setdefault(req.group, {})[req.rank] = {g: r for g, r in req.rates.items() if g in self._members}
             everyone = all(len(self._bandwidth.get(g, {})) == self._sizes[g] for g in self._members)
             if self._membership is not None and everyone and self._bandwidth != self._plans[-1]:
                 self._plans.append(copy.deepcopy(self._bandwidth))

@@ -47,6 +47,11 @@ from diloco.engine.averaging import Done
 from diloco.exchange.fault_stats import FaultStats
 from diloco.exchange.healing import StateTransfer
 from diloco.exchange.network_plan import NetworkPlan, equal_plan, plan_from_table
+from diloco.exchange.shard_healing import (
+    healing_layout,
+    refuse_other_sizes,
+    sharded_check,
+)
 from diloco.exchange.striped import StripedAverager
 from transport import CollectiveAborted, TransportError
 from transport.streams import side_stream_for
@@ -152,10 +157,11 @@ class QuorumAverager(StripedAverager):
         return self._needs_heal
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
-              error_feedback: bool = False) -> "_QuorumPending":
+              error_feedback: bool = False, shards=None) -> "_QuorumPending":
         """Ask for this exchange's quorum and launch it; the result is voted on and retried in the
         background. ``weight``: inner steps since this fragment's last exchange.
-        ``error_feedback``: see ``StripedAverager.start`` (the committed attempt's ``sent``)."""
+        ``error_feedback``, ``shards``: see ``StripedAverager.start`` (the committed attempt's
+        ``sent``; a sharded fragment: the quorum sees its whole size and its whole norm)."""
         if self._evicted is not None:
             raise GroupEvicted(self._evicted)
         gather = self.gathers(exact, error_feedback)
@@ -165,15 +171,18 @@ class QuorumAverager(StripedAverager):
         src = flat.detach().to(torch.float32).contiguous()
         lead = self.rank == 0 and not exact
         engine = self._engine
+        norm = self.contribution_norm(src, shards) if lead or (shards is not None and not exact) else 0.0
         ask = QuorumRequest(
-            self.group, self.rank, self.incarnation, exchange, tag=tag, numel=src.numel(),
+            self.group, self.rank, self.incarnation, exchange, tag=tag,
+            numel=src.numel() if shards is None else shards.numel,
             weight=1.0 if exact else max(weight, 0.0) * self.tokens_per_step,  # control exchanges: a plain mean
             state_hash=engine.global_hash() if lead and engine is not None and engine.mode != "eager" else "",
-            delta_norm=float(src.norm()) if lead else 0.0, retry=False)
+            delta_norm=norm if lead else 0.0, retry=False)
         resp = self._ask(ask, healable=not exact)
         if resp.healers and resp.donor == self.group and engine is not None:
             self._transfer.serve(resp, engine.state_dict())
-        return _QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather)
+        return _QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather,
+                              shards=shards)
 
     def heal(self, engine) -> None:
         """Join the job: fetch a live member's state in the next quorum and finish its exchange."""
@@ -183,11 +192,14 @@ class QuorumAverager(StripedAverager):
             resp = self._ask(QuorumRequest(self.group, self.rank, self.incarnation, HEAL), healable=True)
             if resp.finished:
                 raise JobFinished(f"group {self.group}: the job's groups finished before this group could heal")
-            zeros = torch.zeros(resp.numel, dtype=torch.float32, device=engine.fragments[0].global_params[0].device)
+            refuse_other_sizes(engine, resp, self.group)
+            shards = healing_layout(engine, resp.tag)  # None unless the model is sharded
+            zeros = torch.zeros(resp.numel if shards is None else shards.local_numel(), dtype=torch.float32,
+                                device=engine.fragments[0].global_params[0].device)
             # with an error-feedback codec the quorum gathers: this group takes part with zeros
             pending = _QuorumPending(self, zeros, None, resp, zeros.device, fetched=threading.Event(),
-                                     gather=self.error_feedback)
-            state = self._transfer.fetch(resp, pending.fetch_result)
+                                     gather=self.error_feedback, shards=shards)
+            state = self._transfer.fetch(resp, pending.fetch_result, sharded=sharded_check(engine, resp))
             try:
                 mean = pending.wait()
             except _RolledBack as e:
@@ -242,7 +254,7 @@ class QuorumAverager(StripedAverager):
         except ValueError:  # a member measured nothing towards the quorum's others
             return equal_plan(sizes)
 
-    def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool, gather: bool = False):
+    def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool, gather: bool = False, shards=None):
         """One attempt: this rank's stripes of the weighted contribution, among the quorum's groups.
         ``gather``: all-gathers of each group's own encoded contribution, weighted on arrival
         (error feedback: ``sent`` is then what the others decoded of ``src``, or of zeros when
@@ -258,7 +270,8 @@ class QuorumAverager(StripedAverager):
         out = torch.empty_like(src)
         plan = self._plan(resp)
         sp, me, handles = self.launch(x, out, plan, {g: list(a) for g, a in resp.members.items()},
-                                      tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales)
+                                      tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales,
+                                      shards=shards)
         why = ""
         for s, h in handles:
             try:
@@ -326,9 +339,10 @@ class _QuorumPending:
 
     def __init__(self, avg: QuorumAverager, src: torch.Tensor, ask: QuorumRequest | None, resp: QuorumResponse,
                  device, *, exact: bool = False, fetched: threading.Event | None = None,
-                 asked: float | None = None, gather: bool = False) -> None:
+                 asked: float | None = None, gather: bool = False, shards=None) -> None:
         self._avg, self._src, self._ask, self._resp, self._device = avg, src, ask, resp, device
         self._exact = exact
+        self._shards = shards
         self._gather = gather
         #: error feedback: after ``wait``, what the other groups decoded of this group's contribution
         #: in the attempt that committed (each rank's stripes, shared in the group)
@@ -374,7 +388,7 @@ class _QuorumPending:
                 avg.stats.rejected.append(resp.rejected[avg.group])
                 log.warning("group %d: the quorum refused this group's contribution to %s: %s", avg.group,
                             resp.tag, resp.rejected[avg.group])
-            out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather)
+            out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather, self._shards)
             if self._fetched is not None:  # healing: the state fetch is part of this rank's vote
                 if not self._fetched.wait(2 * avg.timeout_s + avg.round_timeout_s):
                     self._fetch = (False, "the state fetch did not finish in time")
@@ -405,10 +419,7 @@ class _QuorumPending:
             out, sp, me, sent = self._result
             if self._order is not None:  # made on the attempts' stream, used on the caller's from here
                 self._order.hand_over(out, sent)
-            if self._avg.group_size > 1:
-                out = self._avg.share_in_group(out, sp, me)
-                if sent is not None:
-                    sent = self._avg.share_in_group(sent, sp, me)
+            out, sent = self._avg.land(out, sent, sp, me)  # shared in the group, or a shard put back in order
             if sent is not None:
                 self.sent = sent.to(self._device)
             self._value = out.to(self._device)

@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 from diloco.engine.modes import INITIAL_SYNCS, MODES
 
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
 SCHEDULES = ("fixed", "qsr")
 LR_SCHEDULES = ("cosine", "constant")
 LOG_FORMATS = ("text", "json")
 BACKENDS = ("auto", "gloo", "nccl")
+PARALLELS = ("auto", "ddp", "fsdp")  # inside a group: replicate (DDP) or shard (FSDP2); auto: as the Task asks
 OUTER_DEVICES = ("model", "cpu")
 LINKS = ("tcp", "grpc")
 DATA_PLANES = ("thread", "process")
@@ -79,10 +80,13 @@ class InnerConfig:
 
 @dataclass
 class OuterConfig:
-    optimizer: str = opt("nesterov", "outer optimizer on the pseudo-gradient", flag="--outer-optimizer", choices=OUTER_OPTIMIZERS)
+    optimizer: str = opt(
+        "nesterov", "outer optimizer on the pseudo-gradient; sparseloco: SparseLoCo's rule (outer SGD, no momentum, "
+        "the error-feedback residual decayed by --sparseloco-beta, top-k per 64x64 tile; needs --codec topk or sign1)",
+        flag="--outer-optimizer", choices=OUTER_OPTIMIZERS)
     # -1: the sync mode's own default (diloco.engine.outer.MODE_DEFAULTS, measurements in its module doc):
     # a one-round-stale outer gradient under momentum 0.9 overshoots (eager: +11 % loss) or diverges (delayed)
-    lr: float = opt(-1.0, "outer learning rate; -1 = the mode's default (0.7)", flag="--outer-lr")
+    lr: float = opt(-1.0, "outer learning rate; -1 = the mode's default (0.7; sparseloco: 1.0)", flag="--outer-lr")
     momentum: float = opt(
         -1.0, "outer momentum (nesterov, sgd); -1 = the mode's default: 0.9 (DiLoCo's), 0.5 for eager and 0 "
         "for delayed, whose stale outer gradients overshoot with 0.9 (delayed diverges)", flag="--outer-momentum",
@@ -96,18 +100,24 @@ class OuterConfig:
     co2_momentum: float = opt(0.0, "CO2 outer momentum (authors' default for <= 16 GPUs; 0.2-0.6 above)", flag="--co2-momentum")
     co2_penalty: str = opt("adaptive", "CO2 staleness-gap penalty: 'adaptive' or a constant >= 1", flag="--co2-penalty")
     co2_clip: float = opt(1.0, "CO2 element-wise outer-momentum clip (0 = off)", flag="--co2-clip")
+    sparseloco_beta: float = opt(0.95, "sparseloco: decay of the error-feedback residual, y = delta + beta*e "
+                                 "(Covenant-72B's 0.95)", flag="--sparseloco-beta")
 
     def outer_lr(self, mode: str) -> float:
-        """The outer lr in force for a sync mode (not co2: --co2-lr)."""
+        """The outer lr in force for a sync mode (not co2: --co2-lr; sparseloco: 1.0 by default)."""
         from diloco.engine.outer import mode_lr
 
-        return self.lr if self.lr >= 0 else mode_lr(mode)
+        if self.lr >= 0:
+            return self.lr
+        return 1.0 if self.optimizer == "sparseloco" else mode_lr(mode)
 
     def outer_momentum(self, mode: str) -> float:
-        """The outer momentum in force for a sync mode (not co2: --co2-momentum)."""
+        """The outer momentum in force for a sync mode (not co2: --co2-momentum; sparseloco: none)."""
         from diloco.engine.outer import mode_momentum
 
-        return self.momentum if self.momentum >= 0 else mode_momentum(mode)
+        if self.momentum >= 0:
+            return self.momentum
+        return 0.0 if self.optimizer == "sparseloco" else mode_momentum(mode)
 
     def merge_alpha(self, mode: str) -> float:
         """The merge factor in force for a sync mode."""
@@ -150,7 +160,15 @@ class TopologyConfig:
     ranks_per_group: int = opt(2, "torchrun ranks per group", flag="--ranks-per-group")
     group_sizes: str = opt("", "ranks of each group, comma-separated (e.g. 2,1,3); overrides --ranks-per-group", flag="--group-sizes")
     backend: str = opt("auto", "in-group backend (auto = nccl with CUDA, else gloo)", flag="--backend", choices=BACKENDS)
-    threads_per_rank: int = opt(1, "torch CPU threads per rank", flag="--threads-per-rank")
+    parallel: str = opt(
+        "auto", "inside a group: ddp replicates the model on every rank, fsdp shards it (FSDP2: each rank holds "
+        "and exchanges its shard only); auto = fsdp if the task asks for it (Task.shard), else ddp",
+        flag="--parallel", choices=PARALLELS,
+    )
+    threads_per_rank: int = opt(
+        0, "torch CPU threads per rank; 0 = the rank's share of the container's CPU request ($DILOCO_CPU_REQUEST, "
+        "whole cores, shared by the node's ranks), else of the cgroup's CPU quota, else 1", flag="--threads-per-rank",
+    )
 
     def sizes(self) -> list[int]:
         """Ranks of every group, in group order."""
@@ -164,6 +182,10 @@ class TrainConfig:
     steps: int = opt(300, "inner steps per rank", flag="--steps")
     seed: int = opt(1337, "seed for the model init (all groups) and data sampling", flag="--seed")
     log_every: int = opt(5, "report progress every N inner steps", flag="--log-every")
+    progress_every: float = opt(
+        60.0, "rank 0 of each group logs a progress line (step, loss, lr, throughput, round, bytes sent) at most "
+        "every this many seconds, at a --log-every step; 0 = never", flag="--progress-every",
+    )
     metrics_port: int = opt(
         0, "serve Prometheus /metrics on this port + local rank (diloco run offsets each group); 0 = off",
         flag="--metrics-port",
@@ -200,6 +222,15 @@ class TrainConfig:
 @dataclass
 class TransportConfig:
     host: str = opt("127.0.0.1", "address this rank's data plane listens on and advertises", flag="--host")
+    data_port: int = opt(
+        0, "port this rank's data plane listens on: this + the rank's local rank (a fixed port a Service, "
+        "NodePort or firewall can name); 0 = one the kernel picks", flag="--data-port",
+    )
+    advertise_address: str = opt(
+        "", "address the other groups dial to reach this rank, when it is not --host (a load balancer, NodePort "
+        "or NAT in front of it): HOST (with the port listened on) or HOST:PORT (PORT + the local rank)",
+        flag="--advertise-address",
+    )
     timeout_s: float = opt(60.0, "deadline for any cross-group wait, seconds", flag="--timeout")
     link: str = opt("tcp", "data-plane link type between groups", flag="--link", choices=LINKS)
     data_plane: str = opt("thread", "where each rank's transport runs: thread (in the trainer's process) or process "
@@ -340,6 +371,12 @@ class Config:
         need(o.co2_lr > 0, f"--co2-lr must be > 0, got {o.co2_lr}")
         need(0.0 <= o.co2_momentum < 1.0, f"--co2-momentum must be in [0, 1), got {o.co2_momentum}")
         need(o.co2_clip >= 0, f"--co2-clip must be >= 0, got {o.co2_clip}")
+        need(0.0 <= o.sparseloco_beta <= 1.0, f"--sparseloco-beta must be in [0, 1], got {o.sparseloco_beta}")
+        if o.optimizer == "sparseloco":
+            need(o.momentum in (-1.0, 0.0), f"--outer-optimizer sparseloco takes no --outer-momentum (its residual "
+                                             f"stands in for it), got {o.momentum}")
+            need(s.mode in ("blocking", "overlap", "delayed"),
+                 f"--outer-optimizer sparseloco runs with --mode blocking, overlap or delayed, not {s.mode}")
         if o.co2_penalty != "adaptive":
             try:
                 need(float(o.co2_penalty) >= 1.0, f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
@@ -370,10 +407,13 @@ class Config:
                      f"--group-sizes needs {t.groups} sizes in [1, 64], got {t.group_sizes!r}")
             except ValueError:
                 problems.append(f"--group-sizes must be comma-separated integers, got {t.group_sizes!r}")
-        need(t.threads_per_rank >= 1, f"--threads-per-rank must be >= 1, got {t.threads_per_rank}")
+        need(t.threads_per_rank >= 0, f"--threads-per-rank must be >= 0 (0: the CPU request's share), got {t.threads_per_rank}")
+        need(t.parallel != "fsdp" or s.mode != "dp",
+             "--parallel fsdp does not combine with --mode dp (the data-parallel baseline averages whole gradients)")
         need(self.train.steps >= 1, f"--steps must be >= 1, got {self.train.steps}")
         need(0 <= self.train.metrics_port <= 65535 - 64 * 64, f"--metrics-port out of range: {self.train.metrics_port}")
         need(self.train.log_every >= 1, f"--log-every must be >= 1, got {self.train.log_every}")
+        need(self.train.progress_every >= 0, f"--progress-every must be >= 0 s, got {self.train.progress_every}")
         tc = self.train
         need(tc.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {tc.checkpoint_every}")
         need(tc.checkpoint_keep == 0 or tc.checkpoint_keep >= 2,
@@ -387,6 +427,16 @@ class Config:
                  "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
             need(self.transport.topk_density == 0.0 or self.transport.codec == "topk",
                  f"--topk-density applies to --codec topk only, not {self.transport.codec}")
+            if o.optimizer == "sparseloco":
+                need(getattr(codec, "requires_error_feedback", False),
+                     f"--outer-optimizer sparseloco needs a codec with error feedback (--codec topk, or sign1), not "
+                     f"{self.transport.codec}: its residual stands in for outer momentum")
+                need(getattr(codec, "chunk", 4096) == 4096,
+                     f"--outer-optimizer sparseloco takes top-k per 64x64 tile: --codec-block must be 4096 (or 0), "
+                     f"got {getattr(codec, 'chunk', None)}")
+                need(tr.chunk_bytes % (4 * 4096) == 0,
+                     f"--outer-optimizer sparseloco: --chunk-bytes must be a multiple of 16384 (whole tiles per frame), "
+                     f"got {tr.chunk_bytes}")
         except ValueError as e:
             problems.append(f"--codec {self.transport.codec}: {e}")
         need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")
@@ -401,6 +451,18 @@ class Config:
             need(Path(path).is_file(), f"TLS file not found: {path}")
         need(not (all(tls) and self.transport.plaintext), "--plaintext contradicts the TLS files given")
         need(self.transport.timeout_s > 0, f"--timeout must be > 0 s, got {self.transport.timeout_s}")
+        need(tr.data_port == 0 or 1 <= tr.data_port <= 65535 - 64,
+             f"--data-port must be 0 (the kernel picks) or in [1, {65535 - 64}] (+ local rank), got {tr.data_port}")
+        need(not tr.advertise_address or tr.data_port, "--advertise-address needs --data-port: whatever is in front "
+             "of the rank (a load balancer, a NodePort, a NAT) forwards a port it knows")
+        if tr.advertise_address:
+            host, sep, port = tr.advertise_address.rpartition(":")
+            if not sep or "]" in port:  # HOST, or a bracketed IPv6 literal without a port
+                host, port = tr.advertise_address, ""
+            need(bool(host.strip("[]")) and not any(c.isspace() for c in tr.advertise_address)
+                 and (port == "" or (port.isdigit() and 1 <= int(port) <= 65535 - 64)),
+                 f"--advertise-address must be HOST or HOST:PORT (port in [1, {65535 - 64}]), "
+                 f"got {tr.advertise_address!r}")
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
         return self

@@ -37,12 +37,28 @@ def die_with_parent(expected_parent: int | None = None) -> None:
         os._exit(exit_codes.RESTART)
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` (``--name=V`` or ``--name V``) in the workers' arguments, or None."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def main(argv: list[str]) -> int:
-    """Run torchrun with ``argv``; returns the group's exit code (see the module doc)."""
+    """Run torchrun with ``argv``; returns the group's exit code (see the module doc). With
+    ``--log-format json`` among the workers' arguments, this process logs JSON too."""
     parent = os.environ.get(PARENT_ENV)
     if parent is not None:
         die_with_parent(int(parent))
     os.environ[PARENT_ENV] = str(os.getpid())  # the workers', whose parent this process is
+    fmt, group = _flag(argv, "--log-format"), _flag(argv, "--group-id")
+    if fmt == "json":  # the agent's own lines (torchrun's, the C++ store's) are records like its workers'
+        from diloco.runtime import logs
+
+        logs.setup("json", component="torchrun", group=int(group) if group and group.isdigit() else None)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -88,10 +88,28 @@ def group_keys(secret: bytes | GroupKeys, group: int) -> GroupKeys:
     return GroupKeys.derive(secret, group)
 
 
-def make_transport(t: TransportConfig, secret: bytes | GroupKeys):
-    """This rank's data-plane endpoint (tcp or grpc), listening on ``t.host``, as configured."""
+def advertised_address(t: TransportConfig, local_rank: int) -> str | None:
+    """What this rank tells the other groups to dial (``--advertise-address``, its port + the local
+    rank when it names one, else ``--data-port`` + the local rank), or None: the address listened on."""
+    if not t.advertise_address:
+        return None
+    if not t.data_port:
+        raise ConfigError("--advertise-address needs --data-port: whatever is in front of the rank (a load "
+                          "balancer, a NodePort, a NAT) forwards a port it knows")
+    host, sep, port = t.advertise_address.rpartition(":")
+    if not sep or "]" in port:
+        host, port = t.advertise_address, ""
+    host = host if host.startswith("[") or ":" not in host else f"[{host}]"
+    return f"{host}:{(int(port) if port else t.data_port) + local_rank}"
+
+
+def make_transport(t: TransportConfig, secret: bytes | GroupKeys, local_rank: int = 0):
+    """This rank's data-plane endpoint (tcp or grpc), listening on ``t.host`` (port ``--data-port`` +
+    ``local_rank``, or one the kernel picks) and advertising ``advertised_address``, as configured."""
     tls = TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None
-    options = dict(host=t.host, port=0, secret=secret, timeout_s=t.timeout_s, tls=tls,
+    port = t.data_port + local_rank if t.data_port else 0
+    options = dict(host=t.host, port=port, advertise=advertised_address(t, local_rank), secret=secret,
+                   timeout_s=t.timeout_s, tls=tls,
                    allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes,
                    handshake_timeout_s=t.handshake_timeout, max_unauthenticated=t.max_unauthenticated,
                    max_unauthenticated_per_source=t.max_unauthenticated_per_source,
@@ -112,15 +130,17 @@ def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:
 
 
 class _Reprobe:
-    """Starts a background re-measurement every ``every`` exchanges of ``averager``; surfaces
-    its failures."""
+    """Starts a background re-measurement every ``every`` exchanges of ``averager``; a failed one
+    (a peer group restarted or left) is logged and tried again later, never fatal."""
 
     def __init__(self, monitor: BandwidthMonitor, averager: QuorumAverager, every: int) -> None:
         self.monitor, self.averager, self.every, self._last = monitor, averager, every, 0
 
     def after_step(self) -> None:
-        if self.monitor.error is not None:
-            raise ConnectError(f"bandwidth re-measurement failed: {self.monitor.error}")
+        if self.monitor.error is not None:  # a peer that restarted or left: the table keeps its last rates
+            log.warning("bandwidth re-measurement failed (the plan keeps the last rates; tried again in %d "
+                        "exchanges): %s", self.every, self.monitor.error)
+            self.monitor.error = None
         exchanges = self.averager.exchanges
         if self.every and exchanges - self._last >= self.every:
             self._last = exchanges
@@ -187,6 +207,9 @@ class GroupConnection:
         self._sync_seconds_seen = 0.0
         self._last_observe = self._start = time.perf_counter()
         self._last_progress = (0, self._start)
+        #: rank 0 logs a progress line at a report at most every this many seconds (0 = never)
+        self.progress_every_s = 0.0
+        self._last_line: float | None = None
         self.compute_seconds = 0.0
         self.loss: float | None = None
 
@@ -202,6 +225,7 @@ class GroupConnection:
 
     weighted = True
     screens_contributions = True
+    exchanges_shards = True  # a sharded (FSDP2) group: each rank exchanges its shard (``shards=``)
 
     def attach(self, engine) -> bool:
         return self.averager.attach(engine)
@@ -210,8 +234,9 @@ class GroupConnection:
         self.averager.heal(engine)
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
-              error_feedback: bool = False):
-        return self.averager.start(flat, tag=tag, exact=exact, weight=weight, error_feedback=error_feedback)
+              error_feedback: bool = False, shards=None):
+        return self.averager.start(flat, tag=tag, exact=exact, weight=weight, error_feedback=error_feedback,
+                                   shards=shards)
 
     @property
     def error_feedback(self) -> bool:
@@ -328,6 +353,16 @@ class GroupConnection:
         if lr is not None:
             snapshot["lr"] = lr
         self._report("progress", lambda: self.client.report_progress(self.group, self.rank, snapshot))
+        if self.progress_every_s and (self._last_line is None or now - self._last_line >= self.progress_every_s
+                                      or step == steps):
+            self._last_line = now
+            shown = f"{step}/{steps} ({100 * step / steps:.0f}%)" if steps else str(step)
+            loss_text = f", loss {self.loss:.4f}" if self.loss is not None else ""
+            lr_text = f", lr {lr:.3g}" if lr is not None else ""
+            log.info("group %d: step %s%s%s, %s tokens/s, round %d, H %d, %.1f MB sent, utilization %.0f%%",
+                     self.group, shown, loss_text, lr_text, f"{snapshot['tokens_per_s']:,.0f}", snapshot["round"],
+                     snapshot["h"], snapshot["bytes_sent"] / 1e6, 100 * snapshot["utilization"],
+                     extra={"progress": snapshot})
 
     def summary(self, engine, **extra: Any) -> dict[str, Any]:
         """This group's summary (rank 0 reports it to the coordinator; other ranks get their own
@@ -412,10 +447,17 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
         raise ConnectError(str(e)) from None
     opened: list[Any] = []
     try:
-        transport = make_transport(t, key)
+        transport = make_transport(t, key, int(os.environ.get("LOCAL_RANK", rank)))
         opened.append(transport)
-        client = CoordinatorClient(coordinator, token=credential, tls=coordinator_tls(t, coordinator),
-                                   timeout_s=t.timeout_s)
+        tls = coordinator_tls(t, coordinator)
+        if tls is not None:  # a certificate either side refuses is named at once, not after the client's deadline
+            from diloco.coordinator.waiting import waiting
+            from diloco.runtime.tls_check import check_coordinator
+
+            with waiting(log, f"the coordinator at {coordinator} to accept connections (TLS)"):
+                check_coordinator(coordinator, cert=tls.cert_file, key=tls.key_file, ca=tls.ca_file,
+                                  timeout_s=t.timeout_s)
+        client = CoordinatorClient(coordinator, token=credential, tls=tls, timeout_s=t.timeout_s)
         opened.append(client)
         device = _comm_device(process_group)
         incarnation = _incarnation(process_group, size, device)

@@ -42,10 +42,10 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # often to log or checkpoint, addresses, timeouts, lossless wire options). Everything else must
 # equal the checkpoint's value.
 OPERATIONAL: dict[str, frozenset[str]] = {
-    "train": frozenset({"log_every", "log_format", "metrics_port", "save", "checkpoint_every", "checkpoint_dir",
-                        "checkpoint_keep", "stop_after"}),
-    "transport": frozenset({"host", "timeout_s", "link", "connections", "zstd", "zstd_level",
-                            "tls_cert", "tls_key", "tls_ca", "plaintext"}),
+    "train": frozenset({"log_every", "progress_every", "log_format", "metrics_port", "save", "checkpoint_every",
+                        "checkpoint_dir", "checkpoint_keep", "stop_after"}),
+    "transport": frozenset({"host", "data_port", "advertise_address", "timeout_s", "link", "connections", "zstd",
+                            "zstd_level", "tls_cert", "tls_key", "tls_ca", "plaintext"}),
     "fault": frozenset({"heartbeat_timeout", "max_restarts", "chaos"}),
 }
 

@@ -187,7 +187,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     env[SECRET_ENV] = secrets.token_hex(32)
     env[TOKEN_ENV] = token
     env[RUN_ID_ENV] = run_id
-    env.setdefault("OMP_NUM_THREADS", str(cfg.topology.threads_per_rank))
+    env.setdefault("OMP_NUM_THREADS", str(cfg.topology.threads_per_rank or 1))  # 0: each rank's share, 1 here
     host = placement.coordinator_host or cfg.transport.host
     server = CoordinatorServer(
         host=host, port=0, expected_groups=cfg.topology.groups, token=token,

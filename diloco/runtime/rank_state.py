@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from diloco.engine.averaging import Averager
 from diloco.job.config import Config
+from diloco.runtime import local_shards
 
 FORMAT = "diloco-rank-state"
 VERSION = 1
@@ -97,8 +98,8 @@ def capture(*, step: int, cfg: Config | None, engine: Any, model: nn.Module, inn
         "format": FORMAT, "version": VERSION, "step": int(step), "group": int(group), "rank": int(rank),
         "config": cfg.to_dict() if cfg is not None else None,
         "engine": engine_state(engine),
-        "model": model.state_dict(),
-        "inner_optimizer": inner.state_dict(),
+        "model": local_shards.localize(model.state_dict()),  # a sharded (FSDP2) model: this rank's shards
+        "inner_optimizer": local_shards.localize(inner.state_dict()),
         "data": data_state() if data_state is not None else None,
         "rng": rng_state(device),
         "loss_ema": loss_ema,
@@ -116,8 +117,8 @@ def restore(state: dict[str, Any], *, engine: Any, model: nn.Module, inner: torc
     Raises ValueError (or RuntimeError from torch) when something does not fit."""
     step = int(state["step"])
     load_engine_state(engine, state["engine"])  # loads the global parameters into the model ...
-    model.load_state_dict(state["model"])  # ... then the group's own, mid-round ones
-    inner.load_state_dict(state["inner_optimizer"])
+    local_shards.load_model_state(model, state["model"])  # ... then the group's own, mid-round ones
+    local_shards.load_optimizer_state(inner, state["inner_optimizer"])
     load_data_state = getattr(task, "load_data_state", None)
     if load_data_state is not None:
         if state.get("data") is None:

@@ -1,6 +1,7 @@
 """One rank of one worker group: the training loop run under ``torchrun``.
 
-Inside the group the ranks are an ordinary DDP job (Gloo on CPU, NCCL on GPU). Across groups,
+Inside the group the ranks are an ordinary DDP job (Gloo on CPU, NCCL on GPU), or with
+``--parallel fsdp`` an FSDP2 one (``diloco.runtime.group_parallel``). Across groups,
 each rank opens its own data-plane endpoint, joins the coordinator with its address, and the
 DiLoCo engine averages pseudo-gradients through ``StripedAverager`` every H inner steps.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import logging
 import math
 import os
 import signal
@@ -26,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
@@ -43,7 +44,17 @@ from diloco.job.task import (
     parse_entry_args,
     to_device,
 )
-from diloco.runtime import checkpoint, device_placement, exit_codes, job_checkpoint, preflight, rank_state
+from diloco.runtime import (
+    checkpoint,
+    cpu_threads,
+    device_placement,
+    exit_codes,
+    group_parallel,
+    job_checkpoint,
+    kernels,
+    preflight,
+    rank_state,
+)
 from diloco.runtime.connection import (
     SECRET_ENV,
     TOKEN_ENV,
@@ -53,6 +64,8 @@ from diloco.runtime.connection import (
 )
 
 __all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]
+
+log = logging.getLogger(__name__)
 
 
 
@@ -98,7 +111,7 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
         penalty = o.co2_penalty if o.co2_penalty == "adaptive" else float(o.co2_penalty)
         outer = co2(o.co2_lr, o.co2_momentum, o.co2_clip, penalty)
     else:
-        outer = by_name(o.optimizer, o.outer_lr(s.mode), o.outer_momentum(s.mode))
+        outer = by_name(o.optimizer, o.outer_lr(s.mode), o.outer_momentum(s.mode), beta=o.sparseloco_beta)
     split = None if s.fragments == 1 else (fragments(model, s.fragments) if fragments else s.fragments)
     return DiLoCo(
         model, inner, averager=averager, sync_every=make_schedule(cfg), mode=s.mode, fragments=split,
@@ -142,9 +155,12 @@ def _init_group(backend: str, timeout: datetime.timedelta) -> None:
                             world_size=world, timeout=timeout)
 
 
-def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | None = None) -> dict:
+def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | None = None, *,
+               resume_unless_healing: bool = False) -> dict:
     """Train this rank; returns this rank's summary (rank 0's carries the eval loss). ``resume``:
-    a job checkpoint (a step folder, or a folder of them) to continue from."""
+    a job checkpoint (a step folder, or a folder of them) to continue from; with
+    ``resume_unless_healing`` (``--resume auto``) only when the job is not running, else the group
+    heals from a live group and the checkpoint is not read."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -154,7 +170,10 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         raise ConfigError(f"torchrun started {world} ranks but the config gives group {group} {cfg.topology.sizes()[group]}")
     if (cfg.train.checkpoint_every or cfg.train.stop_after) and not cfg.train.checkpoint_dir:
         raise ConfigError("--checkpoint-every and --stop-after need --checkpoint-dir (diloco run sets one)")
-    torch.set_num_threads(cfg.topology.threads_per_rank)
+    threads, why = cpu_threads.threads_per_rank(cfg.topology.threads_per_rank, os.environ)
+    torch.set_num_threads(threads)
+    kind, sentence = kernels.describe(cfg.transport.codec)
+    log.info("torch threads: %d (%s); %s", threads, why, sentence, extra={"threads": threads, "kernels": kind})
     backend = _resolve_backend(cfg.topology.backend)
     device = _device(backend, local_rank, group=group, rank=rank)
     secret = read_secret()
@@ -164,7 +183,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
     link = None
     try:
         restored = None
-        if resume is not None:  # read and check the file before joining the job
+        if resume is not None and not resume_unless_healing:  # read and check the file before joining the job
             point = job_checkpoint.find(resume, group=group)
             restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
         ctx = TaskContext(group=group, num_groups=cfg.topology.groups, rank=rank, group_size=world, device=device,
@@ -172,10 +191,18 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                           data_path=cfg.data.path, args=parse_entry_args(cfg.train.entry_args), config=cfg)
         task = build_task(cfg.train.entry or DEMO_ENTRY, ctx)
         model = task.model.to(device)
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = group_parallel.wrap(cfg, task, model, device)  # DDP, or the model sharded in place (--parallel fsdp)
         inner = make_inner_optimizer(cfg, model)
         link = connect(coordinator, group, secret=secret, settings=cfg.transport, metrics_port=cfg.train.metrics_port,
                        heartbeat_timeout=cfg.fault.heartbeat_timeout)
+        link.progress_every_s = cfg.train.progress_every
+        if resume is not None and resume_unless_healing:
+            if link.membership.heal:
+                log.info("the job is running: group %d heals from a live group (its checkpoints in %s are not "
+                         "read)", group, resume)
+            else:  # the job (re)starts here: every group resumes from its checkpoints
+                point = job_checkpoint.find(resume, group=group)
+                restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
         try:
             engine = make_engine(cfg, model, inner, link, task.fragments)  # a group joining a running job heals here
         except JobFinished as e:
@@ -185,6 +212,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
             return late
         if restored is not None:  # every group resumes from the same step, or all refuse
             rank_state.agree_on_step(link, restored.step, tag=f"resume/{restored.step}")
+            log.info("resumed from %s at step %d", restored.path.parent, restored.step)
         return _train(cfg, group, rank, device, ddp, task, inner, engine, link, restored)
     finally:
         if sigterm_handler is not None:
@@ -223,22 +251,22 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
     c = cfg.inner
     steps = cfg.train.steps
     data_parallel = isinstance(engine, DataParallelAcrossGroups)
-    evaluate = functools.partial(_evaluate, ddp.module, task, device)
+    evaluate = functools.partial(_evaluate, group_parallel.bare(ddp), task, device)
     batches = iter(task.train_batches)
     items_per_batch = task.tokens_per_batch
     if restored is None:
         # a group that healed into a running job continues at the job's step, with a fresh data stream
         start_step, loss_ema = engine.inner_step, None
-        initial_eval = evaluate() if rank == 0 and start_step == 0 else float("nan")
+        initial_eval = group_parallel.evaluate_on(rank, ddp, evaluate) if start_step == 0 else float("nan")
     else:  # engine, local model, inner optimizer, data position, then the RNG states
-        progress = _restore(restored, engine=engine, model=ddp.module, inner=inner, task=task, batches=batches,
+        progress = _restore(restored, engine=engine, model=group_parallel.bare(ddp), inner=inner, task=task, batches=batches,
                             device=device)
         start_step, loss_ema, initial_eval = progress.step, progress.loss_ema, progress.initial_eval_loss
         link.periods = list(progress.periods)  # H of the rounds before the checkpoint, for the summary
     keeper = None
     if cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir:
         keeper = job_checkpoint.JobCheckpointer(
-            cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=ddp.module, inner=inner,
+            cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
             task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval)
         _on_sigterm(keeper)  # run_worker puts the old handler back
     stopped_at = None
@@ -259,7 +287,7 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
         if data_parallel:
             engine.average_gradients()
         if c.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), c.grad_clip)
+            torch.nn.utils.clip_grad_norm_(group_parallel.bare(ddp).parameters(), c.grad_clip)
         inner.step()
         value = float(loss.detach())
         if not math.isfinite(value):
@@ -280,7 +308,7 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
             stopped_at = t + 1  # checkpoint written: leave the job here, to be resumed
             break
     with engine.global_weights():
-        eval_loss = evaluate() if rank == 0 else float("nan")
+        eval_loss = group_parallel.evaluate_on(rank, ddp, evaluate)
     extra = {}
     if restored is not None:
         extra.update(resumed_from=str(restored.path.parent), resumed_at_step=start_step)
@@ -291,9 +319,11 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
         tokens=(stopped_at or steps) * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
         **extra,
     )
-    if cfg.train.save and group == 0 and rank == 0 and stopped_at is None:
+    whole = group_parallel.global_model_to_save(engine, ddp, rank) if cfg.train.save and group == 0 and \
+        stopped_at is None else None  # sharded: every rank of the group takes part; rank 0 gets it
+    if whole is not None:
         checkpoint.save(cfg.train.save, {
-            "global": engine.global_state_dict(), "config": cfg.to_dict(),
+            "global": whole, "config": cfg.to_dict(),
             "inner_steps": steps, "eval_loss": eval_loss, "param_hash": summary["param_hash"],
         })
         summary["checkpoint"] = cfg.train.save
@@ -322,7 +352,7 @@ def format_worker_line(s: dict) -> str:
 
 
 def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None,
-         resume: str | Path | None = None) -> int:
+         resume: str | Path | None = None, resume_unless_healing: bool = False) -> int:
     """Entry point of ``diloco worker``; returns the process exit code (0 also when it stopped
     early with a job checkpoint). Prints this rank's summary line; rank 0 writes the group's
     summary to ``json_path`` if given. ``resume``: a job checkpoint to continue from."""
@@ -336,7 +366,7 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
     try:
         rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
         preflight.check_worker_paths(cfg, group=group, rank=rank, local_rank=local_rank, json_path=json_path)
-        summary = run_worker(cfg, group, coordinator, resume)
+        summary = run_worker(cfg, group, coordinator, resume, resume_unless_healing=resume_unless_healing)
     except GroupEvicted as e:  # the job goes on without this group: restart it and it heals
         print(f"diloco worker (group {group}, rank {os.environ.get('RANK', '?')}): left the job: {e}; "
               f"exit {exit_codes.describe(exit_codes.RESTART)}: restart to heal", file=sys.stderr, flush=True)

@@ -167,3 +167,53 @@ def test_two_groups_over_real_links_apply_the_same_bits():
     finally:
         for t in ts:
             t.close(flush_timeout_s=1.0)
+
+
+def test_the_configuration_names_what_sparseloco_needs():
+    from diloco.job.config import Config, ConfigError
+
+    cfg = Config()
+    cfg.outer.optimizer = "sparseloco"
+    with pytest.raises(ConfigError, match="needs a codec with error feedback"):
+        cfg.validate()
+    cfg.transport.codec = "topk"
+    cfg.validate()
+    assert (cfg.outer.outer_lr("blocking"), cfg.outer.outer_momentum("blocking")) == (1.0, 0.0)
+    for section, name, value, message in [
+        ("outer", "momentum", 0.9, "takes no --outer-momentum"), ("sync", "mode", "co2", "runs with --mode blocking"),
+        ("transport", "codec_block", 1024, "--codec-block must be 4096"),
+        ("transport", "chunk_bytes", 40000, "multiple of 16384"), ("outer", "sparseloco_beta", 1.5, "in \\[0, 1\\]"),
+    ]:
+        bad = Config()
+        bad.outer.optimizer, bad.transport.codec = "sparseloco", "topk"
+        setattr(getattr(bad, section), name, value)
+        with pytest.raises(ConfigError, match=message):
+            bad.validate()
+
+
+def test_a_checkpoint_holds_the_tile_major_residual_and_resumes_bit_identically():
+    codec = compress.get_codec("topk", chunk=4, k=1, value_bits=2)
+
+    def engine_for(model: nn.Module) -> DiLoCo:
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        return DiLoCo(model, inner, averager=OneGroup(codec), sync_every=2, outer_optimizer=sparseloco(tile=2))
+
+    def steps(engine: DiLoCo, seeds: range) -> None:
+        for seed in seeds:
+            engine.model.w.grad = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+            engine.inner_optimizer.step()
+            engine.step()
+
+    straight = engine_for(Square())
+    steps(straight, range(8))
+    first = engine_for(Square())
+    steps(first, range(4))
+    state = first.state_dict()
+    assert state["fragments"][0]["residual"].numel() == 16  # tile-major (4 tiles of 4): what the codec sees
+    resumed = engine_for(Square())
+    resumed.model.load_state_dict(first.model.state_dict())
+    resumed.inner_optimizer.load_state_dict(first.inner_optimizer.state_dict())
+    resumed.load_state_dict(state)
+    steps(resumed, range(4, 8))
+    assert resumed.global_hash() == straight.global_hash()
+    assert torch.equal(resumed.error_feedback.residual[0], straight.error_feedback.residual[0])
