@@ -70,7 +70,7 @@ class StripedAverager:
         self.plans = plans if plans is not None else (lambda exchange, _p=equal_plan(sizes): _p)
         self.stripes_per_rank = stripes_per_rank
         self.codec = codec
-        #: the codec needs error feedback (sign1, topk): exchanges run as all-gathers of each
+        #: the codec needs error feedback (int2, sign1, topk): exchanges run as all-gathers of each
         #: group's own encoded contribution, and the caller keeps the residual (``DiLoCo`` does)
         self.error_feedback = bool(getattr(codec, "requires_error_feedback", False))
         self.timeout_s = timeout_s

@@ -239,9 +239,9 @@ class TransportConfig:
                           flag="--data-plane", choices=DATA_PLANES)
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
     chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
-    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0, lloyd4; sign1 and "
-                     "topk with error feedback: each group's own frames are all-gathered)", flag="--codec")
-    codec_block: int = opt(0, "values per scale block of a blockwise codec or sign1, values per chunk of topk "
+    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0, lloyd4; int2, sign1 "
+                     "and topk with error feedback: each group's own frames are all-gathered)", flag="--codec")
+    codec_block: int = opt(0, "values per scale block of a blockwise codec, int2 or sign1, values per chunk of topk "
                            "(0 = the codec's default)", flag="--codec-block")
     topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
                               "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
@@ -429,7 +429,7 @@ class Config:
                  f"--topk-density applies to --codec topk only, not {self.transport.codec}")
             if o.optimizer == "sparseloco":
                 need(getattr(codec, "requires_error_feedback", False),
-                     f"--outer-optimizer sparseloco needs a codec with error feedback (--codec topk, or sign1), not "
+                     f"--outer-optimizer sparseloco needs a codec with error feedback (--codec topk, int2 or sign1), not "
                      f"{self.transport.codec}: its residual stands in for outer momentum")
                 need(getattr(codec, "chunk", 4096) == 4096,
                      f"--outer-optimizer sparseloco takes top-k per 64x64 tile: --codec-block must be 4096 (or 0), "

@@ -240,7 +240,7 @@ class GroupConnection:
 
     @property
     def error_feedback(self) -> bool:
-        """The codec needs error feedback (sign1, topk): the engine keeps a residual per fragment."""
+        """The codec needs error feedback (int2, sign1, topk): the engine keeps a residual per fragment."""
         return self.averager.error_feedback
 
     @property

@@ -5,14 +5,14 @@ import torch
 
 import compress
 
-REQUIRED = ["fp32", "bf16", "int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4", "sign1", "topk"]
+REQUIRED = ["fp32", "bf16", "int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4", "int2", "sign1", "topk"]
 
 # small-parameter variants so that short tensors still span several blocks / chunks
 SMALL = {
     "fp32": {}, "bf16": {}, "fp16": {},
     "int8": {"block_size": 16}, "int4": {"block_size": 8},
     "fp4-e2m1": {"block_size": 8}, "fp4-e3m0": {"block_size": 8}, "lloyd4": {"block_size": 8},
-    "sign1": {"block_size": 8}, "topk": {"chunk": 16, "k": 3, "value_bits": 3},
+    "int2": {"block_size": 8}, "sign1": {"block_size": 8}, "topk": {"chunk": 16, "k": 3, "value_bits": 3},
 }
 
 

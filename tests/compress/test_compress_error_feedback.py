@@ -6,7 +6,7 @@ import compress
 from compress_helpers import SMALL
 
 
-@pytest.mark.parametrize("name", ["sign1", "topk", "int4", "fp4-e3m0", "int8", "bf16"])
+@pytest.mark.parametrize("name", ["sign1", "int2", "topk", "int4", "fp4-e3m0", "int8", "bf16"])
 def test_sum_of_decoded_plus_residual_equals_sum_of_inputs(name):
     torch.manual_seed(0)
     ef = compress.ErrorFeedback(compress.get_codec(name, **SMALL[name]))
@@ -22,7 +22,7 @@ def test_sum_of_decoded_plus_residual_equals_sum_of_inputs(name):
     total = decoded + ef.residual.double()
     # each call adds at most ~1 ulp of the running residual's magnitude
     assert torch.allclose(total, given, rtol=0, atol=40 * 1e-6 * given.abs().max().item())
-    if name in ("sign1", "topk"):  # lossy enough that the residual matters
+    if name in ("sign1", "int2", "topk"):  # lossy enough that the residual matters
         assert ef.residual.abs().max() > 1e-3
 
 
@@ -78,8 +78,8 @@ def test_failed_encode_keeps_the_residual():
 
 def test_requires_error_feedback_flags():
     flags = {n: compress.get_codec(n).requires_error_feedback for n in compress.available_codecs()}
-    assert flags["sign1"] and flags["topk"]
-    assert not any(v for k, v in flags.items() if k not in ("sign1", "topk"))
+    assert flags["sign1"] and flags["int2"] and flags["topk"]
+    assert not any(v for k, v in flags.items() if k not in ("sign1", "int2", "topk"))
 
 
 def test_bad_construction():
