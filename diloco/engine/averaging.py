@@ -75,11 +75,15 @@ class InProcessGroups:
     ``size``, so all members get bit-identical results, as the real ring guarantees.
     ``codec``: a ``compress`` codec each member's contribution goes through (encoded once, as a
     whole; exact exchanges skip it); one that needs error feedback makes the members require
-    ``error_feedback=True`` and report ``sent``, as ``StripedAverager`` does.
+    ``error_feedback=True`` and report ``sent``, as ``StripedAverager`` does. ``weighted``: the
+    members take each contribution's ``weight`` (the engine passes its inner steps) and the mean
+    is ``sum(w_i x_i) / sum(w_i)``, as a quorum's is; ``weights[tag]`` keeps them, by member.
     """
 
-    def __init__(self, size: int, timeout_s: float = 60.0, codec=None) -> None:
+    def __init__(self, size: int, timeout_s: float = 60.0, codec=None, weighted: bool = False) -> None:
         self.size = size
+        self.weighted = weighted
+        self.weights: dict[str, list[float]] = {}
         self.timeout_s = timeout_s
         self.codec = codec
         self.error_feedback = bool(getattr(codec, "requires_error_feedback", False))
@@ -90,12 +94,14 @@ class InProcessGroups:
     def member(self, index: int) -> "InProcessMember":
         return InProcessMember(self, index)
 
-    def _post(self, tag: str, index: int, flat: torch.Tensor) -> None:
+    def _post(self, tag: str, index: int, flat: torch.Tensor, weight: float | None = None) -> None:
         with self._cond:
             slot = self._slots.setdefault(tag, {})
             if index in slot:
                 raise RuntimeError(f"member {index} posted tag {tag!r} twice")
             slot[index] = flat.detach().clone()
+            if weight is not None:
+                self.weights.setdefault(tag, [0.0] * self.size)[index] = weight
             self._cond.notify_all()
 
     def _mean(self, tag: str) -> torch.Tensor:
@@ -103,13 +109,18 @@ class InProcessGroups:
             if not self._cond.wait_for(lambda: len(self._slots.get(tag, {})) == self.size, self.timeout_s):
                 raise TimeoutError(f"in-process all-reduce {tag!r}: not every group contributed")
             slot = self._slots[tag]
+            w = self.weights.get(tag)
             total = torch.zeros_like(slot[0])
             for i in range(self.size):
-                total += slot[i]
+                total += slot[i] if w is None else w[i] * slot[i]
             self._taken[tag] = self._taken.get(tag, 0) + 1
             if self._taken[tag] == self.size:
                 del self._slots[tag], self._taken[tag]
-            return total / self.size
+            if w is None:
+                return total / self.size
+            if sum(w) <= 0:
+                raise ValueError(f"in-process weighted mean {tag!r}: every weight is 0")
+            return total / sum(w)
 
 
 class _InProcessPending:
@@ -134,15 +145,25 @@ class InProcessMember:
     def error_feedback(self) -> bool:
         return self._groups.error_feedback
 
-    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, error_feedback: bool = False) -> PendingMean:
+    @property
+    def weighted(self) -> bool:
+        return self._groups.weighted
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, error_feedback: bool = False,
+              weight: float = 1.0) -> PendingMean:
+        """Post this member's contribution under ``tag``; ``weight`` counts only when weighted
+        (exact exchanges are plain means)."""
         codec = self._groups.codec
+        w = float(weight) if self._groups.weighted and not exact else None
+        if w is not None and not (w >= 0 and w < float("inf")):
+            raise ValueError(f"weight must be finite and >= 0, got {weight}")
         if codec is None or exact:
-            self._groups._post(tag, self.index, flat)
+            self._groups._post(tag, self.index, flat, w)
             return _InProcessPending(self._groups, tag)
         if self.error_feedback and not error_feedback:
             raise ValueError(f"codec {codec.name!r} needs error feedback: pass error_feedback=True and keep the residual")
         sent = codec.encode_with_decoded(flat.detach().to(torch.float32).contiguous())[1]
-        self._groups._post(tag, self.index, sent)
+        self._groups._post(tag, self.index, sent, w)
         return _InProcessPending(self._groups, tag, sent)
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:

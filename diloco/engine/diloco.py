@@ -45,7 +45,7 @@ import dataclasses
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.nn as nn
@@ -58,10 +58,11 @@ from diloco.engine.initial import agree
 from diloco.engine.modes import MODES, InitialSync, Mode
 from diloco.engine.outer import OuterOptimizerFactory, by_mode
 from diloco.engine.outer_state import OuterFragment, global_weights_loaded, params_hash
-from diloco.engine.schedule import FixedSchedule, SyncSchedule
+from diloco.engine.schedule import FixedSchedule, SyncSchedule, TimeRounds, round_over, time_progress
 from diloco.engine.sharded import ShardedState
 
 STATE_VERSION = 1
+NEVER = 2**62  # next_sync of a time round: it ends by the clock, not at a step
 
 
 class NonFiniteError(FloatingPointError):
@@ -107,6 +108,13 @@ class DiLoCo:
     for real groups, ``diloco.SingleGroup()`` to train one group alone. ``global_device``:
     ``"model"`` or a device for the fp32 global copy. ``hook_optimizer``: run ``step()`` after
     every ``inner_optimizer.step()``. ``initial_sync``: ``"check"`` or ``"copy"`` (see module doc).
+
+    Rounds by time (``sync_every=TimeRounds(seconds, rounds)``; mode ``blocking``, one fragment):
+    a round ends after the step that ``round_over`` picks for its deadline, ``seconds`` after the
+    previous commit on ``clock`` (seconds; ``time.monotonic``), and each contribution weighs its
+    inner steps. A group of several ranks passes ``round_vote``, which every rank calls at every
+    step with its own verdict and which returns one verdict for all (rank 0's, broadcast), so
+    every rank ends the round on the same step.
     """
 
     def __init__(
@@ -124,13 +132,15 @@ class DiLoCo:
         global_device: str | torch.device = "model",
         hook_optimizer: bool = False,
         initial_sync: InitialSync = "check",
+        clock: Callable[[], float] = time.monotonic,
+        round_vote: Callable[[bool], bool] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if averager is None:
             raise ValueError("averager is required: diloco.connect(...) for groups, diloco.SingleGroup() for one")
         if getattr(averager, "error_feedback", False) and mode == "eager":
-            raise ValueError("mode 'eager' cannot use a codec that needs error feedback (sign1, topk): its "
+            raise ValueError("mode 'eager' cannot use a codec that needs error feedback (int2, sign1, topk): its "
                              "own-share correction assumes the mean holds this group's exact Δ")
         # α = 0.5 only where τ local steps ran since Δ was measured (overlap); the other modes step at
         # the sync itself, and their papers start the next round from the new θ_global (α = 0).
@@ -153,6 +163,11 @@ class DiLoCo:
         if not named:
             raise ValueError("the model has no trainable parameters")
         groups = self._fragment_names(model, named, fragments)
+        self.time_rounds = self.schedule if isinstance(self.schedule, TimeRounds) else None
+        if self.time_rounds is not None and (mode != "blocking" or tau or len(groups) != 1):
+            raise ValueError("rounds by time run with mode 'blocking', one fragment and no overlap; "
+                             f"not mode {mode!r} with {len(groups)} fragment(s) and overlap_steps {tau}")
+        self.clock, self.round_vote = clock, round_vote
         device = None if str(global_device) == "model" else torch.device(global_device)
         self.fragments = [
             OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer or by_mode(mode), device=device)
@@ -171,7 +186,10 @@ class DiLoCo:
             frag.merge_into_model(0.0)
         self._changed()
         self.inner_step = 0
-        self.next_sync = first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))
+        self.next_sync = [NEVER] if self.time_rounds is not None else \
+            first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))
+        self._round_start = self._step_end = clock()  # time rounds: when this round began, the last step ended
+        self._step_seconds = 0.0  # time rounds: moving average of this group's step time
         if self.overlap_steps and self.overlap_steps >= min(self.next_sync):
             raise ValueError(
                 f"overlap_steps ({self.overlap_steps}) must be < H/P ({min(self.next_sync)}): "
@@ -187,7 +205,7 @@ class DiLoCo:
         rule = outer_optimizer or by_mode(mode)
         decay = getattr(rule, "error_decay", None)  # SparseLoCo's β; its tiles below
         if decay is not None and not getattr(averager, "error_feedback", False):
-            raise ValueError(f"{rule!r} needs an averager with error feedback: a codec that needs one (--codec topk, "
+            raise ValueError(f"{rule!r} needs an averager with error feedback: a codec that needs one (--codec topk, int2 "
                              "or sign1), whose residual stands in for outer momentum")
         self.error_feedback = Residuals(len(self.fragments), 1.0 if decay is None else decay) \
             if getattr(averager, "error_feedback", False) else None
@@ -239,6 +257,8 @@ class DiLoCo:
             raise RuntimeError("step() after close()")
         t0 = time.perf_counter()
         self.inner_step += 1
+        if self.time_rounds is not None and self._time_round_over():
+            self.next_sync[0] = self.inner_step
         events: list[SyncEvent] = []
         for p, flight in enumerate(self.in_flight):
             if self.mode == "overlap" and flight is not None and self.inner_step >= flight.apply_at:
@@ -247,6 +267,31 @@ class DiLoCo:
             if self.inner_step >= self.next_sync[p]:
                 events.extend(self._sync(p))
         return self._done(events, t0)
+
+    def _time_round_over(self) -> bool:
+        """Time rounds: whether the round ends at this step (the same verdict on every rank)."""
+        now = self.clock()
+        took = now - self._step_end
+        self._step_seconds = took if self._step_seconds == 0 else 0.5 * self._step_seconds + 0.5 * took
+        self._step_end = now
+        t = self.time_rounds
+        over = self.rounds[0] < t.rounds and round_over(now, self._round_start + t.seconds, self._step_seconds)
+        return self.round_vote(over) if self.round_vote is not None else over
+
+    def progress(self) -> float:
+        """The job's progress in [0, 1]: with time rounds, rounds committed and this round's time
+        elapsed (``time_progress``, alike on every group); else inner steps over the schedule's
+        total steps (0 without one)."""
+        if self.time_rounds is not None:
+            t = self.time_rounds
+            return time_progress(self.rounds[0], self.clock() - self._round_start, seconds=t.seconds, rounds=t.rounds)
+        total = getattr(self.schedule, "total_steps", None)
+        return min(self.inner_step / total, 1.0) if total else 0.0
+
+    @property
+    def rounds_done(self) -> bool:
+        """Time rounds: every round of the job has been launched (the training loop ends)."""
+        return self.time_rounds is not None and self.rounds[0] >= self.time_rounds.rounds
 
     def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()
@@ -424,8 +469,12 @@ class DiLoCo:
     def _after_launch(self, p: int, events: list[SyncEvent]) -> list[SyncEvent]:
         if self.mode in ("overlap", "blocking") and self.overlap_steps == 0:
             events.append(self._commit_overlap(p))
-        period = self._period()
-        self.next_sync[p] = self.inner_step + max(period, 1)
+        if self.time_rounds is not None:  # the next round's clock starts once this one committed
+            period, self.next_sync[p] = 0, NEVER
+            self._round_start = self._step_end = self.clock()
+        else:
+            period = self._period()
+            self.next_sync[p] = self.inner_step + max(period, 1)
         return [dataclasses.replace(e, next_period=period) if e.kind == "launch" else e for e in events]
 
     def adopt(self, tag: str, pending: PendingMean) -> list[SyncEvent]:

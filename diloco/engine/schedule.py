@@ -123,3 +123,43 @@ def inner_lr(
     span = max(total_steps - warmup_steps, 1)
     progress = min(max(step - warmup_steps, 0) / span, 1.0)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True)
+class TimeRounds:
+    """Rounds by time, not steps: every group trains until the round's deadline, ``seconds``
+    after the previous exchange committed (after the engine started, for the first), so groups
+    that start together end together whatever their speed; ``rounds`` rounds in all. Each
+    contribution then weighs its own inner steps (its tokens), not H."""
+
+    seconds: float
+    rounds: int
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise ValueError(f"round seconds must be finite and > 0, got {self.seconds}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+
+    def period(self, step: int, lr: float) -> int:
+        """No step count: a time round ends by ``round_over`` (0: 'not a number of steps')."""
+        return 0
+
+
+def round_over(now: float, deadline: float, step_seconds: float) -> bool:
+    """Whether a time round ends after the step that ended at ``now`` (seconds, any clock): when
+    one more step of ``step_seconds`` would end further past ``deadline`` than stopping now falls
+    short of it, i.e. ``now + step_seconds / 2 >= deadline``. Each group thus ends within half of
+    its own step of the deadline, the fast and the slow alike."""
+    if step_seconds < 0 or not math.isfinite(step_seconds):
+        raise ValueError(f"step_seconds must be finite and >= 0, got {step_seconds}")
+    return now + step_seconds / 2 >= deadline
+
+
+def time_progress(rounds_done: int, elapsed: float, *, seconds: float, rounds: int) -> float:
+    """The job's progress in [0, 1] under ``TimeRounds(seconds, rounds)``: rounds committed plus
+    the part of this round's ``seconds`` elapsed (capped at 1), over ``rounds``. Every group computes
+    the same value at the same moment whatever its speed: what the inner lr schedule follows."""
+    if rounds_done >= rounds:
+        return 1.0
+    return (rounds_done + min(max(elapsed, 0.0) / seconds, 1.0)) / rounds

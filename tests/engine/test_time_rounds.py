@@ -1,0 +1,168 @@
+"""Rounds by time (issue 32, point 1): the pure rule, and two in-process groups at different
+speeds on virtual clocks (a step costs the fast group 1 s, the slow group 2 s; an exchange ends
+when its last contribution arrives), so the test is exact and independent of the machine's load."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from diloco.engine.averaging import InProcessGroups
+from diloco.engine.diloco import DiLoCo
+from diloco.engine.schedule import TimeRounds, round_over, time_progress
+
+
+def test_round_over_ends_within_half_a_step_of_the_deadline():
+    assert not round_over(8.9, 10.0, 2.0)  # one more step ends at 10.9: 0.9 past, stopping is 1.1 short
+    assert round_over(9.0, 10.0, 2.0)  # a tie ends the round
+    assert round_over(10.5, 10.0, 2.0)
+    assert not round_over(9.4, 10.0, 1.0) and round_over(9.5, 10.0, 1.0)
+    assert round_over(10.0, 10.0, 0.0) and not round_over(9.99, 10.0, 0.0)
+    with pytest.raises(ValueError, match="step_seconds"):
+        round_over(0.0, 1.0, float("nan"))
+
+
+def test_time_progress_counts_rounds_and_the_time_into_this_one():
+    assert time_progress(0, 0.0, seconds=10, rounds=4) == 0.0
+    assert time_progress(1, 5.0, seconds=10, rounds=4) == pytest.approx(1.5 / 4)
+    assert time_progress(1, 50.0, seconds=10, rounds=4) == pytest.approx(2 / 4)  # capped at the round
+    assert time_progress(4, 0.0, seconds=10, rounds=4) == 1.0
+
+
+@pytest.mark.parametrize("seconds, rounds", [(0.0, 3), (-1.0, 3), (float("inf"), 3), (5.0, 0)])
+def test_time_rounds_refuses_bad_budgets(seconds, rounds):
+    with pytest.raises(ValueError):
+        TimeRounds(seconds, rounds)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _ClockedMember:
+    """An in-process member whose exchange ends, on this group's virtual clock, when the last
+    group posted its contribution (as a real blocking exchange does)."""
+
+    def __init__(self, member, clock: _Clock, posted: dict) -> None:
+        self.member, self.clock, self.posted = member, clock, posted
+        self.weighted, self.num_groups, self.group_index = True, member.num_groups, member.group_index
+
+    def start(self, flat, *, tag, exact=False, weight=1.0):
+        self.posted.setdefault(tag, {})[self.group_index] = self.clock.t
+        pending, member = self.member.start(flat, tag=tag, exact=exact, weight=weight), self
+
+        class _Pending:
+            def wait(self):
+                mean = pending.wait()
+                member.clock.t = max(member.clock.t, *member.posted[tag].values())
+                return mean
+
+        return _Pending()
+
+
+def _run(costs: list[float], seconds: float, rounds: int):
+    """Train one linear model per group for ``rounds`` time rounds; returns the engines, the
+    weights each exchange saw, the clocks and each group's inner steps at every launch."""
+    groups = InProcessGroups(len(costs), weighted=True)
+    posted: dict = {}
+    engines, clocks, launches = [None] * len(costs), [_Clock() for _ in costs], [[] for _ in costs]
+    errors = []
+    models = []
+    for _ in costs:  # in the main thread: the global RNG is not per thread
+        torch.manual_seed(0)
+        models.append(nn.Linear(4, 1))
+
+    def group(g: int) -> None:
+        try:
+            model = models[g]
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            engine = DiLoCo(model, opt, averager=_ClockedMember(groups.member(g), clocks[g], posted),
+                            sync_every=TimeRounds(seconds, rounds), clock=clocks[g])
+            engines[g] = engine
+            gen = torch.Generator().manual_seed(g)
+            while not engine.rounds_done:
+                x = torch.randn(8, 4, generator=gen)
+                loss = (model(x).squeeze(1) - x.sum(1)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                clocks[g].t += costs[g]
+                for e in engine.step():
+                    if e.kind == "launch":
+                        launches[g].append(engine.inner_step)
+            engine.close()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=group, args=(g,)) for g in range(len(costs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return engines, groups.weights, clocks, launches
+
+
+def test_a_slow_and_a_fast_group_end_their_rounds_together_weighted_by_their_steps():
+    engines, weights, clocks, launches = _run([1.0, 2.0], seconds=10.0, rounds=3)
+    # the fast group does 10 steps a round, the slow one 5 (it ends within half its step of 10 s)
+    assert launches == [[10, 20, 30], [5, 10, 15]]
+    assert [weights[f"f0/r{r}"] for r in range(3)] == [[10.0, 5.0]] * 3
+    assert clocks[0].t == clocks[1].t == 30.0  # nobody waited: both ended each round at its deadline
+    assert engines[0].global_hash() == engines[1].global_hash()
+    assert [e.round for e in engines] == [3, 3] and all(e.rounds_done for e in engines)
+
+
+def test_a_weighted_in_process_mean_weighs_each_contribution():
+    groups = InProcessGroups(2, weighted=True)
+    a, b = groups.member(0), groups.member(1)
+    pa = a.start(torch.tensor([1.0, 0.0]), tag="x", weight=3.0)
+    pb = b.start(torch.tensor([5.0, 4.0]), tag="x", weight=1.0)
+    assert torch.equal(pa.wait(), torch.tensor([2.0, 1.0])) and torch.equal(pb.wait(), torch.tensor([2.0, 1.0]))
+    with pytest.raises(ValueError, match="weight"):
+        a.start(torch.zeros(2), tag="y", weight=-1.0)
+
+
+def test_uneven_deadline_overshoot_makes_the_fast_group_wait_at_most_half_a_slow_step():
+    # the slow group's 3 s steps cannot land on 10 s: it ends at 9 (one more would end at 12)
+    _, weights, clocks, launches = _run([1.0, 3.0], seconds=10.0, rounds=2)
+    assert launches == [[10, 20], [3, 6]]
+    assert weights["f0/r1"] == [10.0, 3.0]
+    assert clocks[0].t == clocks[1].t == 20.0
+
+
+def test_time_rounds_refuse_what_they_do_not_support():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = InProcessGroups(1, weighted=True)
+    with pytest.raises(ValueError, match="rounds by time run with mode 'blocking'"):
+        DiLoCo(model, opt, averager=groups.member(0), sync_every=TimeRounds(1.0, 2), mode="overlap")
+    with pytest.raises(ValueError, match="one fragment"):
+        DiLoCo(model, opt, averager=groups.member(0), sync_every=TimeRounds(1.0, 2),
+               fragments=[["weight"], ["bias"]])
+
+
+def test_round_vote_overrides_each_ranks_own_verdict():
+    """A group of several ranks: every rank ends the round where the vote says, whatever its clock."""
+    clock = _Clock()
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    votes = []
+
+    def vote(mine: bool) -> bool:
+        votes.append(mine)
+        return len(votes) == 3  # "rank 0" says: end at the third step
+
+    engine = DiLoCo(model, opt, averager=InProcessGroups(1, weighted=True).member(0),
+                    sync_every=TimeRounds(100.0, 1), clock=clock, round_vote=vote)
+    for _ in range(3):
+        clock.t += 1.0
+        events = engine.step()
+    assert votes == [False, False, False]
+    assert [e.kind for e in events] == ["launch", "commit"] and engine.rounds_done
