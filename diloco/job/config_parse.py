@@ -15,6 +15,7 @@ from typing import Any
 
 import tomllib
 
+from diloco.job.auto_choice import AUTO, AUTO_H
 from diloco.job.config import Config, ConfigError, iter_fields
 
 
@@ -43,6 +44,10 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
         for key, value in values.items():
             if key not in names:
                 raise ConfigError(f"unknown setting {section}.{key}; known: {', '.join(sorted(names))}")
+            if (section, key) == ("sync", "h") and value in (AUTO, AUTO_H):
+                if value == AUTO_H:
+                    raise ConfigError(f"sync.h: must be >= 1 or \"{AUTO}\", got {value}")
+                value = AUTO_H
             setattr(obj, key, _coerce(value, names[key].type, f"{section}.{key}"))
     return cfg
 
@@ -85,6 +90,19 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def parse_h(text: str) -> int:
+    """``--h``: inner steps per sync, or ``auto`` (stored as ``AUTO_H``)."""
+    if text.strip().lower() == AUTO:
+        return AUTO_H
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}") from None
+    if value == AUTO_H:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--config`` and one flag per option (defaults shown in --help)."""
     parser.add_argument("--config", metavar="FILE", default=None,
@@ -93,11 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for section, f in iter_fields(defaults):
         default = getattr(getattr(defaults, section), f.name)
         kind = {"int": int, "float": float, "str": str, "bool": parse_bool}[f.type]
+        if (section, f.name) == ("sync", "h"):
+            kind = parse_h
         shown = repr(default) if isinstance(default, str) else default
         parser.add_argument(
             f.metadata["flag"], dest=f"{section}.{f.name}", type=kind, default=None,
             choices=f.metadata.get("choices"),
-            metavar=None if f.metadata.get("choices") else ("BOOL" if kind is parse_bool else kind.__name__.upper()),
+            metavar=None if f.metadata.get("choices") else ("BOOL" if kind is parse_bool else "H" if kind is parse_h else kind.__name__.upper()),
             help=f"{f.metadata['help']} [{section}.{f.name}, default: {shown}]",
         )
 

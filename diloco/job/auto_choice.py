@@ -1,0 +1,233 @@
+"""``--codec auto`` and ``--h auto``: the setting a job runs, chosen from the measured link and the
+measured inner step, among the settings the convergence study measured (issue 31, point 4).
+
+The table (``auto_table.json`` beside this file, written by ``python bench/auto_table.py`` from
+``bench/results/convergence.json``) holds only settings the study ran at its long size, each a
+full setting (codec, top-k density, outer rule and its lr/momentum, H, mode, fragments, tau) with
+its loss cost against fp32 DiLoCo and the bits all groups sent per parameter per inner step.
+
+The rule (``choose``, pure): an exchange *fits* when its time on the slowest group-to-group link
+is at most the compute it may hide under: H inner steps (blocking, eager, delayed), or tau steps
+per fragment (overlap). Among the settings that fit, the lowest measured loss cost; if none fits,
+the fewest bits per parameter per inner step, and the reason says the exchange will not hide.
+A fixed ``--codec`` or ``--h`` narrows the candidates to the study's settings with that codec or H.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+AUTO = "auto"
+AUTO_H = 0  # the value of ``sync.h`` that stands for ``--h auto``
+TABLE_PATH = Path(__file__).with_name("auto_table.json")
+#: a link re-measured this much faster or slower (relative) than the one decided on is a changed link
+RELINK_THRESHOLD = 0.3
+
+# the options a table entry sets: they must be left at their defaults when auto decides
+_CHOSEN = (("sync", "mode", "blocking", "--mode"), ("sync", "fragments", 1, "--fragments"),
+           ("sync", "overlap_steps", 1, "--overlap-steps"), ("sync", "schedule", "fixed", "--schedule"),
+           ("sync", "h_max", 0, "--h-max"), ("outer", "optimizer", "nesterov", "--outer-optimizer"),
+           ("outer", "lr", -1.0, "--outer-lr"), ("outer", "momentum", -1.0, "--outer-momentum"),
+           ("outer", "sparseloco_beta", 0.95, "--sparseloco-beta"), ("transport", "topk_density", 0.0, "--topk-density"),
+           ("transport", "codec_block", 0, "--codec-block"), ("sync", "round_seconds", 0.0, "--round-seconds"))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting the study measured: what a job runs, its loss cost and its traffic."""
+
+    row: str
+    codec: str
+    topk_density: float
+    outer_optimizer: str
+    outer_lr: float
+    outer_momentum: float
+    sparseloco_beta: float | None
+    h: int
+    mode: str
+    fragments: int
+    overlap_steps: int
+    groups: int
+    seeds: tuple[int, ...]
+    eval_loss: float
+    loss_cost: float  # eval loss / fp32 DiLoCo's at H=30 - 1 (the study's, paired by seed)
+    bits_per_param_per_step: float  # all groups together
+
+    @property
+    def label(self) -> str:
+        """``topk 1.56 % sparseloco H=30``, ``int4 H=200``, ``fp32 overlap P=2 tau=5 H=30`` ..."""
+        parts = [self.codec + (f" {100 * self.topk_density:.3g} %" if self.codec == "topk" else "")]
+        if self.outer_optimizer != "nesterov":
+            parts.append(self.outer_optimizer)
+        if self.mode != "blocking":
+            parts.append(self.mode + (f" P={self.fragments} tau={self.overlap_steps}" if self.mode == "overlap" else ""))
+        return " ".join(parts + [f"H={self.h}"])
+
+
+@dataclass(frozen=True)
+class AutoTable:
+    """The study's settings and where they come from."""
+
+    size: str
+    study_dates: tuple[str, ...]
+    commit: str
+    regenerate: str
+    entries: tuple[Setting, ...]
+
+    def groups_measured(self, groups: int) -> int:
+        """The group count of the study closest to ``groups`` (the smaller on a tie)."""
+        counts = sorted({e.groups for e in self.entries})
+        if not counts:
+            raise ValueError("the auto table has no settings")
+        return min(counts, key=lambda g: (abs(g - groups), g))
+
+    def candidates(self, groups: int, codec: str | None = None, h: int | None = None) -> list[Setting]:
+        """The settings measured at the group count closest to ``groups``, with ``codec`` and ``h``
+        where they are fixed (None: any)."""
+        g = self.groups_measured(groups)
+        return [e for e in self.entries if e.groups == g and codec in (None, e.codec) and h in (None, e.h)]
+
+
+def load_table(path: str | Path = TABLE_PATH) -> AutoTable:
+    """Read a table written by ``bench/auto_table.py`` (ValueError when it is not one)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        names = {f.name for f in fields(Setting)}
+        entries = tuple(Setting(**{**{k: v for k, v in e.items() if k in names}, "seeds": tuple(e["seeds"])})
+                        for e in raw["entries"])
+        return AutoTable(raw["size"], tuple(raw["study_dates"]), raw["commit"], raw["regenerate"], entries)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the auto table {path}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose`` decided and the numbers it decided from."""
+
+    setting: Setting
+    wire_s: float  # seconds one exchange (of one fragment) takes on the slowest link
+    budget_s: float  # seconds of compute it may hide under
+    hides: bool
+    link_bytes_per_s: float
+    step_s: float
+    reason: str
+
+
+def wire_seconds(s: Setting, num_params: int, link_bytes_per_s: float) -> float:
+    """Seconds one exchange of ``s`` (of one fragment, in overlap) takes when each group's share of
+    the study's traffic crosses a link of ``link_bytes_per_s``."""
+    per_group_bits = s.bits_per_param_per_step / s.groups * s.h * num_params
+    return per_group_bits / 8.0 / link_bytes_per_s / s.fragments
+
+
+def budget_seconds(s: Setting, step_s: float) -> float:
+    """Seconds of compute an exchange of ``s`` may take without exceeding it: tau inner steps per
+    fragment in overlap, H otherwise."""
+    return (s.overlap_steps if s.mode == "overlap" else s.h) * step_s
+
+
+def choose(table: AutoTable, *, num_params: int, link_bytes_per_s: float, step_s: float, groups: int,
+           codec: str | None = None, h: int | None = None) -> Choice:
+    """The setting to run (see the module doc). ``num_params``: parameters exchanged;
+    ``link_bytes_per_s``: the slowest group-to-group link; ``step_s``: seconds per inner step
+    (the slowest group's); ``codec``/``h``: fixed by the user (None: chosen)."""
+    if num_params < 1 or not link_bytes_per_s > 0 or not step_s > 0 or groups < 2:
+        raise ValueError(f"auto needs parameters >= 1, a measured link > 0 B/s, an inner step > 0 s and >= 2 groups; "
+                         f"got {num_params}, {link_bytes_per_s}, {step_s}, {groups}")
+    pool = table.candidates(groups, codec, h)
+    if not pool:
+        raise ValueError(f"the study ({table.size}) measured no setting with "
+                         f"{'codec ' + codec if codec else 'any codec'} at {'H=' + str(h) if h else 'any H'}")
+    timed = [(e, wire_seconds(e, num_params, link_bytes_per_s), budget_seconds(e, step_s)) for e in pool]
+    fit = [t for t in timed if t[1] <= t[2]]
+    measured = table.groups_measured(groups)
+    where = f"study {table.size}, {measured} groups" + (f"; this job has {groups}" if measured != groups else "")
+    if fit:
+        e, wire, budget = min(fit, key=lambda t: (t[0].loss_cost, t[0].bits_per_param_per_step, t[0].row))
+        verdict = (f"hides under compute; the lowest measured loss cost of the {len(fit)} of {len(pool)} settings "
+                   f"that fit")
+    else:
+        e, wire, budget = min(timed, key=lambda t: (t[0].bits_per_param_per_step, t[0].loss_cost, t[0].row))
+        verdict = f"none of the {len(pool)} settings fits: the fewest bits, the exchange will not hide"
+    reason = (f"{e.label}: {e.bits_per_param_per_step:.3g} bits/param/step, {wire:.3g} s on the wire per exchange "
+              f"against {budget:.3g} s of compute (link {8 * link_bytes_per_s / 1e6:.3g} Mbit/s, "
+              f"{1e3 * step_s:.3g} ms/step, {num_params:,} params); {verdict}; loss {100 * e.loss_cost:+.2f} % vs "
+              f"fp32 DiLoCo H=30 ({where})")
+    return Choice(e, wire, budget, bool(fit), link_bytes_per_s, step_s, reason)
+
+
+def slowest_link(table: Mapping[int, Mapping[int, Mapping[int, float]]], sizes: Mapping[int, int]) -> float:
+    """Bytes/s of the slowest group-to-group link in a coordinator bandwidth table (group -> rank ->
+    peer group -> bytes/s): a group's capacity towards a peer is the sum of its ranks' rates
+    (its stripes run on all of them at once). ValueError while a rank has not reported."""
+    groups = sorted(sizes)
+    rates = []
+    for g in groups:
+        ranks = table.get(g, {})
+        if len(ranks) != sizes[g]:
+            raise ValueError(f"group {g}: {len(ranks)} of {sizes[g]} ranks measured their links")
+        for peer in groups:
+            if peer != g:
+                rates.append(sum(float(ranks[r].get(peer, 0.0)) for r in ranks))
+    if not rates or min(rates) <= 0:
+        raise ValueError(f"no measured link between the groups: {dict(table)}")
+    return min(rates)
+
+
+def link_changed(decided_bytes_per_s: float, measured_bytes_per_s: float,
+                 threshold: float = RELINK_THRESHOLD) -> bool:
+    """Whether a re-measured link differs enough from the one decided on to decide again: by more
+    than ``threshold`` relative either way (the hysteresis that keeps a noisy probe from flapping)."""
+    return abs(measured_bytes_per_s - decided_bytes_per_s) > threshold * decided_bytes_per_s
+
+
+def is_auto(cfg: Any) -> tuple[bool, bool]:
+    """(codec auto, H auto) of a ``Config``."""
+    return cfg.transport.codec == AUTO, cfg.sync.h == AUTO_H
+
+
+def auto_problems(cfg: Any, table: AutoTable | None = None) -> list[str]:
+    """What in ``cfg`` (a ``Config``) keeps ``--codec auto`` / ``--h auto`` from deciding: empty when
+    it can (or neither is asked for)."""
+    codec_auto, h_auto = is_auto(cfg)
+    if not (codec_auto or h_auto):
+        return []
+    asked = " and ".join(x for x, on in (("--codec auto", codec_auto), ("--h auto", h_auto)) if on)
+    problems = []
+    if cfg.transport.probe_bytes <= 0:
+        problems.append(f"{asked} decides from the measured link: --probe-bytes must be > 0")
+    if cfg.topology.groups < 2:
+        problems.append(f"{asked} decides from the link between groups: --groups must be >= 2")
+    given = [f"{flag} {getattr(getattr(cfg, sec), name)}" for sec, name, default, flag in _CHOSEN
+             if getattr(getattr(cfg, sec), name, default) != default]
+    if given:
+        problems.append(f"{asked} takes mode, fragments, tau, outer rule and top-k density from the study's setting; "
+                        f"leave them unset (got {', '.join(given)})")
+    try:
+        t = table if table is not None else load_table()
+        if not t.candidates(cfg.topology.groups, None if codec_auto else cfg.transport.codec,
+                            None if h_auto else cfg.sync.h):
+            problems.append(f"{asked}: the study ({t.size}) measured no setting with "
+                            f"{'any codec' if codec_auto else '--codec ' + cfg.transport.codec} at "
+                            f"{'any H' if h_auto else 'H=' + str(cfg.sync.h)}; measured: "
+                            f"{', '.join(sorted({e.label for e in t.entries}))}")
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def apply_choice(cfg: Any, s: Setting) -> Any:
+    """A copy of ``cfg`` (a ``Config``) that runs setting ``s``."""
+    out = copy.deepcopy(cfg)
+    t, o, y = out.transport, out.outer, out.sync
+    t.codec, t.topk_density = s.codec, (s.topk_density if s.codec == "topk" else 0.0)
+    o.optimizer, o.lr, o.momentum = s.outer_optimizer, s.outer_lr, s.outer_momentum
+    if s.sparseloco_beta is not None:
+        o.sparseloco_beta = s.sparseloco_beta
+    y.h, y.mode, y.fragments, y.overlap_steps = s.h, s.mode, s.fragments, s.overlap_steps
+    return out

@@ -1,0 +1,169 @@
+"""diloco.job.auto_choice: --codec auto / --h auto choose, from the measured link and inner step,
+the lowest measured loss cost among the study's settings whose exchange hides under compute."""
+
+import argparse
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from diloco.job import auto_choice as ac
+from diloco.job.config import Config, ConfigError
+from diloco.job.config_parse import add_arguments, from_args, from_dict
+
+TABLE = ac.load_table()
+MBIT = 1e6 / 8  # bytes/s of 1 Mbit/s
+
+
+def entry(row: str) -> ac.Setting:
+    return next(e for e in TABLE.entries if e.row == row)
+
+
+def test_the_shipped_table_holds_only_the_long_size_and_its_fp32_baseline():
+    assert TABLE.size == "small-xlong" and TABLE.regenerate == "python bench/auto_table.py"
+    assert {e.groups for e in TABLE.entries} == {2, 4}
+    base = entry("m2-h30-outer")
+    assert (base.codec, base.h, base.mode, base.loss_cost) == ("fp32", 30, "blocking", 0.0)
+    assert all(e.mode in ("blocking", "overlap", "eager", "delayed") for e in TABLE.entries)
+    assert all(e.bits_per_param_per_step > 0 and math.isfinite(e.loss_cost) for e in TABLE.entries)
+
+
+def test_wire_time_is_the_groups_share_of_the_studys_bits_over_the_link():
+    s = entry("m2-h200-int4-outer")  # 0.0431 bits/param/step, both groups together
+    wire = ac.wire_seconds(s, num_params=19_000_000, link_bytes_per_s=2 * MBIT)
+    assert wire == pytest.approx(s.bits_per_param_per_step / 2 * 200 * 19e6 / 8 / (2 * MBIT))
+    overlap = entry("slo-overlap-p2-tau5")  # one fragment's exchange hides under tau steps
+    assert ac.wire_seconds(overlap, 1000, 1e3) == pytest.approx(
+        overlap.bits_per_param_per_step / 2 * 30 * 1000 / 8 / 1e3 / 2)
+    assert ac.budget_seconds(overlap, 0.1) == pytest.approx(0.5) and ac.budget_seconds(s, 0.1) == pytest.approx(20)
+
+
+def test_a_fast_link_gets_the_best_measured_loss():
+    c = ac.choose(TABLE, num_params=19_000_000, link_bytes_per_s=1e9, step_s=0.3, groups=2)
+    best = min((e for e in TABLE.entries if e.groups == 2), key=lambda e: e.loss_cost)
+    assert c.setting == best and c.hides and "hides under compute" in c.reason
+
+
+def test_two_mbit_picks_int4_h200_over_the_sparse_settings_that_also_fit_but_cost_more():
+    c = ac.choose(TABLE, num_params=19_000_000, link_bytes_per_s=2 * MBIT, step_s=0.3, groups=2)
+    assert c.setting.row == "m2-h200-int4-outer" and c.hides
+    assert c.wire_s <= c.budget_s and "int4 H=200" in c.reason and "+1.41 %" in c.reason
+    # fp32 does not fit on this link; a sparse H=30 setting does, at a higher measured loss
+    assert ac.wire_seconds(entry("m2-h100-outer"), 19_000_000, 2 * MBIT) > ac.budget_seconds(entry("m2-h100-outer"), 0.3)
+    d3 = entry("slo-h30-d3")
+    assert ac.wire_seconds(d3, 19_000_000, 2 * MBIT) <= ac.budget_seconds(d3, 0.3) and d3.loss_cost > c.setting.loss_cost
+
+
+def test_when_nothing_fits_the_fewest_bits_and_the_reason_says_it_will_not_hide():
+    c = ac.choose(TABLE, num_params=19_000_000, link_bytes_per_s=1e3, step_s=0.01, groups=2)
+    fewest = min((e for e in TABLE.entries if e.groups == 2), key=lambda e: e.bits_per_param_per_step)
+    assert c.setting == fewest and not c.hides and "will not hide" in c.reason
+
+
+def test_a_fixed_codec_or_h_narrows_the_choice():
+    c = ac.choose(TABLE, num_params=19_000_000, link_bytes_per_s=1e9, step_s=0.3, groups=2, codec="topk")
+    assert c.setting.codec == "topk" and c.setting.row == "slo-h30-d3"
+    c = ac.choose(TABLE, num_params=19_000_000, link_bytes_per_s=1e9, step_s=0.3, groups=2, h=30)
+    assert c.setting.row == "m2-h30-outer"
+    with pytest.raises(ValueError, match="no setting with codec int8"):
+        ac.choose(TABLE, num_params=10, link_bytes_per_s=1e9, step_s=0.3, groups=2, codec="int8")
+
+
+def test_group_counts_take_the_studys_nearest_and_say_so():
+    c4 = ac.choose(TABLE, num_params=1_000_000, link_bytes_per_s=1e9, step_s=0.1, groups=4)
+    assert c4.setting.groups == 4 and "this job has" not in c4.reason
+    c3 = ac.choose(TABLE, num_params=1_000_000, link_bytes_per_s=1e9, step_s=0.1, groups=3)
+    assert c3.setting.groups == 2 and "2 groups; this job has 3" in c3.reason
+
+
+def test_bad_inputs_are_errors():
+    for kw in ({"num_params": 0}, {"link_bytes_per_s": 0.0}, {"step_s": float("nan")}, {"groups": 1}):
+        args = {"num_params": 10, "link_bytes_per_s": 1e6, "step_s": 0.1, "groups": 2, **kw}
+        with pytest.raises(ValueError, match="auto needs"):
+            ac.choose(TABLE, **args)
+
+
+@pytest.mark.parametrize("groups", [2, 3, 4])
+def test_never_picks_a_setting_measured_worse_than_an_affordable_one(groups):
+    """The issue's target, over many links, steps and model sizes: the choice's measured loss cost
+    is at most that of every setting whose exchange fits; when none fits, none could be afforded."""
+    rng = random.Random(31 + groups)
+    seen = set()
+    for _ in range(3000):
+        n = int(10 ** rng.uniform(4, 10))
+        link = 10 ** rng.uniform(3, 10)
+        step = 10 ** rng.uniform(-3, 1)
+        c = ac.choose(TABLE, num_params=n, link_bytes_per_s=link, step_s=step, groups=groups)
+        pool = TABLE.candidates(groups)
+        affordable = [e for e in pool if ac.wire_seconds(e, n, link) <= ac.budget_seconds(e, step)]
+        assert c.hides == bool(affordable)
+        if affordable:
+            assert c.setting in affordable
+            assert all(c.setting.loss_cost <= e.loss_cost for e in affordable)
+        else:
+            assert all(c.setting.bits_per_param_per_step <= e.bits_per_param_per_step for e in pool)
+        seen.add(c.setting.row)
+    assert len(seen) >= min(3, len(TABLE.candidates(groups)))  # the sweep crossed several decisions
+
+
+def test_slowest_link_sums_a_groups_ranks_and_waits_for_every_rank():
+    table = {0: {0: {1: 100.0}, 1: {1: 50.0}}, 1: {0: {0: 120.0}}}
+    assert ac.slowest_link(table, {0: 2, 1: 1}) == 120.0  # group 0 -> 1: 150; group 1 -> 0: 120
+    table[1][0][0] = 200.0
+    assert ac.slowest_link(table, {0: 2, 1: 1}) == 150.0
+    with pytest.raises(ValueError, match="1 of 2 ranks"):
+        ac.slowest_link({0: {0: {1: 1.0}}, 1: {0: {0: 1.0}}}, {0: 2, 1: 1})
+
+
+def test_hysteresis():
+    assert not ac.link_changed(1e6, 1.2e6) and not ac.link_changed(1e6, 0.75e6)
+    assert ac.link_changed(1e6, 1.4e6) and ac.link_changed(1e6, 0.6e6)
+
+
+def test_every_setting_of_the_table_is_a_valid_config_of_the_demo():
+    cfg = Config()
+    cfg.transport.codec, cfg.sync.h = "auto", ac.AUTO_H
+    cfg.validate()
+    for e in TABLE.entries:
+        out = ac.apply_choice(cfg, e).validate()
+        assert (out.transport.codec, out.sync.h, out.sync.mode, out.outer.optimizer) == (e.codec, e.h, e.mode,
+                                                                                        e.outer_optimizer)
+        assert out.outer.outer_lr(out.sync.mode) == e.outer_lr and out.outer.outer_momentum(out.sync.mode) == e.outer_momentum
+    assert cfg.transport.codec == "auto"  # apply_choice copies
+
+
+def test_config_refuses_what_auto_cannot_decide():
+    cfg = Config()
+    cfg.transport.codec, cfg.transport.probe_bytes, cfg.sync.mode, cfg.outer.lr = "auto", 0, "overlap", 0.5
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert "--probe-bytes must be > 0" in str(e.value) and "--mode overlap, --outer-lr 0.5" in str(e.value)
+    cfg = Config()
+    cfg.transport.codec, cfg.sync.h = "int8", ac.AUTO_H
+    with pytest.raises(ConfigError, match="measured no setting with --codec int8 at any H"):
+        cfg.validate()
+    cfg = Config()
+    cfg.transport.codec, cfg.topology.groups, cfg.fault.min_groups = "auto", 1, 1
+    with pytest.raises(ConfigError, match="--groups must be >= 2"):
+        cfg.validate()
+
+
+def test_h_auto_on_the_command_line_and_in_files():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = from_args(p.parse_args(["--codec", "auto", "--h", "auto"]))
+    assert (cfg.transport.codec, cfg.sync.h) == ("auto", ac.AUTO_H)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--h", "0"])
+    assert from_dict({"sync": {"h": "auto"}}).sync.h == ac.AUTO_H
+    with pytest.raises(ConfigError, match='sync.h: must be >= 1 or "auto"'):
+        from_dict({"sync": {"h": 0}})
+
+
+def test_make_codec_refuses_auto_itself():
+    from diloco.job.config import make_codec
+
+    cfg = Config()
+    with pytest.raises(ValueError, match="auto is not a codec"):
+        make_codec(replace(cfg.transport, codec="auto"))
