@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from compress import Codec
 
 from diloco.engine.modes import INITIAL_SYNCS, MODES
+from diloco.job.auto_choice import AUTO, AUTO_H, auto_problems
 
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
@@ -129,7 +130,8 @@ class OuterConfig:
 @dataclass
 class SyncConfig:
     schedule: str = opt("fixed", "how H (inner steps per sync) is chosen", flag="--schedule", choices=SCHEDULES)
-    h: int = opt(30, "H for 'fixed'; H_base for 'qsr'", flag="--h")
+    h: int = opt(30, "H for 'fixed'; H_base for 'qsr'; auto: chosen with the codec from the measured link "
+                 "(diloco/job/auto_choice.py)", flag="--h")
     qsr_alpha: float = opt(
         -1.0, "QSR alpha: H = max(H_base, floor((alpha/lr)^gamma)); -1 = peak inner lr x H_base^(1/gamma) "
         "(H = H_base at the peak lr, x4 at half of it)", flag="--qsr-alpha",
@@ -240,7 +242,9 @@ class TransportConfig:
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
     chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
     codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0, lloyd4; int2, sign1 "
-                     "and topk with error feedback: each group's own frames are all-gathered)", flag="--codec")
+                     "and topk with error feedback: each group's own frames are all-gathered; auto: codec, density, outer rule, "
+                     "H and mode chosen from the measured link and the convergence study, diloco/job/auto_choice.py)",
+                     flag="--codec")
     codec_block: int = opt(0, "values per scale block of a blockwise codec, int2 or sign1, values per chunk of topk "
                            "(0 = the codec's default)", flag="--codec-block")
     topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
@@ -275,6 +279,8 @@ def make_codec(t: TransportConfig) -> Codec:
     (torch) is imported on call, so ``Config.validate`` stays torch-free."""
     import compress
 
+    if t.codec == AUTO:
+        raise ValueError("auto is not a codec: the worker chooses one from the measured link (auto_choice.apply_choice)")
     knobs = compress.get_codec(t.codec).params  # ValueError for an unknown name
     params: dict[str, Any] = {"zstd": t.zstd, "zstd_level": t.zstd_level}
     if t.codec_block:
@@ -382,7 +388,7 @@ class Config:
                 need(float(o.co2_penalty) >= 1.0, f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
             except ValueError:
                 problems.append(f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
-        need(s.h >= 1, f"--h must be >= 1 (inner steps per sync), got {s.h}")
+        need(s.h >= 1 or s.h == AUTO_H, f"--h must be >= 1 (inner steps per sync) or auto, got {s.h}")
         need(s.qsr_alpha == -1.0 or 0.0 <= s.qsr_alpha <= 1.0,
              f"--qsr-alpha must be in [0, 1] (or -1 for peak lr x H_base^(1/gamma)), got {s.qsr_alpha}")
         need(s.qsr_gamma > 0, f"--qsr-gamma must be > 0, got {s.qsr_gamma}")
@@ -393,7 +399,7 @@ class Config:
             need(not self.train.entry_args, "--entry-args needs --entry (the demo takes no entry arguments)")
         else:
             need(":" in self.train.entry, f"--entry must look like package.module:function, got {self.train.entry!r}")
-        need(s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
+        need(s.h == AUTO_H or s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
         need(s.overlap_steps >= 0, f"--overlap-steps must be >= 0, got {s.overlap_steps}")
         if s.mode == "overlap":
             need(s.overlap_steps < s.h // s.fragments,
@@ -420,8 +426,9 @@ class Config:
              f"--checkpoint-keep must be 0 (all) or >= 2 (the newest complete one survives a crash mid-write), "
              f"got {tc.checkpoint_keep}")
         need(0 <= tc.stop_after < tc.steps, f"--stop-after must be in [0, --steps ({tc.steps})), got {tc.stop_after}")
+        problems += auto_problems(self)
         try:
-            codec = make_codec(self.transport)
+            codec = make_codec(self.transport) if self.transport.codec != AUTO else None
             need(not getattr(codec, "requires_error_feedback", False) or s.mode not in ("eager", "dp"),
                  f"--codec {self.transport.codec} needs error feedback, which --mode {s.mode} does not keep "
                  "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
