@@ -489,6 +489,8 @@ class DiLoCo:
             raise ValueError(f"exchange {tag!r} does not follow the loaded state (fragment {p} is at round {self.rounds[p]})")
         if self.mode == "eager":
             self._own_previous[p] = torch.zeros_like(self.fragments[p].flat_global())
+        if self.tiles is not None:  # SparseLoCo: the exchange ran in tile-major order, as the members' did
+            pending = FromTiles(pending, self.tiles[p])
         events = self._after_launch(p, [self._launched(p, pending)])
         self.last_events = events
         return events

@@ -1,23 +1,32 @@
-"""Fault tolerance with an error-feedback codec (sign1): the groups of test_fault_tolerance, whose
-exchanges now gather each group's own frames. A rolled-back round must leave every residual as it
-was (the job ends bit-identical to a clean one), a healed group starts with a zero residual, and a
-refused (NaN) contribution does not enter the residual."""
+"""Fault tolerance with the error-feedback codecs: the groups of test_fault_tolerance, whose
+exchanges now gather each group's own frames, with sign1 under the default Nesterov outer step and
+with SparseLoCo (topk, its outer rule: the residual decays by beta and stands in for momentum). A
+rolled-back round must leave every residual as it was (the job ends bit-identical to a clean one),
+a healed group starts with a zero residual, and a refused (NaN) contribution does not enter the
+residual."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import test_fault_tolerance as ft
 import torch
 
+import diloco
 from diloco.coordinator import CoordinatorServer
 from transport import FaultProxy
 
 
-@pytest.fixture(autouse=True)
-def sign1(monkeypatch):
-    monkeypatch.setattr(ft, "SETTINGS", dataclasses.replace(ft.SETTINGS, codec="sign1"))
+@pytest.fixture(autouse=True, params=["sign1", "sparseloco"])
+def codec(request, monkeypatch):
+    if request.param == "sign1":
+        monkeypatch.setattr(ft, "SETTINGS", dataclasses.replace(ft.SETTINGS, codec="sign1"))
+    else:  # whole 64x64 tiles per frame: chunks of 4096 values
+        monkeypatch.setattr(ft, "SETTINGS", dataclasses.replace(ft.SETTINGS, codec="topk", chunk_bytes=4 * 4096))
+        monkeypatch.setattr(ft.diloco, "DiLoCo", functools.partial(diloco.DiLoCo, outer_optimizer=diloco.sparseloco()))
+    return request.param
 
 
 @pytest.fixture
