@@ -190,6 +190,7 @@ class DiLoCo:
             first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))
         self._round_start = self._step_end = clock()  # time rounds: when this round began, the last step ended
         self._step_seconds = 0.0  # time rounds: moving average of this group's step time
+        self.round_steps: list[int] = []  # time rounds: the inner steps this group trained in each round
         if self.overlap_steps and self.overlap_steps >= min(self.next_sync):
             raise ValueError(
                 f"overlap_steps ({self.overlap_steps}) must be < H/P ({min(self.next_sync)}): "
@@ -420,6 +421,7 @@ class DiLoCo:
         apply_at = self.inner_step + (self.overlap_steps if self.mode in ("overlap", "blocking") else 0)
         self.in_flight[p] = _InFlight(pending, r, apply_at)
         self.rounds[p] += 1
+        self._round_steps = self.inner_step - self._launched_at[p]
         self._launched_at[p] = self.inner_step
         return self._event(p, r, "launch")
 
@@ -471,6 +473,7 @@ class DiLoCo:
             events.append(self._commit_overlap(p))
         if self.time_rounds is not None:  # the next round's clock starts once this one committed
             period, self.next_sync[p] = 0, NEVER
+            self.round_steps.append(self._round_steps)
             self._round_start = self._step_end = self.clock()
         else:
             period = self._period()

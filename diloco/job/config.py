@@ -66,6 +66,10 @@ class DataConfig:
     val_fraction: float = opt(0.05, "tail fraction of the corpus held out for eval", flag="--val-fraction")
     batch_size: int = opt(16, "sequences per rank per inner step", flag="--batch-size")
     eval_batches: int = opt(20, "validation batches for the final eval loss", flag="--eval-batches")
+    order: str = opt(
+        "random", "demo windows: random (with replacement, per-rank seeds) or epochs (disjoint windows in a "
+        "seeded permutation per epoch: each trained once per epoch)", flag="--data-order", choices=("random", "epochs"),
+    )
 
 
 @dataclass
@@ -146,6 +150,12 @@ class SyncConfig:
     fragments: int = opt(1, "fragments P synced at staggered times (Streaming DiLoCo)", flag="--fragments")
     fragment_pattern: str = opt("strided", "blocks to fragments: strided or sequential", flag="--fragment-pattern", choices=FRAGMENT_PATTERNS)
     overlap_steps: int = opt(1, "tau: inner steps a fragment's exchange overlaps (mode overlap)", flag="--overlap-steps")
+    round_seconds: float = opt(
+        0.0, "rounds by time: each group trains S seconds (from the previous exchange's commit) per round, as many "
+        "steps as its speed allows, and the mean weighs each group's tokens; the job runs ceil(--steps / --h) rounds "
+        "and the inner lr follows the rounds' time; mode blocking, one fragment; 0 = off (rounds of H steps)",
+        flag="--round-seconds",
+    )
 
     def qsr_alpha_for(self, peak_lr: float) -> float:
         """QSR's alpha in force: ``--qsr-alpha``, or for -1 the one that gives H = H_base at the peak
@@ -307,6 +317,12 @@ class FaultConfig:
         "and left out of the next quorum (ranks heartbeat every fifth of it)", flag="--heartbeat-timeout",
     )
     min_groups: int = opt(1, "fewest groups an exchange may run with; below it the survivors wait", flag="--min-groups")
+    quorum_grace: float = opt(
+        0.0, "seconds an exchange waits, after the first group asked for it, for the other live groups; then "
+        "it runs with those that asked (at least --min-groups) and a group left out heals, losing its round's "
+        "work (0 = off: wait for every live group until the heartbeat timeout, as a deterministic run needs)",
+        flag="--quorum-grace",
+    )
     outlier_factor: float = opt(
         10.0, "refuse a group's pseudo-gradient whose norm exceeds this multiple of the median of its last "
         "8 accepted (0 = only NaN/Inf are refused)", flag="--outlier-factor",
@@ -355,6 +371,7 @@ class Config:
         need(fl.heartbeat_timeout > 0, f"--heartbeat-timeout must be > 0 seconds, got {fl.heartbeat_timeout}")
         need(1 <= fl.min_groups <= t.groups, f"--min-groups must be in [1, --groups={t.groups}], got {fl.min_groups}")
         need(fl.outlier_factor >= 0, f"--outlier-factor must be >= 0 (0 = off), got {fl.outlier_factor}")
+        need(fl.quorum_grace >= 0, f"--quorum-grace must be >= 0 seconds (0 = off), got {fl.quorum_grace}")
         need(fl.max_restarts >= 0 and fl.chaos >= 0, "--max-restarts and --chaos must be >= 0")
         need(fl.chaos == 0 or fl.max_restarts >= 1, "--chaos needs --max-restarts >= 1 (killed groups are restarted)")
         need(m.n_layer >= 1, f"--n-layer must be >= 1, got {m.n_layer}")
@@ -401,6 +418,15 @@ class Config:
             need(":" in self.train.entry, f"--entry must look like package.module:function, got {self.train.entry!r}")
         need(s.h == AUTO_H or s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
         need(s.overlap_steps >= 0, f"--overlap-steps must be >= 0, got {s.overlap_steps}")
+        need(s.round_seconds >= 0, f"--round-seconds must be >= 0 (0 = rounds of H steps), got {s.round_seconds}")
+        if s.round_seconds > 0:
+            need(s.mode == "blocking" and s.fragments == 1 and s.schedule == "fixed",
+                 f"--round-seconds runs with --mode blocking, --fragments 1 and --schedule fixed (overlap, "
+                 f"streaming fragments and QSR are not supported with rounds by time), not --mode {s.mode} "
+                 f"--fragments {s.fragments} --schedule {s.schedule}")
+            need(not (self.train.checkpoint_every or self.train.stop_after),
+                 "--round-seconds does not take --checkpoint-every or --stop-after yet: job checkpoints are taken "
+                 "at an inner step every group reaches together, and with rounds by time groups run at their own step")
         if s.mode == "overlap":
             need(s.overlap_steps < s.h // s.fragments,
                  f"--overlap-steps ({s.overlap_steps}) must be < H/P ({s.h // max(s.fragments, 1)})")

@@ -271,9 +271,12 @@ class GroupConnection:
             self.metrics.compute_seconds.inc(compute)
             if self.reprobe is not None:
                 self.reprobe.after_step()
-        if not self.periods:
-            self.periods.append(engine.next_sync[0])
-        self.periods.extend(e.next_period for e in events if e.kind == "launch" and e.fragment == 0 and e.next_period)
+        if getattr(engine, "time_rounds", None) is not None:  # rounds by time: this group's steps in each
+            self.periods = list(engine.round_steps)
+        else:
+            if not self.periods:
+                self.periods.append(engine.next_sync[0])
+            self.periods.extend(e.next_period for e in events if e.kind == "launch" and e.fragment == 0 and e.next_period)
         committed = any(e.kind == "commit" for e in events)
         if committed or engine.finished:
             self.bytes_sent, self.bytes_received = self._group_bytes()

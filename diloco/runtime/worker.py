@@ -32,7 +32,8 @@ import torch.nn as nn
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.outer import by_name, co2
-from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, inner_lr
+from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, TimeRounds, inner_lr
+from diloco.exchange.data_positions import merged
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import (
@@ -47,6 +48,7 @@ from diloco.job.task import (
 from diloco.runtime import (
     checkpoint,
     cpu_threads,
+    data_feed,
     device_placement,
     exit_codes,
     group_parallel,
@@ -78,6 +80,8 @@ def make_schedule(cfg: Config) -> SyncSchedule:
     """The sync schedule a config asks for, capped at the run's total inner steps."""
     s = cfg.sync
     h_max = s.h_max or None
+    if s.round_seconds > 0:  # as many rounds as fixed H would run, each of round_seconds
+        return TimeRounds(s.round_seconds, math.ceil(cfg.train.steps / s.h))
     if s.schedule == "qsr":
         return QSRSchedule(
             h_base=s.h, alpha=s.qsr_alpha_for(cfg.inner.lr), gamma=s.qsr_gamma,
@@ -117,8 +121,24 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
         model, inner, averager=averager, sync_every=make_schedule(cfg), mode=s.mode, fragments=split,
         overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
         outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
-        initial_sync=cfg.train.initial_sync,
+        initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote() if s.round_seconds > 0 else None,
     )
+
+
+def _group_round_vote():
+    """Rounds by time in a group of several ranks: rank 0's verdict (does the round end at this
+    step?) broadcast to the group every step, so every rank ends it on the same step (DDP). None
+    outside a process group of more than one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def vote(mine: bool) -> bool:
+        flag = torch.tensor([int(mine)], dtype=torch.int32, device=device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    return vote
 
 
 def _resolve_backend(requested: str) -> str:
@@ -252,26 +272,36 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
     steps = cfg.train.steps
     data_parallel = isinstance(engine, DataParallelAcrossGroups)
     evaluate = functools.partial(_evaluate, group_parallel.bare(ddp), task, device)
-    batches = iter(task.train_batches)
+    feed = data_feed.DataFeed(task.train_batches, getattr(link.averager, "positions", None), group=group, rank=rank)
+    batches = feed.batches
     items_per_batch = task.tokens_per_batch
+    timed = getattr(engine, "time_rounds", None) is not None  # --round-seconds: the loop ends with the rounds
+    if timed and restored is not None:
+        raise ConfigError("--resume with --round-seconds is not supported: rounds by time take no job checkpoints")
     if restored is None:
-        # a group that healed into a running job continues at the job's step, with a fresh data stream
+        # a group that healed into a running job continues at the job's step, its data at its committed position
         start_step, loss_ema = engine.inner_step, None
+        if link.fault_stats.healed:
+            feed.healed()
         initial_eval = group_parallel.evaluate_on(rank, ddp, evaluate) if start_step == 0 else float("nan")
     else:  # engine, local model, inner optimizer, data position, then the RNG states
         progress = _restore(restored, engine=engine, model=group_parallel.bare(ddp), inner=inner, task=task, batches=batches,
                             device=device)
         start_step, loss_ema, initial_eval = progress.step, progress.loss_ema, progress.initial_eval_loss
         link.periods = list(progress.periods)  # H of the rounds before the checkpoint, for the summary
+        feed.resumed(restored.state)
     keeper = None
-    if cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir:
+    if not timed and (cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir):
         keeper = job_checkpoint.JobCheckpointer(
             cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
             task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval)
         _on_sigterm(keeper)  # run_worker puts the old handler back
     stopped_at = None
-    for t in range(start_step, steps):
-        lr = inner_lr(t, peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
+    t = start_step
+    while not engine.rounds_done if timed else t < steps:
+        # rounds by time: the lr follows the job's progress in time, alike in every group whatever its speed
+        lr_step = min(int(engine.progress() * steps), steps - 1) if timed else t
+        lr = inner_lr(lr_step, peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
                       schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
         for pg in inner.param_groups:
             pg["lr"] = lr
@@ -294,19 +324,22 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
             raise WorkerError(f"group {group} rank {rank}: inner loss is {value} at step {t + 1}")
         loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
         # the lr the next round starts with: what QSR reads when it sets H after this sync
-        nxt = inner_lr(min(t + 1, steps - 1), peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
+        nxt = inner_lr(min(lr_step + 1, steps - 1), peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
                        schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
         for pg in inner.param_groups:
             pg["lr"] = nxt
         events = engine.step()
-        if t + 1 == steps:
+        feed.after_step()
+        last = engine.rounds_done if timed else t + 1 == steps
+        if last:
             events = engine.close()
-        if (t + 1) % cfg.train.log_every == 0 or t + 1 == steps or events:
+        if (t + 1) % cfg.train.log_every == 0 or last or events:
             link.report_progress(loss=loss_ema, step=t + 1, steps=steps, lr=nxt,
                                  tokens_per_step=(items_per_batch or 0) * link.group_size)
         if keeper is not None and keeper.after_step(t + 1, loss_ema=loss_ema):
             stopped_at = t + 1  # checkpoint written: leave the job here, to be resumed
             break
+        t += 1
     with engine.global_weights():
         eval_loss = group_parallel.evaluate_on(rank, ddp, evaluate)
     extra = {}
@@ -314,9 +347,12 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
         extra.update(resumed_from=str(restored.path.parent), resumed_at_step=start_step)
     if stopped_at is not None:
         extra.update(stopped_at_step=stopped_at, job_checkpoint=str(keeper.last))
+    if feed.positions is not None:  # this incarnation's committed data ranges (diloco.exchange.data_positions)
+        extra.update(data_ledger=merged(feed.positions.ledger),
+                     data_unit="samples" if feed.positions.samples_per_step else "steps")
     summary = link.summary(
         engine, eval_loss=eval_loss, initial_eval_loss=initial_eval, final_train_loss=loss_ema,
-        tokens=(stopped_at or steps) * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
+        tokens=(stopped_at or t) * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
         **extra,
     )
     whole = group_parallel.global_model_to_save(engine, ddp, rank) if cfg.train.save and group == 0 and \

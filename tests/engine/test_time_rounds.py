@@ -117,6 +117,7 @@ def test_a_slow_and_a_fast_group_end_their_rounds_together_weighted_by_their_ste
     assert clocks[0].t == clocks[1].t == 30.0  # nobody waited: both ended each round at its deadline
     assert engines[0].global_hash() == engines[1].global_hash()
     assert [e.round for e in engines] == [3, 3] and all(e.rounds_done for e in engines)
+    assert [e.round_steps for e in engines] == [[10, 10, 10], [5, 5, 5]]
 
 
 def test_a_weighted_in_process_mean_weighs_each_contribution():
