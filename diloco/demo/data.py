@@ -7,8 +7,18 @@ Three sources, all read offline:
 * a ``.bin`` file: pre-tokenized ``uint16`` tokens, as nanoGPT's ``prepare.py`` writes them.
 
 Each worker group gets its own contiguous shard of the training split (so groups see different
-text, the non-i.i.d. setting of DiLoCo); inside a group every rank samples random windows of its
-group's shard from its own seeded generator.
+text, the non-i.i.d. setting of DiLoCo). Two ways to draw windows of it (``--data-order``):
+
+* ``random`` (the default): every rank samples random windows of its group's shard from its own
+  seeded generator, with replacement, so windows repeat and some are never drawn, by design;
+  its position is the number of batches drawn (seeking replays the generator);
+* ``epochs`` (``EpochSampler``): the shard cut into disjoint windows, visited in a fresh seeded
+  permutation every epoch, a group-level counter of samples its position: each window is
+  trained once per epoch, none twice, none skipped -- the order a job that counts every sample
+  (``diloco.exchange.data_positions``) needs to say so.
+
+Both keep ``diloco.job.data_source.DataSource``: a group that heals or whose contribution was
+refused continues at the group's committed position.
 """
 
 from __future__ import annotations
@@ -104,14 +114,22 @@ class BatchSampler:
     """Random windows of one shard: ``next()`` returns ``(x, y)`` int64 tensors of shape (B, T)."""
 
     def __init__(
-        self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int
+        self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, group_size: int = 1
     ) -> None:
         check_feedable(len(tokens), 1, block_size)
         self.tokens = tokens
         self.batch_size = batch_size
         self.block_size = block_size
+        self.seed, self.group_size = seed, group_size
+        self.samples_per_step = batch_size * group_size  # the group's position advances by this per batch
         self.gen = torch.Generator().manual_seed(seed)
         self.drawn = 0  # batches returned so far
+
+    def __iter__(self) -> BatchSampler:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         hi = len(self.tokens) - self.block_size - 1
@@ -134,6 +152,97 @@ class BatchSampler:
             raise DataError(f"sampler state is for (tokens, batch, block) = {saved}, this sampler has {mine}")
         self.gen.set_state(state["generator"])  # type: ignore[arg-type]
         self.drawn = int(state["drawn"])  # type: ignore[call-overload]
+
+    def state(self) -> dict[str, object]:
+        """The group position (``samples``: batches drawn x ``samples_per_step``) and what it samples
+        from, as plain values (``diloco.job.data_source.DataSource``)."""
+        return {"order": "random", "samples": self.drawn * self.samples_per_step, "seed": self.seed,
+                "tokens": len(self.tokens), "batch_size": self.batch_size, "block_size": self.block_size,
+                "group_size": self.group_size}
+
+    def load_state(self, state: dict[str, object]) -> None:
+        """Continue at ``state["samples"]`` (the generator replayed from the seed), or from a
+        ``state_dict()`` (a checkpoint of an older version); DataError if it sampled other data."""
+        if "generator" in state:
+            self.load_state_dict(state)
+            return
+        mine = self.state()
+        keys = ("order", "seed", "tokens", "batch_size", "block_size", "group_size")
+        if any(state.get(k) != mine[k] for k in keys):
+            raise DataError(f"data position is for {({k: state.get(k) for k in keys})}, this sampler is "
+                            f"{({k: mine[k] for k in keys})}")
+        samples = state.get("samples")
+        if type(samples) is not int or samples < 0 or samples % self.samples_per_step:
+            raise DataError(f"data position {samples!r} is not a multiple of {self.samples_per_step} samples")
+        self.gen.manual_seed(self.seed)
+        self.drawn = samples // self.samples_per_step
+        hi = len(self.tokens) - self.block_size - 1
+        for _ in range(self.drawn):  # the same draws as next(), without reading the tokens
+            torch.randint(0, hi + 1, (self.batch_size,), generator=self.gen)
+
+
+class EpochSampler:
+    """One rank's batches of its group's shard, each window once per epoch (``--data-order epochs``).
+
+    The shard is cut into ``windows`` disjoint windows (window ``k``: tokens ``[kT, kT + T + 1)``,
+    ``T = block_size``; the targets of one overlap the next's first input by one token). Group
+    sample ``i`` is window ``perm_e[i mod windows]`` of epoch ``e = i // windows``, ``perm_e`` a
+    permutation seeded by (``seed``, ``e``): a pure function of (shard, seed, sample index), so the
+    position is a counter. A group step takes samples ``[p, p + group_size * batch_size)``; rank
+    ``r`` takes ``[p + r * batch_size, p + (r + 1) * batch_size)``. ``next()`` returns ``(x, y)``
+    int64 tensors of shape (batch_size, block_size).
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, *, rank: int = 0,
+                 group_size: int = 1) -> None:
+        check_feedable(len(tokens), 1, block_size)
+        if not 0 <= rank < group_size:
+            raise DataError(f"rank {rank} outside a group of {group_size}")
+        self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
+        self.seed, self.rank, self.group_size = seed, rank, group_size
+        self.windows = (len(tokens) - 1) // block_size
+        self.samples_per_step = batch_size * group_size
+        self.samples = 0  # the group's position: samples consumed before this step
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def window(self, sample: int) -> int:
+        """The window (index into the shard's disjoint windows) of group sample ``sample``."""
+        epoch, i = divmod(sample, self.windows)
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.windows))
+        return int(self._perm[1][i])
+
+    def __iter__(self) -> EpochSampler:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next()
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.samples + self.rank * self.batch_size
+        t = self.block_size
+        rows = np.stack([np.asarray(self.tokens[w * t: w * t + t + 1])
+                         for w in (self.window(i) for i in range(first, first + self.batch_size))])
+        self.samples += self.samples_per_step
+        batch = torch.from_numpy(rows.astype(np.int64))
+        return batch[:, :-1], batch[:, 1:]
+
+    def state(self) -> dict[str, object]:
+        """The group position and what it samples from, as plain values."""
+        return {"order": "epochs", "samples": self.samples, "seed": self.seed, "windows": self.windows,
+                "batch_size": self.batch_size, "block_size": self.block_size, "group_size": self.group_size}
+
+    def load_state(self, state: dict[str, object]) -> None:
+        """Continue at ``state["samples"]``; DataError if the state is another sampler's."""
+        mine = self.state()
+        keys = ("order", "seed", "windows", "batch_size", "block_size", "group_size")
+        if any(state.get(k) != mine[k] for k in keys):
+            raise DataError(f"data position is for {({k: state.get(k) for k in keys})}, this sampler is "
+                            f"{({k: mine[k] for k in keys})}")
+        samples = state.get("samples")
+        if type(samples) is not int or samples < 0:
+            raise DataError(f"data position {samples!r} is not a sample count")
+        self.samples = samples
 
 
 def eval_batches(

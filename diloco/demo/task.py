@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
 from diloco.demo import data as data_mod
@@ -19,20 +17,22 @@ def gpt_task(ctx: TaskContext) -> Task:
     corpus = data_mod.load_corpus(cfg.data.path or None)
     train, val = data_mod.split(corpus, cfg.data.val_fraction)
     lo, hi = data_mod.shard_bounds(len(train), ctx.num_groups, ctx.group)
-    sampler = data_mod.BatchSampler(train[lo:hi], cfg.data.batch_size, cfg.model.block_size,
-                                    seed=ctx.seed + 7919 * (ctx.group + 1) + 104729 * ctx.rank)
+    sampler: data_mod.BatchSampler | data_mod.EpochSampler
+    if cfg.data.order == "epochs":  # one permutation per group, each rank its slice of every step
+        sampler = data_mod.EpochSampler(train[lo:hi], cfg.data.batch_size, cfg.model.block_size,
+                                        seed=ctx.seed + 7919 * (ctx.group + 1), rank=ctx.rank,
+                                        group_size=ctx.group_size)
+    else:
+        sampler = data_mod.BatchSampler(train[lo:hi], cfg.data.batch_size, cfg.model.block_size,
+                                        seed=ctx.seed + 7919 * (ctx.group + 1) + 104729 * ctx.rank,
+                                        group_size=ctx.group_size)
     torch.manual_seed(ctx.seed)  # identical initial weights in every group
     m = cfg.model
     model = GPT(GPTConfig(corpus.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout))
 
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield sampler.next()
-
     return Task(
-        model=model, train_batches=batches(), loss=lambda net, b: net(b[0], b[1])[1],
+        model=model, train_batches=sampler, loss=lambda net, b: net(b[0], b[1])[1],
         eval_batches=data_mod.eval_batches(val, cfg.data.batch_size, m.block_size, cfg.data.eval_batches),
         tokens_per_batch=cfg.data.batch_size * m.block_size,
         fragments=lambda net, p: gpt_fragments(net, p, cfg.sync.fragment_pattern),
-        data_state=sampler.state_dict, load_data_state=sampler.load_state_dict,
     )

@@ -44,6 +44,7 @@ from diloco.coordinator.messages import (
 from diloco.coordinator.rounds import HEAL, own_share, weighted_scale
 from diloco.coordinator.waiting import waiting
 from diloco.engine.averaging import Done
+from diloco.exchange.data_positions import DataPositions
 from diloco.exchange.fault_stats import FaultStats
 from diloco.exchange.healing import StateTransfer
 from diloco.exchange.network_plan import NetworkPlan, equal_plan, plan_from_table
@@ -133,6 +134,8 @@ class QuorumAverager(StripedAverager):
         self.incarnation = incarnation
         self.tokens_per_step = float(tokens_per_step if tokens_per_step is not None else self.group_size)
         self.stats = FaultStats()
+        #: every group's committed data position, updated at each commit (diloco.exchange.data_positions)
+        self.positions = DataPositions(group, self.tokens_per_step)
         self.stop_requested = False
         self.step = 0  # inner steps, for heartbeats
         self._needs_heal = heal
@@ -154,6 +157,7 @@ class QuorumAverager(StripedAverager):
         """Called by the engine as it is built; True: heal (``heal(engine)``) instead of the
         initial-parameter agreement."""
         self._engine = engine
+        self.positions.fragments = len(getattr(engine, "fragments", ())) or 1
         return self._needs_heal
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
@@ -180,7 +184,7 @@ class QuorumAverager(StripedAverager):
             delta_norm=norm if lead else 0.0, retry=False)
         resp = self._ask(ask, healable=not exact)
         if resp.healers and resp.donor == self.group and engine is not None:
-            self._transfer.serve(resp, engine.state_dict())
+            self._transfer.serve(resp, {**engine.state_dict(), "data_positions": self.positions.state()})
         return _QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather,
                               shards=shards)
 
@@ -208,6 +212,8 @@ class QuorumAverager(StripedAverager):
                     raise self._gave_up("healing", attempts, str(e)) from None
                 log.warning("group %d: healing in %s rolled back (%s); trying the next quorum", self.group, resp.id, e)
                 continue
+            self.positions.load_state(state.pop("data_positions", None))  # the donor's, before this exchange
+            self.positions.commit(resp.tag, resp.weights)
             engine.load_state_dict(state)
             self.exchanges = resp.exchange + 1
             engine.adopt(resp.tag, Done(mean))
@@ -397,6 +403,8 @@ class _QuorumPending:
             if decision.committed:
                 avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))
                 self.own_share = own_share(resp.weights, avg.group)
+                if self._ask is not None and not self._exact:  # a healer takes the donor's table (heal)
+                    avg.positions.commit(resp.tag, resp.weights, refused=self.own_rejected)
                 return out, sp, me, sent
             avg.stats.rollbacks += 1
             log.warning("group %d rank %d: %s rolled back (%s)", avg.group, avg.rank, resp.id, decision.reason)

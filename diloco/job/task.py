@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from diloco.job.config import Config
+from diloco.job.data_source import is_data_source
 
 DEMO_ENTRY = "diloco.demo:gpt_task"  # what --entry "" trains
 # entries of one release ago, still accepted: the demo moved from diloco.task to diloco.demo
@@ -70,11 +71,21 @@ class Task:
     block of every ``nn.ModuleList``, or the units ``diloco.shard_model`` takes (module names, a
     module class, a predicate ``f(name, module)``).
 
+    ``train_batches`` is a plain iterator, or a resumable data source
+    (``diloco.job.data_source.DataSource``: a stream whose position is a group-level sample
+    counter, with ``state()`` / ``load_state()``). Only a data source is trained once: its
+    group's committed position is part of the state the job commits, rolls back, checkpoints and
+    hands to a healer, so across kills, refused contributions, heals and resumes no sample is
+    counted twice or skipped (``diloco.exchange.data_positions``). A plain iterator cannot promise
+    that: a group that heals starts it afresh (its first batches are trained again), and the
+    batches of a refused contribution are not drawn again.
+
     Resuming (``--resume``): ``data_state()`` returns the position of ``train_batches`` after the
     batches taken so far (tensors and plain values: it is saved with ``torch.save`` and read
     with ``weights_only=True``), ``load_data_state(state)`` restores it before the next batch is
-    taken. A task without them is resumed by drawing and discarding the batches already used,
-    which continues exactly when ``train_batches`` is a deterministic stream (seeded).
+    taken; a data source's ``state`` / ``load_state`` are used when neither is given. A task
+    without them is resumed by drawing and discarding the batches already used, which continues
+    exactly when ``train_batches`` is a deterministic stream (seeded).
     """
 
     model: nn.Module
@@ -94,6 +105,8 @@ class Task:
             raise TaskError("Task.loss must be callable as loss(model, batch) -> scalar tensor")
         if (self.data_state is None) != (self.load_data_state is None):
             raise TaskError("Task.data_state and Task.load_data_state go together (give both or neither)")
+        if self.data_state is None and is_data_source(self.train_batches):
+            self.data_state, self.load_data_state = self.train_batches.state, self.train_batches.load_state
         s = self.shard
         if not (s is None or s is True or isinstance(s, (str, type, list, tuple, nn.Module)) or callable(s)):
             raise TaskError("Task.shard must be None, True, module names, a module class or a predicate "

@@ -372,10 +372,12 @@ class JobCheckpointer:
         # a barrier across groups first: every group finished writing its previous checkpoint,
         # so with keep >= 2 the newest complete step always survives pruning
         rank_state.agree_on_step(self.link, step, tag=f"checkpoint/{step}")
+        positions = getattr(getattr(self.link, "averager", None), "positions", None)
         state = rank_state.capture(step=step, cfg=self.cfg, engine=self.engine, model=self.model, inner=self.inner,
                                    task=self.task, loss_ema=loss_ema, initial_eval_loss=self.initial_eval_loss,
                                    group=self.group, rank=self.rank, device=self.device,
-                                   periods=getattr(self.link, "periods", ()))
+                                   periods=getattr(self.link, "periods", ()),
+                                   data_positions=None if positions is None else positions.state)
         write_rank(self.root, step, self.group, self.rank, state)
         if self.group_size > 1 and dist.is_available() and dist.is_initialized():
             dist.barrier()

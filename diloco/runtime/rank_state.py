@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -87,10 +87,13 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
 def capture(*, step: int, cfg: Config | None, engine: Any, model: nn.Module, inner: torch.optim.Optimizer,
             task: Any = None, loss_ema: float | None = None, initial_eval_loss: float = math.nan,
             group: int = 0, rank: int = 0, device: torch.device | None = None,
-            periods: Sequence[int] = ()) -> dict[str, Any]:
+            periods: Sequence[int] = (),
+            data_positions: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """This rank's state after ``step`` inner steps (``model``: the bare module, not DDP). The
     dict shares tensors with the live objects: save it before training on. Waits for the
-    exchanges in flight, so every group must call it at the same step."""
+    exchanges in flight, so every group must call it at the same step. ``data_positions``: returns the
+    table of every group's committed data position (``DataPositions.state``), called after the
+    engine's state is taken so that it holds the exchanges the engine landed."""
     if engine.inner_step != step:
         raise ValueError(f"the engine counted {engine.inner_step} inner steps, the caller {step}")
     data_state = getattr(task, "data_state", None)
@@ -98,6 +101,7 @@ def capture(*, step: int, cfg: Config | None, engine: Any, model: nn.Module, inn
         "format": FORMAT, "version": VERSION, "step": int(step), "group": int(group), "rank": int(rank),
         "config": cfg.to_dict() if cfg is not None else None,
         "engine": engine_state(engine),
+        "data_positions": data_positions() if data_positions is not None else None,
         "model": local_shards.localize(model.state_dict()),  # a sharded (FSDP2) model: this rank's shards
         "inner_optimizer": local_shards.localize(inner.state_dict()),
         "data": data_state() if data_state is not None else None,

@@ -1,0 +1,193 @@
+"""Every group's committed data position: what the job holds so that every sample is trained once.
+
+*Trained once*, precisely: a sample counts when the exchange that carries the contribution it
+was trained in commits to the global model with that contribution's weight above 0. If the
+exchange is rolled back it is retried with the same contribution (still uncounted until one
+attempt commits); if the quorum refuses the contribution (NaN/Inf, an outlier: weight 0), or the
+group dies before its contribution commits, the samples it consumed are not counted and must be
+consumed again by that group (after a refusal at once, after a death when it heals or resumes).
+So a group's *committed* position advances only at a commit, and a group continues from it.
+
+Units. The weights the quorum commits are the contributions' inner steps times each group's
+``tokens_per_step`` (``diloco.exchange.quorum_averager``), so a committed weight divided by the
+group's own ``tokens_per_step`` is the number of *data steps* (batches of the group's ranks)
+committed. The group's data source turns steps into samples (``samples_per_step``: the group's
+ranks times the rank batch), so positions are in samples of the group's own stream.
+
+Where it lives: every rank of every group keeps the whole table ``{fragment: {group: committed
+weight}}``, adding each committed exchange's weights when the exchange commits (every member
+sees the same committed weights, so every survivor holds the same table). A donor sends its table
+with its engine state to a healer, which then holds its own group's committed position; every
+rank's checkpoint holds the table too. With fragments (Streaming DiLoCo) a group's position is
+the least over its fragments: a sample counts when every fragment's exchange after it committed.
+
+``DataPositions.ledger`` lists the sample ranges this process saw its own group commit;
+``check_ledger`` tells from the ranges of every incarnation of every group whether any sample
+was counted twice or left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+log = logging.getLogger(__name__)
+
+FRAGMENT_TAG = re.compile(r"f(\d+)/r(\d+)")
+
+
+class PositionError(ValueError):
+    """A data-position table that does not fit (malformed, or weights that are not whole steps)."""
+
+
+class DataPositions:
+    """The committed-weight table of one rank and its own group's committed position.
+
+    ``group``: this rank's group. ``tokens_per_step``: the weight one inner step of this group
+    carries (the quorum averager's). ``samples_per_step`` (set by whoever draws the data, 0 until
+    then): samples the group's position advances per data step; the ledger is kept in samples
+    when it is set, else in steps. Thread-safe: commits arrive on exchange threads.
+    """
+
+    def __init__(self, group: int, tokens_per_step: float) -> None:
+        if tokens_per_step <= 0:
+            raise PositionError(f"tokens_per_step must be > 0, got {tokens_per_step}")
+        self.group, self.tokens_per_step = group, float(tokens_per_step)
+        self.fragments = 1
+        self.samples_per_step = 0
+        self._committed: dict[int, dict[int, float]] = {}
+        self._rounds: dict[int, int] = {}  # fragment -> its last round counted (a commit counts once)
+        self._refused = False
+        self._lock = threading.Lock()
+        #: (first, end) half-open ranges of this group's stream committed while this process ran
+        self.ledger: list[tuple[int, int]] = []
+
+    def committed_steps(self, group: int | None = None) -> int:
+        """Data steps of ``group`` (default this one) whose contributions committed; only this
+        group's steps are exact (the others' weights are divided by this group's tokens_per_step)."""
+        g = self.group if group is None else group
+        with self._lock:
+            return self._steps(g)
+
+    def committed_samples(self) -> int:
+        """This group's committed position in samples (``samples_per_step`` must be set)."""
+        if self.samples_per_step <= 0:
+            raise PositionError("samples_per_step is not set: the data source did not say what a step holds")
+        return self.committed_steps() * self.samples_per_step
+
+    def _steps(self, group: int) -> int:
+        total = min(self._committed.get(p, {}).get(group, 0.0) for p in range(self.fragments))
+        steps = total / self.tokens_per_step
+        if abs(steps - round(steps)) > 1e-6:
+            raise PositionError(f"group {group}'s committed weight {total} is not a whole number of steps of "
+                                f"{self.tokens_per_step}")
+        return round(steps)
+
+    def commit(self, tag: str, weights: Mapping[int, float], *, refused: bool = False) -> None:
+        """The exchange ``tag`` committed with ``weights`` (by group); exchanges that are not a
+        fragment's round (control exchanges) carry no data and are ignored, and so is a round the
+        table counted already (a donor's table may hold it). ``refused``: this group's
+        contribution was refused (its samples are to be consumed again: ``take_refused``)."""
+        match = FRAGMENT_TAG.fullmatch(tag)
+        if match is None:
+            return
+        p, r = int(match.group(1)), int(match.group(2))
+        with self._lock:
+            if r <= self._rounds.get(p, -1):
+                return
+            self._rounds[p] = r
+            before = self._steps(self.group)
+            row = self._committed.setdefault(p, {})
+            for g, w in weights.items():
+                if w > 0:
+                    row[int(g)] = row.get(int(g), 0.0) + float(w)
+            after = self._steps(self.group)
+            self._refused = self._refused or refused
+            unit = self.samples_per_step or 1
+            if after > before:
+                self.ledger.append((before * unit, after * unit))
+        if after > before:
+            log.info("group %d committed data %s [%d, %d) at %s", self.group,
+                     "samples" if self.samples_per_step else "steps", before * unit, after * unit, tag,
+                     extra={"data_group": self.group, "data_first": before * unit, "data_end": after * unit,
+                            "data_unit": "samples" if self.samples_per_step else "steps"})
+
+    def take_refused(self) -> bool:
+        """True once after a commit that refused this group's contribution."""
+        with self._lock:
+            refused, self._refused = self._refused, False
+            return refused
+
+    def state(self) -> dict[str, Any]:
+        """The table as plain values (JSON-able): what a donor sends and a checkpoint holds."""
+        with self._lock:
+            rows = [[p, g, w] for p, row in sorted(self._committed.items()) for g, w in sorted(row.items())]
+            rounds = [[p, r] for p, r in sorted(self._rounds.items())]
+        return {"fragments": self.fragments, "committed": rows, "rounds": rounds}
+
+    def load_state(self, state: Mapping[str, Any] | None) -> None:
+        """Take the table ``state()`` returned (a donor's, a checkpoint's); PositionError if malformed."""
+        if state is None:
+            raise PositionError("no data-position table (a donor or a checkpoint of an older version?)")
+        rows = state.get("committed") if isinstance(state, Mapping) else None
+        rounds = state.get("rounds") if isinstance(state, Mapping) else None
+        if not isinstance(rows, list) or not isinstance(rounds, list):
+            raise PositionError(f"a data-position table has 'committed' and 'rounds' lists, got {state!r:.200}")
+        if not all(isinstance(x, (list, tuple)) and len(x) == 2 and all(type(v) is int for v in x) for x in rounds):
+            raise PositionError(f"bad data-position rounds {rounds!r:.100}")
+        table: dict[int, dict[int, float]] = {}
+        for row in rows:
+            if not (isinstance(row, (list, tuple)) and len(row) == 3 and all(type(v) is int for v in row[:2])
+                    and isinstance(row[2], (int, float)) and row[2] >= 0):
+                raise PositionError(f"bad data-position row {row!r:.100}")
+            table.setdefault(row[0], {})[row[1]] = float(row[2])
+        with self._lock:
+            self._committed, self._rounds = table, {int(p): int(r) for p, r in rounds}
+
+
+@dataclass
+class LedgerCheck:
+    """What ``check_ledger`` found for one group: samples counted, counted twice, left out."""
+
+    group: int
+    counted: int
+    end: int  # the furthest committed sample + 1
+    twice: list[tuple[int, int]] = field(default_factory=list)  # ranges committed more than once
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # ranges below ``end`` never committed
+
+    @property
+    def ok(self) -> bool:
+        return not self.twice and not self.gaps
+
+
+def check_ledger(ranges: Mapping[int, Iterable[tuple[int, int]]]) -> dict[int, LedgerCheck]:
+    """For each group, its committed ranges (from every incarnation's ``ledger``, any order):
+    whether they tile ``[0, end)`` exactly once. Pure; ``LedgerCheck.ok`` is the verdict."""
+    out = {}
+    for g, rs in ranges.items():
+        spans = sorted((int(a), int(b)) for a, b in rs if b > a)
+        check = LedgerCheck(g, sum(b - a for a, b in spans), max((b for _, b in spans), default=0))
+        reach = 0
+        for a, b in spans:
+            if a > reach:
+                check.gaps.append((reach, a))
+            elif a < reach:
+                check.twice.append((a, min(b, reach)))
+            reach = max(reach, b)
+        out[g] = check
+    return out
+
+
+def merged(ranges: Iterable[tuple[int, int]]) -> list[list[int]]:
+    """``ranges`` in order with exactly adjacent ones joined (overlaps are kept apart, so a
+    sample counted twice still shows): a short form of a ledger."""
+    out: list[list[int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([int(a), int(b)])
+    return out

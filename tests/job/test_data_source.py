@@ -1,0 +1,121 @@
+"""Resumable data: the demo's samplers as data sources (position = a counter, state round trip, each
+window once per epoch), the committed-position table, and the ledger check."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from diloco.demo import data
+from diloco.exchange.data_positions import (
+    DataPositions,
+    PositionError,
+    check_ledger,
+    merged,
+)
+from diloco.job.data_source import DataSourceError, is_data_source, position, seek
+from diloco.job.task import Task
+
+TOKENS = np.random.default_rng(0).integers(0, 256, 2001).astype(np.uint8)  # 250 windows of 8
+
+
+def windows_of(batch: tuple[torch.Tensor, torch.Tensor], block: int = 8) -> list[int]:
+    """Which disjoint window each row of a batch is (its first input token's offset / block)."""
+    x, y = batch
+    starts = []
+    for row, target in zip(x.numpy(), y.numpy()):
+        matches = [w for w in range(len(TOKENS) // block) if np.array_equal(TOKENS[w * block: w * block + block], row)]
+        assert len(matches) == 1 and np.array_equal(TOKENS[matches[0] * block + 1: matches[0] * block + block + 1], target)
+        starts.append(matches[0])
+    return starts
+
+
+def test_epoch_sampler_trains_each_window_once_per_epoch_and_the_ranks_split_every_step():
+    ranks = [data.EpochSampler(TOKENS, 5, 8, seed=11, rank=r, group_size=2) for r in range(2)]
+    assert ranks[0].windows == 250 and ranks[0].samples_per_step == 10 and is_data_source(ranks[0])
+    seen = []
+    for _ in range(25):  # 25 steps x 2 ranks x 5 = 250 samples: one epoch
+        seen += windows_of(next(ranks[0])) + windows_of(next(ranks[1]))
+    assert sorted(seen) == list(range(250))  # no window twice, none left out
+    assert seen == [ranks[0].window(i) for i in range(250)]  # rank r takes slice r of each step
+    second = [w for _ in range(25) for w in windows_of(next(ranks[0])) + windows_of(next(ranks[1]))]
+    assert sorted(second) == list(range(250)) and second != seen  # a fresh permutation per epoch
+
+
+def test_epoch_sampler_state_round_trips_through_json_and_seeks():
+    a = data.EpochSampler(TOKENS, 4, 8, seed=3, rank=1, group_size=3)
+    for _ in range(7):
+        next(a)
+    state = json.loads(json.dumps(a.state()))
+    assert state["samples"] == 7 * 12 == position(a)
+    expected = [next(a) for _ in range(30)]  # crosses the epoch boundary at 250
+    b = data.EpochSampler(TOKENS, 4, 8, seed=3, rank=1, group_size=3)
+    b.load_state(state)
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(expected, (next(b) for _ in range(30))))
+    seek(b, 12 * 7)
+    assert torch.equal(next(b)[0], expected[0][0])
+    with pytest.raises(data.DataError, match="this sampler is"):
+        data.EpochSampler(TOKENS, 4, 8, seed=4, rank=1, group_size=3).load_state(state)
+    with pytest.raises(DataSourceError, match="multiples of samples_per_step=12"):
+        seek(b, 13)
+
+
+def test_random_sampler_seeks_by_replaying_and_still_reads_old_checkpoints():
+    a = data.BatchSampler(TOKENS, 4, 8, seed=5, group_size=2)
+    old = a.state_dict()
+    first = [next(a) for _ in range(6)]
+    assert a.state()["samples"] == 6 * 8
+    b = data.BatchSampler(TOKENS, 4, 8, seed=5, group_size=2)
+    seek(b, 3 * 8)
+    assert torch.equal(next(b)[0], first[3][0])
+    c = data.BatchSampler(TOKENS, 4, 8, seed=5, group_size=2)
+    c.load_state(old)  # a state_dict() of the format before data sources
+    assert torch.equal(next(c)[0], first[0][0])
+    with pytest.raises(data.DataError, match="not a multiple of 8"):
+        b.load_state({**b.state(), "samples": 5})
+
+
+def test_a_task_takes_a_data_source_position_for_its_checkpoints():
+    source = data.EpochSampler(TOKENS, 4, 8, seed=3)
+    task = Task(model=nn.Linear(1, 1), train_batches=source, loss=lambda m, b: b)
+    next(source)
+    assert task.data_state() == source.state() and task.data_state()["samples"] == 4
+    plain = Task(model=nn.Linear(1, 1), train_batches=iter(()), loss=lambda m, b: b)
+    assert plain.data_state is None
+
+
+def test_the_table_counts_committed_weights_once_per_round_and_the_least_fragment():
+    pos = DataPositions(group=1, tokens_per_step=2.0)  # a group of 2 ranks: weight = steps x 2
+    pos.fragments, pos.samples_per_step = 2, 8
+    pos.commit("f0/r0", {0: 8.0, 1: 8.0, 2: 0.0})
+    assert pos.committed_steps() == 0 and pos.ledger == []  # fragment 1 has not committed these steps
+    pos.commit("f1/r0", {0: 8.0, 1: 8.0})
+    assert pos.committed_steps() == 4 and pos.ledger == [(0, 32)]
+    pos.commit("f1/r0", {0: 8.0, 1: 8.0})  # counted already (a donor's table may hold it)
+    pos.commit("f0/final", {1: 99.0})  # a control exchange carries no data
+    assert pos.committed_steps() == 4
+    pos.commit("f0/r1", {0: 8.0, 1: 0.0}, refused=True)
+    pos.commit("f1/r1", {0: 8.0, 1: 0.0}, refused=True)
+    assert pos.committed_steps() == 4 and pos.take_refused() and not pos.take_refused()
+    assert pos.committed_steps(0) == 8  # another group's, in this group's steps
+    healer = DataPositions(group=1, tokens_per_step=2.0)
+    healer.fragments = 2  # as its engine says (QuorumAverager.attach)
+    healer.load_state(json.loads(json.dumps(pos.state())))
+    assert healer.committed_steps() == 4 and healer.state() == pos.state()
+    with pytest.raises(PositionError, match="committed"):
+        healer.load_state({"committed": "x", "rounds": []})
+    with pytest.raises(PositionError, match="no data-position table"):
+        healer.load_state(None)
+    pos.commit("f0/r2", {1: 3.0})  # 1.5 steps: weights that are no whole number of steps are an error
+    with pytest.raises(PositionError, match="whole number of steps"):
+        pos.commit("f1/r2", {1: 3.0})
+
+
+def test_check_ledger_names_samples_counted_twice_and_left_out():
+    report = check_ledger({0: [(0, 10), (10, 20)], 1: [(0, 10), (5, 15), (20, 30)], 2: []})
+    assert report[0].ok and report[0].counted == 20 and report[0].end == 20
+    assert report[1].twice == [(5, 10)] and report[1].gaps == [(15, 20)] and not report[1].ok
+    assert report[2].ok and report[2].end == 0
+    assert merged([(0, 4), (4, 8), (6, 9), (12, 14)]) == [[0, 8], [6, 9], [12, 14]]
