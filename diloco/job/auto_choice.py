@@ -117,6 +117,14 @@ class Choice:
     step_s: float
     reason: str
 
+    @property
+    def short(self) -> str:
+        """The choice in one line of at most 256 characters (``diloco status``)."""
+        how = "hides under compute" if self.hides else "does NOT hide"
+        return (f"{self.setting.label}: {self.wire_s:.3g} s wire / {self.budget_s:.3g} s compute at "
+                f"{8 * self.link_bytes_per_s / 1e6:.3g} Mbit/s, {how}; loss {100 * self.setting.loss_cost:+.2f} % "
+                f"vs fp32 DiLoCo (study)")[:256]
+
 
 def wire_seconds(s: Setting, num_params: int, link_bytes_per_s: float) -> float:
     """Seconds one exchange of ``s`` (of one fragment, in overlap) takes when each group's share of

@@ -344,7 +344,10 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.sync.h == AUTO_H:  # as a file says it (config_parse.from_dict reads it back)
+            out["sync"]["h"] = AUTO
+        return out
 
     def validate(self) -> "Config":
         """Raise ConfigError naming every invalid setting; returns self."""

@@ -37,6 +37,7 @@ from diloco.coordinator.credentials import for_group
 from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
 from diloco.exchange.quorum_averager import QuorumAverager
 from diloco.job.config import ConfigError, TransportConfig, make_codec
+from diloco.runtime import auto_setting
 from diloco.runtime.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
 from transport import TcpTransport, TlsConfig
 from transport.identity import GroupKeys
@@ -196,6 +197,7 @@ class GroupConnection:
                  group_size: int, process_group=None) -> None:
         self.transport, self.client, self.membership = transport, client, membership
         self.averager, self.reprobe, self.metrics = averager, reprobe, metrics
+        self.auto: dict[str, Any] | None = None  # what --codec/--h auto chose (diloco.runtime.auto_setting)
         self.group, self.rank, self.group_size, self.process_group = group, rank, group_size, process_group
         self.round_hashes: list[str] = []
         self.round_keys: list[int] = []  # engine.round at each of round_hashes
@@ -271,6 +273,8 @@ class GroupConnection:
             self.metrics.compute_seconds.inc(compute)
             if self.reprobe is not None:
                 self.reprobe.after_step()
+                if self.auto is not None:
+                    auto_setting.watch_link(self)
         if getattr(engine, "time_rounds", None) is not None:  # rounds by time: this group's steps in each
             self.periods = list(engine.round_steps)
         else:
@@ -355,6 +359,8 @@ class GroupConnection:
             snapshot["loss"] = round(self.loss, 4)
         if lr is not None:
             snapshot["lr"] = lr
+        if self.auto is not None:
+            snapshot["auto"] = self.auto["short"]
         self._report("progress", lambda: self.client.report_progress(self.group, self.rank, snapshot))
         if self.progress_every_s and (self._last_line is None or now - self._last_line >= self.progress_every_s
                                       or step == steps):
@@ -380,7 +386,7 @@ class GroupConnection:
             "seconds": wall, "compute_seconds": self.compute_seconds, "sync_seconds": engine.sync_seconds,
             "utilization": self.compute_seconds / max(wall, 1e-9), "mode": engine.mode,
             "fragments": len(engine.fragments), "fault": self.averager.stats.to_dict(),
-            "incarnation": self.averager.incarnation, **extra,
+            "incarnation": self.averager.incarnation, **({"auto": self.auto} if self.auto else {}), **extra,
         }
         if self.rank == 0:  # the job's summary needs it: retried while the coordinator is away
             self.averager.call_coordinator("summary", lambda: self.client.report_summary(self.group, out))

@@ -55,6 +55,7 @@ WORKER_SERIES: dict[str, str] = {
     "diloco_inner_lr": "gauge",
     "diloco_codec_compression_ratio": "gauge",
     "diloco_worker_info": "gauge",
+    "diloco_auto_info": "gauge",
 }
 
 
@@ -147,19 +148,34 @@ class WorkerMetrics:
         self._describe_wire(labels, {**_process_wire, **{k: v for k, v in {
             "codec": codec, "codec_block": codec_block, "link": link, "zstd": zstd,
             "chunk_bytes": chunk_bytes}.items() if v is not None}})
+        self._auto = Info("diloco_auto", "What --codec auto / --h auto chose and why (value 1; state off without auto)",
+                          list(labels), registry=self.registry).labels(**labels)
+        self._auto.info({"state": "off"})
         self._seen = {"sent": 0, "received": 0, **{r: 0 for r in LISTENER_REFUSALS}}
         self.server: Any = None
 
     def _describe_wire(self, labels: dict[str, str], wire: dict[str, Any]) -> None:
         if "codec" not in wire:
             return
-        info = {"codec": str(wire["codec"]), "link": str(wire.get("link", "")),
-                "zstd": str(bool(wire.get("zstd", False))).lower()}
-        Info("diloco_worker", "Wire settings of this rank (value 1)", list(labels),
-             registry=self.registry).labels(**labels).info(info)
-        ratio = codec_ratio(str(wire["codec"]), int(wire.get("chunk_bytes", 1 << 20)), int(wire.get("codec_block", 0)))
-        Gauge("diloco_codec_compression_ratio", "fp32 bytes per wire byte of one full chunk's frame "
-              "(before the optional zstd stage)", list(labels), registry=self.registry).labels(**labels).set(ratio)
+        self._wire = wire
+        self._wire_info = Info("diloco_worker", "Wire settings of this rank (value 1)", list(labels),
+                               registry=self.registry).labels(**labels)
+        self._ratio = Gauge("diloco_codec_compression_ratio", "fp32 bytes per wire byte of one full chunk's frame "
+                            "(before the optional zstd stage)", list(labels), registry=self.registry).labels(**labels)
+        self._show_codec(str(wire["codec"]), int(wire.get("codec_block", 0)))
+
+    def _show_codec(self, codec: str, codec_block: int) -> None:
+        w = self._wire
+        self._wire_info.info({"codec": codec, "link": str(w.get("link", "")), "zstd": str(bool(w.get("zstd", False))).lower()})
+        if codec != "auto":  # auto: set once the worker has chosen (``auto_decided``)
+            self._ratio.set(codec_ratio(codec, int(w.get("chunk_bytes", 1 << 20)), codec_block))
+
+    def auto_decided(self, labels: dict[str, str]) -> None:
+        """``--codec auto`` / ``--h auto`` decided: ``diloco_auto_info`` shows the setting and its
+        reason (``labels``), and the wire series the chosen codec."""
+        self._auto.info({"state": "decided", **labels})
+        if hasattr(self, "_wire"):
+            self._show_codec(labels["codec"], 0)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint on ``host`` (the rank's ``--host``; port 0 = any free port);

@@ -98,6 +98,8 @@ def format_status(doc: dict[str, Any]) -> str:
                      _percent(p.get("utilization")),
                      _bytes(p.get("bytes_sent")), state])
     lines += _table(rows) if groups else ["(no group has joined yet)"]
+    lines += [f"auto (--codec/--h auto), group {g['group']}: {g['progress']['auto']}" for g in groups
+              if g.get("progress", {}).get("auto")]
     bandwidth = doc.get("bandwidth", [])
     if bandwidth:
         peers = sorted({b["peer_group"] for b in bandwidth})

@@ -99,7 +99,7 @@ def summarize(cfg: Config, corpus, per_group: list[dict], snapshot: dict, second
         "entry": cfg.train.entry or DEMO_ENTRY,
         "run_dir": str(out_dir),
         "config": cfg.to_dict(),
-        **{k: per_group[0][k] for k in ("resumed_from", "resumed_at_step", "stopped_at_step", "job_checkpoint")
+        **{k: per_group[0][k] for k in ("resumed_from", "resumed_at_step", "stopped_at_step", "job_checkpoint", "auto")
            if k in per_group[0]},
     }
 
@@ -135,6 +135,8 @@ def format_summary(s: dict) -> str:
         lines.insert(-2, f"  faults                   : {f['kills']} killed by --chaos, {f['failures']} group failures, "
                          f"{f['restarts']} restarts, {f['heals']} heals, {f['rolled_back']} rounds rolled back, "
                          f"{f['rejected']} contributions refused{stall}")
+    if s.get("auto"):
+        lines.insert(4, f"  auto (--codec/--h auto)  : {s['auto']['reason']}")
     if s.get("resumed_from"):
         lines.insert(6, f"  resumed from             : {s['resumed_from']}")
     if s.get("stopped_at_step") is not None:

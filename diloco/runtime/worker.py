@@ -13,6 +13,7 @@ NCCL, the GPU of each rank: ``DILOCO_DEVICE_MAP`` (set by ``diloco run``) or ``L
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -35,6 +36,7 @@ from diloco.engine.outer import by_name, co2
 from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, TimeRounds, inner_lr
 from diloco.exchange.data_positions import merged
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
+from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import (
     DEMO_ENTRY,
@@ -46,6 +48,7 @@ from diloco.job.task import (
     to_device,
 )
 from diloco.runtime import (
+    auto_setting,
     checkpoint,
     cpu_threads,
     data_feed,
@@ -213,7 +216,10 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         model = task.model.to(device)
         ddp = group_parallel.wrap(cfg, task, model, device)  # DDP, or the model sharded in place (--parallel fsdp)
         inner = make_inner_optimizer(cfg, model)
-        link = connect(coordinator, group, secret=secret, settings=cfg.transport, metrics_port=cfg.train.metrics_port,
+        auto = any(auto_choice.is_auto(cfg))  # the codec until it is decided: fp32 (the decision's exchange is exact)
+        settings = dataclasses.replace(cfg.transport, codec="fp32") if cfg.transport.codec == auto_choice.AUTO else \
+            cfg.transport
+        link = connect(coordinator, group, secret=secret, settings=settings, metrics_port=cfg.train.metrics_port,
                        heartbeat_timeout=cfg.fault.heartbeat_timeout)
         link.progress_every_s = cfg.train.progress_every
         if resume is not None and resume_unless_healing:
@@ -223,6 +229,13 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
             else:  # the job (re)starts here: every group resumes from its checkpoints
                 point = job_checkpoint.find(resume, group=group)
                 restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
+        if auto:
+            if restored is not None or link.membership.heal:
+                raise ConfigError("--codec auto / --h auto decide once, when every group starts together: a group "
+                                  "cannot heal into or resume such a job yet; restart it with the setting its log and "
+                                  "summary name (auto: ...) as fixed flags")
+            cfg, _ = auto_setting.decide(cfg, link, model=ddp, task=task, device=device, group=group,
+                                         num_params=sum(p.numel() for p in group_parallel.bare(ddp).parameters()))
         try:
             engine = make_engine(cfg, model, inner, link, task.fragments)  # a group joining a running job heals here
         except JobFinished as e:

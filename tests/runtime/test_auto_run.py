@@ -1,0 +1,62 @@
+"""--codec auto / --h auto in a real job: every group measures, agrees and picks the same setting
+before the engine starts, switches its averager to that codec, and the groups stay bit-identical;
+the choice and its reason reach the log, the summary, the status document and the metrics."""
+
+import json
+import re
+
+import pytest
+
+from diloco import cli
+from diloco.runtime import status, summary
+from diloco.runtime.metrics import WorkerMetrics
+
+SMALL = ["--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
+         "--eval-batches", "2", "--warmup-steps", "5", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_two_groups_choose_the_same_sparse_setting_and_stay_bit_identical(tmp_path):
+    """--codec topk --h auto on loopback: the link is fast, so the lowest measured loss among the
+    study's top-k settings (SparseLoCo, 3 %, H=30); the averager, built with fp32 until the choice,
+    then gathers top-k frames with error feedback."""
+    out, run = tmp_path / "summary.json", tmp_path / "run"
+    code = cli.main(["run", *SMALL, "--steps", "60", "--groups", "2", "--ranks-per-group", "1", "--codec", "topk",
+                     "--h", "auto", "--json", str(out), "--run-dir", str(run), "--probe-bytes", "4096"])
+    assert code == 0
+    s = json.loads(out.read_text())
+    assert s["auto"]["row"] == "slo-h30-d3" and s["auto"]["hides"]
+    assert s["periods"] == [30, 30] and s["params_identical"]
+    hashes = s["round_hashes_per_group"]
+    assert hashes["0"] == hashes["1"] and len(hashes["0"]) == 2
+    # top-k frames gathered, not the fp32 ring the averager was built with: two fp32 rounds alone would
+    # send 2 x 2 groups x 4 bytes per parameter, more than the whole job (probes and start included)
+    assert s["bytes_sent"] < 2 * 2 * 4 * s["num_parameters"]
+    lines = [re.search(r"auto: (.*)", line).group(1)
+             for g in (0, 1) for line in (run / f"group-{g}.log").read_text().splitlines() if "] auto: " in line]
+    assert len(lines) == 2 and lines[0] == lines[1] == s["auto"]["reason"]
+    assert s["config"]["sync"]["h"] == "auto"
+    assert "auto (--codec/--h auto)  : topk 3 % sparseloco H=30" in summary.format_summary(s)
+
+
+def test_status_and_metrics_show_the_choice():
+    doc = {"groups": [{"group": 0, "joined": 1, "size": 1, "progress": {"step": 5, "auto": "int4 H=200: 41 s wire"}},
+                      {"group": 1, "joined": 1, "size": 1, "progress": {"step": 5}}], "expected_groups": 2}
+    text = status.format_status(doc)
+    assert "auto (--codec/--h auto), group 0: int4 H=200: 41 s wire" in text and "group 1:" not in text
+    m = WorkerMetrics(0, 0, codec="auto", link="tcp", zstd=False, chunk_bytes=1 << 20)
+    try:
+        from prometheus_client import generate_latest
+
+        before = generate_latest(m.registry).decode()
+        assert 'diloco_auto_info{group="0",rank="0",state="off"} 1.0' in before
+        assert 'codec="auto"' in before
+        assert 'diloco_codec_compression_ratio{group="0",rank="0"} 0.0' in before  # no codec yet
+        m.auto_decided({"row": "m2-h200-int4-outer", "setting": "int4 H=200", "codec": "int4", "h": "200",
+                        "mode": "blocking", "hides": "true", "reason": "why"})
+        after = generate_latest(m.registry).decode()
+        assert 'row="m2-h200-int4-outer"' in after and 'state="decided"' in after and 'codec="int4"' in after
+        ratio = float(re.search(r'diloco_codec_compression_ratio\{group="0",rank="0"\} (\S+)', after).group(1))
+        assert ratio > 7
+    finally:
+        m.close()
