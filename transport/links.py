@@ -40,6 +40,10 @@ log = logging.getLogger("transport.core")  # one logger for the transport's mess
 
 #: a probe not acknowledged within this many seconds is sent again (see _probe_roundtrip)
 PROBE_RESEND_S = 2.0
+#: only round trips of at most this many bytes are sent again (the warm-up's): a big probe on a
+#: slow link takes longer than PROBE_RESEND_S by itself, and sending it again would flood the link
+#: it measures (at 2 Mbit/s, 512 KiB takes 2.1 s); once the warm-up was answered the way back is good
+PROBE_RESEND_MAX_BYTES = 4096
 
 
 class _Unanswered(TransportError):
@@ -235,9 +239,10 @@ class LinkEndpoint:
 
     def _probe_roundtrip(self, link: Link, nbytes: int, deadline: float) -> float:
         """Seconds from sending an nbytes probe to its acknowledgement. When none comes within
-        PROBE_RESEND_S the probe is sent again (the peer's way back may have been a stale link to
-        an earlier process at this address: answering on it fails, and the peer redials), and
-        _Unanswered tells the caller that this timing is not a measurement."""
+        PROBE_RESEND_S a small probe (the warm-up) is sent again (the peer's way back may have been a
+        stale link to an earlier process at this address: answering on it fails, and the peer
+        redials), and _Unanswered tells the caller that this timing is not a measurement. A big one
+        waits for its answer until the deadline (PROBE_RESEND_MAX_BYTES)."""
         with self._lock:
             pid = next(self._probe_ids)
             done = threading.Event()
@@ -248,7 +253,8 @@ class LinkEndpoint:
             start = time.perf_counter()
             link.send([head, bytes(nbytes)], lambda reason: (failed.append(reason), done.set()))
             resent = False
-            while not done.wait(max(0.0, min(PROBE_RESEND_S, deadline - time.monotonic()))):
+            wait_s = PROBE_RESEND_S if nbytes <= PROBE_RESEND_MAX_BYTES else float("inf")
+            while not done.wait(max(0.0, min(wait_s, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline:
                     raise TransportError(f"probe to {link.peer} timed out")
                 resent = True

@@ -136,3 +136,20 @@ def test_a_peer_restarted_at_the_same_address_is_probed_without_waiting_for_the_
             assert time.monotonic() - t0 < 15, "the probe waited for its deadline on a stale way back"
         finally:
             again.close(flush_timeout_s=1.0)
+
+
+def test_a_big_probe_on_a_slow_link_is_waited_for_not_sent_again(monkeypatch) -> None:
+    """On a slow link one big probe takes longer than the resend interval by itself: sending it
+    again would flood the link it measures and never finish (it timed out at 2 Mbit/s). Only the
+    warm-up is resent; the big ones are waited for, and the rate comes out right."""
+    import transport.links as links
+
+    monkeypatch.setattr(links, "PROBE_RESEND_S", 0.2)
+    rate, nbytes = 1e6, 1 << 18  # 0.26 s per big probe, beyond the 0.2 s resend interval
+    with transports(g=1, timeout_s=30.0) as (b,), transports(g=1, timeout_s=30.0,
+                                                              shaper=TokenBucket(rate, 16 << 10)) as (a,):
+        before = a.bytes_sent
+        measured = a.probe(b.address, nbytes=nbytes)
+        sent = a.bytes_sent - before
+    assert 0.5 * rate < measured < 1.5 * rate
+    assert sent < 1.2 * links.PROBE_PAIRS * nbytes, f"{sent} bytes: a big probe was sent again"
