@@ -28,6 +28,7 @@ was counted twice or left out.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -178,6 +179,35 @@ def check_ledger(ranges: Mapping[int, Iterable[tuple[int, int]]]) -> dict[int, L
                 check.twice.append((a, min(b, reach)))
             reach = max(reach, b)
         out[g] = check
+    return out
+
+
+_TEXT_RECORD = re.compile(r"\[worker group (\d+) rank (\d+)\] group (\d+) committed data (samples|steps) "
+                          r"\[(\d+), (\d+)\)")
+
+
+def ledger_from_logs(lines: Iterable[str]) -> dict[int, list[tuple[int, int]]]:
+    """Every group's committed ranges from worker log lines (text or JSON, of every incarnation of
+    every group, any order): what rank 0 of each group logged at each commit (``DataPositions.commit``).
+    Feed the result to ``check_ledger``. Lines of other records are skipped."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for line in lines:
+        if "committed data" not in line:
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or rec.get("rank") != 0 or "data_group" not in rec:
+                continue
+            group, first, end = int(rec["data_group"]), int(rec["data_first"]), int(rec["data_end"])
+        else:
+            m = _TEXT_RECORD.search(line)
+            if m is None or m.group(2) != "0":
+                continue
+            group, first, end = int(m.group(3)), int(m.group(5)), int(m.group(6))
+        out.setdefault(group, []).append((first, end))
     return out
 
 

@@ -190,7 +190,8 @@ def test_every_sample_counted_once_across_a_stop_and_resume(coordinator):
         server.stop()
     assert len({g.final_hash for g in resumed}) == 1
     assert all(g.engine.inner_step == ft.STEPS for g in resumed)
-    assert assert_counted_once({g.group: [g, r] for g, r in zip(first, resumed)}) == {g: ft.STEPS * BATCH for g in range(3)}
+    ends = assert_counted_once({g.group: [g, r] for g, r in zip(first, resumed)})
+    assert ends == {g: ft.STEPS * BATCH for g in range(3)}
 
 
 def test_a_plain_iterator_heals_from_its_start_and_counts_samples_twice(coordinator):

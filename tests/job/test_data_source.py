@@ -2,6 +2,7 @@
 window once per epoch), the committed-position table, and the ledger check."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -13,10 +14,12 @@ from diloco.exchange.data_positions import (
     DataPositions,
     PositionError,
     check_ledger,
+    ledger_from_logs,
     merged,
 )
 from diloco.job.data_source import DataSourceError, is_data_source, position, seek
 from diloco.job.task import Task
+from diloco.runtime import logs
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 2001).astype(np.uint8)  # 250 windows of 8
 
@@ -27,7 +30,8 @@ def windows_of(batch: tuple[torch.Tensor, torch.Tensor], block: int = 8) -> list
     starts = []
     for row, target in zip(x.numpy(), y.numpy()):
         matches = [w for w in range(len(TOKENS) // block) if np.array_equal(TOKENS[w * block: w * block + block], row)]
-        assert len(matches) == 1 and np.array_equal(TOKENS[matches[0] * block + 1: matches[0] * block + block + 1], target)
+        w = matches[0] if len(matches) == 1 else None
+        assert w is not None and np.array_equal(TOKENS[w * block + 1: w * block + block + 1], target)
         starts.append(matches[0])
     return starts
 
@@ -53,7 +57,8 @@ def test_epoch_sampler_state_round_trips_through_json_and_seeks():
     expected = [next(a) for _ in range(30)]  # crosses the epoch boundary at 250
     b = data.EpochSampler(TOKENS, 4, 8, seed=3, rank=1, group_size=3)
     b.load_state(state)
-    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(expected, (next(b) for _ in range(30))))
+    again = [next(b) for _ in range(30)]
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(expected, again))
     seek(b, 12 * 7)
     assert torch.equal(next(b)[0], expected[0][0])
     with pytest.raises(data.DataError, match="this sampler is"):
@@ -119,3 +124,28 @@ def test_check_ledger_names_samples_counted_twice_and_left_out():
     assert report[1].twice == [(5, 10)] and report[1].gaps == [(15, 20)] and not report[1].ok
     assert report[2].ok and report[2].end == 0
     assert merged([(0, 4), (4, 8), (6, 9), (12, 14)]) == [[0, 8], [6, 9], [12, 14]]
+
+
+def test_the_ledger_is_read_back_from_worker_logs_of_rank_0_in_text_and_json():
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("diloco.exchange.data_positions")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        for rank in (0, 1):
+            pos = DataPositions(group=3, tokens_per_step=1.0)
+            pos.samples_per_step = 4
+            pos.commit("f0/r0", {3: 2.0})
+            pos.commit("f0/r1", {3: 0.0}, refused=True)
+            pos.commit("f0/r2", {3: 1.0})
+            for r in records[-2:]:
+                r.component, r.group, r.rank = "worker", 3, rank
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    for formatter in (logs.TextFormatter(), logs.JsonFormatter()):
+        lines = [formatter.format(r) for r in records] + ["unrelated line", "{not json committed data"]
+        assert ledger_from_logs(lines) == {3: [(0, 8), (8, 12)]}  # rank 1's copies are not counted again
