@@ -13,7 +13,7 @@ _EXPORTS = {
     "SyncResult": "diloco.engine.diloco", "MODES": "diloco.engine.diloco",
     "InitialParamsMismatch": "diloco.engine.initial",
     "connect": "diloco.runtime.connection", "GroupConnection": "diloco.runtime.connection", "ConnectError": "diloco.runtime.connection",
-    "Task": "diloco.job.task", "TaskContext": "diloco.job.task",
+    "Task": "diloco.job.task", "TaskContext": "diloco.job.task", "DataSource": "diloco.job.data_source",
     "FixedSchedule": "diloco.engine.schedule", "QSRSchedule": "diloco.engine.schedule",
     "fixed_period": "diloco.engine.schedule", "qsr_period": "diloco.engine.schedule",
     "nesterov": "diloco.engine.outer", "sgd": "diloco.engine.outer", "co2": "diloco.engine.outer", "CO2Outer": "diloco.engine.outer",
