@@ -15,6 +15,8 @@ OUTER_SWEEP = ((0.4, 0.9), (1.0, 0.9), (0.7, 0.8), (0.7, 0.95), (0.7, 0.7), (1.0
 #: SparseLoCo (issue 31): its H and densities (k of every 4096: 41, 64, 123)
 SPARSE_HS = (30, 50, 100)
 SPARSE_DENSITIES = (0.01, 64 / 4096, 0.03)
+INT2_HS = (30, 100, 200, 300)  # int2 with error feedback: 2.125 bits per value per sync
+SPARSE_OUTER_SWEEP = ((0.5, 0.95), (0.65, 0.95), (1.5, 0.95), (2.0, 0.95), (1.0, 0.9), (1.0, 0.99), (1.0, 1.0))
 
 
 def _slo(h: int, density: float) -> str:
@@ -22,7 +24,8 @@ def _slo(h: int, density: float) -> str:
 
 
 SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "slo-sign1-h30", "slo-overlap-p2-tau5",
-                   "slo-m4-h30")
+                   "slo-m4-h30", *(f"m2-h{h}-int2-outer" for h in INT2_HS),
+                   "slo-int2-h30", "slo-int2-h100", "m2-h200-outer", "m2-h300-outer")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Row:
     co2: tuple[float, float] | None = None  # CO2's outer (lr, momentum); None: CO2_DEFAULTS
     rule: str = ""  # "sparseloco": SparseLoCo's outer rule (its lr 1, beta 0.95, 64x64 tiles) instead of Nesterov
     density: float = 0.0  # topk: fraction of each chunk kept (0: the codec's 64 of 4096)
+    beta: float = 0.95  # sparseloco: the residual's decay
     seeded: bool = False  # run with every seed of the size (else the first only)
     note: str = ""
 
@@ -122,7 +126,7 @@ def study_rows() -> list[Row]:
     ]
     tuned = "best outer lr/momentum of the sweep"
     rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
-    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 50, 100, 200)]
+    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 50, 100, 200, 300)]
     rows += [Row(f"m2-h30-{c}-outer", codec=c, outer_tuned=True, seeded=True, note=tuned)
              for c in CODECS if c != "fp32"]
     rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
@@ -153,10 +157,18 @@ def sparseloco_rows() -> list[Row]:
     SGD lr 1 without momentum; against fp32 DiLoCo (m2-h30-outer) and data parallel at equal tokens."""
     rows = [Row(_slo(h, d), h=h, codec="topk", rule="sparseloco", density=d, seeded=(h, d) == (30, 64 / 4096),
                 note=f"SparseLoCo, H={h}, top-k {100 * d:.3g} %") for h in SPARSE_HS for d in SPARSE_DENSITIES]
+    rows += [Row(f"slo-h30-lr{lr:g}-beta{beta:g}", codec="topk", rule="sparseloco", outer=(lr, 0.0), beta=beta,
+                 note="SparseLoCo's outer lr and residual decay, around Covenant's 1 (later 0.65) and 0.95")
+             for lr, beta in SPARSE_OUTER_SWEEP]
     rows += [Row("slo-sign1-h30", codec="sign1", rule="sparseloco", note="SparseLoCo's rule with sign1 (1 bit, error-fed)"),
              Row("slo-overlap-p2-tau5", mode="overlap", fragments=2, tau=5, codec="topk", rule="sparseloco",
                  note="SparseLoCo with Streaming DiLoCo's overlap (2 fragments, tau 5)"),
              Row("slo-m4-h30", groups=4, codec="topk", rule="sparseloco", note="SparseLoCo with 4 groups")]
+    rows += [Row(f"m2-h{h}-int2-outer", h=h, codec="int2", outer_tuned=True,
+                 note="int2 (2.125 bits/value) with error feedback under the tuned Nesterov outer step")
+             for h in INT2_HS]
+    rows += [Row(f"slo-int2-h{h}", h=h, codec="int2", rule="sparseloco", note="SparseLoCo's rule with int2 (error-fed)")
+             for h in (30, 100)]
     return rows
 
 

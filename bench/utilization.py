@@ -53,6 +53,10 @@ def make_config(args: argparse.Namespace, mode: str, steps: int) -> Config:
     cfg.sync.fragments = args.fragments if spec["fragments"] == "P" else 1
     cfg.sync.overlap_steps = args.tau
     cfg.transport.codec = args.codec if spec["codec"] == "CODEC" else spec["codec"]
+    if mode == "blocking" and args.blocking_codec:
+        cfg.transport.codec = args.blocking_codec
+    if args.outer_optimizer and mode in ("blocking", "overlap"):
+        cfg.outer.optimizer = args.outer_optimizer
     cfg.transport.plaintext = True  # private namespaces made by this script
     cfg.transport.timeout_s = 300.0
     return cfg.validate()
@@ -69,7 +73,7 @@ def run_one(args, mode: str, link_mbit: float | None, steps: int) -> dict:
         s = launcher.run(cfg, run_dir=tmp, progress=False, placement=placement, timeout_s=args.run_timeout)
     return {
         "mode": mode, "sync_mode": cfg.sync.mode, "codec": cfg.transport.codec,
-        "fragments": cfg.sync.fragments, "tau": cfg.sync.overlap_steps if cfg.sync.mode == "overlap" else 0,
+        "outer_optimizer": cfg.outer.optimizer, "fragments": cfg.sync.fragments, "tau": cfg.sync.overlap_steps if cfg.sync.mode == "overlap" else 0,
         "h": cfg.sync.h if mode != "dp" else 1, "groups": args.groups, "link_mbit": link_mbit,
         "link_mbit_per_group": rates, "steps": steps, "utilization": s["utilization"],
         "eval_loss": s["eval_loss"], "bytes_sent": s["bytes_sent"], "seconds": s["seconds"],
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--tau", type=int, default=5, help="overlap steps for mode overlap")
     p.add_argument("--codec", default="fp4-e2m1", help="codec of mode overlap")
+    p.add_argument("--blocking-codec", default="", help="codec of mode blocking (default fp32)")
+    p.add_argument("--outer-optimizer", default="", help="outer rule of modes blocking and overlap, e.g. sparseloco "
+                   "(default: the mode's own)")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--eval-batches", type=int, default=20)
