@@ -13,6 +13,7 @@ from diloco.engine.averaging import SingleGroup
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.error_feedback import Residuals
 from diloco.engine.outer import by_name, sparseloco
+from diloco.engine.schedule import QSRSchedule
 from diloco.engine.tiles import TileLayout
 from diloco.exchange.striped import StripedAverager
 from transport import TcpTransport
@@ -164,6 +165,52 @@ def test_two_groups_over_real_links_apply_the_same_bits():
         assert len(hashes[0]) == 4 and hashes[0] == hashes[1]
         assert all(e.tiles is not None and e.error_feedback.decay == 0.95 for e in engines)
         assert not torch.equal(engines[0].error_feedback.residual[0], engines[1].error_feedback.residual[0])
+    finally:
+        for t in ts:
+            t.close(flush_timeout_s=1.0)
+
+
+def test_two_groups_under_qsr_grow_h_alike_and_stay_identical():
+    """SparseLoCo under QSR: H grows as the inner lr decays, every group picks the same H at every
+    sync (a pure function of step and lr) and the groups' global copies stay bit-identical."""
+    codec = compress.get_codec("topk")
+    ts = [TcpTransport("127.0.0.1", 0, secret=SECRET, timeout_s=20, chunk_bytes=1 << 16) for _ in range(2)]
+    try:
+        ring = StaticRing([t.address for t in ts])
+        avgs = [StripedAverager(t, ring, group=g, rank=0, codec=codec, timeout_s=20) for g, t in enumerate(ts)]
+        torch.manual_seed(0)
+        models = [Net() for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        schedule = QSRSchedule(h_base=2, alpha=1e-2 * 2 ** 0.5)  # H = max(2, 2 * (1e-2 / lr)^2)
+
+        def make(g: int) -> DiLoCo:
+            opt = torch.optim.SGD(models[g].parameters(), lr=1e-2)
+            return DiLoCo(models[g], opt, averager=avgs[g], sync_every=schedule, outer_optimizer=sparseloco())
+
+        engines = build_in_threads(make, 2)
+        periods: list[list[int]] = [[], []]
+        hashes: list[list[str]] = [[], []]
+
+        def train(g: int) -> None:
+            gen = torch.Generator().manual_seed(g)
+            engine = engines[g]
+            sched = torch.optim.lr_scheduler.ExponentialLR(engine.inner_optimizer, gamma=0.85)
+            for _ in range(16):
+                x = torch.randn(16, 96, generator=gen)
+                loss = (engine.model(x) - x[:, :8]).pow(2).mean()
+                engine.inner_optimizer.zero_grad()
+                loss.backward()
+                engine.inner_optimizer.step()
+                sched.step()
+                events = engine.step()
+                periods[g] += [e.next_period for e in events if e.kind == "launch"]
+                if any(e.kind == "commit" for e in events):
+                    hashes[g].append(engine.global_hash())
+
+        run_in_threads(train, 2)
+        assert periods[0] == periods[1] and len(set(periods[0])) > 1, periods
+        assert periods[0] == sorted(periods[0]), "H grows as the lr decays"
+        assert len(hashes[0]) >= 2 and hashes[0] == hashes[1]
     finally:
         for t in ts:
             t.close(flush_timeout_s=1.0)
