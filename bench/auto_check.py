@@ -6,7 +6,7 @@ Each case is a `diloco run` (the launcher, one rank per group) with `--codec aut
 setting chosen and its reason, and whether the groups' parameters ended identical.
 
     python bench/auto_check.py                                  # loopback, the demo GPT
-    python bench/auto_check.py --mbit 2 --n-layer 6 --n-embd 512 --steps 20   # 19M params at 2 Mbit/s
+    python bench/auto_check.py --mbit 2 --n-layer 6 --n-embd 512 --steps 10 --probe-bytes 65536
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-layer", type=int, default=Config().model.n_layer)
     p.add_argument("--n-embd", type=int, default=Config().model.n_embd)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--probe-bytes", type=int, default=Config().transport.probe_bytes,
+                   help="bytes per bandwidth probe (at 2 Mbit/s: 65536; 512 KiB probes from both groups at once "
+                        "queue each other's tiny probes past their 2 s resend and never finish)")
     p.add_argument("--json", default="", help="write the run's summary here")
     a = p.parse_args(argv)
     cfg = Config()
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.train.steps, cfg.data.eval_batches = a.steps, 2
     cfg.topology.groups, cfg.topology.ranks_per_group = 2, 1
     cfg.transport.codec, cfg.sync.h = AUTO, AUTO_H
-    cfg.transport.timeout_s = 600.0
+    cfg.transport.timeout_s, cfg.transport.probe_bytes = 600.0, a.probe_bytes
     with tempfile.TemporaryDirectory(prefix="bench-auto-") as tmp:
         if a.mbit is None:
             s = launcher.run(cfg.validate(), run_dir=tmp, progress=False)

@@ -7,9 +7,12 @@ full setting (codec, top-k density, outer rule and its lr/momentum, H, mode, fra
 its loss cost against fp32 DiLoCo and the bits all groups sent per parameter per inner step.
 
 The rule (``choose``, pure): an exchange *fits* when its time on the slowest group-to-group link
-is at most the compute it may hide under: H inner steps (blocking, eager, delayed), or tau steps
-per fragment (overlap). Among the settings that fit, the lowest measured loss cost; if none fits,
-the fewest bits per parameter per inner step, and the reason says the exchange will not hide.
+is at most the compute it runs beside: a whole round of H inner steps where the exchange overlaps
+the next round (eager, delayed), tau steps per fragment (overlap); a blocking exchange overlaps
+nothing, so it fits when it takes at most ``BLOCKING_SHARE`` of its round's compute (5 %: the
+issue's 95 % compute utilization). Among the settings that fit, the lowest measured loss cost; if
+none fits, the fewest bits per parameter per inner step, and the reason says the exchange will
+not hide.
 A fixed ``--codec`` or ``--h`` narrows the candidates to the study's settings with that codec or H.
 """
 
@@ -27,6 +30,8 @@ AUTO_H = 0  # the value of ``sync.h`` that stands for ``--h auto``
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
 #: a link re-measured this much faster or slower (relative) than the one decided on is a changed link
 RELINK_THRESHOLD = 0.3
+#: the share of a round's compute a blocking exchange may add to it and still count as hidden
+BLOCKING_SHARE = 0.05
 
 # the options a table entry sets: they must be left at their defaults when auto decides
 _CHOSEN = (("sync", "mode", "blocking", "--mode"), ("sync", "fragments", 1, "--fragments"),
@@ -121,7 +126,7 @@ class Choice:
     def short(self) -> str:
         """The choice in one line of at most 256 characters (``diloco status``)."""
         how = "hides under compute" if self.hides else "does NOT hide"
-        return (f"{self.setting.label}: {self.wire_s:.3g} s wire / {self.budget_s:.3g} s compute at "
+        return (f"{self.setting.label}: {self.wire_s:.3g} s wire / {self.budget_s:.3g} s budget at "
                 f"{8 * self.link_bytes_per_s / 1e6:.3g} Mbit/s, {how}; loss {100 * self.setting.loss_cost:+.2f} % "
                 f"vs fp32 DiLoCo (study)")[:256]
 
@@ -133,14 +138,17 @@ def wire_seconds(s: Setting, num_params: int, link_bytes_per_s: float) -> float:
     return per_group_bits / 8.0 / link_bytes_per_s / s.fragments
 
 
-def budget_seconds(s: Setting, step_s: float) -> float:
-    """Seconds of compute an exchange of ``s`` may take without exceeding it: tau inner steps per
-    fragment in overlap, H otherwise."""
-    return (s.overlap_steps if s.mode == "overlap" else s.h) * step_s
+def budget_seconds(s: Setting, step_s: float, blocking_share: float = BLOCKING_SHARE) -> float:
+    """Seconds an exchange of ``s`` may take and count as hidden: tau inner steps per fragment in
+    overlap, a round of H in eager and delayed (the next round runs beside it), ``blocking_share``
+    of a round in blocking (which waits for it)."""
+    if s.mode == "overlap":
+        return s.overlap_steps * step_s
+    return s.h * step_s * (blocking_share if s.mode == "blocking" else 1.0)
 
 
 def choose(table: AutoTable, *, num_params: int, link_bytes_per_s: float, step_s: float, groups: int,
-           codec: str | None = None, h: int | None = None) -> Choice:
+           codec: str | None = None, h: int | None = None, blocking_share: float = BLOCKING_SHARE) -> Choice:
     """The setting to run (see the module doc). ``num_params``: parameters exchanged;
     ``link_bytes_per_s``: the slowest group-to-group link; ``step_s``: seconds per inner step
     (the slowest group's); ``codec``/``h``: fixed by the user (None: chosen)."""
@@ -151,7 +159,8 @@ def choose(table: AutoTable, *, num_params: int, link_bytes_per_s: float, step_s
     if not pool:
         raise ValueError(f"the study ({table.size}) measured no setting with "
                          f"{'codec ' + codec if codec else 'any codec'} at {'H=' + str(h) if h else 'any H'}")
-    timed = [(e, wire_seconds(e, num_params, link_bytes_per_s), budget_seconds(e, step_s)) for e in pool]
+    timed = [(e, wire_seconds(e, num_params, link_bytes_per_s), budget_seconds(e, step_s, blocking_share))
+             for e in pool]
     fit = [t for t in timed if t[1] <= t[2]]
     measured = table.groups_measured(groups)
     where = f"study {table.size}, {measured} groups" + (f"; this job has {groups}" if measured != groups else "")
@@ -163,10 +172,16 @@ def choose(table: AutoTable, *, num_params: int, link_bytes_per_s: float, step_s
         e, wire, budget = min(timed, key=lambda t: (t[0].bits_per_param_per_step, t[0].loss_cost, t[0].row))
         verdict = f"none of the {len(pool)} settings fits: the fewest bits, the exchange will not hide"
     reason = (f"{e.label}: {e.bits_per_param_per_step:.3g} bits/param/step, {wire:.3g} s on the wire per exchange "
-              f"against {budget:.3g} s of compute (link {8 * link_bytes_per_s / 1e6:.3g} Mbit/s, "
+              f"against a budget of {budget:.3g} s ({_budget_rule(e, blocking_share)}; link {8 * link_bytes_per_s / 1e6:.3g} Mbit/s, "
               f"{1e3 * step_s:.3g} ms/step, {num_params:,} params); {verdict}; loss {100 * e.loss_cost:+.2f} % vs "
               f"fp32 DiLoCo H=30 ({where})")
     return Choice(e, wire, budget, bool(fit), link_bytes_per_s, step_s, reason)
+
+
+def _budget_rule(s: Setting, blocking_share: float) -> str:
+    if s.mode == "overlap":
+        return f"tau={s.overlap_steps} steps"
+    return f"{100 * blocking_share:g} % of H={s.h} steps" if s.mode == "blocking" else f"H={s.h} steps"
 
 
 def slowest_link(table: Mapping[int, Mapping[int, Mapping[int, float]]], sizes: Mapping[int, int]) -> float:
