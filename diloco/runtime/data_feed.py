@@ -50,8 +50,14 @@ class DataFeed:
 
     def resumed(self, state: Mapping[str, Any]) -> None:
         """After a checkpoint's data position was restored: take its table of committed positions."""
-        if self.positions is not None and state.get("data_positions") is not None:
-            self.positions.load_state(state["data_positions"])
+        if self.positions is None:
+            return
+        if state.get("data_positions") is None:  # a checkpoint of a version before the table
+            log.warning("group %d: the checkpoint holds no table of committed data positions (an older version); "
+                        "the group's committed position (its ledger, a refused round's redraw) counts from 0 at this resume",
+                        self.group)
+            return
+        self.positions.load_state(state["data_positions"])
 
     def next(self) -> Any:
         """This rank's next batch (StopIteration when a plain iterator ran out)."""
