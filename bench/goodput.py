@@ -1,0 +1,246 @@
+"""Goodput of real ``diloco run`` jobs on this machine (issue 32, point 4).
+
+Cases are functions (``CASES``); each returns its JSON section, and ``--json`` writes one object
+with a section per case (a case run again replaces its own section only, so cases can be run
+apart and a new one — the fault case — added beside the others).
+
+slow-group: two groups of one rank (one thread each), group 1 at half speed. Half speed comes
+from the bench's task (``slow_task``, run with ``--entry bench.goodput:slow_task``): the demo GPT
+whose loss, in the slowed group, sleeps after each training step for ``factor - 1`` times the
+median of that group's last five un-slept step times — a group at ``1/factor`` of its own speed
+whatever the machine's load, without using a core while it waits (a CPU quota would also slow its
+exchange). Every training step's start time (wall clock) is appended to a trace file per group.
+In one run of the bench, in turn:
+
+* solo rates: each group alone in its own job (``--groups 1``, the slowed one with the same task),
+  both jobs at the same time so each sees the machine as busy as in a 2-group job; a rate is
+  steps x tokens per step / (last step start - first step start), over every step but the first;
+* fixed H, blocking, group 1 slowed: the job's tokens per second (all groups' steps in the job's
+  window, from the first step any group starts to the last) against the sum of the solo rates;
+* rounds by time (``--round-seconds S``), group 1 slowed, as many rounds as fixed H, S set from
+  the solo rates so the job trains about the tokens of the equal-speed job;
+* fixed H, both groups at full speed: the reference for loss per token.
+
+``--repeats N`` runs the whole sequence N times (the spread between repeats is the noise: the
+machine's 2 cores are shared with other work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # before bench/ itself: its transport.py would shadow the package
+
+from diloco.demo import gpt_task
+from diloco.job.config import Config
+from diloco.job.task import Task, TaskContext
+
+ENTRY = "bench.goodput:slow_task"
+
+
+# --- the bench's task: the demo, one group slowed, every step traced --------------------------------
+
+class _Throttle:
+    """Wraps a task's loss: in training mode, records each step's start time and (when slowed)
+    sleeps ``factor - 1`` times the median of the last five un-slept step times first."""
+
+    def __init__(self, loss: Callable, factor: float, trace: Path | None) -> None:
+        self.loss, self.factor, self.trace = loss, factor, trace
+        self.last: float | None = None
+        self.work: list[float] = []
+
+    def __call__(self, net, batch):
+        if not net.training:  # evaluation: neither slowed nor traced
+            return self.loss(net, batch)
+        now = time.time()
+        if self.last is not None:  # the previous step's own work: from the end of its sleep to now
+            self.work = (self.work + [now - self.last])[-5:]
+        if self.factor > 1 and self.work:
+            time.sleep((self.factor - 1) * statistics.median(self.work))
+        self.last = time.time()
+        if self.trace is not None:
+            with self.trace.open("a") as f:
+                f.write(f"{self.last:.6f}\n")
+        return self.loss(net, batch)
+
+
+def slow_task(ctx: TaskContext) -> Task:
+    """The demo GPT task; entry args ``slow_group`` (the group slowed, -1: none), ``factor``
+    (2: half speed) and ``trace`` (a folder for each group's step times, or empty)."""
+    args = ctx.args
+    slowed = int(args.get("slow_group", "-1")) == ctx.group
+    trace = Path(args["trace"]) / f"group-{ctx.group}-rank-{ctx.rank}.txt" if args.get("trace") else None
+    task = gpt_task(ctx)
+    task.loss = _Throttle(task.loss, float(args.get("factor", "2")) if slowed else 1.0, trace)
+    return task
+
+
+# --- one job -------------------------------------------------------------------------------------------
+
+def _config(args, *, groups: int, slow_group: int, trace: Path, round_seconds: float = 0.0,
+            steps: int | None = None) -> Config:
+    cfg = Config()
+    cfg.topology.groups, cfg.topology.ranks_per_group, cfg.topology.threads_per_rank = groups, 1, 1
+    cfg.train.steps, cfg.sync.h = steps or args.steps, args.h
+    cfg.sync.round_seconds = round_seconds
+    cfg.train.entry = ENTRY
+    cfg.train.entry_args = f"slow_group={slow_group},factor={args.factor},trace={trace}"
+    cfg.train.log_every = 50
+    return cfg.validate()
+
+
+def _steps_of(trace: Path) -> dict[int, list[float]]:
+    return {int(p.name.split("-")[1]): [float(x) for x in p.read_text().split()] for p in trace.glob("group-*-rank-0.txt")}
+
+
+def _child(cfg_path: str, out_path: str, run_dir: str) -> int:
+    """In a child process: run the job of ``cfg_path`` (a config dict) and write its summary."""
+    from diloco.job.config_parse import from_dict
+    from diloco.runtime import launcher
+
+    cfg = from_dict(json.loads(Path(cfg_path).read_text())).validate()
+    s = launcher.run(cfg, run_dir=run_dir, progress=False, timeout_s=900)
+    Path(out_path).write_text(json.dumps(s, default=str))
+    return 0
+
+
+def run_jobs(args, jobs: dict[str, dict]) -> dict[str, dict]:
+    """Run ``jobs`` (name: ``_config`` keywords) at the same time, each a ``diloco run`` job in its
+    own process; returns each one's rates from its step trace, eval loss and tokens."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp, contextlib.ExitStack() as stack:
+        procs, cfgs = {}, {}
+        try:
+            for name, kw in jobs.items():
+                d = Path(tmp) / name
+                (d / "trace").mkdir(parents=True)
+                cfgs[name] = cfg = _config(args, trace=d / "trace", **kw)
+                (d / "config.json").write_text(json.dumps(cfg.to_dict()))
+                err = stack.enter_context((d / "stderr").open("w"))
+                procs[name] = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "--child", str(d / "config.json"),
+                     str(d / "summary.json"), str(d / "run")], stdout=subprocess.DEVNULL, stderr=err)
+            for name, proc in procs.items():
+                if proc.wait() != 0:
+                    raise RuntimeError(f"job {name} failed (exit {proc.returncode}): "
+                                       f"{(Path(tmp) / name / 'stderr').read_text()[-2000:]}")
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait()
+        for name, kw in jobs.items():
+            d = Path(tmp) / name
+            s = json.loads((d / "summary.json").read_text())
+            out[name] = _record(name, kw, cfgs[name], s, _steps_of(d / "trace"))
+    return out
+
+
+def _record(name: str, kw: dict, cfg: Config, s: dict, times: dict[int, list[float]]) -> dict:
+    tokens_per_step = cfg.data.batch_size * cfg.model.block_size
+    first, last = min(t[0] for t in times.values()), max(t[-1] for t in times.values())
+    steps = {g: len(t) for g, t in times.items()}
+    # the job's rate: every step but each group's first, over the job's window of step starts
+    window = last - first
+    rate = sum(n - 1 for n in steps.values()) * tokens_per_step / window
+    rec = {
+        "case": name, "groups": cfg.topology.groups, "slow_group": kw["slow_group"],
+        "round_seconds": cfg.sync.round_seconds, "steps_per_group": steps, "tokens": s["tokens"],
+        "tokens_per_s": rate, "window_s": window, "eval_loss": s["eval_loss"], "outer_rounds": s["outer_rounds"],
+        "periods": s["periods"], "params_identical": s["params_identical"], "wall_s": s["seconds"],
+    }
+    print(f"  {name}: {rate:,.0f} tokens/s over {window:.1f} s, steps {steps}, eval loss {s['eval_loss']:.4f}",
+          flush=True)
+    return rec
+
+
+# --- the cases --------------------------------------------------------------------------------------------
+
+def case_slow_group(args) -> dict:
+    """One group at 1/factor speed: fixed H (blocking) and rounds by time against the sum of the
+    groups' solo rates, and loss per token against equal-speed groups (module doc)."""
+    repeats = []
+    for r in range(args.repeats):
+        print(f"slow-group, repeat {r + 1} of {args.repeats}", flush=True)
+        # both solo jobs at once: each group alone in its job, on a machine as busy as in the 2-group jobs
+        solo = run_jobs(args, {"solo-fast": {"groups": 1, "slow_group": -1}, "solo-slow": {"groups": 1, "slow_group": 0}})
+        fast, slow = solo["solo-fast"], solo["solo-slow"]
+        solo_sum = fast["tokens_per_s"] + slow["tokens_per_s"]
+        fixed = run_jobs(args, {"fixed-h-slow": {"groups": 2, "slow_group": 1}})["fixed-h-slow"]
+        tokens_per_step = fast["tokens"] / args.steps
+        # seconds per round so that both groups together train 2·H steps a round at their solo rates
+        rate_steps = solo_sum / tokens_per_step
+        seconds = 2 * args.h / rate_steps
+        timed = run_jobs(args, {"time-rounds-slow": {"groups": 2, "slow_group": 1, "round_seconds": round(seconds, 3)}}
+                         )["time-rounds-slow"]
+        equal = run_jobs(args, {"fixed-h-equal": {"groups": 2, "slow_group": -1}})["fixed-h-equal"]
+        repeats.append({
+            "runs": [fast, slow, fixed, timed, equal], "solo_sum_tokens_per_s": solo_sum,
+            "fixed_h_ratio": fixed["tokens_per_s"] / solo_sum, "time_rounds_ratio": timed["tokens_per_s"] / solo_sum,
+            "round_seconds": round(seconds, 3),
+            "loss_vs_equal_speed": timed["eval_loss"] / equal["eval_loss"] - 1,
+            "tokens_vs_equal_speed": timed["tokens"] / equal["tokens"] - 1,
+            "fixed_h_loss_vs_equal_speed": fixed["eval_loss"] / equal["eval_loss"] - 1,
+        })
+        print(f"  -> fixed H {100 * repeats[-1]['fixed_h_ratio']:.1f} %, rounds by time "
+              f"{100 * repeats[-1]['time_rounds_ratio']:.1f} % of the solo sum; loss vs equal speed "
+              f"{100 * repeats[-1]['loss_vs_equal_speed']:+.2f} % at {100 * repeats[-1]['tokens_vs_equal_speed']:+.1f} % "
+              "tokens", flush=True)
+    keys = ("fixed_h_ratio", "time_rounds_ratio", "loss_vs_equal_speed", "tokens_vs_equal_speed")
+    return {
+        "settings": {"steps": args.steps, "h": args.h, "factor": args.factor, "repeats": args.repeats,
+                     "ranks_per_group": 1, "threads_per_rank": 1, "entry": ENTRY},
+        "summary": {k: {"mean": statistics.mean(r[k] for r in repeats),
+                        "min": min(r[k] for r in repeats), "max": max(r[k] for r in repeats)} for k in keys},
+        "repeats": repeats,
+        "date": time.strftime("%Y-%m-%d"), "cpu_count": os.cpu_count(),
+    }
+
+
+CASES: dict[str, Callable] = {"slow-group": case_slow_group}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="slow-group", help=f"comma-separated, of: {', '.join(CASES)}")
+    p.add_argument("--steps", type=int, default=200, help="inner steps per group of the fixed-H jobs")
+    p.add_argument("--h", type=int, default=20, help="H of the fixed-H jobs (rounds: steps / H)")
+    p.add_argument("--factor", type=float, default=2.0, help="the slowed group runs at 1/factor of its speed")
+    p.add_argument("--repeats", type=int, default=2, help="runs of the whole sequence (their spread: the noise)")
+    p.add_argument("--json", help="write (merge) the sections here, e.g. bench/results/goodput.json")
+    p.add_argument("--child", nargs=3, metavar=("CONFIG", "SUMMARY", "RUN_DIR"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(*args.child)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_jobs' finally stops the jobs
+    if args.factor < 1 or not math.isfinite(args.factor):
+        p.error(f"--factor must be >= 1, got {args.factor}")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = {}
+    if args.json and Path(args.json).exists():
+        out = json.loads(Path(args.json).read_text())
+    for name in filter(None, args.cases.split(",")):
+        if name not in CASES:
+            p.error(f"unknown case {name!r}; choose from {', '.join(CASES)}")
+        out[name] = CASES[name](args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: v.get("summary") for k, v in out.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
