@@ -75,3 +75,22 @@ class BlockSizeParam:
     @property
     def header_params(self) -> tuple[int, int, int]:
         return (self.block_size, 0, 0)
+
+
+
+class OneBlockParam(BlockSizeParam):
+    """Mixin for codecs whose only parameter is ``block_size`` (default 256): the constructor and
+    ``from_header`` of a scale-per-block codec (sign1, int2)."""
+
+    name: str
+
+    def __init__(self, *, block_size: int = 256, **kw) -> None:
+        super().__init__(**kw)  # type: ignore[call-arg]
+        self.block_size = check_block("block_size", block_size)
+
+    @classmethod
+    def from_header(cls, p0: int, p1: int, p2: int):
+        header_block(cls.name, "block_size", p0)
+        if p1 or p2:
+            raise FrameError(f"{cls.name} header has nonzero unused parameters {(p1, p2)}")
+        return cls(block_size=p0)

@@ -15,8 +15,7 @@ import torch
 
 from ..codec import Codec, Parts
 from ..codec_table import register
-from ..errors import FrameError
-from .common import BlockSizeParam, check_block, check_scales, header_block, n_blocks, padded_blocks
+from .common import OneBlockParam, check_scales, n_blocks, padded_blocks
 from .packing import packed_bytes
 
 #: Lloyd-Max levels of a unit Gaussian in 4 levels, and the threshold between them (their midpoint)
@@ -26,23 +25,12 @@ CODE_BITS = 2
 
 
 @register
-class Int2(BlockSizeParam, Codec):
+class Int2(OneBlockParam, Codec):
     """2 bits/value plus 32/block bits of scale: +-0.4528 or +-1.5104 times the block's RMS."""
 
     name = "int2"
     codec_id = 11
     requires_error_feedback = True
-
-    def __init__(self, *, block_size: int = 256, **kw) -> None:
-        super().__init__(**kw)
-        self.block_size = check_block("block_size", block_size)
-
-    @classmethod
-    def from_header(cls, p0: int, p1: int, p2: int) -> "Int2":
-        header_block(cls.name, "block_size", p0)
-        if p1 or p2:
-            raise FrameError(f"{cls.name} header has nonzero unused parameters {(p1, p2)}")
-        return cls(block_size=p0)
 
     def part_layout(self, count: int) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, n_blocks(count, self.block_size)), (torch.uint8, packed_bytes(count, CODE_BITS))]

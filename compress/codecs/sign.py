@@ -8,30 +8,18 @@ from __future__ import annotations
 import torch
 
 from ..codec import Codec, Parts
-from ..errors import FrameError
 from ..codec_table import register
-from .common import BlockSizeParam, check_block, check_scales, header_block, n_blocks, padded_blocks
+from .common import OneBlockParam, check_scales, n_blocks, padded_blocks
 from .packing import pack_bits, unpack_bits
 
 
 @register
-class Sign1(BlockSizeParam, Codec):
+class Sign1(OneBlockParam, Codec):
     """1 bit/value plus 32/block bits of scale; every value decodes to +-(block mean |x|)."""
 
     name = "sign1"
     codec_id = 8
     requires_error_feedback = True
-
-    def __init__(self, *, block_size: int = 256, **kw) -> None:
-        super().__init__(**kw)
-        self.block_size = check_block("block_size", block_size)
-
-    @classmethod
-    def from_header(cls, p0: int, p1: int, p2: int) -> "Sign1":
-        header_block(cls.name, "block_size", p0)
-        if p1 or p2:
-            raise FrameError(f"{cls.name} header has nonzero unused parameters {(p1, p2)}")
-        return cls(block_size=p0)
 
     def part_layout(self, count: int) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, n_blocks(count, self.block_size)), (torch.uint8, -(-count // 8))]
