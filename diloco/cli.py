@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds of silence from any rank of a group before the group is declared failed and "
                        "left out of the next quorum (workers: the same --heartbeat-timeout)")
     coord.add_argument("--min-groups", type=int, default=1, help="fewest groups an exchange may run with")
+    coord.add_argument("--quorum-grace", type=float, default=0.0,
+                       help="seconds an exchange waits, after the first group asked for it, for the other live "
+                       "groups; then it runs with those that asked and a group left out heals (0 = off: wait for "
+                       "every live group until the heartbeat timeout)")
+    coord.add_argument("--checkpoint-hint", default="",
+                       help="where the groups' job checkpoints are, named when every group is lost at once "
+                       "('job lost: every group failed; resume from checkpoint (HINT)')")
     coord.add_argument("--outlier-factor", type=float, default=10.0,
                        help="refuse a pseudo-gradient whose norm exceeds this multiple of its group's recent median "
                        "(0: only NaN/Inf)")
@@ -237,6 +244,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         token=os.environ.get("DILOCO_TOKEN") or None, join_timeout_s=args.join_timeout,
         tls=TlsConfig(*tls_files) if all(tls_files) else None, allow_insecure=args.insecure_coordinator,
         heartbeat_timeout_s=args.heartbeat_timeout, min_groups=args.min_groups, outlier_factor=args.outlier_factor,
+        quorum_grace_s=args.quorum_grace, checkpoint_hint=args.checkpoint_hint,
         restart_when_state_lost=True,  # every group lost: exit 75, the groups resume from their checkpoints
     )
     address = server.start()

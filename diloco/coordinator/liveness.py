@@ -15,13 +15,16 @@ summary has finished: it goes quiet without failing.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
-from . import quorum
+from . import quorum, rounds
 from .membership import Membership
 from .messages import HeartbeatRequest, JoinRequest, SummaryRequest
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.25  # how often a waiting call re-checks liveness and whether its caller is still there
 MAX_EVENTS_KEPT = 1024  # failures, rejections, rollbacks kept for snapshots, oldest dropped first
@@ -36,6 +39,11 @@ class Liveness:
     #: why: the coordinator then restarts, and the groups resume from their job checkpoints
     restart_when_state_lost = False
     state_lost: str | None = None
+    #: set at once when every group of the running job failed (``rounds.job_lost``): what the
+    #: coordinator says in its log, status, metrics and to any group that comes back
+    job_lost: str | None = None
+    #: the newest checkpoint the coordinator knows of, named in ``job_lost`` ("" = none)
+    checkpoint_hint: str = ""
 
     def __init__(self, expected_groups: int, *, join_timeout_s: float, heartbeat_timeout_s: float,
                  max_group_size: int, clock: Callable[[], float]) -> None:
@@ -92,6 +100,8 @@ class Liveness:
             self._check_open()
             if self.state_lost is not None:  # this coordinator is about to restart: join its successor
                 raise quorum.QuorumError("UNAVAILABLE", f"the coordinator restarts: {self.state_lost}")
+            if self.job_lost is not None:
+                raise quorum.QuorumError("FAILED_PRECONDITION", f"group {req.group}: {self.job_lost}")
             if not self._started and req.exchange >= 0:
                 self._start_running()  # our predecessor's job goes on: members rejoin us
                 # every member rejoins within a heartbeat or so: no quorum forms before they could,
@@ -227,12 +237,28 @@ class Liveness:
         self._healing.discard(g)
         self._release_asks(g, reason)
         self._epoch += 1
+        self._note_job_lost()
         self._cond.notify_all()
+
+    def _note_job_lost(self) -> None:
+        """Say at once that the job is lost once no group holds its state (lock held): every
+        group that joined failed or is a healer, and none finished (``rounds.job_lost``)."""
+        if self.job_lost is not None or not self._started:
+            return
+        if not rounds.job_lost(set(self._incarnations), set(self._group_failed), self._healing,
+                               set(self._summaries)):
+            return
+        self.job_lost = rounds.job_lost_message(self.checkpoint_hint)
+        self._event("job_lost", reason=self.job_lost, failed=dict(sorted(self._group_failed.items())))
+        log.error("%s (failed: %s)", self.job_lost,
+                  "; ".join(f"group {g}: {why}" for g, why in sorted(self._group_failed.items())))
+        if self.restart_when_state_lost:
+            self.state_lost = self.job_lost
 
     def _known(self, group: int, rank: int) -> tuple[int, int]:
         key = (group, rank)
-        if self.state_lost is not None:  # every process of this job restarts: tell each that calls
-            raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: {self.state_lost}")
+        if self.state_lost is not None or self.job_lost is not None:  # tell each process that calls
+            raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: {self.state_lost or self.job_lost}")
         if rank not in self._members.get(group, {}):
             raise quorum.QuorumError("NOT_FOUND", f"group {group} rank {rank} has not joined")
         return key
@@ -240,8 +266,8 @@ class Liveness:
     def _check_member(self, group: int, rank: int, incarnation: str) -> tuple[int, int]:
         """Refuse calls from failed, stale or unknown members (lock held); returns the key."""
         key = (group, rank)
-        if self.state_lost is not None:  # every process of this job restarts: tell each that calls
-            raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: {self.state_lost}")
+        if self.state_lost is not None or self.job_lost is not None:  # tell each process that calls
+            raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: {self.state_lost or self.job_lost}")
         known = self._incarnations.get(group)
         if incarnation and known is not None and known != incarnation:
             raise quorum.QuorumError("FAILED_PRECONDITION",

@@ -54,6 +54,7 @@ COORDINATOR_SERIES: dict[str, str] = {
     # from the rounds state of a fault-tolerant coordinator, when its snapshot has one
     "diloco_coordinator_live_groups": "gauge",
     "diloco_coordinator_healing_groups": "gauge",
+    "diloco_coordinator_job_lost": "gauge",
     "diloco_coordinator_rounds_committed_total": "counter",
     "diloco_coordinator_rounds_rolled_back_total": "counter",
     "diloco_coordinator_heals_total": "counter",
@@ -153,6 +154,8 @@ class CoordinatorCollector:
             yield job_gauge("live_groups", "Groups the coordinator considers alive", len(live))
             yield job_gauge("healing_groups", "Groups fetching the global state from a live peer",
                             len(rounds_state.get("healing_groups", [])))
+            yield job_gauge("job_lost", "1 once every group failed at once: no group holds the job's state; "
+                            "resume from checkpoint", int(bool(rounds_state.get("job_lost"))))
             for key, name, doc in _ROUND_COUNTS:
                 value = _number(rounds_state.get(key))
                 if value is not None:

@@ -30,19 +30,24 @@ class RoundState(Liveness):
 
     def __init__(self, expected_groups: int, *, join_timeout_s: float, heartbeat_timeout_s: float,
                  max_group_size: int, min_groups: int, outlier_factor: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], quorum_grace_s: float = 0.0) -> None:
         super().__init__(expected_groups, join_timeout_s=join_timeout_s,
                          heartbeat_timeout_s=heartbeat_timeout_s, max_group_size=max_group_size, clock=clock)
         if not 1 <= min_groups <= expected_groups:
             raise ValueError(f"min_groups must be in [1, {expected_groups}], got {min_groups}")
         if outlier_factor < 0:
             raise ValueError(f"outlier_factor must be >= 0 (0: off), got {outlier_factor}")
+        if not 0 <= quorum_grace_s < float("inf"):
+            raise ValueError(f"quorum_grace_s must be >= 0 seconds (0: off), got {quorum_grace_s}")
         self.min_groups = min_groups
         self.outlier_factor = outlier_factor
+        # with it > 0, an exchange's quorum forms this long after its first ask with the groups that
+        # asked by then (rounds.decide); the live groups left out are failed when it commits
+        self.quorum_grace_s = quorum_grace_s
         self.boot = secrets.token_hex(4)  # names this coordinator's quorums apart from a predecessor's
         # a backstop: a member alive (heartbeating) but silent this long after a quorum's first vote
-        # is stuck, and the round rolls back (members' rings end together; a healer's vote also
-        # waits for its state transfer, which must fit in this)
+        # is stuck, and the round rolls back (members' rings end together; a healer's state transfer
+        # runs after its vote, so no vote waits for it)
         self.vote_timeout_s = join_timeout_s
         self._asks: dict[int, dict[int, dict[int, QuorumRequest]]] = {}  # exchange -> group -> rank
         self._answers: dict[tuple[int, int, int], tuple[str, Any]] = {}  # (group, rank, exchange asked) -> answer
@@ -55,6 +60,8 @@ class RoundState(Liveness):
         self._norms: dict[int, list[float]] = {}
         self._asked_exchange: dict[int, int] = {}  # group -> latest exchange its rank 0 asked for
         self._first_ask: dict[int, float] = {}  # exchange -> when its first quorum request came
+        self._grace_from: dict[int, float] = {}  # exchange -> first ask of its attempt being formed
+        self._healed_at: dict[int, int] = {}  # group -> exchange it healed in, until it asks for a later one
         self._last_members = 0  # contributing groups of the last committed quorum
         self._stop_reason: str | None = None
 
@@ -77,12 +84,27 @@ class RoundState(Liveness):
             if req.group in self._healing and req.exchange != rounds.HEAL:
                 raise quorum.QuorumError("FAILED_PRECONDITION",
                                          f"group {req.group} joined while the job ran: it must heal first")
+            if req.exchange == rounds.HEAL and req.group not in self._healing:
+                # a member asks to heal again (its state transfer failed after its healing exchange
+                # committed): it holds no state, so no quorum waits for it as a member
+                self._healing.add(req.group)
+                self._event("joined", group=req.group, committed=self._counts["committed"], again=True)
+                self._note_job_lost()
             self._asks.setdefault(req.exchange, {}).setdefault(req.group, {})[req.rank] = req
             if req.rank == 0 and req.exchange >= 0:
                 self._asked_exchange[req.group] = req.exchange
+                if self._healed_at.get(req.group, req.exchange) < req.exchange:
+                    del self._healed_at[req.group]
                 self._first_ask.setdefault(req.exchange, self._clock())
                 while len(self._first_ask) > MAX_ROUNDS_KEPT:
                     del self._first_ask[next(iter(self._first_ask))]
+            latest = self._latest.get(req.exchange)
+            if req.exchange >= 0 and (latest is None or latest in self._decisions):
+                # the grace window of the attempt to be formed starts at its first ask (a late
+                # ask during an attempt's vote does not start the next attempt's window)
+                self._grace_from.setdefault(req.exchange, self._clock())
+                while len(self._grace_from) > MAX_ROUNDS_KEPT:
+                    del self._grace_from[next(iter(self._grace_from))]
             self._answers.pop(key, None)
             self._decide_quorums()
             try:
@@ -94,13 +116,21 @@ class RoundState(Liveness):
                             "DEADLINE_EXCEEDED" if remaining <= 0 else "CANCELLED",
                             f"quorum for exchange {req.exchange}: still waiting for "
                             f"{self._awaited(req.exchange)}")
-                    self._cond.wait(min(remaining, _POLL_S))
+                    self._cond.wait(min(remaining, _POLL_S, self._grace_left(req.exchange)))
                     self._sweep()
                     self._decide_quorums()
             except quorum.QuorumError:
                 self._asks.get(req.exchange, {}).get(req.group, {}).pop(req.rank, None)
                 raise
             return self._response(req.group, self._answers.pop(key))
+
+    def _grace_left(self, exchange: int) -> float:
+        """Seconds until the grace window of ``exchange``'s next attempt ends (a wake-up time;
+        infinite without a window or before its first ask; at least 1 ms)."""
+        start = self._grace_from.get(exchange)
+        if not self.quorum_grace_s or start is None:
+            return float("inf")
+        return max(start + self.quorum_grace_s - self._clock(), 0.001)
 
     def _awaited(self, exchange: int) -> str:
         asked = set(self._asks.get(exchange, {}))
@@ -126,6 +156,10 @@ class RoundState(Liveness):
     def _decide_quorums(self) -> None:
         """Hand out every quorum that can be decided now (lock held)."""
         heal_asks = self._group_asks(rounds.HEAL)
+        if self.job_lost is not None:  # no donor will ever come: healers learn so at once
+            for g in heal_asks:
+                self._answer(g, self._asks[rounds.HEAL].pop(g), rounds.HEAL, ("evicted", self.job_lost))
+            return
         live = self._live()
         if len(live) < self.expected_groups and self._clock() < self._rejoin_grace_until:
             return
@@ -152,6 +186,7 @@ class RoundState(Liveness):
                 if decided[0]:
                     for g in asks:
                         self._evict(g, exchange, f"exchange {exchange} was already committed without it")
+                    self._grace_from.pop(exchange, None)
                     continue
             attempt = sum(1 for q, _ in self._quorums.values() if q.exchange == exchange)
             if latest is None:
@@ -164,16 +199,25 @@ class RoundState(Liveness):
                 extra = {}
             rejected = {g: why for g, a in asks.items()
                         if (why := rounds.screen(a.delta_norm, self._norms.get(g, []), self.outlier_factor))}
+            start = self._grace_from.get(exchange)
             q = rounds.decide({**asks, **extra}, awaited, next_exchange=exchange, min_groups=self.min_groups,
-                              attempt=attempt, quorum_id=f"{self.boot}-{exchange}-{attempt}", rejected=rejected)
+                              attempt=attempt, quorum_id=f"{self.boot}-{exchange}-{attempt}", rejected=rejected,
+                              waited_s=None if start is None else self._clock() - start,
+                              grace_s=self.quorum_grace_s,
+                              patient={g for g, e in self._healed_at.items() if e < exchange})
             if q is None:
                 continue
+            self._grace_from.pop(exchange, None)
+            if q.left_out:
+                self._event("left_out", exchange=exchange, groups=list(q.left_out), quorum=q.id,
+                            waited_s=round(self._clock() - start, 4) if start is not None else None)
             members = {g: tuple(self._members[g][r] for r in range(self._sizes[g])) for g in q.groups}
             meta = {"members": members, "sizes": {g: self._sizes[g] for g in q.groups},
                     "incarnations": {g: self._incarnations[g] for g in q.groups},
                     "norms": {g: asks[g].delta_norm for g in q.groups if g in asks}, "orphan": False,
                     "decided_at": self._clock(), "stop": self._stop_reason is not None,
-                    "training": all(a.healable for g, a in asks.items() if g in q.groups)}
+                    "training": all(a.healable for g, a in asks.items() if g in q.groups),
+                    "left_out": {g: self._incarnations.get(g) for g in q.left_out}}
             self._remember_quorum(q, meta)
             for g in q.groups:
                 source = rounds.HEAL if g in q.healers else exchange
@@ -300,9 +344,16 @@ class RoundState(Liveness):
                 self._event("stall", exchange=q.exchange, seconds=round(self._clock() - asked, 4),
                             attempts=q.attempt + 1, groups=len(q.groups))
             self._last_members = members
+            for g, incarnation in meta.get("left_out", {}).items():  # out of step now: it lost this round's
+                if self._incarnations.get(g) != incarnation or g in self._healing:  # work, and heals
+                    continue  # it started again meanwhile: that start heals already
+                self._fail_group(g, f"missed exchange {q.exchange}: its quorum formed without this group once "
+                                    f"the {self.quorum_grace_s:g}s grace window (--quorum-grace) ended; it "
+                                    "heals into a later exchange")
             for g in q.healers:
                 if g in self._healing:
                     self._healing.discard(g)
+                    self._healed_at[g] = q.exchange
                     self._counts["heals"] += 1
                     self._event("healed", group=g, exchange=q.exchange, quorum=q.id,
                                 committed=self._counts["committed"])
@@ -362,6 +413,7 @@ class RoundState(Liveness):
             self._cond.notify_all()
 
     def _release_asks(self, g: int, reason: str) -> None:
+        self._healed_at.pop(g, None)
         for exchange, asks in self._asks.items():
             for r in asks.pop(g, {}):
                 self._answers[(g, r, exchange)] = ("evicted", reason)

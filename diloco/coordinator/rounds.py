@@ -11,6 +11,12 @@ Rules (docs/fault_tolerance.md):
   for a quorum, and at least ``min_groups`` groups are in it; groups that asked to heal join the
   next quorum that forms. E is the job's next exchange; a group that asks for another one is out
   of step and is sent to heal;
+* with a grace window (``grace_s`` > 0), the quorum also forms once ``grace_s`` seconds passed
+  since the first group asked for this attempt of E, with the groups that asked by then (still at
+  least ``min_groups``): the live groups that had not asked are *left out* (``Quorum.left_out``);
+  once E commits without them they are out of step, lose their round's work and heal. A group
+  that healed in the exchange before is waited for past the window (``patient``): it trains its
+  first round only once its state transfer ended, and cutting it would only send it to heal again;
 * the non-healing members must agree on the exchange's tag and size and on the hash of the global
   state they start from: a member in the minority is *evicted* (stopped and healed), never averaged;
 * weights: a member's weight is what it contributed since its last exchange (tokens, or inner
@@ -27,7 +33,7 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 HEAL = -1  # the exchange a group asks for when it needs the job's state first
 
@@ -61,6 +67,7 @@ class Quorum:
     rejected: Mapping[int, str] = field(default_factory=dict)  # group -> why its Δ is not used
     evicted: Mapping[int, str] = field(default_factory=dict)  # group -> why it must stop and heal
     state_hash: str = ""  # the agreed global-state hash the exchange starts from
+    left_out: tuple[int, ...] = ()  # live groups that had not asked when the grace window ended
 
     @property
     def contributors(self) -> tuple[int, ...]:
@@ -88,17 +95,32 @@ def _majority(values: Mapping[int, object]) -> object:
     return next(values[g] for g in sorted(values) if counts[values[g]] == best)
 
 
+def grace_over(waited_s: float | None, grace_s: float) -> bool:
+    """True once an exchange's grace window has ended: ``grace_s`` > 0 (0 = no window: wait for
+    every live group) and ``waited_s`` (seconds since the first group asked for this attempt, None
+    before any asked) reached it."""
+    if grace_s < 0 or not math.isfinite(grace_s):
+        raise ValueError(f"grace_s must be a finite number of seconds >= 0 (0: off), got {grace_s}")
+    return grace_s > 0 and waited_s is not None and waited_s >= grace_s
+
+
 def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None, min_groups: int,
-           attempt: int, quorum_id: str, rejected: Mapping[int, str] | None = None) -> Quorum | None:
+           attempt: int, quorum_id: str, rejected: Mapping[int, str] | None = None,
+           waited_s: float | None = None, grace_s: float = 0.0,
+           patient: Collection[int] = ()) -> Quorum | None:
     """The quorum to hand out now, or None while it must wait.
 
     ``asks``: the groups every rank of which asked (HEAL for healers). ``live``: the groups that
     count as members (joined, not failed, not healing) — a live group that has not asked is waited
-    for. ``next_exchange``: the job's next exchange (None after a coordinator restart: the one most
-    groups ask for, the latest on a tie). ``attempt``: how many quorums this exchange had before. ``rejected``: contributions
-    the caller's screen refused (group -> reason).
+    for, until the grace window ends (``grace_over(waited_s, grace_s)``; ``waited_s``: seconds
+    since the first group asked for this attempt); it is then left out (``Quorum.left_out``),
+    unless it is ``patient`` (waited for regardless of the window).
+    ``next_exchange``: the job's next exchange (None after a coordinator restart: the one most
+    groups ask for, the latest on a tie). ``attempt``: how many quorums this exchange had before.
+    ``rejected``: contributions the caller's screen refused (group -> reason).
     """
-    if any(g not in asks for g in live):
+    missing = sorted(g for g in live if g not in asks)
+    if missing and (not grace_over(waited_s, grace_s) or any(g in patient for g in missing)):
         return None
     regular = {g: a for g, a in asks.items() if a.exchange != HEAL}
     if not regular:
@@ -133,7 +155,7 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
     return Quorum(id=quorum_id, exchange=exchange, attempt=attempt, tag=str(tag), numel=int(numel),
                   groups=tuple(sorted(members + healers)), weights=weights, healers=tuple(healers),
                   donor=members[0] if healers else -1, rejected=refused, evicted=evicted,
-                  state_hash=agreed)
+                  state_hash=agreed, left_out=tuple(missing))
 
 
 def commit_outcome(quorum: Quorum, sizes: Mapping[int, int], votes: Mapping[tuple[int, int], tuple[bool, str]],
@@ -181,3 +203,19 @@ def weighted_scale(weights: Mapping[int, float], group: int) -> float:
     if len(values) == 1:
         return 1.0
     return len(weights) * weights[group] / total
+
+
+def job_lost(groups: set[int], failed: set[int], healing: set[int], finished: set[int]) -> bool:
+    """True when no group holds the job's state any more: every group of the running job
+    (``groups``, those that joined) failed or is a healer (which holds no state until it heals),
+    and none finished. Nothing is left to heal from: the job resumes from a checkpoint."""
+    if not groups or finished & groups:
+        return False
+    return all(g in failed or g in healing for g in groups)
+
+
+def job_lost_message(checkpoint_hint: str = "") -> str:
+    """What the coordinator says once ``job_lost``: in its log, its status and to any group that
+    comes back. ``checkpoint_hint``: the newest checkpoint it knows of ("" = none known)."""
+    where = checkpoint_hint or "the newest checkpoint of each group; the coordinator knows of none"
+    return f"job lost: every group failed; resume from checkpoint ({where})"

@@ -112,7 +112,10 @@ class CoordinatorServer:
     left out of every later quorum (seconds). ``min_groups``: fewest groups a quorum may have;
     below it the survivors wait. ``outlier_factor``: a contribution whose norm exceeds this
     multiple of its group's recent median is rejected (0: only NaN/Inf are).
-    ``max_group_size``: largest group accepted.
+    ``max_group_size``: largest group accepted. ``quorum_grace_s``: once the first group asked for
+    an exchange, its quorum forms after this many seconds with the groups that asked by then
+    (0: wait for every live group; see ``rounds.decide``). ``checkpoint_hint``: the newest
+    checkpoint to name when every group is lost (``job_lost``).
 
     Limits (see ``limits.py``; over a cap a call is answered RESOURCE_EXHAUSTED at once):
     ``max_blocking_per_caller`` (default 4 x max_group_size: each member of a group may block in
@@ -131,7 +134,8 @@ class CoordinatorServer:
                  outlier_factor: float = 10.0, max_blocking_calls: int | None = None,
                  max_blocking_per_caller: int | None = None, max_quick_calls: int = DEFAULT_MAX_QUICK_CALLS,
                  max_quick_per_caller: int = DEFAULT_MAX_QUICK_PER_CALLER,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, restart_when_state_lost: bool = False) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, restart_when_state_lost: bool = False,
+                 quorum_grace_s: float = 0.0, checkpoint_hint: str = "") -> None:
         if token is not None and (not token or not token.isascii() or not token.isprintable()):
             raise ValueError("token must be a non-empty printable ASCII string")
         check_exposure(host, token=token, tls=tls, allow_insecure=allow_insecure)
@@ -145,8 +149,9 @@ class CoordinatorServer:
         self._state = CoordinatorState(expected_groups, join_timeout_s=join_timeout_s,
                                        heartbeat_timeout_s=heartbeat_timeout_s,
                                        max_group_size=max_group_size, min_groups=min_groups,
-                                       outlier_factor=outlier_factor)
+                                       outlier_factor=outlier_factor, quorum_grace_s=quorum_grace_s)
         self._state.restart_when_state_lost = restart_when_state_lost
+        self._state.checkpoint_hint = checkpoint_hint
         if request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         per_caller = max_blocking_per_caller if max_blocking_per_caller is not None else 4 * max_group_size
@@ -239,6 +244,17 @@ class CoordinatorServer:
         """Why no group holds the job's state any more (every group was lost; see
         ``restart_when_state_lost``): the coordinator should restart; None while the job is whole."""
         return self._state.state_lost
+
+    @property
+    def job_lost(self) -> str | None:
+        """"job lost: every group failed; resume from checkpoint (...)" once no group holds the
+        job's state (set at once, from heartbeats and restarts); None while one does."""
+        return self._state.job_lost
+
+    def set_checkpoint_hint(self, hint: str) -> None:
+        """The newest checkpoint to name should every group be lost ("" = none known)."""
+        with self._state._cond:
+            self._state.checkpoint_hint = hint
 
     @property
     def tls_certificates(self) -> dict[str, bytes]:

@@ -25,10 +25,12 @@ class CoordinatorState(RoundState):
 
     def __init__(self, expected_groups: int, *, join_timeout_s: float = 120.0,
                  heartbeat_timeout_s: float = 15.0, max_group_size: int = 64, min_groups: int = 1,
-                 outlier_factor: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 outlier_factor: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 quorum_grace_s: float = 0.0) -> None:
         super().__init__(expected_groups, join_timeout_s=join_timeout_s,
                          heartbeat_timeout_s=heartbeat_timeout_s, max_group_size=max_group_size,
-                         min_groups=min_groups, outlier_factor=outlier_factor, clock=clock)
+                         min_groups=min_groups, outlier_factor=outlier_factor, clock=clock,
+                         quorum_grace_s=quorum_grace_s)
         self._progress: dict[int, dict[str, Any]] = {}
         self._progress_by_rank: dict[int, dict[int, dict[str, Any]]] = {}
         self._rounds: dict[int, int] = {}
@@ -170,7 +172,8 @@ class CoordinatorState(RoundState):
                 "bandwidth": self._bandwidth,
                 "rounds_state": {
                     "boot": self.boot, "started": self._started, "min_groups": self.min_groups,
-                    "heartbeat_timeout_s": self.heartbeat_timeout_s, **self._counts,
+                    "heartbeat_timeout_s": self.heartbeat_timeout_s, "quorum_grace_s": self.quorum_grace_s,
+                    "job_lost": self.job_lost, **self._counts,
                     "live_groups": sorted(self._live()), "healing_groups": sorted(self._healing),
                     "failed_groups": dict(sorted(self._group_failed.items())),
                     "incarnations": dict(sorted(self._incarnations.items())),

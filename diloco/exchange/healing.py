@@ -84,8 +84,8 @@ class StateTransfer:
     def fetch(self, resp: QuorumResponse, report: Callable[[bool, str], None],
               sharded: SharedCheck | None = None) -> dict[str, Any] | None:
         """As a healer rank: fetch and check the donor's state; ``report(ok, why)`` tells whether
-        it did (this rank's vote). Returns the state, or None if anything failed (the vote then
-        rolls back). ``sharded``: the state is this rank's shard of a sharded model; the global
+        it did (checked once the healing exchange commits: no vote waits for it). Returns the
+        state, or None if anything failed (the group then heals again). ``sharded``: the state is this rank's shard of a sharded model; the global
         hash is then checked by ``sharded(state or None)``, a collective of the healer's ranks
         that every rank calls once, whether its own fetch worked or not."""
         why = ""

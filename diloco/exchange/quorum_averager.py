@@ -10,10 +10,12 @@ costs the others at most one collective deadline (their rings abort) plus one he
 (the coordinator leaves it out), never the job.
 
 Healing: a group that joins while the job runs starts with ``attach() -> True``; the engine then
-calls ``heal()``, which joins the next quorum as a member of weight 0, fetches the state of the
-quorum's donor (the engine's ``state_dict()``, taken as the donor launched the same exchange;
-``diloco.exchange.healing`` moves and checks it), votes, loads it, and finishes the exchange like everyone
-else. The inner optimizer starts fresh: its moments belong to the group's own past data, and a group that
+calls ``heal()``, which joins the next quorum as a member of weight 0 and votes on its rings
+alone, while it fetches the state of the quorum's donor (the engine's ``state_dict()``, taken as
+the donor launched the same exchange; ``diloco.exchange.healing`` moves and checks it): the
+exchange commits without waiting for the transfer, which overlaps the others' next inner steps.
+Once both are done the healer loads the state and applies the committed mean like everyone else;
+a fetch that failed after the commit heals again in the next quorum. The inner optimizer starts fresh: its moments belong to the group's own past data, and a group that
 was down for a while is better served by a few steps of warm-up than by stale moments.
 
 Liveness: a background thread heartbeats the coordinator. After a coordinator restart (NOT_FOUND)
@@ -32,6 +34,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from compress.finite import all_finite
 from diloco.coordinator import CoordinatorError
@@ -200,10 +203,12 @@ class QuorumAverager(StripedAverager):
             shards = healing_layout(engine, resp.tag)  # None unless the model is sharded
             zeros = torch.zeros(resp.numel if shards is None else shards.local_numel(), dtype=torch.float32,
                                 device=engine.fragments[0].global_params[0].device)
-            # with an error-feedback codec the quorum gathers: this group takes part with zeros
-            pending = _QuorumPending(self, zeros, None, resp, zeros.device, fetched=threading.Event(),
-                                     gather=self.error_feedback, shards=shards)
-            state = self._transfer.fetch(resp, pending.fetch_result, sharded=sharded_check(engine, resp))
+            # with an error-feedback codec the quorum gathers: this group takes part with zeros; its
+            # vote is on its rings only: the exchange does not wait for the state transfer below
+            pending = _QuorumPending(self, zeros, None, resp, zeros.device, gather=self.error_feedback, shards=shards)
+            fetched: list[str] = []
+            state = self._transfer.fetch(resp, lambda ok, why, into=fetched: into.append(why),
+                                         sharded=sharded_check(engine, resp))
             try:
                 mean = pending.wait()
             except _RolledBack as e:
@@ -211,6 +216,14 @@ class QuorumAverager(StripedAverager):
                 if attempts >= self.max_attempts:
                     raise self._gave_up("healing", attempts, str(e)) from None
                 log.warning("group %d: healing in %s rolled back (%s); trying the next quorum", self.group, resp.id, e)
+                continue
+            if not self._every_rank_fetched(state is not None):  # committed, but without this group's state
+                attempts += 1
+                why = next((w for w in fetched if w), "another rank of this group failed its fetch")
+                if attempts >= self.max_attempts:
+                    raise self._gave_up("healing", attempts, why)
+                log.warning("group %d: %s committed but the state transfer failed (%s); healing again in the "
+                            "next quorum", self.group, resp.id, why)
                 continue
             self.positions.load_state(state.pop("data_positions", None))  # the donor's, before this exchange
             self.positions.commit(resp.tag, resp.weights)
@@ -223,6 +236,15 @@ class QuorumAverager(StripedAverager):
             log.info("group %d rank %d healed from group %d in %.2fs at %s", self.group, self.rank, resp.donor,
                      self.stats.heal_seconds, resp.tag)
             return
+
+    def _every_rank_fetched(self, mine: bool) -> bool:
+        """Whether every rank of this group got its state (a collective of the group's ranks,
+        after the healing exchange's mean was shared), so that they heal again together."""
+        if self.group_size == 1:
+            return mine
+        flag = torch.tensor([int(mine)], dtype=torch.int32, device=self.comm_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+        return bool(flag.item())
 
     def _gave_up(self, what: str, attempts: int, reason: str) -> ExchangeFailed:
         return ExchangeFailed(f"group {self.group} rank {self.rank}: {what} rolled back {attempts} times in a row "
@@ -344,8 +366,8 @@ class _QuorumPending:
     ``wait`` then shares the stripes inside the group and returns the mean."""
 
     def __init__(self, avg: QuorumAverager, src: torch.Tensor, ask: QuorumRequest | None, resp: QuorumResponse,
-                 device, *, exact: bool = False, fetched: threading.Event | None = None,
-                 asked: float | None = None, gather: bool = False, shards=None) -> None:
+                 device, *, exact: bool = False, asked: float | None = None, gather: bool = False,
+                 shards=None) -> None:
         self._avg, self._src, self._ask, self._resp, self._device = avg, src, ask, resp, device
         self._exact = exact
         self._shards = shards
@@ -353,7 +375,6 @@ class _QuorumPending:
         #: error feedback: after ``wait``, what the other groups decoded of this group's contribution
         #: in the attempt that committed (each rank's stripes, shared in the group)
         self.sent: torch.Tensor | None = None
-        self._fetched, self._fetch = fetched, (False, "not fetched")
         self.own_rejected = avg.group in resp.rejected
         #: after ``wait``: this group's share of the committed weighted mean (eager's correction)
         self.own_share: float | None = None
@@ -368,11 +389,6 @@ class _QuorumPending:
         self._order = side_stream_for(src)
         self._thread = threading.Thread(target=self._run, name=f"exchange[{resp.tag}]", daemon=True)
         self._thread.start()
-
-    def fetch_result(self, ok: bool, why: str) -> None:
-        self._fetch = (ok, why)
-        assert self._fetched is not None
-        self._fetched.set()
 
     def _run(self) -> None:
         try:
@@ -395,10 +411,6 @@ class _QuorumPending:
                 log.warning("group %d: the quorum refused this group's contribution to %s: %s", avg.group,
                             resp.tag, resp.rejected[avg.group])
             out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather, self._shards)
-            if self._fetched is not None:  # healing: the state fetch is part of this rank's vote
-                if not self._fetched.wait(2 * avg.timeout_s + avg.round_timeout_s):
-                    self._fetch = (False, "the state fetch did not finish in time")
-                ok, why = (ok and self._fetch[0]), (why or self._fetch[1])
             decision = avg.vote(resp, ok, why)
             if decision.committed:
                 avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))

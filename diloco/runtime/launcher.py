@@ -25,7 +25,7 @@ from typing import Callable
 from diloco.coordinator import CoordinatorServer
 from diloco.coordinator.credentials import group_token
 from diloco.job.config import Config
-from diloco.runtime import preflight
+from diloco.runtime import exit_codes, job_checkpoint, preflight
 from diloco.runtime.agent import PARENT_ENV
 from diloco.runtime.chaos import ChaosMonkey
 from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV, coordinator_tls
@@ -194,6 +194,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         tls=coordinator_tls(cfg.transport, f"{host}:0"), allow_insecure=cfg.transport.plaintext,
         join_timeout_s=max(cfg.transport.timeout_s, 120.0), heartbeat_timeout_s=cfg.fault.heartbeat_timeout,
         min_groups=cfg.fault.min_groups, outlier_factor=cfg.fault.outlier_factor,
+        quorum_grace_s=cfg.fault.quorum_grace, checkpoint_hint=cfg.train.checkpoint_dir,
     )
     if chaos is None and cfg.fault.chaos:
         hb = cfg.fault.heartbeat_timeout
@@ -228,6 +229,8 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         while True:
             snapshot = server.snapshot()
             bar.update(snapshot)
+            if snapshot["rounds_state"].get("job_lost"):  # before any group is restarted into it
+                raise LaunchError(job_lost_message(snapshot["rounds_state"]["job_lost"], cfg), exit_codes.RESTART)
             try:
                 rs = snapshot["rounds_state"]
                 if supervisor.poll(live=set(rs["live_groups"]), progress=_job_progress(snapshot, cfg.train.steps),
@@ -263,6 +266,16 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     summary["placement"] = devices.describe()
     summary["summaries"] = summaries
     return summary
+
+
+def job_lost_message(lost: str, cfg: Config) -> str:
+    """``diloco run``'s words when every group was lost at once: the coordinator's, and the command
+    that resumes the job from its newest complete checkpoint (if any)."""
+    root = cfg.train.checkpoint_dir
+    step = job_checkpoint.latest_complete_step(root) if root else None
+    how = (f"resume: diloco run --resume {root} (newest complete step: {step})" if step is not None
+           else f"no complete job checkpoint under {root or '(no --checkpoint-dir)'}: start again")
+    return f"{lost}\n{how}; exit {exit_codes.describe(exit_codes.RESTART)}"
 
 
 class _Stop:

@@ -86,6 +86,8 @@ def format_status(doc: dict[str, Any]) -> str:
             f"{rs.get('heals', 0)} heals; live groups {rs.get('live_groups')}, healing {rs.get('healing_groups')}, "
             f"failed {sorted(rs.get('failed_groups', {}))}; last quorum {quorum_now.get('groups', '-')} "
             f"({quorum_now.get('decision') or 'open'})")
+        if rs.get("job_lost"):
+            lines.append(f"JOB LOST: {rs['job_lost']}")
     lines.append("")
     rows = [["group", "ranks", "failed", "step", "round", "H", "loss", "lr", "tokens/s", "util", "sent", "state"]]
     for g in groups:

@@ -215,17 +215,32 @@ def test_wait_for_summaries_timeout(server):
 
 
 def test_silent_member_is_failed_and_heartbeat_says_so():
-    with CoordinatorServer(expected_groups=1, heartbeat_timeout_s=0.3) as srv:
-        with CoordinatorClient(srv.address, timeout_s=5.0) as c:
+    with CoordinatorServer(expected_groups=2, heartbeat_timeout_s=0.3) as srv:
+        with CoordinatorClient(srv.address, timeout_s=5.0) as c, CoordinatorClient(srv.address, timeout_s=5.0) as other:
+            joined = threading.Thread(target=other.join, args=(1, 0, 1, data_addr(1, 0)))
+            joined.start()
             c.join(0, 0, 1, data_addr(0, 0))
-            time.sleep(0.5)
-            assert [f["rank"] for f in srv.snapshot()["failed"]] == [0]
-            with pytest.raises(CoordinatorError, match="marked failed") as info:
+            joined.join()
+            done = threading.Event()
+
+            def beat() -> None:  # group 1 stays alive (and holds the job's state)
+                while not done.wait(0.05):
+                    other.heartbeat(1, 0, 1)
+
+            beating = threading.Thread(target=beat)
+            beating.start()
+            try:
+                time.sleep(0.5)
+                assert [(f["group"], f["rank"]) for f in srv.snapshot()["failed"]] == [(0, 0)]
+                with pytest.raises(CoordinatorError, match="marked failed") as info:
+                    c.heartbeat(0, 0, 1)
+                assert info.value.code == "FAILED_PRECONDITION"
+                c.join(0, 0, 1, data_addr(0, 0))
                 c.heartbeat(0, 0, 1)
-            assert info.value.code == "FAILED_PRECONDITION"
-            c.join(0, 0, 1, data_addr(0, 0))
-            c.heartbeat(0, 0, 1)
-            assert srv.snapshot()["failed"] == []
+                assert srv.snapshot()["failed"] == []
+            finally:
+                done.set()
+                beating.join()
 
 
 def test_stop_releases_waiting_joins_promptly():

@@ -34,9 +34,11 @@ def formed(groups=1, size=1, **kwargs):
 
 
 def test_silent_member_fails_its_group_which_rejoins_as_a_healer():
-    state, clock = formed(groups=1, size=2, heartbeat_timeout_s=10.0)
+    state, clock = formed(groups=2, size=2, heartbeat_timeout_s=10.0)  # group 1 holds the job's state
     clock.now += 6
     assert state.heartbeat(HeartbeatRequest(0, 0, 5)) == 1
+    for r in range(2):
+        state.heartbeat(HeartbeatRequest(1, r, 5))
     clock.now += 6  # rank 1: 12 s silent; rank 0: 6 s
     snap = state.snapshot()
     assert snap["failed"] == [{"group": 0, "rank": 1, "silent_s": 12.0}]

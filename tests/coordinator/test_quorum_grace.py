@@ -1,0 +1,203 @@
+"""Survivors do not stall for a lost group (issue 32, point 2): the grace window of a quorum, the
+groups it leaves out, healers that heal again, and 'job lost' when every group failed at once.
+Pure rules (rounds.py) and the coordinator's state on a fake clock, no processes."""
+
+import threading
+import time
+
+import pytest
+
+from diloco.coordinator.messages import (
+    CommitRequest,
+    HeartbeatRequest,
+    JoinRequest,
+    QuorumRequest,
+)
+from diloco.coordinator.metrics import CoordinatorCollector
+from diloco.coordinator.quorum import QuorumError
+from diloco.coordinator.rounds import (
+    HEAL,
+    Ask,
+    decide,
+    grace_over,
+    job_lost,
+    job_lost_message,
+)
+from diloco.coordinator.state import CoordinatorState
+from diloco.runtime.status import format_status
+
+
+def ask(exchange=5, weight=10.0):
+    return Ask(exchange, "f0/r5", 100, weight, "h1", 1.0, True)
+
+
+def test_without_a_grace_window_a_quorum_waits_for_every_live_group_however_long():
+    asks = {0: ask(), 1: ask()}
+    for waited in (None, 0.0, 1e6):
+        assert decide(asks, {0, 1, 2}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q",
+                      waited_s=waited, grace_s=0.0) is None
+
+
+def test_once_the_grace_window_ends_the_groups_that_asked_form_the_quorum_without_the_others():
+    asks = {0: ask(weight=10.0), 1: ask(weight=30.0)}
+    kw = {"next_exchange": 5, "min_groups": 1, "attempt": 0, "quorum_id": "q", "grace_s": 0.5}
+    assert decide(asks, {0, 1, 2}, waited_s=None, **kw) is None  # nobody asked yet: no window runs
+    assert decide(asks, {0, 1, 2}, waited_s=0.49, **kw) is None
+    q = decide(asks, {0, 1, 2}, waited_s=0.5, **kw)
+    assert q.groups == (0, 1) and q.left_out == (2,)
+    assert dict(q.weights) == {0: 10.0, 1: 30.0} and 2 not in q.weights  # its work is not counted
+    every = decide({**asks, 2: ask()}, {0, 1, 2}, waited_s=0.1, **kw)  # all asked: no need to wait
+    assert every.groups == (0, 1, 2) and every.left_out == ()
+
+
+def test_the_grace_window_keeps_min_groups_and_waits_for_a_group_that_just_healed():
+    asks = {0: ask()}
+    kw = {"next_exchange": 5, "attempt": 0, "quorum_id": "q", "waited_s": 9.0, "grace_s": 0.5}
+    assert decide(asks, {0, 1}, min_groups=2, **kw) is None  # below min_groups the survivors wait
+    assert decide(asks, {0, 1}, min_groups=1, **kw).left_out == (1,)
+    assert decide(asks, {0, 1}, min_groups=1, patient={1}, **kw) is None  # healed: its transfer may still run
+    assert decide(asks, {0, 1, 2}, min_groups=1, patient={1}, **kw) is None
+    assert decide({**asks, 1: ask()}, {0, 1, 2}, min_groups=1, patient={1}, **kw).left_out == (2,)
+
+
+def test_grace_over_is_a_pure_clock_rule_and_refuses_bad_windows():
+    assert not grace_over(10.0, 0.0) and not grace_over(None, 1.0)
+    assert not grace_over(0.99, 1.0) and grace_over(1.0, 1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="grace_s"):
+            grace_over(1.0, bad)
+
+
+def test_job_lost_when_no_group_holds_the_state_and_none_finished():
+    assert job_lost({0, 1}, failed={0, 1}, healing=set(), finished=set())
+    assert job_lost({0, 1}, failed={0}, healing={1}, finished=set())  # a healer holds nothing yet
+    assert not job_lost({0, 1}, failed={0}, healing=set(), finished=set())
+    assert not job_lost({0, 1}, failed={0}, healing=set(), finished={1})  # the job ended
+    assert not job_lost(set(), failed=set(), healing=set(), finished=set())
+    assert job_lost_message("/ckpt/step-40") == "job lost: every group failed; resume from checkpoint (/ckpt/step-40)"
+    assert "knows of none" in job_lost_message("")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def formed(groups: int, **kwargs):
+    clock = FakeClock()
+    state = CoordinatorState(groups, clock=clock, **kwargs)
+    threads = [threading.Thread(target=state.join, args=(JoinRequest(g, 0, 1, f"10.0.{g}.0:7000"),),
+                                kwargs={"deadline": 1e9}) for g in range(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=5)
+    assert state.snapshot()["complete"]
+    return state, clock
+
+
+def ask_in_thread(state, group: int, exchange: int, out: dict):
+    def run() -> None:
+        try:
+            out[group] = state.quorum(QuorumRequest(group, 0, "", exchange, tag=f"f0/r{exchange}", numel=4,
+                                                    weight=1.0), deadline=1e9)
+        except QuorumError as e:
+            out[group] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_group_left_out_by_the_grace_window_is_failed_when_the_exchange_commits():
+    state, clock = formed(3, heartbeat_timeout_s=60.0, quorum_grace_s=0.5)
+    got: dict = {}
+    threads = [ask_in_thread(state, g, 0, got) for g in (0, 1)]
+    time.sleep(0.3)
+    assert not got  # within the window: waiting for group 2
+    clock.now += 0.5  # the window ends (group 2 is still far from its heartbeat timeout)
+    for t in threads:
+        t.join(timeout=5)
+    assert sorted(got[0].members) == [0, 1] and got[0].weights == {0: 1.0, 1: 1.0}
+    events = state.snapshot()["rounds_state"]["events"]
+    assert any(e["kind"] == "left_out" and e["groups"] == [2] for e in events)
+    assert 2 in state.snapshot()["rounds_state"]["live_groups"]  # until the exchange commits
+    votes = [threading.Thread(target=state.commit, args=(CommitRequest(g, 0, "", got[0].id, 0, (0, 1), True),),
+                              kwargs={"deadline": 1e9}) for g in (0, 1)]
+    for t in votes:
+        t.start()
+    for t in votes:
+        t.join(timeout=5)
+    rs = state.snapshot()["rounds_state"]
+    assert rs["committed"] == 1 and rs["live_groups"] == [0, 1]
+    assert "missed exchange 0" in rs["failed_groups"][2] and "--quorum-grace" in rs["failed_groups"][2]
+    with pytest.raises(QuorumError, match="declared failed") as info:  # late: it heals, losing its round
+        state.quorum(QuorumRequest(2, 0, "", 0, tag="f0/r0", numel=4, weight=1.0), deadline=1e9)
+    assert info.value.code == "FAILED_PRECONDITION"
+
+
+def test_without_the_window_the_survivors_wait_for_the_heartbeat_timeout():
+    state, clock = formed(3, heartbeat_timeout_s=60.0)
+    got: dict = {}
+    threads = [ask_in_thread(state, g, 0, got) for g in (0, 1)]
+    clock.now += 30.0
+    time.sleep(0.6)
+    assert not got
+    for g in (0, 1):
+        state.heartbeat(HeartbeatRequest(g, 0, 5))
+    clock.now += 31.0  # group 2: 61 s silent; groups 0 and 1: 31 s
+    for t in threads:
+        t.join(timeout=5)
+    assert sorted(got[0].members) == [0, 1] and got[0].id == got[1].id
+
+
+def test_a_member_that_asks_to_heal_again_is_not_waited_for_as_a_member():
+    state, _ = formed(2, heartbeat_timeout_s=60.0)
+    got: dict = {}
+    healer = ask_in_thread(state, 1, HEAL, got)
+    time.sleep(0.1)
+    assert state.snapshot()["rounds_state"]["healing_groups"] == [1]
+    member = ask_in_thread(state, 0, 0, got)
+    for t in (healer, member):
+        t.join(timeout=5)
+    assert got[0].id == got[1].id and got[0].healers == (1,) and got[0].weights == {0: 1.0, 1: 0.0}
+
+
+def every_group_silent(**kwargs):
+    state, clock = formed(2, heartbeat_timeout_s=10.0, **kwargs)
+    clock.now += 11.0
+    return state, clock
+
+
+def test_every_group_lost_at_once_is_said_at_once_in_status_metrics_and_to_groups_that_come_back():
+    state, clock = every_group_silent()
+    state.checkpoint_hint = "/ckpt"
+    with pytest.raises(QuorumError, match="job lost: every group failed; resume from checkpoint \\(/ckpt\\)"):
+        state.heartbeat(HeartbeatRequest(0, 0, 5))  # the sweep finds both groups silent
+    rs = state.snapshot()["rounds_state"]
+    assert rs["job_lost"] == "job lost: every group failed; resume from checkpoint (/ckpt)"
+    assert [e["kind"] for e in rs["events"]].count("job_lost") == 1
+    with pytest.raises(QuorumError, match="job lost") as info:  # a restarted group learns it at once
+        state.join(JoinRequest(1, 0, 1, "10.0.1.0:7001", incarnation="second"), deadline=clock.now + 1)
+    assert info.value.code == "FAILED_PRECONDITION"
+    metrics = {m.name: m.samples[0].value for m in CoordinatorCollector(state.snapshot).collect() if m.samples}
+    assert metrics["diloco_coordinator_job_lost"] == 1
+    assert "JOB LOST: job lost: every group failed" in format_status({"rounds_state": rs})
+
+
+def test_one_group_left_is_not_a_lost_job_and_a_coordinator_that_restarts_says_why():
+    state, clock = formed(2, heartbeat_timeout_s=10.0)
+    clock.now += 6.0
+    state.heartbeat(HeartbeatRequest(0, 0, 5))
+    clock.now += 6.0  # group 1: 12 s silent, group 0: 6 s
+    state.heartbeat(HeartbeatRequest(0, 0, 6))
+    rs = state.snapshot()["rounds_state"]
+    assert list(rs["failed_groups"]) == [1] and rs["job_lost"] is None
+    restarting, _ = every_group_silent()
+    restarting.restart_when_state_lost = True  # diloco coordinator: exits 75 at once, groups resume
+    with pytest.raises(QuorumError):
+        restarting.heartbeat(HeartbeatRequest(0, 0, 5))
+    assert restarting.state_lost is not None and restarting.state_lost.startswith("job lost")

@@ -1,0 +1,87 @@
+"""Survivors do not stall for a lost group (issue 32, point 2), end to end in one process: a real
+coordinator, real links, groups as threads (test_fault_tolerance's harness). A killed group is
+left out once the grace window ends, far sooner than the heartbeat timeout; a healer whose state
+transfer is slow joins an exchange that commits without waiting for that transfer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import test_fault_tolerance as ft
+
+from diloco.coordinator import CoordinatorServer
+
+GRACE_S = 1.5
+MARGIN_S = 3.0  # scheduling on a loaded 2-core host
+SLOW_FETCH_S = 2.5  # < the links' 4 s deadline, which the donor's send waits out
+
+
+@pytest.fixture
+def server():
+    made: list[CoordinatorServer] = []
+
+    def make(**kwargs) -> CoordinatorServer:
+        s = CoordinatorServer("127.0.0.1", 0, expected_groups=3, join_timeout_s=30.0, **kwargs)
+        s.start()
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def test_survivors_commit_within_the_grace_window_not_the_heartbeat_timeout(server):
+    heartbeat_s = 60.0  # the coordinator would wait this long for the dead group without the window
+    coordinator = server(heartbeat_timeout_s=heartbeat_s, quorum_grace_s=GRACE_S)
+    started = time.monotonic()
+    groups = [ft.Group(coordinator.address, g, die_at=13 if g == 2 else None).start() for g in range(3)]
+    ft.finish(groups[:2])
+    groups[2].join()
+    assert groups[2].killed.is_set()
+    assert time.monotonic() - started < heartbeat_s / 2
+    assert groups[0].final_hash == groups[1].final_hash
+    assert groups[0].engine.inner_step == ft.STEPS
+    state = coordinator.snapshot()["rounds_state"]
+    left = [e for e in state["events"] if e["kind"] == "left_out"]
+    assert left and all(e["groups"] == [2] for e in left)
+    assert "missed exchange" in state["failed_groups"][2]  # failed at the commit, not by its silence
+    stalls = [e["seconds"] for e in state["events"] if e["kind"] == "stall"]
+    assert stalls and max(stalls) < GRACE_S + MARGIN_S, stalls
+    for g in groups[:2]:
+        s = g.link.fault_stats
+        assert s.failures_seen == 1 and max(s.stall_seconds) < GRACE_S + MARGIN_S, s.stall_seconds
+
+
+def slow_state_transfer(link) -> None:
+    """This group's state fetch first sleeps SLOW_FETCH_S: a large model's transfer."""
+    transfer = link.averager._transfer
+    fetch = transfer._fetch
+
+    def slow(*args, **kwargs):
+        time.sleep(SLOW_FETCH_S)
+        return fetch(*args, **kwargs)
+
+    transfer._fetch = slow
+
+
+def test_a_healer_joins_an_exchange_that_commits_without_waiting_for_its_state_transfer(server):
+    coordinator = server(heartbeat_timeout_s=ft.HEARTBEAT_S)
+    first = [ft.Group(coordinator.address, g, die_at=13 if g == 2 else None).start() for g in range(3)]
+    first[2].join()
+    assert first[2].killed.is_set()
+    time.sleep(0.5)
+    healer = ft.Group(coordinator.address, 2, on_connected=slow_state_transfer).start()
+    survivors = [first[0], first[1], healer]
+    ft.finish(survivors)
+    assert len({g.final_hash for g in survivors}) == 1  # the late state plus the committed mean: the same
+    assert healer.engine.inner_step == ft.STEPS and healer.link.fault_stats.healed
+    assert healer.link.fault_stats.heal_seconds >= SLOW_FETCH_S
+    state = coordinator.snapshot()["rounds_state"]
+    healed = [e for e in state["events"] if e["kind"] == "healed"]
+    assert len(healed) == 1 and state["heals"] == 1
+    exchange = healed[0]["exchange"]
+    for g in first[:2]:  # the exchange the healer joined took the survivors far less than its transfer
+        took = [seconds for e, seconds, _, groups in g.link.fault_stats.exchanges if e == exchange]
+        assert took and took[0] < SLOW_FETCH_S - 0.5, (exchange, g.link.fault_stats.exchanges)
