@@ -15,12 +15,16 @@ import torch
 
 from ..codec import Codec, Parts
 from ..codec_table import register
+from ..errors import FrameError
 from .common import OneBlockParam, check_scales, n_blocks, padded_blocks
 from .packing import packed_bytes
 
 #: Lloyd-Max levels of a unit Gaussian in 4 levels, and the threshold between them (their midpoint)
 LEVEL_LOW, LEVEL_HIGH = 0.4528, 1.5104
 THRESHOLD = (LEVEL_LOW + LEVEL_HIGH) / 2
+#: the largest scale whose high level stays a finite float32 (an encoder clamps to it, a decoder
+#: refuses more: values near float32's limit decode at most this far off, never to infinity)
+MAX_SCALE = float(torch.finfo(torch.float32).max) / LEVEL_HIGH / (1 + 2 ** -20)
 CODE_BITS = 2
 
 
@@ -42,18 +46,20 @@ class Int2(OneBlockParam, Codec):
         xb = padded_blocks(x, self.block_size)
         nb, b = xb.shape
         last = n - (nb - 1) * b  # the last block may be short: its mean over its real length
-        sq = xb.square().sum(dim=1)
+        magnitude = xb.abs()
+        peak = magnitude.amax(dim=1)
+        if not bool(torch.isfinite(peak).all()):
+            raise ValueError("int2 cannot encode NaN or infinite values")
+        unit = torch.where(peak > 0, peak, torch.ones_like(peak))  # RMS of x / peak: no underflow, no overflow
+        mean_square = (magnitude / unit[:, None]).square_().sum(dim=1)
         if last != b:
             counts = torch.full((nb,), float(b), device=x.device)
             counts[-1] = last
-            sq = sq.div_(counts)
+            mean_square = mean_square.div_(counts)
         else:
-            sq = sq.div_(b)
-        scale = sq.sqrt_()
-        if not bool(torch.isfinite(scale).all()):
-            raise ValueError("int2 cannot encode NaN or infinite values (or a block whose "
-                             "sum of squares overflows fp32)")
-        high = (xb.abs() > THRESHOLD * scale[:, None]).view(torch.uint8).reshape(-1)[:n]
+            mean_square = mean_square.div_(b)
+        scale = mean_square.sqrt_().mul_(peak).clamp_(max=MAX_SCALE)
+        high = (magnitude > THRESHOLD * scale[:, None]).view(torch.uint8).reshape(-1)[:n]
         negative = ((x.reshape(-1).view(torch.int32) >> 31) & 2).to(torch.uint8)  # sign bit: -0.0 decodes negative
         return [scale, _pack2(negative.bitwise_or_(high))]
 
@@ -72,6 +78,9 @@ class Int2(OneBlockParam, Codec):
 
     def validate(self, parts: Parts, count: int) -> None:
         check_scales(self.name, parts[0])
+        if parts[0].numel() and float(parts[0].max()) > MAX_SCALE:
+            raise FrameError(f"int2 frame has a block scale above {MAX_SCALE:.4g}, which its encoder never writes "
+                             "(its high level would overflow to infinity)")
 
 
 def _pack2(codes: torch.Tensor) -> torch.Tensor:

@@ -143,3 +143,16 @@ def test_fp32_carries_nan_losslessly() -> None:
         codec = compress.get_codec(name)
         y = codec.decode(codec.encode(x))
         assert torch.isnan(y[1]) and torch.isinf(y[2]) and y[0] == 1.0
+
+
+def test_int2_at_the_ends_of_float32() -> None:
+    """int2's scale is a block's RMS, taken relative to its peak: values near float32's limit decode
+    finite (the scale is clamped so that 1.5104 x scale stays finite) and tiny ones do not vanish;
+    a frame with a larger scale, which no encoder writes, is refused."""
+    codec = compress.get_codec("int2", block_size=4)
+    x = torch.tensor([FLT_MAX, -FLT_MAX, FLT_MAX, FLT_MAX, 1e-30, -2e-30, 0.0, 5e-31])
+    y = codec.decode(codec.encode(x))
+    assert torch.isfinite(y).all() and (torch.signbit(y) == torch.signbit(x)).all()
+    assert y[:4].abs().min() > 1e38 and 1e-31 < y[4:].abs().max() < 1e-29
+    with pytest.raises(compress.FrameError, match="scale above"):
+        codec.decode(with_scale(codec.encode(x), FLT_MAX))
