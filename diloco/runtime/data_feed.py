@@ -53,9 +53,9 @@ class DataFeed:
         if self.positions is None:
             return
         if state.get("data_positions") is None:  # a checkpoint of a version before the table
-            log.warning("group %d: the checkpoint holds no table of committed data positions (an older version); "
-                        "the group's committed position (its ledger, a refused round's redraw) counts from 0 at this resume",
-                        self.group)
+            log.warning("group %d: the checkpoint holds no table of committed data positions (an older "
+                        "version); the group's committed position (its ledger, a refused round's redraw) "
+                        "counts from 0 at this resume", self.group)
             return
         self.positions.load_state(state["data_positions"])
 

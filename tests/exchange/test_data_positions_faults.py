@@ -62,9 +62,25 @@ class Counting(ft.Group):
         self.stop_at, self.resume = stop_at, resume
         self.source = Numbered(group)
         self.committed: list[int] = []  # the truth: ids in contributions that committed with weight > 0
-        self.pending: list[int] = []  # trained since this group's last commit
+        self.pending: list[int] = []  # trained since this group's last launch
+        self.launched: dict[int, list[int]] = {}  # round -> ids of the contribution in flight
         self.checkpoint: dict | None = None
         self.ledger: list[tuple[int, int]] = []
+
+    @property
+    def uncommitted(self) -> list[int]:
+        return [i for ids in self.launched.values() for i in ids] + self.pending
+
+    def count(self, events, refused_before: int) -> None:
+        """A launch takes the samples trained since the last one; its commit counts them unless
+        this group's contribution was refused meanwhile (the exchange lands later in overlap)."""
+        for e in events:
+            if e.kind == "launch":
+                self.launched[e.round], self.pending = self.pending, []
+            elif e.kind == "commit":
+                ids = self.launched.pop(e.round, [])  # a healer's first round: nothing of its own
+                if len(self.link.fault_stats.rejected) == refused_before:
+                    self.committed += ids
 
     def _run(self) -> None:
         try:
@@ -99,16 +115,14 @@ class Counting(ft.Group):
                 refused = len(self.link.fault_stats.rejected)
                 events = self.engine.step()
                 feed.after_step()
-                if any(e.kind == "commit" for e in events):
-                    if len(self.link.fault_stats.rejected) == refused:
-                        self.committed += self.pending
-                    self.pending = []
+                self.count(events, refused)
                 if t + 1 == self.stop_at:
+                    assert not self.launched  # blocking: nothing in flight between steps
                     self.checkpoint = {"pending": list(self.pending), "state": rank_state.capture(
                         step=t + 1, cfg=None, engine=self.engine, model=self.model, inner=opt, task=task,
                         data_positions=self.link.averager.positions.state)}
                     return
-            self.engine.close()
+            self.count(self.engine.close(), len(self.link.fault_stats.rejected))
             self.final_hash = self.engine.global_hash()
         except BaseException as e:  # noqa: BLE001 - checked by the test
             if not self.killed.is_set():
@@ -141,7 +155,10 @@ def coordinator():
     server.stop()
 
 
-def test_every_sample_counted_once_across_a_kill_and_heal_a_rollback_and_a_refused_round(coordinator):
+@pytest.mark.parametrize("mode", ["blocking", "overlap"])
+def test_every_sample_counted_once_across_a_kill_and_heal_a_rollback_and_a_refused_round(coordinator, mode):
+    """Overlap (one fragment, tau=1): the exchange lands a step after its launch; a refusal there is
+    redrawn only approximately (docs/fault_tolerance.md 4.1), so no NaN round in that mode."""
     proxies: list[FaultProxy] = []
 
     def through_proxy(link) -> None:  # a flipped byte mid-job: the round rolls back and is retried
@@ -150,27 +167,29 @@ def test_every_sample_counted_once_across_a_kill_and_heal_a_rollback_and_a_refus
         link.transport.dial_overrides[target] = proxies[0].address
         proxies[0].corrupt(at_offset=ft.OFFSET, direction="up")
 
-    first = [Counting(coordinator.address, 0, on_connected=through_proxy).start(),
-             Counting(coordinator.address, 1, poison_at=10).start(),
-             Counting(coordinator.address, 2, die_at=13).start()]
+    blocking = mode == "blocking"
+    first = [Counting(coordinator.address, 0, mode=mode, on_connected=through_proxy).start(),
+             Counting(coordinator.address, 1, mode=mode, poison_at=10 if blocking else None).start(),
+             Counting(coordinator.address, 2, mode=mode, die_at=13).start()]
     try:
         first[2].join()
         time.sleep(0.5)
-        healer = Counting(coordinator.address, 2).start()
+        healer = Counting(coordinator.address, 2, mode=mode).start()
         ft.finish([first[0], first[1], healer])
         assert proxies[0].bytes_corrupted == 1
     finally:
         for p in proxies:
             p.close()
     assert len({g.final_hash for g in (first[0], first[1], healer)}) == 1
-    assert healer.link.fault_stats.healed and any("NaN" in w for w in first[1].link.fault_stats.rejected)
+    assert healer.link.fault_stats.healed
+    assert blocking == any("NaN" in w for w in first[1].link.fault_stats.rejected)
     assert sum(g.link.fault_stats.rollbacks for g in first) >= 1
-    assert first[2].pending  # the killed group died with trained, uncommitted samples ...
-    assert healer.committed[0] == min(first[2].pending)  # ... which its healer trained again
+    assert first[2].uncommitted  # the killed group died with trained, uncommitted samples ...
+    assert healer.committed[0] == min(first[2].uncommitted)  # ... which its healer trained again
     ends = assert_counted_once({0: [first[0]], 1: [first[1]], 2: [first[2], healer]})
     # the refused round's samples were trained again, so group 1's stream is one round behind;
     # group 2 lost the steps it was down for, not samples
-    assert ends[0] == ft.STEPS * BATCH and ends[1] == (ft.STEPS - ft.H) * BATCH
+    assert ends[0] == ft.STEPS * BATCH and ends[1] == (ft.STEPS - (ft.H if blocking else 0)) * BATCH
     assert ends[2] == len(first[2].committed) + (ft.STEPS - healer.start_step) * BATCH
 
 
