@@ -202,6 +202,24 @@ def slowest_link(table: Mapping[int, Mapping[int, Mapping[int, float]]], sizes: 
     return min(rates)
 
 
+def same_but_h(a: Setting, b: Setting) -> bool:
+    """Whether ``a`` and ``b`` are one setting at two values of H (what a running job can switch
+    between: codec, density, outer rule and its state, mode and fragments all stay)."""
+    keys = ("codec", "topk_density", "outer_optimizer", "outer_lr", "outer_momentum", "sparseloco_beta", "mode",
+            "fragments", "overlap_steps", "groups")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def choose_h(table: AutoTable, current: Setting, *, num_params: int, link_bytes_per_s: float, step_s: float,
+             groups: int, blocking_share: float = BLOCKING_SHARE) -> Choice:
+    """``choose`` among the table's settings that differ from ``current`` in H only: the H a
+    running job moves to when its link changed (the same rule, the codec kept)."""
+    pool = tuple(e for e in table.entries if same_but_h(e, current))
+    sub = AutoTable(table.size, table.study_dates, table.commit, table.regenerate, pool)
+    return choose(sub, num_params=num_params, link_bytes_per_s=link_bytes_per_s, step_s=step_s, groups=groups,
+                  blocking_share=blocking_share)
+
+
 def link_changed(decided_bytes_per_s: float, measured_bytes_per_s: float,
                  threshold: float = RELINK_THRESHOLD) -> bool:
     """Whether a re-measured link differs enough from the one decided on to decide again: by more

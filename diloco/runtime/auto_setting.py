@@ -10,11 +10,17 @@ numbers every group holds bit for bit:
   that exchange, by which every rank of every group has reported its first probe), whose slowest
   group-to-group capacity every group derives with the same pure function.
 
-The choice (``diloco.job.auto_choice.choose``) is then the same on every rank. It is made once, at
-start, before the engine is built, so the engine never changes codec mid-run: error-feedback
-residuals and outer momentum start empty under the chosen setting. Later re-probes that see the
-slowest link change by more than ``RELINK_THRESHOLD`` are logged with what ``auto`` would choose
-now; the running setting stays (re-deciding mid-run is not implemented).
+The choice (``diloco.job.auto_choice.choose``) is then the same on every rank. The codec is
+chosen once, at start, before the engine is built, so the engine never changes codec mid-run:
+error-feedback residuals and outer momentum start empty under the chosen setting.
+
+With ``--h auto``, H is re-decided while the job runs (``AutoH``): at every launch, after the
+averager fetched the bandwidth table the coordinator pinned for that exchange (the same table on
+every rank of every group), a slowest link that moved by more than ``RELINK_THRESHOLD`` from the
+one last decided on (hysteresis) re-runs the rule among the study's settings that differ from the
+running one in H only (``auto_choice.choose_h``). The next round takes the new H on every group
+alike; outer momentum and error-feedback residuals carry over (neither depends on H). With a
+fixed ``--h``, such a change is logged with what ``auto`` would choose now, and the setting stays.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from diloco.engine.schedule import fixed_period
 from diloco.job import auto_choice
 from diloco.job.auto_choice import Choice
 from diloco.job.config import Config, ConfigError, make_codec
@@ -122,20 +129,81 @@ def decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device:
     averager = link.averager
     averager.codec, averager.error_feedback = codec, bool(getattr(codec, "requires_error_feedback", False))
     averager._stripe_plans.clear()  # aligned to the new codec's chunks from the next exchange
-    link.auto = {"row": choice.setting.row, "setting": choice.setting.label, "reason": choice.reason,
-                 "hides": choice.hides, "wire_s": choice.wire_s, "budget_s": choice.budget_s,
-                 "link_bytes_per_s": bandwidth, "plan_version": version,
-                 "step_s_per_group": {str(g): s for g, s in steps.items()}, "short": choice.short,
+    link.auto = {"step_s_per_group": {str(g): s for g, s in steps.items()},
                  "table": f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"}
+    _show(link, choice, bandwidth, version)
+    link.auto_choice = choice
     link.auto_inputs = {"table": table, "num_params": num_params, "step_s": max(steps.values()),
                         "groups": cfg.topology.groups, "codec": None if codec_auto else cfg.transport.codec,
                         "h": None if h_auto else cfg.sync.h}
     link.auto_bandwidth = bandwidth
     log.info("auto: %s", choice.reason, extra={"auto": link.auto})
+    return chosen, choice
+
+
+class AutoH:
+    """A ``SyncSchedule`` whose H follows the link (see the module doc); wraps the run's fixed
+    schedule and keeps its total steps."""
+
+    def __init__(self, base: Any, link: Any, choice: Choice, table: auto_choice.AutoTable, *, num_params: int,
+                 step_s: float, groups: int) -> None:
+        self.base, self.link, self.choice, self.table = base, link, choice, table
+        self.num_params, self.step_s, self.groups = num_params, step_s, groups
+        self.decided_bytes_per_s = choice.link_bytes_per_s
+        self.total_steps = getattr(base, "total_steps", None)
+        self.h_max = getattr(base, "h_max", None)
+        self.h = choice.setting.h
+        self.changes: list[tuple[int, int, float]] = []  # (inner step, new H, link bytes/s)
+        self._seen_version: int | None = None
+
+    def period(self, step: int, lr: float) -> int:
+        self._redecide(step)
+        return fixed_period(step, h=self.h, total_steps=self.total_steps, h_max=self.h_max)
+
+    def _redecide(self, step: int) -> None:
+        current = getattr(self.link.averager, "_table", None)  # (block, version, table) of the exchange just launched
+        if current is None or current[1] == self._seen_version:
+            return
+        self._seen_version = current[1]
+        members = self.link.membership
+        try:
+            now = auto_choice.slowest_link(current[2], {g: len(members.ranks(g)) for g in members.groups})
+        except ValueError:
+            return
+        if not auto_choice.link_changed(self.decided_bytes_per_s, now):
+            return
+        self.decided_bytes_per_s = now
+        choice = auto_choice.choose_h(self.table, self.choice.setting, num_params=self.num_params,
+                                      link_bytes_per_s=now, step_s=self.step_s, groups=self.groups)
+        old = self.h
+        self.choice, self.h = choice, choice.setting.h
+        self.changes.append((step, self.h, now))
+        log.warning("auto: the slowest link moved to %.3g Mbit/s (plan version %d): H %d -> %d from step %d: %s",
+                    8 * now / 1e6, current[1], old, self.h, step, choice.reason)
+        _show(self.link, choice, now, current[1])
+        self.link.auto["h_changes"] = [{"step": st, "h": h, "link_bytes_per_s": bw} for st, h, bw in self.changes]
+
+
+def _show(link: Any, choice: Choice, bandwidth: float, version: int) -> None:
+    """The choice in the link's summary/progress fields and in the metrics."""
+    link.auto = {**(link.auto or {}), "row": choice.setting.row, "setting": choice.setting.label,
+                 "reason": choice.reason, "hides": choice.hides, "wire_s": choice.wire_s, "budget_s": choice.budget_s,
+                 "link_bytes_per_s": bandwidth, "plan_version": version, "short": choice.short}
     link.metrics.auto_decided({"row": choice.setting.row, "setting": choice.setting.label, "codec": choice.setting.codec,
                                "h": str(choice.setting.h), "mode": choice.setting.mode, "hides": str(choice.hides).lower(),
                                "reason": choice.reason})
-    return chosen, choice
+
+
+def install_auto_h(engine: Any, link: Any, cfg: Config) -> AutoH | None:
+    """With ``--h auto`` (as given, before the choice): H follows the link for the rest of the run."""
+    inputs = getattr(link, "auto_inputs", None)
+    if inputs is None or inputs["h"] is not None or not hasattr(engine, "schedule"):
+        return None
+    schedule = AutoH(engine.schedule, link, link.auto_choice, inputs["table"], num_params=inputs["num_params"],
+                     step_s=inputs["step_s"], groups=inputs["groups"])
+    engine.schedule = schedule
+    link.auto_schedule = schedule
+    return schedule
 
 
 def watch_link(link: Any) -> None:
@@ -143,8 +211,9 @@ def watch_link(link: Any) -> None:
     decided on by more than the hysteresis, log what ``auto`` would choose now (once per table)."""
     current = getattr(link.averager, "_table", None)
     decided = getattr(link, "auto_bandwidth", None)
-    if current is None or decided is None or current[1] == getattr(link, "_auto_seen_version", None):
-        return
+    if current is None or decided is None or getattr(link, "auto_schedule", None) is not None \
+            or current[1] == getattr(link, "_auto_seen_version", None):
+        return  # no decision, H follows the link (AutoH), or a table already seen
     link._auto_seen_version = current[1]
     members = link.membership
     try:

@@ -175,3 +175,13 @@ def test_make_codec_refuses_auto_itself():
     cfg = Config()
     with pytest.raises(ValueError, match="auto is not a codec"):
         make_codec(replace(cfg.transport, codec="auto"))
+
+
+def test_choose_h_keeps_everything_but_h():
+    for cur in TABLE.entries:
+        for link in (1e3, 1e5, 1e7, 1e9):
+            c = ac.choose_h(TABLE, cur, num_params=1_000_000, link_bytes_per_s=link, step_s=0.1, groups=cur.groups)
+            assert ac.same_but_h(c.setting, cur)
+    fp32 = entry("m2-h30-outer")  # fp32 at 0.7/0.7: H 30, 50, 100 measured; 100 is best and cheapest
+    assert ac.choose_h(TABLE, fp32, num_params=10**6, link_bytes_per_s=1e9, step_s=0.1, groups=2).setting.h == 100
+    assert not ac.same_but_h(entry("m2-h30"), fp32)  # another outer momentum: another setting

@@ -60,3 +60,41 @@ def test_status_and_metrics_show_the_choice():
         assert ratio > 7
     finally:
         m.close()
+
+
+class _Link:
+    """What AutoH reads of a GroupConnection: the averager's pinned table, the members, metrics."""
+
+    def __init__(self) -> None:
+        self.averager = type("A", (), {"_table": None})()
+        self.membership = type("M", (), {"groups": [0, 1], "ranks": lambda self, g: ["a"]})()
+        self.shown: list[dict] = []
+        self.metrics = type("X", (), {"auto_decided": lambda _, labels: self.shown.append(labels)})()
+        self.auto: dict = {}
+
+    def pin(self, version: int, bytes_per_s: float) -> None:
+        self.averager._table = (0, version, {0: {0: {1: bytes_per_s}}, 1: {0: {0: bytes_per_s}}})
+
+
+def test_h_follows_the_link_with_hysteresis_and_keeps_the_codec():
+    from diloco.engine.schedule import FixedSchedule
+    from diloco.job import auto_choice as ac
+    from diloco.runtime.auto_setting import AutoH
+
+    table = ac.load_table()
+    n, step = 400_000, 0.1
+    start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=step, groups=2, codec="topk")
+    assert start.setting.row == "slo-h30-d3"
+    link = _Link()
+    h = AutoH(FixedSchedule(30, total_steps=10_000), link, start, table, num_params=n, step_s=step, groups=2)
+    assert h.period(0, 1e-3) == 30 and h.total_steps == 10_000
+    link.pin(1, 0.8e9)  # within the hysteresis: nothing is re-decided
+    assert h.period(30, 1e-3) == 30 and not h.changes and not link.shown
+    link.pin(2, 2e4)  # a slow link: the fewest bits of the same codec, density and outer rule
+    assert h.period(60, 1e-3) == 100 and h.changes == [(60, 100, 2e4)]
+    assert link.auto["row"] == "slo-h100-d3" and link.shown[-1]["codec"] == "topk" and link.shown[-1]["h"] == "100"
+    assert link.auto["h_changes"] == [{"step": 60, "h": 100, "link_bytes_per_s": 2e4}]
+    assert h.period(160, 1e-3) == 100  # the same table again: not re-decided
+    link.pin(3, 1e9)
+    assert h.period(260, 1e-3) == 30 and [c[1] for c in h.changes] == [100, 30]
+    assert h.period(9_990, 1e-3) == 10  # capped by the steps that remain, as the fixed schedule is
