@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diloco.exchange.data_positions import check_ledger, ledger_from_logs
 from diloco.job.config import Config
 from diloco.job.task import DEMO_ENTRY
 
@@ -101,7 +102,18 @@ def summarize(cfg: Config, corpus, per_group: list[dict], snapshot: dict, second
         "config": cfg.to_dict(),
         **{k: per_group[0][k] for k in ("resumed_from", "resumed_at_step", "stopped_at_step", "job_checkpoint", "auto")
            if k in per_group[0]},
+        **({} if "resumed_from" in per_group[0] else {"data_per_group": data_counts(out_dir)}),
     }
+
+
+def data_counts(run_dir: Path) -> dict[int, dict[str, int]]:
+    """Each group's committed data, counted from every incarnation's log in ``run_dir``
+    (``diloco.exchange.data_positions``): ``committed`` (its committed position, samples), and how
+    many samples below it were committed ``twice`` or ``left_out`` (0 and 0: each trained once)."""
+    lines = [line for path in sorted(Path(run_dir).glob("group-*.log"))
+             for line in path.read_text(errors="replace").splitlines()]
+    return {g: {"committed": c.end, "twice": sum(b - a for a, b in c.twice), "left_out": sum(b - a for a, b in c.gaps)}
+            for g, c in sorted(check_ledger(ledger_from_logs(lines)).items())}
 
 
 def format_summary(s: dict) -> str:
@@ -135,6 +147,12 @@ def format_summary(s: dict) -> str:
         lines.insert(-2, f"  faults                   : {f['kills']} killed by --chaos, {f['failures']} group failures, "
                          f"{f['restarts']} restarts, {f['heals']} heals, {f['rolled_back']} rounds rolled back, "
                          f"{f['rejected']} contributions refused{stall}")
+        data = s.get("data_per_group")
+        if data:
+            twice, left = sum(d["twice"] for d in data.values()), sum(d["left_out"] for d in data.values())
+            counts = " / ".join(f"{d['committed']:,}" for d in data.values())
+            lines.insert(-2, f"  data committed           : {counts} samples by group; {twice:,} counted twice, "
+                             f"{left:,} left out (from the logs)")
     if s.get("auto"):
         lines.insert(4, f"  auto (--codec/--h auto)  : {s['auto']['reason']}")
     if s.get("resumed_from"):

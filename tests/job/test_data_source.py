@@ -19,7 +19,7 @@ from diloco.exchange.data_positions import (
 )
 from diloco.job.data_source import DataSourceError, is_data_source, position, seek
 from diloco.job.task import Task
-from diloco.runtime import logs
+from diloco.runtime import logs, summary
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 2001).astype(np.uint8)  # 250 windows of 8
 
@@ -149,3 +149,15 @@ def test_the_ledger_is_read_back_from_worker_logs_of_rank_0_in_text_and_json():
     for formatter in (logs.TextFormatter(), logs.JsonFormatter()):
         lines = [formatter.format(r) for r in records] + ["unrelated line", "{not json committed data"]
         assert ledger_from_logs(lines) == {3: [(0, 8), (8, 12)]}  # rank 1's copies are not counted again
+
+
+def test_diloco_run_counts_each_groups_committed_data_from_every_incarnations_log(tmp_path):
+    line = "2026-01-01T00:00:00.000Z INFO diloco.exchange.data_positions [worker group {g} rank {r}] group {g} " \
+           "committed data samples [{a}, {b}) at f0/r1"
+    lines = [line.format(g=0, r=r, a=a, b=a + 8) for a in (0, 8) for r in (0, 1)]
+    (tmp_path / "group-0.log").write_text("\n".join(lines))
+    (tmp_path / "group-1.log").write_text(line.format(g=1, r=0, a=0, b=8) + "\nother\n")
+    (tmp_path / "group-1.restart-1.log").write_text(line.format(g=1, r=0, a=4, b=16))  # 4 samples twice
+    (tmp_path / "group-1.restart-2.log").write_text(line.format(g=1, r=0, a=20, b=24))  # 4 left out
+    counts = summary.data_counts(tmp_path)
+    assert counts == {0: {"committed": 16, "twice": 0, "left_out": 0}, 1: {"committed": 24, "twice": 4, "left_out": 4}}
