@@ -177,9 +177,13 @@ class AutoH:
                                       link_bytes_per_s=now, step_s=self.step_s, groups=self.groups)
         old = self.h
         self.choice, self.h = choice, choice.setting.h
-        self.changes.append((step, self.h, now))
-        log.warning("auto: the slowest link moved to %.3g Mbit/s (plan version %d): H %d -> %d from step %d: %s",
-                    8 * now / 1e6, current[1], old, self.h, step, choice.reason)
+        if self.h == old:
+            log.info("auto: the slowest link moved to %.3g Mbit/s (plan version %d): H stays %d: %s",
+                     8 * now / 1e6, current[1], old, choice.reason)
+        else:
+            self.changes.append((step, self.h, now))
+            log.warning("auto: the slowest link moved to %.3g Mbit/s (plan version %d): H %d -> %d from step %d: %s",
+                        8 * now / 1e6, current[1], old, self.h, step, choice.reason)
         _show(self.link, choice, now, current[1])
         self.link.auto["h_changes"] = [{"step": st, "h": h, "link_bytes_per_s": bw} for st, h, bw in self.changes]
 

@@ -90,6 +90,8 @@ def test_h_follows_the_link_with_hysteresis_and_keeps_the_codec():
     assert h.period(0, 1e-3) == 30 and h.total_steps == 10_000
     link.pin(1, 0.8e9)  # within the hysteresis: nothing is re-decided
     assert h.period(30, 1e-3) == 30 and not h.changes and not link.shown
+    link.pin(15, 0.4e9)  # a changed link that keeps H: re-decided (shown), no change of H
+    assert h.period(45, 1e-3) == 30 and not h.changes and link.shown[-1]["h"] == "30"
     link.pin(2, 2e4)  # a slow link: the fewest bits of the same codec, density and outer rule
     assert h.period(60, 1e-3) == 100 and h.changes == [(60, 100, 2e4)]
     assert link.auto["row"] == "slo-h100-d3" and link.shown[-1]["codec"] == "topk" and link.shown[-1]["h"] == "100"
