@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 AUTO = "auto"
-AUTO_H = 0  # the value of ``sync.h`` that stands for ``--h auto``
+AUTO_H = -1  # the value of ``sync.h`` that stands for ``--h auto`` (0 stays an invalid H)
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
 #: a link re-measured this much faster or slower (relative) than the one decided on is a changed link
 RELINK_THRESHOLD = 0.3

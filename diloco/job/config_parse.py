@@ -97,9 +97,9 @@ def parse_h(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}") from None
-    if value == AUTO_H:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--h must be >= 1 (inner steps per sync) or auto, got {text!r}") from None
+    if value < 0:  # a negative H would read as auto's marker (AUTO_H); 0 is refused by Config.validate
+        raise argparse.ArgumentTypeError(f"--h must be >= 1 (inner steps per sync) or auto, got {text!r}")
     return value
 
 

@@ -163,10 +163,12 @@ def test_h_auto_on_the_command_line_and_in_files():
     cfg = from_args(p.parse_args(["--codec", "auto", "--h", "auto"]))
     assert (cfg.transport.codec, cfg.sync.h) == ("auto", ac.AUTO_H)
     with pytest.raises(SystemExit):
-        p.parse_args(["--h", "0"])
+        p.parse_args(["--h", "-1"])
+    with pytest.raises(ConfigError, match="--h must be >= 1"):
+        from_args(p.parse_args(["--h", "0"]))
     assert from_dict({"sync": {"h": "auto"}}).sync.h == ac.AUTO_H
     with pytest.raises(ConfigError, match='sync.h: must be >= 1 or "auto"'):
-        from_dict({"sync": {"h": 0}})
+        from_dict({"sync": {"h": ac.AUTO_H}})
 
 
 def test_make_codec_refuses_auto_itself():
