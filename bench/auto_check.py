@@ -78,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                 s = launcher.run(cfg.validate(), run_dir=tmp, progress=False, placement=placement)
     auto = s["auto"]
     print(f"link {'loopback' if a.mbit is None else f'{a.mbit:g} Mbit/s (tc tbf)'}, {s['num_parameters']:,} params: "
-          f"measured {8 * auto['link_bytes_per_s'] / 1e6:.3g} Mbit/s, inner step "
+          f"measured {8 * auto['link_bytes_per_s'] / 1e6:.3g} Mbit/s at the last decision, inner step "
           f"{1e3 * max(auto['step_s_per_group'].values()):.0f} ms (slowest group)")
-    print(f"chose {auto['setting']} ({auto['row']}): {auto['reason']}")
+    print(f"running at the end: {auto['setting']} ({auto['row']}): {auto['reason']}")
+    print(f"H per round: {s['periods']}")
     print(f"params identical: {s['params_identical']}, eval loss {s['eval_loss']:.4f}, utilization "
           f"{100 * s['utilization']:.1f} %, {s['bits_per_param_per_step']:.3g} bits/param/step")
     for change in auto.get("h_changes", []):
