@@ -15,6 +15,7 @@ reports and asserts:
 
     python bench/churn.py --quick                                # ~3 min on 2 cores, 12 kills
     python bench/churn.py --json bench/results/churn.json        # 50+ kills
+    python bench/churn.py --quorum-grace 0.5 --json bench/results/churn_grace.json   # with a grace window
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def make_config(a: argparse.Namespace) -> Config:
     cfg.transport.timeout_s = a.collective_timeout
     cfg.transport.probe_bytes = 0
     cfg.fault.heartbeat_timeout = a.heartbeat_timeout
+    cfg.fault.quorum_grace = getattr(a, "quorum_grace", 0.0)
     cfg.fault.max_restarts = 2
     cfg.fault.chaos = a.kills
     return cfg.validate()
@@ -119,6 +121,12 @@ def run(a: argparse.Namespace) -> dict:
     return {
         "groups": a.groups, "steps": a.steps, "h": a.h, "netns": a.netns,
         "heartbeat_timeout_s": a.heartbeat_timeout, "collective_timeout_s": a.collective_timeout,
+        "quorum_grace_s": cfg.fault.quorum_grace,
+        # exchanges formed without a live group once the grace window ended, and failures that were
+        # not kills (a group left out while alive, then healed: its round's work lost)
+        "left_out": sum(e["kind"] == "left_out" for e in f["events"]),
+        "missed_exchange_failures": sum(e["kind"] == "failure" and "missed exchange" in e.get("reason", "")
+                                        for e in f["events"]),
         "kills": f["kills"], "restarts": f["restarts"], "committed_rounds": f["committed"],
         "rollbacks": f["rolled_back"], "heals": f["heals"], "failures": f["failures"],
         "divergent_rounds": len(s["divergence"]), "hangs": hangs, "leaked_processes": len(leaked),
@@ -127,6 +135,8 @@ def run(a: argparse.Namespace) -> dict:
         "heal_rounds_median": statistics.median(healed) if healed else None,
         "initial_loss": initial_loss(cfg), "final_loss": s["eval_loss"],
         "params_identical": s["params_identical"], "wall_s": wall,
+        "fault_events": [e for e in f["events"] if e["kind"] in ("failure", "left_out", "stall", "joined", "healed",
+                                                                  "rolled_back", "job_lost")],
     }
 
 
@@ -161,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--h", type=int, default=10)
     p.add_argument("--heartbeat-timeout", type=float, default=2.0)
     p.add_argument("--collective-timeout", type=float, default=5.0)
+    p.add_argument("--quorum-grace", type=float, default=0.0,
+                   help="seconds an exchange waits for the other live groups after the first asked (0: off)")
     p.add_argument("--gap-min", type=float, default=1.5)
     p.add_argument("--gap-max", type=float, default=3.5)
     p.add_argument("--pause-min", type=float, default=0.2)

@@ -62,7 +62,7 @@ class RoundState(Liveness):
         self._first_ask: dict[int, float] = {}  # exchange -> when its first quorum request came
         self._grace_from: dict[int, float] = {}  # exchange -> first ask of its attempt being formed
         self._healed_at: dict[int, int] = {}  # group -> exchange it healed in, until it asks for a later one
-        self._last_members = 0  # contributing groups of the last committed quorum
+        self._last_members = 0  # groups of the last committed quorum, healers included
         self._stop_reason: str | None = None
 
     # --- rounds: quorum per exchange, commit vote, healing ----------------------------------
@@ -123,6 +123,13 @@ class RoundState(Liveness):
                 self._asks.get(req.exchange, {}).get(req.group, {}).pop(req.rank, None)
                 raise
             return self._response(req.group, self._answers.pop(key))
+
+    def _silence(self) -> dict[int, float]:
+        """Group -> seconds since its most silent rank was last heard from (lock held)."""
+        now, out = self._clock(), {}
+        for (g, _), t in self._last_heard.items():
+            out[g] = max(out.get(g, 0.0), now - t)
+        return out
 
     def _grace_left(self, exchange: int) -> float:
         """Seconds until the grace window of ``exchange``'s next attempt ends (a wake-up time;
@@ -204,7 +211,8 @@ class RoundState(Liveness):
                               attempt=attempt, quorum_id=f"{self.boot}-{exchange}-{attempt}", rejected=rejected,
                               waited_s=None if start is None else self._clock() - start,
                               grace_s=self.quorum_grace_s,
-                              patient={g for g, e in self._healed_at.items() if e < exchange})
+                              patient=rounds.patient_groups(self._healed_at, exchange, self._silence(),
+                                                            2 * self.heartbeat_timeout_s / 5))
             if q is None:
                 continue
             self._grace_from.pop(exchange, None)
@@ -337,8 +345,8 @@ class RoundState(Liveness):
         if committed:
             self._counts["committed"] += 1
             self._counts["committed_training"] += bool(meta.get("training", True))
-            members = len(q.groups) - len(q.healers)
-            asked = self._first_ask.pop(q.exchange, None)
+            members = len(q.groups)  # healers too (the workers' FaultStats count alike): a group lost
+            asked = self._first_ask.pop(q.exchange, None)  # just after it healed disturbs the next one
             if asked is not None and (q.attempt > 0 or members < self._last_members):
                 # an exchange a failure disturbed: retried, or run by fewer groups than the last one
                 self._event("stall", exchange=q.exchange, seconds=round(self._clock() - asked, 4),

@@ -15,8 +15,9 @@ Rules (docs/fault_tolerance.md):
   since the first group asked for this attempt of E, with the groups that asked by then (still at
   least ``min_groups``): the live groups that had not asked are *left out* (``Quorum.left_out``);
   once E commits without them they are out of step, lose their round's work and heal. A group
-  that healed in the exchange before is waited for past the window (``patient``): it trains its
-  first round only once its state transfer ended, and cutting it would only send it to heal again;
+  that healed in an earlier exchange and has not asked for a later one yet is waited for past the
+  window while it is heard from (``patient_groups``): it trains its first round only once its
+  state transfer ended, and cutting it would only send it to heal again;
 * the non-healing members must agree on the exchange's tag and size and on the hash of the global
   state they start from: a member in the minority is *evicted* (stopped and healed), never averaged;
 * weights: a member's weight is what it contributed since its last exchange (tokens, or inner
@@ -102,6 +103,15 @@ def grace_over(waited_s: float | None, grace_s: float) -> bool:
     if grace_s < 0 or not math.isfinite(grace_s):
         raise ValueError(f"grace_s must be a finite number of seconds >= 0 (0: off), got {grace_s}")
     return grace_s > 0 and waited_s is not None and waited_s >= grace_s
+
+
+def patient_groups(healed_at: Mapping[int, int], exchange: int, silent_s: Mapping[int, float],
+                   limit_s: float) -> set[int]:
+    """The groups a grace window does not cut from ``exchange``: healed in an earlier exchange
+    (``healed_at``: group -> that exchange, kept until the group asks for a later one) and heard
+    from (every rank) within ``limit_s`` seconds (``silent_s``: group -> its longest silence), so
+    still alive and fetching its state rather than dead."""
+    return {g for g, e in healed_at.items() if e < exchange and silent_s.get(g, float("inf")) <= limit_s}
 
 
 def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None, min_groups: int,

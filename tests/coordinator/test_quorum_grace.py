@@ -22,6 +22,7 @@ from diloco.coordinator.rounds import (
     grace_over,
     job_lost,
     job_lost_message,
+    patient_groups,
 )
 from diloco.coordinator.state import CoordinatorState
 from diloco.runtime.status import format_status
@@ -58,6 +59,14 @@ def test_the_grace_window_keeps_min_groups_and_waits_for_a_group_that_just_heale
     assert decide(asks, {0, 1}, min_groups=1, patient={1}, **kw) is None  # healed: its transfer may still run
     assert decide(asks, {0, 1, 2}, min_groups=1, patient={1}, **kw) is None
     assert decide({**asks, 1: ask()}, {0, 1, 2}, min_groups=1, patient={1}, **kw).left_out == (2,)
+
+
+def test_a_healed_group_is_waited_for_only_until_it_asks_on_and_only_while_it_is_heard_from():
+    healed_at = {1: 7, 2: 9}
+    assert patient_groups(healed_at, 9, {1: 0.1, 2: 0.1}, limit_s=0.8) == {1}  # 2 healed in 9 itself
+    assert patient_groups(healed_at, 10, {1: 0.1, 2: 0.1}, limit_s=0.8) == {1, 2}
+    assert patient_groups(healed_at, 10, {1: 0.9, 2: 0.8}, limit_s=0.8) == {2}  # 1 fell silent: dead
+    assert patient_groups(healed_at, 10, {2: 0.1}, limit_s=0.8) == {2}  # never heard from: not waited for
 
 
 def test_grace_over_is_a_pure_clock_rule_and_refuses_bad_windows():
