@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from bench.convergence_rows import DEFAULT_OUTER, Row, Size  # noqa: E402
 from diloco.demo import data as data_mod  # noqa: E402
 from diloco.engine.averaging import SingleGroup  # noqa: E402
+from diloco.exchange.fault_stats import FaultStats  # noqa: E402
 from diloco.exchange.striped import StripedAverager  # noqa: E402
 from diloco.job.config import (
     Config,  # noqa: E402
@@ -102,6 +103,8 @@ class _Recorder:
         self.group, self.transport, self.task = group, transport, task
         self.group_size = 1
         self.engine = None
+        self.averager = None  # no quorum: no data positions, nothing to heal from
+        self.fault_stats = FaultStats()
         self.bytes_at: dict[int, int] = {0: 0}
         self.curve: list[tuple[int, float]] = []
         self.periods: list[int] = []

@@ -287,7 +287,7 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
     steps = cfg.train.steps
     data_parallel = isinstance(engine, DataParallelAcrossGroups)
     evaluate = functools.partial(_evaluate, group_parallel.bare(ddp), task, device)
-    feed = data_feed.DataFeed(task.train_batches, getattr(getattr(link, "averager", None), "positions", None), group=group, rank=rank)
+    feed = data_feed.DataFeed(task.train_batches, getattr(link.averager, "positions", None), group=group, rank=rank)
     batches = feed.batches
     items_per_batch = task.tokens_per_batch
     timed = getattr(engine, "time_rounds", None) is not None  # --round-seconds: the loop ends with the rounds

@@ -86,7 +86,7 @@ def test_full_plan_covers_the_issue_rows_at_equal_tokens():
     _, sweeps, rows = plans["small"]
     names = {r.name for r in rows}
     assert {f"m{m}-h{h}" for m in (1, 2, 4) for h in (10, 30, 100)} <= names
-    assert {r.codec for r in rows} == set(catalogue.CODECS) | {"sign1", "topk"}
+    assert {r.codec for r in rows} == set(catalogue.CODECS) | {"int2", "sign1", "topk"}
     assert {"dp", "streaming-p2", "overlap-p2-tau5", "eager", "co2", "qsr"} <= names
     assert {r.name for r in sweeps if r.family == "dp"} and any(r.outer for r in sweeps)
     medium_size, medium_sweeps, medium_rows = plans["medium"]
