@@ -85,3 +85,33 @@ def test_a_healer_joins_an_exchange_that_commits_without_waiting_for_its_state_t
     for g in first[:2]:  # the exchange the healer joined took the survivors far less than its transfer
         took = [seconds for e, seconds, _, groups in g.link.fault_stats.exchanges if e == exchange]
         assert took and took[0] < SLOW_FETCH_S - 0.5, (exchange, g.link.fault_stats.exchanges)
+
+
+def first_transfer_fails(link) -> None:
+    """This group's first state fetch fails (a donor lost mid-transfer, a corrupt blob)."""
+    from transport import TransportError
+
+    transfer = link.averager._transfer
+    fetch, calls = transfer._fetch, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise TransportError("the donor went away mid-transfer (injected)")
+        return fetch(*args, **kwargs)
+
+    transfer._fetch = flaky
+
+
+def test_a_transfer_that_fails_after_its_exchange_committed_heals_again_in_the_next_quorum(server):
+    coordinator = server(heartbeat_timeout_s=ft.HEARTBEAT_S)
+    first = [ft.Group(coordinator.address, g, die_at=13 if g == 2 else None).start() for g in range(3)]
+    first[2].join()
+    time.sleep(0.5)
+    healer = ft.Group(coordinator.address, 2, on_connected=first_transfer_fails).start()
+    survivors = [first[0], first[1], healer]
+    ft.finish(survivors)
+    assert len({g.final_hash for g in survivors}) == 1 and healer.link.fault_stats.healed
+    events = coordinator.snapshot()["rounds_state"]["events"]
+    assert any(e["kind"] == "joined" and e["group"] == 2 and e.get("again") for e in events)
+    assert [e["kind"] for e in events if e.get("group") == 2].count("healed") == 2  # committed twice as a healer
