@@ -100,3 +100,72 @@ def test_h_follows_the_link_with_hysteresis_and_keeps_the_codec():
     link.pin(3, 1e9)
     assert h.period(260, 1e-3) == 30 and [c[1] for c in h.changes] == [100, 30]
     assert h.period(9_990, 1e-3) == 10  # capped by the steps that remain, as the fixed schedule is
+
+
+class _Scripted:
+    """An in-process group member whose 'pinned table' changes at a scripted exchange, as the
+    coordinator's does for every group at once; AutoH reads it after each launch."""
+
+    def __init__(self, member, slow_from: int) -> None:
+        self.member, self.slow_from, self.started = member, slow_from, 0
+        self._table = None
+
+    def __getattr__(self, name):
+        return getattr(self.member, name)
+
+    def start(self, flat, **kw):
+        fast = self.started < self.slow_from
+        bw = 1e9 if fast else 2e4
+        self._table = (0, 1 if fast else 2, {0: {0: {1: bw}}, 1: {0: {0: bw}}})
+        self.started += 1
+        return self.member.start(flat, **kw)
+
+
+def test_groups_switch_h_at_the_same_round_and_stay_bit_identical():
+    """Two engines (top-k with error feedback) whose links slow down at the same exchange: both move
+    from H=30 to H=100 at the same round, residuals and momentum carried, parameters identical."""
+    import compress
+    import torch
+    import torch.nn as nn
+    from diloco_helpers import build_in_threads, run_in_threads
+
+    from diloco.engine.averaging import InProcessGroups
+    from diloco.engine.diloco import DiLoCo
+    from diloco.job import auto_choice as ac
+    from diloco.runtime.auto_setting import AutoH
+
+    table = ac.load_table()
+    n = 437_760  # the demo GPT's parameters: what the decision weighs (the test model is smaller)
+    start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=0.1, groups=2, codec="topk")
+    groups = InProcessGroups(2, codec=compress.get_codec("topk", chunk=64, k=4))
+    scripted = [_Scripted(groups.member(i), slow_from=3) for i in range(2)]  # exchange 0: the initial check
+    links = [_Link() for _ in range(2)]
+    for link, s in zip(links, scripted):
+        link.averager = s
+
+    def make(i):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        engine = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), averager=scripted[i], sync_every=30)
+        engine.schedule = AutoH(engine.schedule, links[i], start, table, num_params=n, step_s=0.1, groups=2)
+        return engine
+
+    engines = build_in_threads(make, 2)
+    periods = [[], []]
+
+    def work(i):
+        e = engines[i]
+        for t in range(330):
+            g = torch.Generator().manual_seed(10_000 * i + t)
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            e.inner_optimizer.zero_grad()
+            nn.functional.mse_loss(e.model(x), y).backward()
+            e.inner_optimizer.step()
+            periods[i] += [ev.next_period for ev in e.step() if ev.kind == "launch"]
+        e.close()
+
+    run_in_threads(work, 2)
+    assert periods[0] == periods[1] == [30, 30, 100, 100, 100]  # exchanges 1, 2 fast; 3 on slow
+    assert [c[1] for c in engines[0].schedule.changes] == [100] and engines[0].schedule.changes == \
+        engines[1].schedule.changes
+    assert engines[0].global_hash() == engines[1].global_hash()
