@@ -33,10 +33,11 @@ repeat it), 75 restart me (a fault: the group heals when restarted), 130 interru
 QUORUM_HELP = """\
 fault tolerance: every exchange between groups runs among a quorum of the groups alive then. A
 group silent for --heartbeat-timeout seconds (or restarted) is left out of the next quorum and the
-others go on; a round is applied only if every rank of every member finished it, otherwise no one
+others go on (with --quorum-grace S: once S seconds passed after the first group asked); a round is applied only if every rank of every member finished it, otherwise no one
 applies it and it is retried; a restarted group heals (fetches the job's state from a live member)
 and rejoins. The mean is weighted by the tokens each group trained. NaN/Inf or outlier
-pseudo-gradients (--outlier-factor) are refused. See docs/fault_tolerance.md.
+pseudo-gradients (--outlier-factor) are refused. If every group is lost at once, diloco run says
+"job lost" and exits 75: resume from the job checkpoints. See docs/fault_tolerance.md.
 """
 
 
