@@ -124,11 +124,11 @@ class _Scripted:
 def test_groups_switch_h_at_the_same_round_and_stay_bit_identical():
     """Two engines (top-k with error feedback) whose links slow down at the same exchange: both move
     from H=30 to H=100 at the same round, residuals and momentum carried, parameters identical."""
-    import compress
     import torch
-    import torch.nn as nn
     from diloco_helpers import build_in_threads, run_in_threads
+    from torch import nn
 
+    import compress
     from diloco.engine.averaging import InProcessGroups
     from diloco.engine.diloco import DiLoCo
     from diloco.job import auto_choice as ac
