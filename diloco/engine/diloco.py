@@ -480,10 +480,13 @@ class DiLoCo:
             self.next_sync[p] = self.inner_step + max(period, 1)
         return [dataclasses.replace(e, next_period=period) if e.kind == "launch" else e for e in events]
 
-    def adopt(self, tag: str, pending: PendingMean) -> list[SyncEvent]:
+    def adopt(self, tag: str, pending: PendingMean, *, committed_at: float | None = None) -> list[SyncEvent]:
         """Healing: this engine was just loaded with a live member's state, taken as that member
         launched exchange ``tag``; ``pending`` is this group's part in that exchange (it sent
-        nothing: its weight is 0). Finishes the sync as the member does, so both continue alike."""
+        nothing: its weight is 0). Finishes the sync as the member does, so both continue alike.
+        ``committed_at`` (time rounds): when that exchange committed, on ``clock``: the next round
+        runs from then, as the members' do, so a state transfer that ended later shortens this
+        group's first round instead of making the others wait for it."""
         match = re.fullmatch(r"f(\d+)/r(\d+)", tag)
         if match is None or int(match.group(1)) >= len(self.fragments):
             raise ValueError(f"cannot join exchange {tag!r}: not a fragment sync of this engine")
@@ -495,6 +498,8 @@ class DiLoCo:
         if self.tiles is not None:  # SparseLoCo: the exchange ran in tile-major order, as the members' did
             pending = FromTiles(pending, self.tiles[p])
         events = self._after_launch(p, [self._launched(p, pending)])
+        if self.time_rounds is not None and committed_at is not None:
+            self._round_start = min(committed_at, self._round_start)
         self.last_events = events
         return events
 

@@ -229,7 +229,9 @@ class QuorumAverager(StripedAverager):
             self.positions.commit(resp.tag, resp.weights)
             engine.load_state_dict(state)
             self.exchanges = resp.exchange + 1
-            engine.adopt(resp.tag, Done(mean))
+            # the exchange committed before the transfer ended: time rounds run from the commit
+            committed_at = engine.clock() - (time.monotonic() - pending.committed_at)
+            engine.adopt(resp.tag, Done(mean), committed_at=committed_at)
             self._needs_heal = False
             self.stats.healed = True
             self.stats.heal_seconds = time.perf_counter() - started
@@ -378,6 +380,8 @@ class _QuorumPending:
         self.own_rejected = avg.group in resp.rejected
         #: after ``wait``: this group's share of the committed weighted mean (eager's correction)
         self.own_share: float | None = None
+        #: after ``wait``: when the attempt that committed was decided (``time.monotonic``)
+        self.committed_at: float | None = None
         self._value: torch.Tensor | None = None
         self._result = None
         self._error: BaseException | None = None
@@ -413,6 +417,7 @@ class _QuorumPending:
             out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather, self._shards)
             decision = avg.vote(resp, ok, why)
             if decision.committed:
+                self.committed_at = time.monotonic()
                 avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))
                 self.own_share = own_share(resp.weights, avg.group)
                 if self._ask is not None and not self._exact:  # a healer takes the donor's table (heal)

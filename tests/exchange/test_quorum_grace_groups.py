@@ -115,3 +115,82 @@ def test_a_transfer_that_fails_after_its_exchange_committed_heals_again_in_the_n
     events = coordinator.snapshot()["rounds_state"]["events"]
     assert any(e["kind"] == "joined" and e["group"] == 2 and e.get("again") for e in events)
     assert [e["kind"] for e in events if e.get("group") == 2].count("healed") == 2  # committed twice as a healer
+
+
+ROUND_S, ROUNDS, STEP_S = 1.2, 6, 0.02
+TIMED_FETCH_S = 0.8  # < ROUND_S: the transfer fits in the others' next round
+
+
+class TimedGroup(ft.Group):
+    """A group whose rounds are by time (``TimeRounds``): each ends ROUND_S after the last commit."""
+
+    def __init__(self, address: str, group: int, *, die_after_round: int | None = None, on_connected=None) -> None:
+        super().__init__(address, group, on_connected=on_connected)
+        self.die_after_round = die_after_round
+
+    def _run(self) -> None:
+        import torch
+        import torch.nn as nn
+
+        import diloco
+        from diloco.engine.schedule import TimeRounds
+
+        try:
+            opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+            self.link = diloco.connect(self.address, self.group, secret=ft.SECRET, settings=ft.SETTINGS,
+                                       heartbeat_timeout=ft.HEARTBEAT_S)
+            if self.on_connected is not None:
+                self.on_connected(self.link)
+            self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, mode="blocking",
+                                        sync_every=TimeRounds(ROUND_S, ROUNDS))
+            t = self.engine.inner_step
+            while not self.engine.rounds_done:
+                if self.killed.is_set() or (self.die_after_round is not None
+                                            and self.engine.rounds[0] >= self.die_after_round):
+                    return self.kill()
+                x, y = ft.batch(self.group, t)
+                loss = nn.functional.mse_loss(self.model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                time.sleep(STEP_S)
+                self.engine.step()
+                t += 1
+            self.engine.close()
+            self.final_hash = self.engine.global_hash()
+        except BaseException as e:  # noqa: BLE001 - checked by the test
+            if not self.killed.is_set():
+                self.error = e
+        finally:
+            if self.link is not None and not self.killed.is_set():
+                self.link.close()
+
+
+def slow_timed_transfer(link) -> None:
+    transfer = link.averager._transfer
+    fetch = transfer._fetch
+
+    def slow(*args, **kwargs):
+        time.sleep(TIMED_FETCH_S)
+        return fetch(*args, **kwargs)
+
+    transfer._fetch = slow
+
+
+def test_with_rounds_by_time_a_healers_transfer_shortens_its_first_round_and_stalls_no_one(server):
+    """The healer's first round runs from the commit it joined, like the others', not from the end
+    of its state transfer: it asks for its first exchange as a member on time."""
+    coordinator = server(heartbeat_timeout_s=ft.HEARTBEAT_S)
+    first = [TimedGroup(coordinator.address, g, die_after_round=1 if g == 2 else None).start() for g in range(3)]
+    first[2].join()
+    assert first[2].killed.is_set()
+    healer = TimedGroup(coordinator.address, 2, on_connected=slow_timed_transfer).start()
+    survivors = [first[0], first[1], healer]
+    ft.finish(survivors)
+    assert len({g.final_hash for g in survivors}) == 1 and healer.link.fault_stats.healed
+    state = coordinator.snapshot()["rounds_state"]
+    healed = [e["exchange"] for e in state["events"] if e["kind"] == "healed"]
+    assert len(healed) == 1
+    for g in first[:2]:
+        took = {e: seconds for e, seconds, _, _ in g.link.fault_stats.exchanges}
+        assert healed[0] + 1 in took and took[healed[0] + 1] < TIMED_FETCH_S / 2, g.link.fault_stats.exchanges
