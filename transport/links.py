@@ -40,10 +40,6 @@ log = logging.getLogger("transport.core")  # one logger for the transport's mess
 
 #: a probe not acknowledged within this many seconds is sent again (see _probe_roundtrip)
 PROBE_RESEND_S = 2.0
-#: only round trips of at most this many bytes are sent again (the warm-up's): a big probe on a
-#: slow link takes longer than PROBE_RESEND_S by itself, and sending it again would flood the link
-#: it measures (at 2 Mbit/s, 512 KiB takes 2.1 s); once the warm-up was answered the way back is good
-PROBE_RESEND_MAX_BYTES = 4096
 
 
 class _Unanswered(TransportError):
@@ -218,7 +214,7 @@ class LinkEndpoint:
         while True:
             link = self._get_link(peer, deadline)
             try:
-                self._probe_roundtrip(link, 1, deadline)  # warm-up
+                self._probe_roundtrip(link, 1, deadline, resend=True)  # warm-up
                 pairs = [(self._probe_roundtrip(link, 1, deadline), self._probe_roundtrip(link, size, deadline))
                          for _ in range(PROBE_PAIRS)]
             except _Unanswered:  # measured again, on a link both ways known good
@@ -237,12 +233,15 @@ class LinkEndpoint:
                 return size / PROBE_MIN_TRANSFER_S
             size = min(4 * size, most)
 
-    def _probe_roundtrip(self, link: Link, nbytes: int, deadline: float) -> float:
+    def _probe_roundtrip(self, link: Link, nbytes: int, deadline: float, *, resend: bool = False) -> float:
         """Seconds from sending an nbytes probe to its acknowledgement. When none comes within
-        PROBE_RESEND_S a small probe (the warm-up) is sent again (the peer's way back may have been a
-        stale link to an earlier process at this address: answering on it fails, and the peer
-        redials), and _Unanswered tells the caller that this timing is not a measurement. A big one
-        waits for its answer until the deadline (PROBE_RESEND_MAX_BYTES)."""
+        PROBE_RESEND_S and ``resend`` (the warm-up) the probe is sent again (the peer's way back may
+        have been a stale link to an earlier process at this address: answering on it fails, and the
+        peer redials), and _Unanswered tells the caller that this timing is not a measurement. The
+        measured round trips wait for their answer until the deadline: once the warm-up was answered
+        the way back is good, and on a slow link a big probe, or a tiny one queued behind the peer's
+        own big probe, takes longer than PROBE_RESEND_S by itself (at 2 Mbit/s 512 KiB take 2.1 s):
+        sending it again would flood the link it measures and start the measurement over."""
         with self._lock:
             pid = next(self._probe_ids)
             done = threading.Event()
@@ -253,7 +252,7 @@ class LinkEndpoint:
             start = time.perf_counter()
             link.send([head, bytes(nbytes)], lambda reason: (failed.append(reason), done.set()))
             resent = False
-            wait_s = PROBE_RESEND_S if nbytes <= PROBE_RESEND_MAX_BYTES else float("inf")
+            wait_s = PROBE_RESEND_S if resend else float("inf")
             while not done.wait(max(0.0, min(wait_s, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline:
                     raise TransportError(f"probe to {link.peer} timed out")

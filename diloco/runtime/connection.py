@@ -130,6 +130,10 @@ def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:
     return TlsConfig(t.tls_cert, t.tls_key, t.tls_ca)
 
 
+#: seconds close() gives a background re-probe to end once the links are closed
+REPROBE_CLOSE_S = 1.0
+
+
 class _Reprobe:
     """Starts a background re-measurement every ``every`` exchanges of ``averager``; a failed one
     (a peer group restarted or left) is logged and tried again later, never fatal."""
@@ -393,12 +397,16 @@ class GroupConnection:
         return out
 
     def close(self) -> None:
-        """Stop the metrics endpoint, the data plane and the coordinator channel. Idempotent."""
-        if self.reprobe is not None:
-            self.reprobe.monitor.join(self.transport.timeout_s)
+        """Stop the metrics endpoint, the data plane and the coordinator channel. Idempotent.
+
+        A re-probe still in flight is not waited for: its peer may have finished and will never
+        answer (a finished job then sat out --timeout here). Its thread is a daemon; closing the
+        links ends its probe, and it is given REPROBE_CLOSE_S to notice."""
         self.averager.close()
         self.metrics.close()
         self.transport.close()
+        if self.reprobe is not None:
+            self.reprobe.monitor.join(REPROBE_CLOSE_S)
         self.client.close()
 
     def __enter__(self) -> "GroupConnection":

@@ -93,7 +93,7 @@ def test_probe_never_reports_an_impossible_rate_from_bad_timings(monkeypatch) ->
     with transports(g=2) as (a, b):
         sizes = []
 
-        def backwards(link, nbytes, deadline):
+        def backwards(link, nbytes, deadline, **_):
             sizes.append(nbytes)
             return 5e-3 if nbytes == 1 else 4e-3
 
@@ -102,7 +102,7 @@ def test_probe_never_reports_an_impossible_rate_from_bad_timings(monkeypatch) ->
         assert sorted({s for s in sizes if s > 1}) == [1 << 19, 1 << 21, 1 << 23], "4x the bytes, up to 16x"
         assert rate == (1 << 23) / PROBE_MIN_TRANSFER_S < PROBE_MAX_RATE, "the floor's rate, a lower bound"
 
-        def fast_then_measurable(link, nbytes, deadline):  # too fast to time at 512 KiB, not at 2 MiB
+        def fast_then_measurable(link, nbytes, deadline, **_):  # too fast to time at 512 KiB, not at 2 MiB
             return 1e-3 if nbytes == 1 else 1e-3 + (5e-5 if nbytes < 1 << 21 else 1e-3)
 
         monkeypatch.setattr(a, "_probe_roundtrip", fast_then_measurable)
@@ -138,18 +138,28 @@ def test_a_peer_restarted_at_the_same_address_is_probed_without_waiting_for_the_
             again.close(flush_timeout_s=1.0)
 
 
-def test_a_big_probe_on_a_slow_link_is_waited_for_not_sent_again(monkeypatch) -> None:
-    """On a slow link one big probe takes longer than the resend interval by itself: sending it
-    again would flood the link it measures and never finish (it timed out at 2 Mbit/s). Only the
-    warm-up is resent; the big ones are waited for, and the rate comes out right."""
+def test_two_ranks_probing_each_other_on_a_slow_link_finish_without_sending_again(monkeypatch) -> None:
+    """On a slow link a big probe takes longer than the resend interval by itself, and so does a
+    tiny one, or its answer, queued behind the other side's big probe (both groups probe at start).
+    Sending again would flood the link it measures and start over (at 2 Mbit/s it never finished):
+    only the warm-up is resent; both probes finish, the rates come out right, nothing is sent twice."""
+    import threading
+
     import transport.links as links
 
     monkeypatch.setattr(links, "PROBE_RESEND_S", 0.2)
     rate, nbytes = 1e6, 1 << 18  # 0.26 s per big probe, beyond the 0.2 s resend interval
-    with transports(g=1, timeout_s=30.0) as (b,), transports(g=1, timeout_s=30.0,
-                                                              shaper=TokenBucket(rate, 16 << 10)) as (a,):
-        before = a.bytes_sent
-        measured = a.probe(b.address, nbytes=nbytes)
-        sent = a.bytes_sent - before
-    assert 0.5 * rate < measured < 1.5 * rate
-    assert sent < 1.2 * links.PROBE_PAIRS * nbytes, f"{sent} bytes: a big probe was sent again"
+    with transports(g=1, timeout_s=60.0, shaper=TokenBucket(rate, 16 << 10)) as (a,), \
+            transports(g=1, timeout_s=60.0, shaper=TokenBucket(rate, 16 << 10)) as (b,):
+        rates: dict[str, float] = {}
+        threads = [threading.Thread(target=lambda x, y, k: rates.__setitem__(k, x.probe(y.address, nbytes=nbytes)),
+                                    args=(x, y, k)) for x, y, k in ((a, b, "a"), (b, a, "b"))]
+        before = a.bytes_sent + b.bytes_sent
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90.0)
+        sent = a.bytes_sent + b.bytes_sent - before
+    assert set(rates) == {"a", "b"}, "a probe did not finish"
+    assert all(0.25 * rate < r < 2 * rate for r in rates.values()), rates  # the old pairing read 25x
+    assert sent < 1.2 * 2 * links.PROBE_PAIRS * nbytes, f"{sent} bytes: a big probe was sent again"
