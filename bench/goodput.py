@@ -19,7 +19,13 @@ In one run of the bench, in turn:
   window, from the first step any group starts to the last) against the sum of the solo rates;
 * rounds by time (``--round-seconds S``), group 1 slowed, as many rounds as fixed H, S set from
   the solo rates so the job trains about the tokens of the equal-speed job;
-* fixed H, both groups at full speed: the reference for loss per token.
+* fixed H, both groups at full speed, as many steps per group as the time rounds' job trained in
+  all over 2 (its tokens): the reference for loss per token.
+
+Each job's rate is also set against its own groups' busy rates, measured in the same job at the
+same moments: a group's steps over its window less its time in syncs (exchanges and waiting),
+summed over the groups. That ratio shares the load of the moment with the job it judges, so it
+does not move with the other work on the machine as the solo jobs' rates do.
 
 ``--repeats N`` runs the whole sequence N times (the spread between repeats is the noise: the
 machine's 2 cores are shared with other work).
@@ -156,14 +162,21 @@ def _record(name: str, kw: dict, cfg: Config, s: dict, times: dict[int, list[flo
     # the job's rate: every step but each group's first, over the job's window of step starts
     window = last - first
     rate = sum(n - 1 for n in steps.values()) * tokens_per_step / window
+    # each group's rate while it computes (its window less its time in syncs: exchanges and waits),
+    # measured in this job, under this moment's load: what it would train alone, as the machine is now
+    sync = {int(g): float(v) for g, v in s["sync_seconds_per_group"].items()}
+    busy = {g: (len(t) - 1) * tokens_per_step / max(t[-1] - t[0] - sync.get(g, 0.0), 1e-9) for g, t in times.items()}
     rec = {
-        "case": name, "groups": cfg.topology.groups, "slow_group": kw["slow_group"],
+        "case": name, "groups": cfg.topology.groups, "slow_group": kw["slow_group"], "steps": cfg.train.steps,
         "round_seconds": cfg.sync.round_seconds, "steps_per_group": steps, "tokens": s["tokens"],
         "tokens_per_s": rate, "window_s": window, "eval_loss": s["eval_loss"], "outer_rounds": s["outer_rounds"],
         "periods": s["periods"], "params_identical": s["params_identical"], "wall_s": s["seconds"],
+        "sync_seconds_per_group": sync, "busy_tokens_per_s_per_group": busy,
+        "tokens_per_s_over_busy_sum": rate / sum(busy.values()),
     }
-    print(f"  {name}: {rate:,.0f} tokens/s over {window:.1f} s, steps {steps}, eval loss {s['eval_loss']:.4f}",
-          flush=True)
+    print(f"  {name}: {rate:,.0f} tokens/s over {window:.1f} s ({100 * rec['tokens_per_s_over_busy_sum']:.1f} % of its "
+          f"groups' busy rates {', '.join(f'{b:,.0f}' for b in busy.values())}), steps {steps}, "
+          f"eval loss {s['eval_loss']:.4f}", flush=True)
     return rec
 
 
@@ -186,7 +199,9 @@ def case_slow_group(args) -> dict:
         seconds = 2 * args.h / rate_steps
         timed = run_jobs(args, {"time-rounds-slow": {"groups": 2, "slow_group": 1, "round_seconds": round(seconds, 3)}}
                          )["time-rounds-slow"]
-        equal = run_jobs(args, {"fixed-h-equal": {"groups": 2, "slow_group": -1}})["fixed-h-equal"]
+        # equal speeds at the tokens the time rounds trained: the loss per token to compare with
+        steps_equal = max(round(sum(timed["steps_per_group"].values()) / 2), args.h)
+        equal = run_jobs(args, {"fixed-h-equal": {"groups": 2, "slow_group": -1, "steps": steps_equal}})["fixed-h-equal"]
         repeats.append({
             "runs": [fast, slow, fixed, timed, equal], "solo_sum_tokens_per_s": solo_sum,
             "fixed_h_ratio": fixed["tokens_per_s"] / solo_sum, "time_rounds_ratio": timed["tokens_per_s"] / solo_sum,
@@ -194,12 +209,21 @@ def case_slow_group(args) -> dict:
             "loss_vs_equal_speed": timed["eval_loss"] / equal["eval_loss"] - 1,
             "tokens_vs_equal_speed": timed["tokens"] / equal["tokens"] - 1,
             "fixed_h_loss_vs_equal_speed": fixed["eval_loss"] / equal["eval_loss"] - 1,
+            "fixed_h_ratio_in_job": fixed["tokens_per_s_over_busy_sum"],
+            "time_rounds_ratio_in_job": timed["tokens_per_s_over_busy_sum"],
         })
         print(f"  -> fixed H {100 * repeats[-1]['fixed_h_ratio']:.1f} %, rounds by time "
               f"{100 * repeats[-1]['time_rounds_ratio']:.1f} % of the solo sum; loss vs equal speed "
               f"{100 * repeats[-1]['loss_vs_equal_speed']:+.2f} % at {100 * repeats[-1]['tokens_vs_equal_speed']:+.1f} % "
-              "tokens", flush=True)
-    keys = ("fixed_h_ratio", "time_rounds_ratio", "loss_vs_equal_speed", "tokens_vs_equal_speed")
+              f"tokens; against the groups' busy rates in the job: fixed H {100 * fixed['tokens_per_s_over_busy_sum']:.1f} %, "
+              f"rounds by time {100 * timed['tokens_per_s_over_busy_sum']:.1f} %", flush=True)
+        args.save(_section(args, repeats))
+    return _section(args, repeats)
+
+
+def _section(args, repeats: list[dict]) -> dict:
+    keys = ("fixed_h_ratio", "time_rounds_ratio", "fixed_h_ratio_in_job", "time_rounds_ratio_in_job",
+            "loss_vs_equal_speed", "tokens_vs_equal_speed")
     return {
         "settings": {"steps": args.steps, "h": args.h, "factor": args.factor, "repeats": args.repeats,
                      "ranks_per_group": 1, "threads_per_rank": 1, "entry": ENTRY},
@@ -235,9 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in filter(None, args.cases.split(",")):
         if name not in CASES:
             p.error(f"unknown case {name!r}; choose from {', '.join(CASES)}")
-        out[name] = CASES[name](args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+        def save(section: dict, name: str = name) -> None:  # after every repeat: a stopped run keeps its data
+            out[name] = section
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+        args.save = save
+        save(CASES[name](args))
     print(json.dumps({k: v.get("summary") for k, v in out.items()}, indent=1))
     return 0
 
