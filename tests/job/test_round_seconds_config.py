@@ -2,8 +2,8 @@
 
 import pytest
 
-from diloco.engine.schedule import FixedSchedule, TimeRounds
 from diloco.cli import build_parser
+from diloco.engine.schedule import FixedSchedule, TimeRounds
 from diloco.job.config import Config, ConfigError
 from diloco.runtime.worker import make_schedule
 
