@@ -1,0 +1,287 @@
+"""The fault case of ``bench/goodput.py`` (issue 32, point 4): goodput of a ``diloco run`` job
+whose groups are SIGKILLed on a schedule, against the same job without faults.
+
+For each fault interval (``--intervals 30,60``) a pair of jobs runs: the job with a kill every
+``interval`` seconds (``ChaosMonkey`` with a fixed gap: a random healthy group's whole process
+tree, restarted at once; it heals back in) and its fault-free twin, the same config. With
+``--together`` (the default) the pair runs at the same time, so both see the machine's load of the
+same moments; goodput is then counted over their common window (from the later of their first
+commits to the earlier of their last), else over each job's own window (first to last commit).
+
+Goodput = tokens committed to the global model per second (a group's samples count when the
+exchange carrying them commits: the committed-sample ledger each group's rank 0 logs,
+``diloco.exchange.data_positions``, timed by its log line) over the fault-free twin's. The same
+ledger, checked over every incarnation of every group (``check_ledger``), counts samples
+committed twice or left out. Eval loss: both jobs train the same steps per group, so the faulty
+job ends with fewer committed tokens (a killed group's uncommitted work is lost and it rejoins at
+the job's step); its loss against the twin's is then an upper bound of the ratio at equal tokens
+(the twin's loss at fewer tokens is no lower); ``--equal-tokens`` runs a fault-free job of the
+faulty job's committed tokens afterwards for the exact ratio.
+
+Kills only: a stalled or corrupting link (``transport.FaultProxy``) needs the worker's dials to go
+through the proxy (``Transport.dial_overrides``, an in-process table); ``diloco run``'s workers
+are separate processes with no flag or variable to set it, so the fault proxy is not wired into
+this benchmark.
+
+The functions here are pure (records in, numbers out) except ``case_faults``, which runs jobs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from diloco.exchange.data_positions import check_ledger
+from diloco.job.config import Config
+
+BATCH = 8  # sequences per group per step (one rank)
+_COMMIT = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z \S+ \S+ \[worker group (\d+) rank 0\] "
+                     r"group (\d+) committed data (samples|steps) \[(\d+), (\d+)\)")
+
+
+def commits_from_logs(lines: Iterable[str]) -> list[tuple[float, int, int, int]]:
+    """Every committed-data record of rank 0 in text worker logs: (unix time s, group, first, end),
+    sorted by time; ``first``/``end`` in samples of the group's stream (half-open)."""
+    out = []
+    for line in lines:
+        m = _COMMIT.match(line)
+        if m is None:
+            continue
+        t = datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+        out.append((t, int(m.group(3)), int(m.group(5)), int(m.group(6))))
+    return sorted(out)
+
+
+def committed_between(commits: list[tuple[float, int, int, int]], t0: float, t1: float) -> int:
+    """Samples committed in ``(t0, t1]`` (every group, every incarnation)."""
+    return sum(end - first for t, _, first, end in commits if t0 < t <= t1)
+
+
+def common_window(jobs: dict[str, list[tuple[float, int, int, int]]]) -> tuple[float, float]:
+    """The window every job was committing in: from the latest first commit to the earliest last
+    commit (seconds, unix). ValueError when a job committed nothing or the windows do not overlap."""
+    if not jobs or any(not c for c in jobs.values()):
+        raise ValueError("a job committed nothing: no window to count goodput in")
+    t0, t1 = max(c[0][0] for c in jobs.values()), min(c[-1][0] for c in jobs.values())
+    if t1 <= t0:
+        raise ValueError(f"the jobs' commit windows do not overlap ({t0:.1f} .. {t1:.1f})")
+    return t0, t1
+
+
+def rate(commits: list[tuple[float, int, int, int]], window: tuple[float, float], tokens_per_sample: int) -> float:
+    """Committed tokens per second in ``window``: samples committed in it x tokens per sample / its length."""
+    t0, t1 = window
+    return committed_between(commits, t0, t1) * tokens_per_sample / (t1 - t0)
+
+
+def downtimes(kills: list[tuple[float, int]], traces: dict[int, list[float]]) -> list[float]:
+    """Per kill (unix time s, group): seconds from the killed group's last training step before the
+    kill to its first after it (its restart, rejoin and heal). A kill with no step on either side
+    in the trace is left out (the list is then shorter than the kills)."""
+    out = []
+    for t, g in kills:
+        steps = traces.get(g, [])
+        before = [s for s in steps if s <= t]
+        after = [s for s in steps if s > t]
+        if before and after:
+            out.append(after[0] - before[-1])
+    return out
+
+
+def ledger_counts(ranges: dict[int, list[tuple[int, int]]]) -> dict[str, int]:
+    """Samples committed, counted twice and left out over every group (``check_ledger``)."""
+    checks = check_ledger(ranges).values()
+    return {"committed": sum(c.counted for c in checks), "twice": sum(b - a for c in checks for a, b in c.twice),
+            "left_out": sum(b - a for c in checks for a, b in c.gaps)}
+
+
+def pair_result(fault: dict, free: dict, *, together: bool, tokens_per_sample: int) -> dict:
+    """Goodput of a faulty job against its fault-free twin. ``fault``/``free``: records with
+    ``commits`` (``commits_from_logs``), ``eval_loss`` and ``committed_tokens``."""
+    if together:
+        window = common_window({"fault": fault["commits"], "free": free["commits"]})
+        r_fault = rate(fault["commits"], window, tokens_per_sample)
+        r_free = rate(free["commits"], window, tokens_per_sample)
+        span = window[1] - window[0]
+    else:
+        wf, wr = common_window({"f": fault["commits"]}), common_window({"f": free["commits"]})
+        r_fault, r_free = rate(fault["commits"], wf, tokens_per_sample), rate(free["commits"], wr, tokens_per_sample)
+        span = wf[1] - wf[0]
+    return {"goodput": r_fault / r_free, "tokens_per_s": r_fault, "free_tokens_per_s": r_free, "window_s": span,
+            "eval_loss_vs_free_at_equal_steps": fault["eval_loss"] / free["eval_loss"] - 1,
+            "tokens_vs_free": fault["committed_tokens"] / free["committed_tokens"] - 1}
+
+
+# --- running the jobs (not pure) -----------------------------------------------------------------------
+
+def fault_config(args, *, trace: Path, steps: int | None = None, **_) -> Config:
+    """The jobs' config: the demo GPT at 1 layer x 32 wide (``bench.goodput``'s traced task, no
+    group slowed), one rank of one thread per group, ``--data-order epochs``."""
+    from bench.goodput import ENTRY
+
+    cfg = Config()
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.block_size = 1, 32, 2, 32
+    cfg.data.batch_size, cfg.data.eval_batches, cfg.data.order = BATCH, 8, "epochs"
+    cfg.train.steps, cfg.train.log_every, cfg.train.seed = steps or args.fault_steps, 50, args.seed
+    cfg.inner.warmup_steps = 20
+    cfg.sync.h, cfg.sync.round_seconds = args.fault_h, args.round_seconds
+    cfg.topology.groups, cfg.topology.ranks_per_group, cfg.topology.threads_per_rank = args.groups, 1, 1
+    cfg.transport.timeout_s, cfg.transport.probe_bytes = args.collective_timeout, 0
+    cfg.fault.heartbeat_timeout, cfg.fault.quorum_grace = args.heartbeat_timeout, args.quorum_grace
+    cfg.fault.max_restarts = 20  # chaos kills do not count; a group left out while alive does
+    cfg.train.entry = ENTRY
+    cfg.train.entry_args = f"slow_group=-1,factor=1,trace={trace}"
+    return cfg.validate()
+
+
+def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
+    """One job's record from its summary and its folder (run logs, step traces, kill times)."""
+    import json
+
+    from diloco.exchange.data_positions import ledger_from_logs
+
+    lines = [line for p in sorted((d / "run").glob("group-*.log")) for line in p.read_text(errors="replace").splitlines()]
+    commits = commits_from_logs(lines)
+    counts = ledger_counts(ledger_from_logs(lines))
+    tokens_per_sample = cfg.model.block_size
+    kills = [tuple(k) for k in json.loads((d / "kills.json").read_text())] if (d / "kills.json").exists() else []
+    traces = {int(p.name.split("-")[1]): sorted(float(x) for x in p.read_text().split())
+              for p in (d / "trace").glob("group-*-rank-0.txt")}
+    down = downtimes(kills, traces)
+    f = s["fault"]
+    stalls = f["stall_seconds"]
+    rec = {
+        "case": name, "interval_s": kw.get("interval"), "groups": cfg.topology.groups, "steps": cfg.train.steps,
+        "h": cfg.sync.h, "round_seconds": cfg.sync.round_seconds, "quorum_grace_s": cfg.fault.quorum_grace,
+        "heartbeat_timeout_s": cfg.fault.heartbeat_timeout, "kills": f["kills"], "failures": f["failures"],
+        "restarts": f["restarts"], "heals": f["heals"], "rolled_back": f["rolled_back"],
+        "committed_rounds": f["committed"], "stalls": len(stalls), "stall_s_sum": sum(stalls),
+        "stall_s_median": statistics.median(stalls) if stalls else 0.0, "stall_s_max": max(stalls, default=0.0),
+        "downtime_s_per_kill": down, "downtime_s_median": statistics.median(down) if down else None,
+        "committed_samples": counts["committed"], "committed_tokens": counts["committed"] * tokens_per_sample,
+        "samples_twice": counts["twice"], "samples_left_out": counts["left_out"],
+        "data_per_group": s.get("data_per_group"), "eval_loss": s["eval_loss"],
+        "initial_eval_loss": s["initial_eval_loss"], "params_identical": s["params_identical"],
+        "divergent_rounds": len(s["divergence"]), "wall_s": s["seconds"],
+        "commits": commits, "tokens_per_sample": tokens_per_sample,
+        "busy_group_s": sum(t[-1] - t[0] for t in traces.values() if t),
+    }
+    print(f"  {name}: {rec['kills']} kills, {rec['committed_tokens']:,} tokens committed, twice "
+          f"{rec['samples_twice']}, left out {rec['samples_left_out']}, eval loss {rec['eval_loss']:.4f}, "
+          f"stalls {len(stalls)} ({rec['stall_s_sum']:.1f} s), down per kill "
+          f"{'' if not down else f'median {statistics.median(down):.1f} s'}, wall {rec['wall_s']:.0f} s", flush=True)
+    return rec
+
+
+def parse_intervals(text: str) -> list[float | None]:
+    """``"10,30,none"`` -> [10.0, 30.0, None] (None: no faults). ValueError on anything else."""
+    out: list[float | None] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part.lower() == "none":
+            out.append(None)
+            continue
+        v = float(part)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"a fault interval is seconds > 0 or 'none', got {part!r}")
+        out.append(v)
+    if not out:
+        raise ValueError("no fault interval given")
+    return out
+
+
+def _label(interval: float | None) -> str:
+    return "none" if interval is None else f"{interval:g}s"
+
+
+def case_faults(args, run_jobs: Callable) -> dict:
+    """Each interval's faulty job against its fault-free twin (module doc); returns the JSON section.
+    Interval ``none``: a fault-free job against its twin (the measurement's noise floor)."""
+    pairs = []
+
+    def chaos(interval: float) -> dict:  # a kill every interval s, restarted 0.5 s later, none in the last 5 %
+        return {"kills": args.faults, "gap_s": [interval, interval], "pause_s": [0.5, 0.5], "seed": args.seed,
+                "stop_fraction": 0.95}
+
+    def run(jobs: dict) -> dict:
+        return run_jobs(args, jobs, configure=fault_config, record=fault_record, timeout_s=args.job_timeout)
+
+    for interval in parse_intervals(args.intervals):
+        label = _label(interval)
+        print(f"faults: every {label}, {args.groups} groups, up to {args.faults} faults", flush=True)
+        jobs = {f"every-{label}": {"interval": interval, **({"chaos": chaos(interval)} if interval else {})},
+                f"twin-{label}": {}}
+        got = run(jobs) if args.together else {k: v for name, kw in jobs.items() for k, v in run({name: kw}).items()}
+        fault, free = got[f"every-{label}"], got[f"twin-{label}"]
+        pair = {"interval_s": interval, **pair_result(fault, free, together=args.together,
+                                                       tokens_per_sample=fault["tokens_per_sample"])}
+        if args.equal_tokens and interval is not None:
+            steps = max(args.fault_h, round(fault["committed_tokens"] / (fault["tokens_per_sample"] * BATCH * args.groups)
+                                            / args.fault_h) * args.fault_h)
+            eq = run({f"equal-{label}": {"steps": steps}})[f"equal-{label}"]
+            pair["equal_tokens_job"] = {k: eq[k] for k in ("steps", "committed_tokens", "eval_loss")}
+            pair["eval_loss_vs_free_at_equal_tokens"] = fault["eval_loss"] / eq["eval_loss"] - 1
+        print(f"  -> goodput {100 * pair['goodput']:.1f} % of the fault-free twin over {pair['window_s']:.0f} s; "
+              f"eval loss {100 * pair['eval_loss_vs_free_at_equal_steps']:+.2f} % at equal steps "
+              f"({100 * pair['tokens_vs_free']:+.1f} % tokens)", flush=True)
+        for rec in (fault, free):
+            rec["commits"] = len(rec["commits"])  # the count in the JSON; the times were used above
+        pairs.append({**pair, "fault_job": fault, "free_job": free})
+        args.save(fault_section(args, pairs))
+    section = fault_section(args, pairs)
+    if args.plot:
+        plot(section, args.plot)
+    return section
+
+
+def fault_section(args, pairs: list[dict]) -> dict:
+    """The JSON section: settings, a summary per interval, every pair's records."""
+    return {
+        "settings": {"groups": args.groups, "intervals": args.intervals, "faults": args.faults,
+                     "steps": args.fault_steps, "h": args.fault_h, "round_seconds": args.round_seconds,
+                     "quorum_grace_s": args.quorum_grace, "heartbeat_timeout_s": args.heartbeat_timeout,
+                     "collective_timeout_s": args.collective_timeout, "together": args.together,
+                     "kinds": "kill", "data_order": "epochs", "model": "demo GPT 1 layer x 32, block 32, batch 8"},
+        "summary": {_label(p["interval_s"]): {"goodput": p["goodput"], "faults": p["fault_job"]["kills"],
+                                              "eval_loss_vs_free": p["eval_loss_vs_free_at_equal_steps"],
+                                              "samples_twice": p["fault_job"]["samples_twice"],
+                                              "samples_left_out": p["fault_job"]["samples_left_out"]}
+                    for p in pairs},
+        "pairs": pairs,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def plot(section: dict, path: str) -> None:
+    """A PNG of goodput against fault interval ("none" at the right, 100 %); says so and returns
+    without one when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", flush=True)
+        return
+    pts = sorted((p["interval_s"], 100 * p["goodput"]) for p in section["pairs"] if p["interval_s"] is not None)
+    nulls = [100 * p["goodput"] for p in section["pairs"] if p["interval_s"] is None]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = [x for x, _ in pts]
+    ax.plot(xs, [y for _, y in pts], "o-", label="a kill every x s")
+    far = 2 * max(xs) if xs else 60
+    if nulls:
+        ax.plot([far] * len(nulls), nulls, "s", color="grey", label="none: fault-free vs its twin")
+    ax.axhline(97.7, ls="--", lw=0.8, color="red", label="target 97.7 %")
+    ax.set_xticks(xs + [far] * bool(nulls), [f"{x:g}" for x in xs] + ["none"] * bool(nulls))
+    ax.set_xlabel("seconds between faults")
+    ax.set_ylabel("goodput, % of fault-free")
+    ax.set_title(f"{section['settings']['groups']} groups, kill of a random group")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", flush=True)
