@@ -29,6 +29,11 @@ does not move with the other work on the machine as the solo jobs' rates do.
 
 ``--repeats N`` runs the whole sequence N times (the spread between repeats is the noise: the
 machine's 2 cores are shared with other work).
+
+faults: G groups (default 8), a random group's process tree SIGKILLed every N s, against the same
+job without faults run at the same time (bench/goodput_faults.py)::
+
+    python bench/goodput.py --cases faults --intervals 30 --faults 20 --json bench/results/goodput.json
 """
 
 from __future__ import annotations
@@ -63,10 +68,11 @@ ENTRY = "bench.goodput:slow_task"
 
 class _Throttle:
     """Wraps a task's loss: in training mode, records each step's start time and (when slowed)
-    sleeps ``factor - 1`` times the median of the last five un-slept step times first."""
+    sleeps ``factor - 1`` times the median of the last five un-slept step times first; with
+    ``pace`` (seconds, 0: off) it first sleeps until ``pace`` after the previous step's start."""
 
-    def __init__(self, loss: Callable, factor: float, trace: Path | None) -> None:
-        self.loss, self.factor, self.trace = loss, factor, trace
+    def __init__(self, loss: Callable, factor: float, trace: Path | None, pace: float = 0.0) -> None:
+        self.loss, self.factor, self.trace, self.pace = loss, factor, trace, pace
         self.last: float | None = None
         self.work: list[float] = []
 
@@ -74,6 +80,9 @@ class _Throttle:
         if not net.training:  # evaluation: neither slowed nor traced
             return self.loss(net, batch)
         now = time.time()
+        if self.pace > 0 and self.last is not None and now < self.last + self.pace:
+            time.sleep(self.last + self.pace - now)
+            now = time.time()
         if self.last is not None:  # the previous step's own work: from the end of its sleep to now
             self.work = (self.work + [now - self.last])[-5:]
         if self.factor > 1 and self.work:
@@ -87,12 +96,15 @@ class _Throttle:
 
 def slow_task(ctx: TaskContext) -> Task:
     """The demo GPT task; entry args ``slow_group`` (the group slowed, -1: none), ``factor``
-    (2: half speed) and ``trace`` (a folder for each group's step times, or empty)."""
+    (2: half speed), ``trace`` (a folder for each group's step times, or empty) and ``pace``
+    (seconds: every group's steps start at least this far apart, as on hardware of its own;
+    0 or absent: as fast as it can)."""
     args = ctx.args
     slowed = int(args.get("slow_group", "-1")) == ctx.group
     trace = Path(args["trace"]) / f"group-{ctx.group}-rank-{ctx.rank}.txt" if args.get("trace") else None
     task = gpt_task(ctx)
-    task.loss = _Throttle(task.loss, float(args.get("factor", "2")) if slowed else 1.0, trace)
+    task.loss = _Throttle(task.loss, float(args.get("factor", "2")) if slowed else 1.0, trace,
+                          pace=float(args.get("pace", "0")))
     return task
 
 
@@ -137,13 +149,16 @@ def _child(cfg_path: str, out_path: str, run_dir: str) -> int:
 
 
 class _TimedChaos(ChaosMonkey):
-    """The fault drill, also noting each kill's wall-clock time and group (``killed``)."""
+    """The fault drill, also noting each kill's wall-clock time and group (``killed``); its clock
+    starts once every group reported training (no kill while the groups start up)."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.killed: list[tuple[float, int]] = []
 
     def tick(self, now: float, **kw) -> ChaosPlan:
+        if kw["progress"] <= 0 and not self.kills_done:
+            return ChaosPlan()
         plan = super().tick(now, **kw)
         self.killed += [(time.time(), g) for g in plan.kill]
         return plan
@@ -290,10 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--faults", type=int, default=20, help="faults per faulty job (fewer if it ends first)")
     f.add_argument("--kinds", default="kill", help="fault kinds: kill (SIGKILL of a random group's process tree, "
                    "restarted at once); stall and corrupt are not wired (module doc of bench/goodput_faults.py)")
-    f.add_argument("--fault-steps", type=int, default=1500, help="inner steps per group of every job")
+    f.add_argument("--fault-steps", type=int, default=0, help="inner steps per group of every job (0: enough for "
+                   "--faults at the pace)")
+    f.add_argument("--pace-ms", type=float, default=50.0, help="every group's steps start at least this far apart "
+                   "(ms), as on hardware of its own: a group that is down then loses its share instead of handing "
+                   "its cores to the others (0: as fast as the machine goes)")
     f.add_argument("--fault-h", type=int, default=20, help="H of the fault case's jobs")
     f.add_argument("--round-seconds", type=float, default=0.0, help="rounds by time in the fault case (0: fixed H)")
-    f.add_argument("--quorum-grace", type=float, default=0.0, help="--quorum-grace of the fault case's jobs")
+    f.add_argument("--quorum-grace", type=float, default=1.0, help="--quorum-grace of the fault case's jobs (the "
+                   "paced groups ask for an exchange together; 0: off, survivors wait out the heartbeat timeout)")
     f.add_argument("--heartbeat-timeout", type=float, default=3.0)
     f.add_argument("--collective-timeout", type=float, default=10.0)
     f.add_argument("--together", action=argparse.BooleanOptionalAction, default=True,

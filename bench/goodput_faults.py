@@ -16,7 +16,13 @@ committed twice or left out. Eval loss: both jobs train the same steps per group
 job ends with fewer committed tokens (a killed group's uncommitted work is lost and it rejoins at
 the job's step); its loss against the twin's is then an upper bound of the ratio at equal tokens
 (the twin's loss at fewer tokens is no lower); ``--equal-tokens`` runs a fault-free job of the
-faulty job's committed tokens afterwards for the exact ratio.
+faulty job's committed tokens afterwards for the exact ratio (unpaced and without a grace window:
+with fixed H its loss does not depend on timing, so it runs as fast as the machine goes).
+
+Pace (``--pace-ms``): every group's steps start at least this far apart, as if each group had
+hardware of its own, with the machine's cores not all busy. Without it, on a machine whose cores
+every group shares, a group that is down hands its cores to the others, which then train faster:
+the job would lose almost nothing to a dead group, which real groups in their own datacenters do.
 
 Kills only: a stalled or corrupting link (``transport.FaultProxy``) needs the worker's dials to go
 through the proxy (``Transport.dial_overrides``, an in-process table); ``diloco run``'s workers
@@ -28,6 +34,7 @@ The functions here are pure (records in, numbers out) except ``case_faults``, wh
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -119,9 +126,23 @@ def pair_result(fault: dict, free: dict, *, together: bool, tokens_per_sample: i
 
 # --- running the jobs (not pure) -----------------------------------------------------------------------
 
-def fault_config(args, *, trace: Path, steps: int | None = None, **_) -> Config:
+def job_steps(args, interval: float | None) -> int:
+    """Inner steps per group: ``--fault-steps``, else (with a pace) enough for ``--faults`` faults
+    ``interval`` s apart (30 s for the fault-free pair) before 95 % of the job, plus 30 s, in
+    whole rounds of H."""
+    if args.fault_steps:
+        return args.fault_steps
+    if args.pace_ms <= 0:
+        raise ValueError("--fault-steps is needed without --pace-ms (the job's length in steps is unknown)")
+    seconds = args.faults * (interval or 30.0) / 0.95 + 30.0
+    return math.ceil(seconds / (args.pace_ms / 1000) / args.fault_h) * args.fault_h
+
+
+def fault_config(args, *, trace: Path, steps: int | None = None, unpaced: bool = False, **_) -> Config:
     """The jobs' config: the demo GPT at 1 layer x 32 wide (``bench.goodput``'s traced task, no
-    group slowed), one rank of one thread per group, ``--data-order epochs``."""
+    group slowed, every group paced at ``--pace-ms`` a step), one rank of one thread per group,
+    ``--data-order epochs``. ``unpaced``: as fast as the machine goes and without a grace window
+    (fixed H then makes the job's result independent of timing: for the loss at equal tokens)."""
     from bench.goodput import ENTRY
 
     cfg = Config()
@@ -132,10 +153,10 @@ def fault_config(args, *, trace: Path, steps: int | None = None, **_) -> Config:
     cfg.sync.h, cfg.sync.round_seconds = args.fault_h, args.round_seconds
     cfg.topology.groups, cfg.topology.ranks_per_group, cfg.topology.threads_per_rank = args.groups, 1, 1
     cfg.transport.timeout_s, cfg.transport.probe_bytes = args.collective_timeout, 0
-    cfg.fault.heartbeat_timeout, cfg.fault.quorum_grace = args.heartbeat_timeout, args.quorum_grace
-    cfg.fault.max_restarts = 20  # chaos kills do not count; a group left out while alive does
+    cfg.fault.heartbeat_timeout, cfg.fault.quorum_grace = args.heartbeat_timeout, 0.0 if unpaced else args.quorum_grace
+    cfg.fault.max_restarts = 100  # chaos kills do not count; a group left out while alive does
     cfg.train.entry = ENTRY
-    cfg.train.entry_args = f"slow_group=-1,factor=1,trace={trace}"
+    cfg.train.entry_args = f"slow_group=-1,factor=1,trace={trace},pace={0 if unpaced else args.pace_ms / 1000}"
     return cfg.validate()
 
 
@@ -169,7 +190,9 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
         "initial_eval_loss": s["initial_eval_loss"], "params_identical": s["params_identical"],
         "divergent_rounds": len(s["divergence"]), "wall_s": s["seconds"],
         "commits": commits, "tokens_per_sample": tokens_per_sample,
-        "busy_group_s": sum(t[-1] - t[0] for t in traces.values() if t),
+        # the median time between a group's step starts (the pace, if the machine kept it)
+        "step_interval_median_s": statistics.median(b - a for t in traces.values() for a, b in itertools.pairwise(t))
+        if any(len(t) > 1 for t in traces.values()) else None,
     }
     print(f"  {name}: {rec['kills']} kills, {rec['committed_tokens']:,} tokens committed, twice "
           f"{rec['samples_twice']}, left out {rec['samples_left_out']}, eval loss {rec['eval_loss']:.4f}, "
@@ -213,21 +236,26 @@ def case_faults(args, run_jobs: Callable) -> dict:
     for interval in parse_intervals(args.intervals):
         label = _label(interval)
         print(f"faults: every {label}, {args.groups} groups, up to {args.faults} faults", flush=True)
-        jobs = {f"every-{label}": {"interval": interval, **({"chaos": chaos(interval)} if interval else {})},
-                f"twin-{label}": {}}
+        steps = job_steps(args, interval)
+        jobs = {f"every-{label}": {"interval": interval, "steps": steps,
+                                   **({"chaos": chaos(interval)} if interval else {})},
+                f"twin-{label}": {"steps": steps}}
         got = run(jobs) if args.together else {k: v for name, kw in jobs.items() for k, v in run({name: kw}).items()}
         fault, free = got[f"every-{label}"], got[f"twin-{label}"]
         pair = {"interval_s": interval, **pair_result(fault, free, together=args.together,
                                                        tokens_per_sample=fault["tokens_per_sample"])}
+        # group-time the faulty job's groups spent down (kill to first step after it) over its groups' window
+        pair["downtime_share"] = sum(fault["downtime_s_per_kill"]) / (args.groups * pair["window_s"])
         if args.equal_tokens and interval is not None:
             steps = max(args.fault_h, round(fault["committed_tokens"] / (fault["tokens_per_sample"] * BATCH * args.groups)
                                             / args.fault_h) * args.fault_h)
-            eq = run({f"equal-{label}": {"steps": steps}})[f"equal-{label}"]
+            eq = run({f"equal-{label}": {"steps": steps, "unpaced": True}})[f"equal-{label}"]
             pair["equal_tokens_job"] = {k: eq[k] for k in ("steps", "committed_tokens", "eval_loss")}
             pair["eval_loss_vs_free_at_equal_tokens"] = fault["eval_loss"] / eq["eval_loss"] - 1
         print(f"  -> goodput {100 * pair['goodput']:.1f} % of the fault-free twin over {pair['window_s']:.0f} s; "
               f"eval loss {100 * pair['eval_loss_vs_free_at_equal_steps']:+.2f} % at equal steps "
-              f"({100 * pair['tokens_vs_free']:+.1f} % tokens)", flush=True)
+              f"({100 * pair['tokens_vs_free']:+.1f} % tokens); restarts kept groups down "
+              f"{100 * pair['downtime_share']:.1f} % of the group-time", flush=True)
         for rec in (fault, free):
             rec["commits"] = len(rec["commits"])  # the count in the JSON; the times were used above
         pairs.append({**pair, "fault_job": fault, "free_job": free})
@@ -242,11 +270,12 @@ def fault_section(args, pairs: list[dict]) -> dict:
     """The JSON section: settings, a summary per interval, every pair's records."""
     return {
         "settings": {"groups": args.groups, "intervals": args.intervals, "faults": args.faults,
-                     "steps": args.fault_steps, "h": args.fault_h, "round_seconds": args.round_seconds,
+                     "steps": args.fault_steps or "auto", "pace_ms": args.pace_ms, "h": args.fault_h, "round_seconds": args.round_seconds,
                      "quorum_grace_s": args.quorum_grace, "heartbeat_timeout_s": args.heartbeat_timeout,
                      "collective_timeout_s": args.collective_timeout, "together": args.together,
                      "kinds": "kill", "data_order": "epochs", "model": "demo GPT 1 layer x 32, block 32, batch 8"},
         "summary": {_label(p["interval_s"]): {"goodput": p["goodput"], "faults": p["fault_job"]["kills"],
+                                              "downtime_share": p["downtime_share"],
                                               "eval_loss_vs_free": p["eval_loss_vs_free_at_equal_steps"],
                                               "samples_twice": p["fault_job"]["samples_twice"],
                                               "samples_left_out": p["fault_job"]["samples_left_out"]}
