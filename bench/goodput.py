@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                    "fault-free job alone (each interval runs its own fault-free twin)")
     f.add_argument("--faults", type=int, default=20, help="faults per faulty job (fewer if it ends first)")
     f.add_argument("--kinds", default="kill", help="fault kinds: kill (SIGKILL of a random group's process tree, "
-                   "restarted at once); stall and corrupt are not wired (module doc of bench/goodput_faults.py)")
+                   "restarted 0.5 s later); stall and corrupt are not wired (module doc of bench/goodput_faults.py)")
     f.add_argument("--fault-steps", type=int, default=0, help="inner steps per group of every job (0: enough for "
                    "--faults at the pace)")
     f.add_argument("--pace-ms", type=float, default=50.0, help="every group's steps start at least this far apart "
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--factor must be >= 1, got {args.factor}")
     if args.kinds != "kill":
         p.error(f"--kinds {args.kinds!r}: only 'kill' is wired into a diloco run job here; a stalled or corrupting "
-                "link needs the workers' dials routed through transport.FaultProxy, which diloco run has no "
-                "setting for (bench/goodput_faults.py)")
+                "link needs the workers' dials routed through transport.FaultProxy, which a diloco run "
+                "worker's data-plane process has no setting for (bench/goodput_faults.py)")
     if args.groups < 2 or args.faults < 0:
         p.error(f"--groups must be >= 2 and --faults >= 0, got {args.groups} and {args.faults}")
     try:

@@ -24,10 +24,13 @@ hardware of its own, with the machine's cores not all busy. Without it, on a mac
 every group shares, a group that is down hands its cores to the others, which then train faster:
 the job would lose almost nothing to a dead group, which real groups in their own datacenters do.
 
-Kills only: a stalled or corrupting link (``transport.FaultProxy``) needs the worker's dials to go
-through the proxy (``Transport.dial_overrides``, an in-process table); ``diloco run``'s workers
-are separate processes with no flag or variable to set it, so the fault proxy is not wired into
-this benchmark.
+Kills only. A stalled or corrupting link (``transport.FaultProxy``) needs a group's dials to go
+through the proxy: the link's ``dial_overrides`` table (peer address -> relay address). In a
+``diloco run`` job that table lives in each worker's data-plane child process
+(``transport.ProcessTransport``, built by ``diloco/runtime/connection.py`` from the config), no
+flag or environment variable fills it, and the peers' addresses are ephemeral ports known only
+once each group listens (new ones after every restart). Wiring it needs a hook in the worker's
+transport setup and a relay that learns its targets at run time: not done here.
 
 The functions here are pure (records in, numbers out) except ``case_faults``, which runs jobs.
 """
