@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
-        args.save = save
+        args.save, args.previous = save, out.get(name)  # previous: the case's section from an earlier run, if any
         save(CASES[name](args))
     print(json.dumps({k: v.get("summary") for k, v in out.items()}, indent=1))
     return 0

@@ -41,6 +41,7 @@ import itertools
 import math
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
@@ -226,8 +227,11 @@ def _label(interval: float | None) -> str:
 
 def case_faults(args, run_jobs: Callable) -> dict:
     """Each interval's faulty job against its fault-free twin (module doc); returns the JSON section.
-    Interval ``none``: a fault-free job against its twin (the measurement's noise floor)."""
-    pairs = []
+    Interval ``none``: a fault-free job against its twin (the measurement's noise floor). Pairs of
+    other intervals from an earlier run (``args.previous``) are kept, each with its own settings."""
+    asked = {_label(i) for i in parse_intervals(args.intervals)}
+    kept = [p for p in ((getattr(args, "previous", None) or {}).get("pairs") or []) if _label(p["interval_s"]) not in asked]
+    pairs: list[dict] = []
 
     def chaos(interval: float) -> dict:  # a kill every interval s, restarted 0.5 s later, none in the last 5 %
         return {"kills": args.faults, "gap_s": [interval, interval], "pause_s": [0.5, 0.5], "seed": args.seed,
@@ -249,6 +253,8 @@ def case_faults(args, run_jobs: Callable) -> dict:
                                                        tokens_per_sample=fault["tokens_per_sample"])}
         # group-time the faulty job's groups spent down (kill to first step after it) over its groups' window
         pair["downtime_share"] = sum(fault["downtime_s_per_kill"]) / (args.groups * pair["window_s"])
+        # the exchanges a failure disturbed, first request to commit, over the window: every group waited
+        pair["stall_share"] = fault["stall_s_sum"] / pair["window_s"]
         if args.equal_tokens and interval is not None:
             steps = max(args.fault_h, round(fault["committed_tokens"] / (fault["tokens_per_sample"] * BATCH * args.groups)
                                             / args.fault_h) * args.fault_h)
@@ -258,27 +264,37 @@ def case_faults(args, run_jobs: Callable) -> dict:
         print(f"  -> goodput {100 * pair['goodput']:.1f} % of the fault-free twin over {pair['window_s']:.0f} s; "
               f"eval loss {100 * pair['eval_loss_vs_free_at_equal_steps']:+.2f} % at equal steps "
               f"({100 * pair['tokens_vs_free']:+.1f} % tokens); restarts kept groups down "
-              f"{100 * pair['downtime_share']:.1f} % of the group-time", flush=True)
+              f"{100 * pair['downtime_share']:.1f} % of the group-time, stalls "
+              f"{100 * pair['stall_share']:.1f} % of the window", flush=True)
         for rec in (fault, free):
             rec["commits"] = len(rec["commits"])  # the count in the JSON; the times were used above
-        pairs.append({**pair, "fault_job": fault, "free_job": free})
-        args.save(fault_section(args, pairs))
-    section = fault_section(args, pairs)
+        pairs.append({**pair, "settings": settings(args), "fault_job": fault, "free_job": free})
+        args.save(fault_section(args, kept + pairs))
+    section = fault_section(args, kept + pairs)
     if args.plot:
         plot(section, args.plot)
     return section
 
 
+def settings(args) -> dict:
+    """The fault case's settings as run (with the date and the command's own words)."""
+    return {"groups": args.groups, "intervals": args.intervals, "faults": args.faults,
+            "steps": args.fault_steps or "auto", "pace_ms": args.pace_ms, "h": args.fault_h,
+            "round_seconds": args.round_seconds, "quorum_grace_s": args.quorum_grace,
+            "heartbeat_timeout_s": args.heartbeat_timeout, "collective_timeout_s": args.collective_timeout,
+            "together": args.together, "kinds": "kill", "data_order": "epochs",
+            "model": "demo GPT 1 layer x 32, block 32, batch 8", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python bench/goodput.py " + " ".join(sys.argv[1:])}
+
+
 def fault_section(args, pairs: list[dict]) -> dict:
-    """The JSON section: settings, a summary per interval, every pair's records."""
+    """The JSON section: the latest run's settings, a summary per interval, every pair's records
+    (each with the settings it ran with)."""
     return {
-        "settings": {"groups": args.groups, "intervals": args.intervals, "faults": args.faults,
-                     "steps": args.fault_steps or "auto", "pace_ms": args.pace_ms, "h": args.fault_h, "round_seconds": args.round_seconds,
-                     "quorum_grace_s": args.quorum_grace, "heartbeat_timeout_s": args.heartbeat_timeout,
-                     "collective_timeout_s": args.collective_timeout, "together": args.together,
-                     "kinds": "kill", "data_order": "epochs", "model": "demo GPT 1 layer x 32, block 32, batch 8"},
+        "settings": settings(args),
         "summary": {_label(p["interval_s"]): {"goodput": p["goodput"], "faults": p["fault_job"]["kills"],
                                               "downtime_share": p["downtime_share"],
+                                              "stall_share": p["stall_share"],
                                               "eval_loss_vs_free": p["eval_loss_vs_free_at_equal_steps"],
                                               "samples_twice": p["fault_job"]["samples_twice"],
                                               "samples_left_out": p["fault_job"]["samples_left_out"]}

@@ -80,3 +80,42 @@ def test_intervals_parse_and_bad_ones_say_why():
     for bad in ("", "0", "-5", "nan", "soon"):
         with pytest.raises(ValueError):
             gf.parse_intervals(bad)
+
+
+def old_pair(interval: float) -> dict:
+    return {"interval_s": interval, "goodput": 0.5, "downtime_share": 0.1, "stall_share": 0.0,
+            "eval_loss_vs_free_at_equal_steps": 0.0, "fault_job": {"kills": 1, "samples_twice": 0, "samples_left_out": 0}}
+
+
+def test_the_case_drills_only_the_faulty_job_of_each_pair_and_keeps_other_intervals_from_before(tmp_path):
+    """case_faults with a stand-in for run_jobs: what it asks to run, and the section it builds."""
+    import argparse
+
+    asked = []
+
+    def fake_run_jobs(args, jobs, *, configure, record, timeout_s):
+        asked.append(jobs)
+        out = {}
+        for name, kw in jobs.items():
+            per_s = 90 if "chaos" in kw else 100  # samples per second committed
+            out[name] = {"commits": [(float(t), 0, t * per_s, (t + 1) * per_s) for t in range(1, 11)],
+                         "eval_loss": 2.0, "committed_tokens": 10 * per_s * 32, "tokens_per_sample": 32,
+                         "kills": 3 if "chaos" in kw else 0, "downtime_s_per_kill": [4.0, 5.0],
+                         "stall_s_sum": 0.9, "samples_twice": 0, "samples_left_out": 0}
+        return out
+
+    saved = []
+    args = argparse.Namespace(groups=4, intervals="10,none", faults=3, fault_steps=0, pace_ms=50.0, fault_h=20,
+                              round_seconds=0.0, quorum_grace=1.0, heartbeat_timeout=3.0, collective_timeout=10.0,
+                              together=True, equal_tokens=False, seed=7, job_timeout=60, plot=None,
+                              save=saved.append, previous={"pairs": [old_pair(60.0), old_pair(10.0)]})
+    section = gf.case_faults(args, fake_run_jobs)
+    assert [sorted(j) for j in asked] == [["every-10s", "twin-10s"], ["every-none", "twin-none"]]
+    assert asked[0]["every-10s"]["chaos"]["gap_s"] == [10.0, 10.0] and "chaos" not in asked[0]["twin-10s"]
+    assert "chaos" not in asked[1]["every-none"]
+    assert asked[0]["every-10s"]["steps"] == asked[0]["twin-10s"]["steps"] == 1240  # (3 x 10 / 0.95 + 30) s / 50 ms
+    assert [p["interval_s"] for p in section["pairs"]] == [60.0, 10.0, None]  # the old 10 s pair replaced
+    assert section["summary"]["10s"]["goodput"] == pytest.approx(0.9)
+    assert section["summary"]["none"]["goodput"] == pytest.approx(1.0)
+    assert section["pairs"][1]["downtime_share"] == pytest.approx(9.0 / (4 * 9))  # window (1, 10]: 9 s
+    assert len(saved) == 2
