@@ -82,54 +82,43 @@ class Counting(ft.Group):
                 if len(self.link.fault_stats.rejected) == refused_before:
                     self.committed += ids
 
-    def _run(self) -> None:
-        try:
-            opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
-            self.link = diloco.connect(self.address, self.group, secret=ft.SECRET, settings=ft.SETTINGS,
-                                       heartbeat_timeout=ft.HEARTBEAT_S)
-            if self.on_connected is not None:
-                self.on_connected(self.link)
-            self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, sync_every=ft.H, mode=self.mode)
-            task = Task(model=self.model, train_batches=self.source, loss=lambda m, b: b)
-            feed = DataFeed(self.source, self.link.averager.positions, group=self.group)
-            if self.resume is not None:
-                rank_state.restore(self.resume["state"], engine=self.engine, model=self.model, inner=opt, task=task)
-                feed.resumed(self.resume["state"])
-                self.pending = list(self.resume["pending"])
-            elif self.link.fault_stats.healed:
-                feed.healed()
-            self.ledger = self.link.averager.positions.ledger
-            self.start_step = self.engine.inner_step
-            for t in range(self.engine.inner_step, ft.STEPS):
-                if self.killed.is_set() or t == self.die_at:
-                    return self.kill()
-                ids, x, y = feed.next()
-                self.pending += ids.tolist()
-                loss = nn.functional.mse_loss(self.model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                if t + 1 == self.poison_at:
-                    with torch.no_grad():
-                        self.model[0].weight[0, 0] = float("nan")
-                refused = len(self.link.fault_stats.rejected)
-                events = self.engine.step()
-                feed.after_step()
-                self.count(events, refused)
-                if t + 1 == self.stop_at:
-                    assert not self.launched  # blocking: nothing in flight between steps
-                    self.checkpoint = {"pending": list(self.pending), "state": rank_state.capture(
-                        step=t + 1, cfg=None, engine=self.engine, model=self.model, inner=opt, task=task,
-                        data_positions=self.link.averager.positions.state)}
-                    return
-            self.count(self.engine.close(), len(self.link.fault_stats.rejected))
-            self.final_hash = self.engine.global_hash()
-        except BaseException as e:  # noqa: BLE001 - checked by the test
-            if not self.killed.is_set():
-                self.error = e
-        finally:
-            if self.link is not None and not self.killed.is_set():
-                self.link.close()
+    def _train(self) -> None:
+        opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, sync_every=ft.H, mode=self.mode)
+        task = Task(model=self.model, train_batches=self.source, loss=lambda m, b: b)
+        feed = DataFeed(self.source, self.link.averager.positions, group=self.group)
+        if self.resume is not None:
+            rank_state.restore(self.resume["state"], engine=self.engine, model=self.model, inner=opt, task=task)
+            feed.resumed(self.resume["state"])
+            self.pending = list(self.resume["pending"])
+        elif self.link.fault_stats.healed:
+            feed.healed()
+        self.ledger = self.link.averager.positions.ledger
+        self.start_step = self.engine.inner_step
+        for t in range(self.engine.inner_step, ft.STEPS):
+            if self.killed.is_set() or t == self.die_at:
+                return self.kill()
+            ids, x, y = feed.next()
+            self.pending += ids.tolist()
+            loss = nn.functional.mse_loss(self.model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if t + 1 == self.poison_at:
+                with torch.no_grad():
+                    self.model[0].weight[0, 0] = float("nan")
+            refused = len(self.link.fault_stats.rejected)
+            events = self.engine.step()
+            feed.after_step()
+            self.count(events, refused)
+            if t + 1 == self.stop_at:
+                assert not self.launched  # blocking: nothing in flight between steps
+                self.checkpoint = {"pending": list(self.pending), "state": rank_state.capture(
+                    step=t + 1, cfg=None, engine=self.engine, model=self.model, inner=opt, task=task,
+                    data_positions=self.link.averager.positions.state)}
+                return
+        self.count(self.engine.close(), len(self.link.fault_stats.rejected))
+        self.final_hash = self.engine.global_hash()
 
 
 def assert_counted_once(incarnations: dict[int, list[Counting]]) -> dict[int, int]:

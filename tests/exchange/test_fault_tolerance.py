@@ -66,37 +66,42 @@ class Group:
 
     def _run(self) -> None:
         try:
-            opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
             self.link = diloco.connect(self.address, self.group, secret=SECRET, settings=SETTINGS,
                                        heartbeat_timeout=HEARTBEAT_S)
             if self.killed.is_set():
                 return self.kill()
             if self.on_connected is not None:
                 self.on_connected(self.link)
-            self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, sync_every=H, mode=self.mode,
-                                        fragments=self.fragments)
-            for t in range(self.engine.inner_step, STEPS):
-                if self.killed.is_set() or t == self.die_at:
-                    return self.kill()
-                x, y = batch(self.group, t)
-                loss = nn.functional.mse_loss(self.model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                if t + 1 == self.poison_at:
-                    with torch.no_grad():
-                        self.model[0].weight[0, 0] = float("nan")
-                events = self.engine.step()
-                if any(e.kind == "commit" for e in events):
-                    self.hashes[self.engine.inner_step] = self.engine.global_hash()
-            self.engine.close()
-            self.final_hash = self.engine.global_hash()
+            self._train()
         except BaseException as e:  # noqa: BLE001 - checked by the test
             if not self.killed.is_set():
                 self.error = e
         finally:
             if self.link is not None and not self.killed.is_set():
                 self.link.close()
+
+    def _train(self) -> None:
+        """Build the engine (healing if the job runs already) and train to STEPS; subclasses of
+        the harness train their own way on the same connection."""
+        opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, sync_every=H, mode=self.mode,
+                                    fragments=self.fragments)
+        for t in range(self.engine.inner_step, STEPS):
+            if self.killed.is_set() or t == self.die_at:
+                return self.kill()
+            x, y = batch(self.group, t)
+            loss = nn.functional.mse_loss(self.model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if t + 1 == self.poison_at:
+                with torch.no_grad():
+                    self.model[0].weight[0, 0] = float("nan")
+            events = self.engine.step()
+            if any(e.kind == "commit" for e in events):
+                self.hashes[self.engine.inner_step] = self.engine.global_hash()
+        self.engine.close()
+        self.final_hash = self.engine.global_hash()
 
     def join(self, timeout_s: float = 90.0) -> None:
         self.thread.join(timeout_s)

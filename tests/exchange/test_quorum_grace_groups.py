@@ -54,16 +54,20 @@ def test_survivors_commit_within_the_grace_window_not_the_heartbeat_timeout(serv
         assert s.failures_seen == 1 and max(s.stall_seconds) < GRACE_S + MARGIN_S, s.stall_seconds
 
 
-def slow_state_transfer(link) -> None:
-    """This group's state fetch first sleeps SLOW_FETCH_S: a large model's transfer."""
-    transfer = link.averager._transfer
-    fetch = transfer._fetch
+def slow_transfer(seconds: float):
+    """An on_connected hook: this group's state fetch first sleeps ``seconds`` (a large model's transfer)."""
 
-    def slow(*args, **kwargs):
-        time.sleep(SLOW_FETCH_S)
-        return fetch(*args, **kwargs)
+    def hook(link) -> None:
+        transfer = link.averager._transfer
+        fetch = transfer._fetch
 
-    transfer._fetch = slow
+        def slow(*args, **kwargs):
+            time.sleep(seconds)
+            return fetch(*args, **kwargs)
+
+        transfer._fetch = slow
+
+    return hook
 
 
 def test_a_healer_joins_an_exchange_that_commits_without_waiting_for_its_state_transfer(server):
@@ -72,7 +76,7 @@ def test_a_healer_joins_an_exchange_that_commits_without_waiting_for_its_state_t
     first[2].join()
     assert first[2].killed.is_set()
     time.sleep(0.5)
-    healer = ft.Group(coordinator.address, 2, on_connected=slow_state_transfer).start()
+    healer = ft.Group(coordinator.address, 2, on_connected=slow_transfer(SLOW_FETCH_S)).start()
     survivors = [first[0], first[1], healer]
     ft.finish(survivors)
     assert len({g.final_hash for g in survivors}) == 1  # the late state plus the committed mean: the same
@@ -128,53 +132,31 @@ class TimedGroup(ft.Group):
         super().__init__(address, group, on_connected=on_connected)
         self.die_after_round = die_after_round
 
-    def _run(self) -> None:
+    def _train(self) -> None:
         import torch
         import torch.nn as nn
 
         import diloco
         from diloco.engine.schedule import TimeRounds
 
-        try:
-            opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
-            self.link = diloco.connect(self.address, self.group, secret=ft.SECRET, settings=ft.SETTINGS,
-                                       heartbeat_timeout=ft.HEARTBEAT_S)
-            if self.on_connected is not None:
-                self.on_connected(self.link)
-            self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, mode="blocking",
-                                        sync_every=TimeRounds(ROUND_S, ROUNDS))
-            t = self.engine.inner_step
-            while not self.engine.rounds_done:
-                if self.killed.is_set() or (self.die_after_round is not None
-                                            and self.engine.rounds[0] >= self.die_after_round):
-                    return self.kill()
-                x, y = ft.batch(self.group, t)
-                loss = nn.functional.mse_loss(self.model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                time.sleep(STEP_S)
-                self.engine.step()
-                t += 1
-            self.engine.close()
-            self.final_hash = self.engine.global_hash()
-        except BaseException as e:  # noqa: BLE001 - checked by the test
-            if not self.killed.is_set():
-                self.error = e
-        finally:
-            if self.link is not None and not self.killed.is_set():
-                self.link.close()
-
-
-def slow_timed_transfer(link) -> None:
-    transfer = link.averager._transfer
-    fetch = transfer._fetch
-
-    def slow(*args, **kwargs):
-        time.sleep(TIMED_FETCH_S)
-        return fetch(*args, **kwargs)
-
-    transfer._fetch = slow
+        opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, mode="blocking",
+                                    sync_every=TimeRounds(ROUND_S, ROUNDS))
+        t = self.engine.inner_step
+        while not self.engine.rounds_done:
+            if self.killed.is_set() or (self.die_after_round is not None
+                                        and self.engine.rounds[0] >= self.die_after_round):
+                return self.kill()
+            x, y = ft.batch(self.group, t)
+            loss = nn.functional.mse_loss(self.model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            time.sleep(STEP_S)
+            self.engine.step()
+            t += 1
+        self.engine.close()
+        self.final_hash = self.engine.global_hash()
 
 
 def test_with_rounds_by_time_a_healers_transfer_shortens_its_first_round_and_stalls_no_one(server):
@@ -184,7 +166,7 @@ def test_with_rounds_by_time_a_healers_transfer_shortens_its_first_round_and_sta
     first = [TimedGroup(coordinator.address, g, die_after_round=1 if g == 2 else None).start() for g in range(3)]
     first[2].join()
     assert first[2].killed.is_set()
-    healer = TimedGroup(coordinator.address, 2, on_connected=slow_timed_transfer).start()
+    healer = TimedGroup(coordinator.address, 2, on_connected=slow_transfer(TIMED_FETCH_S)).start()
     survivors = [first[0], first[1], healer]
     ft.finish(survivors)
     assert len({g.final_hash for g in survivors}) == 1 and healer.link.fault_stats.healed
