@@ -90,15 +90,17 @@ def rate(commits: list[tuple[float, int, int, int]], window: tuple[float, float]
     return committed_between(commits, t0, t1) * tokens_per_sample / (t1 - t0)
 
 
-def downtimes(kills: list[tuple[float, int]], traces: dict[int, list[float]]) -> list[float]:
-    """Per kill (unix time s, group): seconds from the killed group's last training step before the
-    kill to its first after it (its restart, rejoin and heal). A kill with no step on either side
-    in the trace is left out (the list is then shorter than the kills)."""
+def downtimes(kills: list[tuple[float, int]], traces: dict[int, list[float]], settle_s: float = 0.5) -> list[float]:
+    """Per kill (unix time s, group, as the drill decided it): seconds from the killed group's last
+    training step before the kill to its first after it (its restart, rejoin and heal). The dying
+    process may still start a step between the decision and the signal: steps within ``settle_s``
+    after ``t`` do not count as after it. A kill with no step on either side in the trace is left
+    out (the list is then shorter than the kills)."""
     out = []
     for t, g in kills:
         steps = traces.get(g, [])
         before = [s for s in steps if s <= t]
-        after = [s for s in steps if s > t]
+        after = [s for s in steps if s > t + settle_s]
         if before and after:
             out.append(after[0] - before[-1])
     return out

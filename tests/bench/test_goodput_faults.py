@@ -66,8 +66,9 @@ def test_goodput_counts_commits_in_the_common_window_only():
 
 
 def test_downtime_is_from_the_last_step_before_a_kill_to_the_first_after():
-    traces = {2: [1.0, 2.0, 3.0, 30.0, 31.0], 5: [1.0, 2.0]}
-    assert gf.downtimes([(3.5, 2), (1.5, 5), (10.0, 5)], traces) == [27.0, 1.0]  # group 5 never came back
+    traces = {2: [1.0, 2.0, 3.0, 3.55, 30.0, 31.0], 5: [1.0, 2.0]}
+    # group 2's step at 3.55 s: the dying process's last, started between the decision and the signal
+    assert gf.downtimes([(3.5, 2), (1.2, 5), (10.0, 5)], traces) == [27.0, 1.0]  # group 5 never came back
 
 
 def test_ledger_counts_name_samples_twice_and_left_out():
