@@ -322,6 +322,10 @@ def plot(section: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     xs = [x for x, _ in pts]
     ax.plot(xs, [y for _, y in pts], "o-", label="a kill every x s")
+    for p in section["pairs"]:
+        if p["interval_s"] is not None:
+            ax.annotate(f"{p['fault_job']['kills']} kills", (p["interval_s"], 100 * p["goodput"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, -10))
     far = 2 * max(xs) if xs else 60
     if nulls:
         ax.plot([far] * len(nulls), nulls, "s", color="grey", label="none: fault-free vs its twin")
