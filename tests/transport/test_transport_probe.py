@@ -162,4 +162,6 @@ def test_two_ranks_probing_each_other_on_a_slow_link_finish_without_sending_agai
         sent = a.bytes_sent + b.bytes_sent - before
     assert set(rates) == {"a", "b"}, "a probe did not finish"
     assert all(0.25 * rate < r < 2 * rate for r in rates.values()), rates  # the old pairing read 25x
-    assert sent < 1.2 * 2 * links.PROBE_PAIRS * nbytes, f"{sent} bytes: a big probe was sent again"
+    # a loaded machine may make one side measure again with 4x the bytes (the probe's own rule);
+    # resending every unanswered probe flooded the link for the whole deadline (60 s at 1 MB/s)
+    assert sent < 6 * 2 * links.PROBE_PAIRS * nbytes, f"{sent} bytes: probes were sent again and again"
