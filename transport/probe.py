@@ -34,14 +34,10 @@ class ProbeError(TransportError):
 
 def probe_rate(nbytes: int, pairs: Sequence[tuple[float, float]]) -> float | None:
     """Bytes/s of a link from timed round trips: ``pairs`` of (tiny message, ``nbytes`` message)
-    seconds, timed back to back.
+    seconds, each pair timed back to back so that drifts in the round trip cancel.
 
-    The transfer time is the median of the big round trips less the fastest tiny one (one slow
-    round trip, such as a redial after a peer restarted, moves it by nothing). Not the median of
-    the pairs' differences: when both ends probe at once, a tiny round trip's answer can queue
-    behind the peer's own big probe and take nearly as long as the big one, and the differences
-    then overstated a 1 MB/s link 25 times (measured). A delayed answer to a big probe can only
-    understate the rate. Returns None when that time is below
+    The transfer time is the median of the pairs' differences (one slow round trip, such as a
+    redial after a peer restarted, moves it by nothing). Returns None when that median is below
     ``PROBE_MIN_TRANSFER_S``: too short to time (probe with more bytes). Raises ProbeError for a
     rate above ``PROBE_MAX_RATE``, and ValueError for malformed input.
     """
@@ -52,7 +48,7 @@ def probe_rate(nbytes: int, pairs: Sequence[tuple[float, float]]) -> float | Non
     for small, big in pairs:
         if not (math.isfinite(small) and math.isfinite(big) and small >= 0 and big >= 0):
             raise ValueError(f"round trips must be finite and >= 0 s, got {(small, big)}")
-    transfer = statistics.median(big for _, big in pairs) - min(small for small, _ in pairs)
+    transfer = statistics.median(big - small for small, big in pairs)
     if transfer < PROBE_MIN_TRANSFER_S:
         return None
     rate = nbytes / transfer
