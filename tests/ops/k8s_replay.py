@@ -778,13 +778,7 @@ class Replay:
         for name in ("hosts", "passwd", "group", "resolv.conf"):
             lines.append(f"mount --bind {q(str(pod.dir / name))} {r}/etc/{name}")
         lines += [f"mount --rbind /sys {r}/sys", f"mount --rbind /dev {r}/dev", f"mount -t proc proc {r}/proc"]
-        for prefix in prefixes:
-            lines += [f"mkdir -p {r}{q(prefix)}", f"mount --bind {q(prefix)} {r}{q(prefix)}",
-                      f"mount -o remount,bind,ro {r}{q(prefix)}"]
         lines += [f"mount --bind {q(sys.prefix)} {r}/opt/venv", f"mount -o remount,bind,ro {r}/opt/venv"]
-        repo = str(self.repo)
-        lines += [f"mkdir -p {r}{q(repo)}", f"mount --bind {q(repo)} {r}{q(repo)}",
-                  f"mount -o remount,bind,ro {r}{q(repo)}"]
         lines.append(f"chown 10001:10001 {r}/home/diloco")
         for src, target, ro, shm in mounts:
             t = f"{r}{q(target)}"
@@ -795,6 +789,13 @@ class Replay:
                 lines.append(f"mount --bind {q(src)} {t}")
                 if ro:
                     lines.append(f"mount -o remount,bind,ro {t}")
+        # the installation and the repository at their own paths, over the pod's volumes: a volume at
+        # /tmp would otherwise hide an installation under /tmp (a virtual environment's scripts name
+        # their interpreter by its path there)
+        repo = str(self.repo)
+        for path in [*prefixes, repo]:
+            lines += [f"mkdir -p {r}{q(path)}", f"mount --bind {q(path)} {r}{q(path)}",
+                      f"mount -o remount,bind,ro {r}{q(path)}"]
         if pod.spec.get("hostNetwork"):
             lines.append(f"hostname {q(pod.node or 'node')}")
         else:
