@@ -55,6 +55,17 @@ def padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return out.view(nb, block)
 
 
+def block_means_(sums: torch.Tensor, count: int, block: int) -> torch.Tensor:
+    """Per-block sums of ``count`` values in blocks of ``block`` turned into means, in place: the
+    last block may be short and is divided by its real length."""
+    last = count - (sums.numel() - 1) * block
+    if last == block:
+        return sums.div_(block)
+    lengths = torch.full_like(sums, float(block))
+    lengths[-1] = last
+    return sums.div_(lengths)
+
+
 def check_scales(codec: str, scales: torch.Tensor) -> None:
     """FrameError unless every scale is finite and >= 0."""
     if scales.numel():

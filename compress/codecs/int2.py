@@ -16,7 +16,7 @@ import torch
 from ..codec import Codec, Parts
 from ..codec_table import register
 from ..errors import FrameError
-from .common import OneBlockParam, check_scales, n_blocks, padded_blocks
+from .common import OneBlockParam, block_means_, check_scales, n_blocks, padded_blocks
 from .packing import packed_bytes
 
 #: Lloyd-Max levels of a unit Gaussian in 4 levels, and the threshold between them (their midpoint)
@@ -44,20 +44,12 @@ class Int2(OneBlockParam, Codec):
         if n == 0:
             return [x.new_empty(0), x.new_empty(0, dtype=torch.uint8)]
         xb = padded_blocks(x, self.block_size)
-        nb, b = xb.shape
-        last = n - (nb - 1) * b  # the last block may be short: its mean over its real length
         magnitude = xb.abs()
         peak = magnitude.amax(dim=1)
         if not bool(torch.isfinite(peak).all()):
             raise ValueError("int2 cannot encode NaN or infinite values")
         unit = torch.where(peak > 0, peak, torch.ones_like(peak))  # RMS of x / peak: no underflow, no overflow
-        mean_square = (magnitude / unit[:, None]).square_().sum(dim=1)
-        if last != b:
-            counts = torch.full((nb,), float(b), device=x.device)
-            counts[-1] = last
-            mean_square = mean_square.div_(counts)
-        else:
-            mean_square = mean_square.div_(b)
+        mean_square = block_means_((magnitude / unit[:, None]).square_().sum(dim=1), n, self.block_size)
         scale = mean_square.sqrt_().mul_(peak).clamp_(max=MAX_SCALE)
         high = (magnitude > THRESHOLD * scale[:, None]).view(torch.uint8).reshape(-1)[:n]
         negative = ((x.reshape(-1).view(torch.int32) >> 31) & 2).to(torch.uint8)  # sign bit: -0.0 decodes negative

@@ -9,7 +9,7 @@ import torch
 
 from ..codec import Codec, Parts
 from ..codec_table import register
-from .common import OneBlockParam, check_scales, n_blocks, padded_blocks
+from .common import OneBlockParam, block_means_, check_scales, n_blocks, padded_blocks
 from .packing import pack_bits, unpack_bits
 
 
@@ -29,18 +29,11 @@ class Sign1(OneBlockParam, Codec):
         if n == 0:
             return [x.new_empty(0), x.new_empty(0, dtype=torch.uint8)]
         xb = padded_blocks(x, self.block_size)
-        nb, b = xb.shape
         scale = xb.abs().sum(dim=1)
         if not bool(torch.isfinite(scale).all()):
             raise ValueError("sign1 cannot encode NaN or infinite values (or a block whose "
                              "sum of magnitudes overflows fp32)")
-        last = n - (nb - 1) * b  # the last block may be short: divide by its real length
-        if last == b:
-            scale = scale.div_(b)
-        else:
-            counts = torch.full((nb,), float(b), device=x.device)
-            counts[-1] = last
-            scale = scale.div_(counts)
+        scale = block_means_(scale, n, self.block_size)
         negative = (x.view(torch.int32) >> 31).to(torch.int8) & 1  # the sign bit, vectorized
         return [scale, pack_bits(negative.view(torch.uint8))]
 
