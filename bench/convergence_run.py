@@ -170,6 +170,20 @@ class _Model:
         return getattr(self.module, name)
 
 
+def run_groups(group_thread, g_count: int, errors: list[BaseException]) -> float:
+    """Run ``group_thread(g)`` for every group in a thread of its own; the seconds they took
+    together. Raises the first error a group put in ``errors``."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=group_thread, args=(g,), name=f"group-{g}") for g in range(g_count)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - started
+
+
 def run_in_process(cfg: Config) -> dict:
     """Train one configuration with its G groups as threads of this process (see the module doc);
     returns the raw result (summaries of every group, curve, bytes)."""
@@ -213,15 +227,7 @@ def run_in_process(cfg: Config) -> dict:
                     if t is not None:
                         t.close(flush_timeout_s=0.1)
 
-        started = time.perf_counter()
-        threads = [threading.Thread(target=group_thread, args=(g,), name=f"group-{g}") for g in range(g_count)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        seconds = time.perf_counter() - started
-        if errors:
-            raise errors[0]
+        seconds = run_groups(group_thread, g_count, errors)
     finally:
         for t in transports:
             if t is not None:

@@ -41,6 +41,7 @@ from bench.convergence_run import (
     _Recorder,
     make_config,
     make_record,
+    run_groups,
     study_task,
 )
 from diloco.engine.averaging import InProcessGroups
@@ -172,20 +173,13 @@ def run_time_row(cfg, row: TimeRow) -> dict:
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=group_thread, args=(g,), name=f"group-{g}") for g in range(g_count)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    seconds = run_groups(group_thread, g_count, errors)
     s0 = summaries[0]
     tokens = sum(int(s["tokens"]) for s in summaries)
     return {
         "eval_loss": s0["eval_loss"], "initial_eval_loss": s0["initial_eval_loss"], "tokens": tokens, "bytes_sent": 0,
         "syncs": s0["outer_rounds"], "num_parameters": s0["num_parameters"], "periods": s0["round_steps"],
-        "params_identical": len({s["param_hash"] for s in summaries}) == 1, "seconds": time.perf_counter() - started,
+        "params_identical": len({s["param_hash"] for s in summaries}) == 1, "seconds": seconds,
         "path": "in-process, virtual clocks",
         "curve": [{"step": 0, "tokens": 0, "bytes": 0, "eval_loss": s0["initial_eval_loss"]},
                   {"step": cfg.train.steps, "tokens": tokens, "bytes": 0, "eval_loss": s0["eval_loss"]}],
