@@ -60,9 +60,9 @@ import compress  # noqa: E402
 from compress import frame as cframe  # noqa: E402
 from diloco.coordinator import CoordinatorClient, CoordinatorError, CoordinatorServer  # noqa: E402
 from diloco.coordinator.credentials import group_token  # noqa: E402
-from diloco.coordinator.messages import (SERVICE, Ack, CommitRequest, HeartbeatRequest, JoinRequest,  # noqa: E402
-                                         JoinResponse, Ping, QuorumRequest, RoundRequest, StopRequest,
-                                         SummaryRequest)
+from diloco.coordinator.messages import (SERVICE, Ack, CommitRequest, HeartbeatRequest,  # noqa: E402
+                                         HeartbeatResponse, JoinRequest, JoinResponse, Ping, QuorumRequest,
+                                         RoundRequest, StopRequest, SummaryRequest)
 from transport import TcpTransport  # noqa: E402
 from transport.auth import dial_handshake  # noqa: E402
 from transport.errors import PeerAuthError, TransportError  # noqa: E402
@@ -743,7 +743,7 @@ def coordinator_impersonation(job: Job, s: Settings) -> dict[str, Any]:
     evil = job.clients[2]
     tries: dict[str, Callable[[], Any]] = {
         "join as group 0": lambda: evil._call("Join", JoinRequest(0, 0, 1, "127.0.0.1:9"), JoinResponse, 5),
-        "heartbeat as group 1": lambda: evil._call("Heartbeat", HeartbeatRequest(1, 0, 1), Ack, 5),
+        "heartbeat as group 1": lambda: evil._call("Heartbeat", HeartbeatRequest(1, 0, 1), HeartbeatResponse, 5),
         "round hash for group 0": lambda: evil._call("ReportRound", RoundRequest(0, 1, "forged"), Ack, 5),
         "summary for group 1": lambda: evil._call("ReportSummary", SummaryRequest(1, {"forged": True}), Ack, 5),
         "request stop": lambda: evil._call("RequestStop", StopRequest("forged"), Ack, 5),

@@ -154,9 +154,8 @@ class DataPlaneServer:
 
     def _abort(self, rid: int, reason: str) -> None:
         h = self._handles.get(rid)
-        op = getattr(h, "_op", None)
-        if op is not None:
-            op.abort(reason)
+        if h is not None:
+            h.abort(reason)
 
     def _blocking(self, msg: dict) -> None:
         try:

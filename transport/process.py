@@ -146,11 +146,16 @@ class ProcessHandle:
         """True once the collective finished, successfully or not."""
         return self._event.is_set()
 
+    def abort(self, reason: str) -> None:
+        """End the collective now if it still runs (as `transport.Handle.abort`)."""
+        if not self._event.is_set():
+            self._owner._send_quietly({"op": "abort", "id": self._rid, "reason": reason})
+
     def wait(self, timeout_s: float | None = None) -> torch.Tensor:
         """The collective's result. With `timeout_s`, a collective still running after that many
         seconds is aborted (and its error raised)."""
         if not self._event.wait(timeout_s):
-            self._owner._send_quietly({"op": "abort", "id": self._rid, "reason": f"wait() timed out after {timeout_s:g} s"})
+            self.abort(f"wait() timed out after {timeout_s:g} s")
             self._event.wait()
         if self._error is not None:
             raise self._error

@@ -63,15 +63,20 @@ class Handle:
         """True once the collective finished, successfully or not."""
         return self._event.is_set()
 
+    def abort(self, reason: str) -> None:
+        """End the collective now if it still runs: ``wait()`` raises CollectiveAborted(reason)
+        and the ring's neighbours hear of it."""
+        op = self._op
+        if op is not None:
+            op.abort(reason)
+
     def wait(self, timeout_s: float | None = None) -> torch.Tensor:
         """The mean over the ring (float32, same shape). Raises CollectiveAborted on failure.
 
         With `timeout_s`, a collective still running after that many seconds is aborted.
         """
         if not self._event.wait(timeout_s):
-            op = self._op
-            if op is not None:
-                op.abort(f"wait() timed out after {timeout_s:g} s")
+            self.abort(f"wait() timed out after {timeout_s:g} s")
             self._event.wait()
         if self._error is not None:
             raise self._error

@@ -20,6 +20,7 @@ from .messages import (
     CommitRequest,
     CommitResponse,
     HeartbeatRequest,
+    HeartbeatResponse,
     JoinRequest,
     JoinResponse,
     Message,
@@ -157,10 +158,14 @@ class CoordinatorClient:
         assert isinstance(reply, JoinResponse)
         return Membership(epoch=reply.epoch, members=reply.members, ring=reply.ring_order, heal=reply.heal)
 
-    def heartbeat(self, group: int, rank: int, step: int, incarnation: str = "") -> None:
-        """Tell the coordinator this rank is alive at inner ``step``. Raises CoordinatorError
-        (code FAILED_PRECONDITION or NOT_FOUND) if it declared this group failed or never saw it."""
-        self._call("Heartbeat", HeartbeatRequest(group, rank, step, incarnation), Ack)
+    def heartbeat(self, group: int, rank: int, step: int, incarnation: str = "", quorum: str = "") -> str:
+        """Tell the coordinator this rank is alive at inner ``step`` (running the rings of
+        ``quorum``, if not ""). Returns why that quorum can no longer commit ("" if it can: see
+        ``HeartbeatResponse``). Raises CoordinatorError (code FAILED_PRECONDITION or NOT_FOUND)
+        if it declared this group failed or never saw it."""
+        reply = self._call("Heartbeat", HeartbeatRequest(group, rank, step, incarnation, quorum), HeartbeatResponse)
+        assert isinstance(reply, HeartbeatResponse)
+        return reply.quorum_lost
 
     def quorum(self, request: QuorumRequest, *, timeout_s: float | None = None) -> QuorumResponse:
         """Block until the quorum of this rank's exchange is decided (``diloco.coordinator.rounds``)."""

@@ -97,16 +97,26 @@ class JoinResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., ring_order: _Optional[_Iterable[int]] = ..., heal: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("group", "rank", "step", "incarnation")
+    __slots__ = ("group", "rank", "step", "incarnation", "quorum")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
     group: int
     rank: int
     step: int
     incarnation: str
-    def __init__(self, group: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    quorum: str
+    def __init__(self, group: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., incarnation: _Optional[str] = ..., quorum: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("epoch", "quorum_lost")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_LOST_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    quorum_lost: str
+    def __init__(self, epoch: _Optional[int] = ..., quorum_lost: _Optional[str] = ...) -> None: ...
 
 class ProgressRequest(_message.Message):
     __slots__ = ("group", "rank", "progress")

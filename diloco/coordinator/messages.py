@@ -160,17 +160,41 @@ class HeartbeatRequest(Message):
     rank: int
     step: int
     incarnation: str = ""
+    quorum: str = ""  # the quorum whose rings this rank runs now ("": none)
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> HeartbeatRequest:
-        _check_fields(obj, "HeartbeatRequest", ("group", "rank", "step"), ("incarnation",))
+        _check_fields(obj, "HeartbeatRequest", ("group", "rank", "step"), ("incarnation", "quorum"))
         return cls(group=_int(obj["group"], "group", 0, MAX_GROUPS - 1),
                    rank=_int(obj["rank"], "rank", 0, MAX_GROUP_SIZE - 1),
                    step=_int(obj["step"], "step", 0, MAX_INT64),
-                   incarnation=_incarnation(obj.get("incarnation", "")))
+                   incarnation=_incarnation(obj.get("incarnation", "")),
+                   quorum=_opt_str(obj.get("quorum", ""), "quorum", MAX_TAG_CHARS, _HASH_RE))
 
     def to_obj(self) -> dict[str, Any]:
-        return {"group": self.group, "rank": self.rank, "step": self.step, "incarnation": self.incarnation}
+        return {"group": self.group, "rank": self.rank, "step": self.step, "incarnation": self.incarnation,
+                "quorum": self.quorum}
+
+
+@dataclass(frozen=True)
+class HeartbeatResponse(Message):
+    """Reply to a heartbeat: the membership epoch, and ``quorum_lost``: why the quorum the
+    heartbeat named can no longer commit (a member failed or started again, or it was rolled
+    back), so that the rank aborts its rings now instead of at their deadline; "" otherwise."""
+
+    PB: ClassVar[type[pb_message.Message]] = pb.HeartbeatResponse
+
+    epoch: int
+    quorum_lost: str = ""
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> HeartbeatResponse:
+        _check_fields(obj, "HeartbeatResponse", ("epoch",), ("quorum_lost",))
+        return cls(epoch=_int(obj["epoch"], "epoch", 0, MAX_INT64),
+                   quorum_lost=_reason(obj.get("quorum_lost", ""), "quorum_lost"))
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "quorum_lost": self.quorum_lost}
 
 
 @dataclass(frozen=True)
@@ -255,7 +279,7 @@ class Ping(Message):
 
 @dataclass(frozen=True)
 class Ack(Message):
-    """Reply to heartbeats and reports: the current membership epoch (0 before the quorum)."""
+    """Reply to pings and reports: the current membership epoch (0 before the quorum)."""
 
     PB: ClassVar[type[pb_message.Message]] = pb.Ack
 
@@ -585,8 +609,8 @@ class StopRequest(Message):
 _SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
 SERVICE = _SERVICE.full_name  # "diloco.coordinator.v1.Coordinator"
 _BY_PB: dict[str, type[Message]] = {cls.PB.DESCRIPTOR.full_name: cls for cls in (
-    Ping, Ack, JoinRequest, JoinResponse, HeartbeatRequest, ProgressRequest, RoundRequest, SummaryRequest,
-    BandwidthRequest, PlanRequest, PlanResponse, QuorumRequest, QuorumResponse, CommitRequest,
+    Ping, Ack, JoinRequest, JoinResponse, HeartbeatRequest, HeartbeatResponse, ProgressRequest, RoundRequest,
+    SummaryRequest, BandwidthRequest, PlanRequest, PlanResponse, QuorumRequest, QuorumResponse, CommitRequest,
     CommitResponse, StateOffer, OfferQuery, StopRequest)}
 RPCS: dict[str, tuple[type[Message], type[Message]]] = {
     method.name: (_BY_PB[method.input_type.full_name], _BY_PB[method.output_type.full_name])

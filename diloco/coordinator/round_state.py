@@ -320,7 +320,25 @@ class RoundState(Liveness):
             committed, why = self._decisions[q.id]
             return CommitResponse(committed=committed, reason=why)
 
-    def _decide_vote(self, q: rounds.Quorum, meta: dict[str, Any]) -> None:
+    def quorum_lost(self, quorum_id: str, group: int) -> str:
+        """Why quorum ``quorum_id`` of member ``group`` can no longer commit: a member failed or
+        started again since it formed, or it was rolled back; "" while it can (or when it is
+        unknown here, or ``group`` is not its member). A member running its rings learns this
+        with its heartbeat and aborts them at once, instead of waiting for data from a group that
+        is gone until the rings' deadline."""
+        with self._cond:
+            known = self._quorums.get(quorum_id) if quorum_id else None
+            if known is None or group not in known[0].groups:
+                return ""
+            q, meta = known
+            decided = self._decisions.get(q.id)
+            if decided is not None:
+                return "" if decided[0] else f"quorum {q.id} was rolled back: {decided[1]}"
+            failed = self._failed_members(q, meta)
+            return "; ".join(f"group {g} of quorum {q.id} failed: {why}" for g, why in sorted(failed.items()))
+
+    def _failed_members(self, q: rounds.Quorum, meta: dict[str, Any]) -> dict[int, str]:
+        """The members of ``q`` that failed since it formed, and why (lock held)."""
         failed = {}
         for g in q.groups:
             if g in self._group_failed:
@@ -330,6 +348,10 @@ class RoundState(Liveness):
             elif meta["orphan"] and not self._complete(g) and \
                     self._clock() - self._complete_at > self.heartbeat_timeout_s:
                 failed[g] = "it did not rejoin after the coordinator restarted"
+        return failed
+
+    def _decide_vote(self, q: rounds.Quorum, meta: dict[str, Any]) -> None:
+        failed = self._failed_members(q, meta)
         sizes = meta["sizes"] or {g: self._sizes.get(g, 1) for g in q.groups}
         since = {g: self._asked_exchange[g] for g in q.groups if g in self._asked_exchange} if meta["orphan"] else None
         votes = self._votes.get(q.id, {})

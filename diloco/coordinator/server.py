@@ -34,8 +34,8 @@ from .credentials import ADMIN_ONLY, GROUP_FIELDS, GROUP_HEADER, Caller
 from .errors import CoordinatorError
 from .limits import (BLOCKING, DEFAULT_MAX_QUICK_CALLS, DEFAULT_MAX_QUICK_PER_CALLER, DEFAULT_REQUEST_TIMEOUT_S,
                      QUEUED_CALLS, SPARE_THREADS, CallLimits, Deadlines)
-from .messages import (RPCS, SERVICE, Ack, JoinRequest, JoinResponse, Message, MessageError, PlanResponse,
-                       StopRequest, MAX_SUMMARY_BYTES)
+from .messages import (RPCS, SERVICE, Ack, HeartbeatResponse, JoinRequest, JoinResponse, Message, MessageError,
+                       PlanResponse, StopRequest, MAX_SUMMARY_BYTES)
 from .quorum import QuorumError
 from .state import CoordinatorState
 
@@ -328,7 +328,7 @@ class CoordinatorServer:
         methods: dict[str, Callable[[Any, grpc.ServicerContext], Message]] = {
             "Ping": lambda r, c: Ack(state.epoch),
             "Join": join,
-            "Heartbeat": lambda r, c: Ack(state.heartbeat(r)),
+            "Heartbeat": lambda r, c: HeartbeatResponse(state.heartbeat(r), state.quorum_lost(r.quorum, r.group)),
             "ReportProgress": lambda r, c: Ack(state.progress(r)),
             "ReportRound": lambda r, c: Ack(state.round(r)),
             "ReportSummary": lambda r, c: Ack(state.summary(r)),

@@ -26,6 +26,7 @@ class FaultStats:
     heals_served: int = 0
     quorum_sizes: list[int] = field(default_factory=list)  # groups of each committed exchange
     rejoins: int = 0  # times this rank rejoined a restarted coordinator
+    aborted_lost: int = 0  # rings aborted because the coordinator said a member of their quorum was lost
     # the last MAX_EXCHANGES_KEPT exchanges: [exchange, seconds from asking to commit, attempts, groups]
     exchanges: list[list[float]] = field(default_factory=list)
 

@@ -6,8 +6,10 @@ The striped rings then run among those groups only; every rank votes whether its
 and the mean is handed to the engine only if every rank of every member did (the commit). If not,
 nothing was applied anywhere — the engine applies a mean only when ``wait()`` returns it — and the
 exchange is retried with the next quorum, which leaves out the groups that failed. So a lost group
-costs the others at most one collective deadline (their rings abort) plus one heartbeat timeout
-(the coordinator leaves it out), never the job.
+costs the others one heartbeat timeout (the coordinator declares it failed; at once when it starts
+again) plus one heartbeat of theirs (the coordinator then tells each rank running rings with it, and
+the rank aborts them), never the job; the rings' own deadline is the bound when the coordinator
+cannot be reached.
 
 Healing: a group that joins while the job runs starts with ``attach() -> True``; the engine then
 calls ``heal()``, which joins the next quorum as a member of weight 0 and votes on its rings
@@ -63,6 +65,9 @@ from transport.streams import side_stream_for
 log = logging.getLogger(__name__)
 
 RETRYABLE = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED")
+#: seconds between heartbeats while rings run: how soon rings wait no more for a member the
+#: coordinator declared failed (a heartbeat names the oldest running quorum; see _heartbeat_loop)
+RING_CHECK_S = 1.0
 
 
 class GroupEvicted(RuntimeError):
@@ -149,6 +154,8 @@ class QuorumAverager(StripedAverager):
         self._rejoin_lock = threading.Lock()
         self._transfer = StateTransfer(transport, client, self._retry, self.stats, group=group, rank=rank,
                                        group_size=self.group_size, timeout_s=self.timeout_s)
+        self._rings_lock = threading.Lock()
+        self._running: dict[str, list] = {}  # quorum id -> the handles of this rank's rings in it, oldest first
         self._closed = threading.Event()
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, args=(heartbeat_interval_s,),
                                             name=f"heartbeat[{group}/{rank}]", daemon=True)
@@ -303,13 +310,19 @@ class QuorumAverager(StripedAverager):
                                       tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales,
                                       shards=shards)
         why = ""
-        for s, h in handles:
-            try:
-                h.wait(self.timeout_s)
-                if not all_finite(out[s.start:s.stop]):
-                    why = why or f"the mean of stripe {s.index} holds NaN/Inf"
-            except (CollectiveAborted, TransportError) as e:
-                why = why or str(e)[:400]
+        with self._rings_lock:
+            self._running[resp.id] = [h for _, h in handles]
+        try:
+            for s, h in handles:
+                try:
+                    h.wait(self.timeout_s)
+                    if not all_finite(out[s.start:s.stop]):
+                        why = why or f"the mean of stripe {s.index} holds NaN/Inf"
+                except (CollectiveAborted, TransportError) as e:
+                    why = why or str(e)[:400]
+        finally:
+            with self._rings_lock:
+                self._running.pop(resp.id, None)
         return out, sp, me, not why, why, sent
 
     def vote(self, resp: QuorumResponse, ok: bool, why: str) -> CommitResponse:
@@ -330,7 +343,16 @@ class QuorumAverager(StripedAverager):
     # --- liveness -------------------------------------------------------------------------------
 
     def rejoin(self) -> None:
-        """Join the coordinator again (it restarted) as a member at the next exchange."""
+        """Join the coordinator again (it restarted) as a member at the next exchange. A group
+        still healing holds none of the job's state, so it does not rejoin as a member (a new
+        coordinator would take the job for running on its word, and make the next group to come
+        wait to heal from it): GroupEvicted tells it to restart, and its next start joins the new
+        coordinator as any group does (it heals from a live group, or, when the job was lost,
+        resumes from its checkpoint)."""
+        if self._needs_heal:
+            self._evicted = (f"group {self.group}: the coordinator restarted while this group was healing (it holds "
+                             "none of the job's state yet): restart it to join the job anew")
+            raise GroupEvicted(self._evicted)
         with self._rejoin_lock:
             self.client.join(self.group, self.rank, self.group_size, self.transport.address,
                              incarnation=self.incarnation, exchange=self.exchanges)
@@ -339,9 +361,19 @@ class QuorumAverager(StripedAverager):
                     self.group, self.rank)
 
     def _heartbeat_loop(self, interval_s: float) -> None:
-        while not self._closed.wait(interval_s):
+        """Heartbeats, every ``interval_s`` (every RING_CHECK_S at most while rings run). Each
+        names the oldest quorum whose rings run here; when the coordinator says that quorum can
+        no longer commit (a member failed or started again), its rings are aborted at once: this
+        rank votes no and retries in the next quorum instead of waiting for the rings' deadline."""
+        wait = interval_s
+        while not self._closed.wait(wait):
+            with self._rings_lock:
+                quorum = next(iter(self._running), "")
+            wait = min(interval_s, RING_CHECK_S) if quorum else interval_s
             try:
-                self.client.heartbeat(self.group, self.rank, self.step, self.incarnation)
+                lost = self.client.heartbeat(self.group, self.rank, self.step, self.incarnation, quorum)
+                if lost:
+                    self._abort_rings(quorum, lost)
             except CoordinatorError as e:
                 if e.code == "FAILED_PRECONDITION":
                     self._evicted = str(e)
@@ -350,8 +382,19 @@ class QuorumAverager(StripedAverager):
                         self.rejoin()
                     except CoordinatorError as again:
                         log.warning("rejoining the coordinator failed: %s", again)
+                    except GroupEvicted:  # a healer: _evicted says so at its next call
+                        return
             except ValueError:  # the channel was closed under us: we are closing
                 return
+
+    def _abort_rings(self, quorum: str, why: str) -> None:
+        with self._rings_lock:
+            handles = self._running.pop(quorum, [])
+        if handles:
+            log.warning("group %d rank %d: aborting the rings of %s: %s", self.group, self.rank, quorum, why)
+            self.stats.aborted_lost += 1
+        for h in handles:
+            h.abort(f"the coordinator says: {why}")
 
     def close(self) -> None:
         """Stop heartbeating; wait briefly for state transfers this rank serves."""

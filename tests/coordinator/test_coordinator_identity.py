@@ -10,8 +10,8 @@ import pytest
 from diloco.coordinator import CoordinatorClient, CoordinatorError, CoordinatorServer
 from diloco.coordinator import credentials
 from diloco.coordinator.credentials import for_group, group_token, parse_group_token
-from diloco.coordinator.messages import (SERVICE, Ack, HeartbeatRequest, JoinRequest, OfferQuery, RoundRequest,
-                                         StateOffer, StopRequest, SummaryRequest)
+from diloco.coordinator.messages import (SERVICE, Ack, HeartbeatRequest, HeartbeatResponse, JoinRequest, OfferQuery,
+                                         RoundRequest, StateOffer, StopRequest, SummaryRequest)
 
 TOKEN = "job-token-for-identity-tests"
 
@@ -64,7 +64,7 @@ def test_a_group_credential_cannot_act_for_another_group(srv) -> None:
     _join_both(srv.address, lambda g: group_token(TOKEN, g))
     evil = CoordinatorClient(srv.address, token=group_token(TOKEN, 1), timeout_s=5.0)
     attempts = {
-        "Heartbeat": (HeartbeatRequest(0, 0, 5), Ack),
+        "Heartbeat": (HeartbeatRequest(0, 0, 5), HeartbeatResponse),
         "ReportRound": (RoundRequest(0, 1, "forged"), Ack),
         "ReportSummary": (SummaryRequest(0, {"forged": True}), Ack),
         "OfferState": (StateOffer("q-1", 0, 0, 1, 0, 10, "ab" * 32), Ack),

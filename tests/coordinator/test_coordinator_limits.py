@@ -12,7 +12,7 @@ import pytest
 from diloco.coordinator import CoordinatorClient, CoordinatorServer
 from diloco.coordinator.credentials import group_token
 from diloco.coordinator.limits import CallLimits, Deadlines
-from diloco.coordinator.messages import SERVICE, Ack, HeartbeatRequest, JoinRequest, Ping
+from diloco.coordinator.messages import SERVICE, Ack, HeartbeatRequest, HeartbeatResponse, JoinRequest, Ping
 
 TOKEN = "job-token-for-limit-tests"
 
@@ -172,7 +172,7 @@ def test_the_client_retries_while_the_coordinator_is_busy() -> None:
             def beat() -> None:
                 try:
                     for step in range(10):
-                        c._call("Heartbeat", HeartbeatRequest(0, 0, step), Ack)
+                        c._call("Heartbeat", HeartbeatRequest(0, 0, step), HeartbeatResponse)
                 except Exception as e:  # noqa: BLE001 - asserted below
                     errors.append(e)
 

@@ -28,8 +28,8 @@ from diloco.runtime.connection import coordinator_tls
 from diloco.coordinator import CoordinatorClient, CoordinatorError, CoordinatorServer, protogen
 from diloco.coordinator import coordinator_pb2 as pb
 from diloco.coordinator.messages import (
-    RPCS, SERVICE, Ack, BandwidthRequest, CommitRequest, CommitResponse, HeartbeatRequest, JoinRequest,
-    JoinResponse, Message, MessageError, OfferQuery, Ping, PlanRequest, PlanResponse, ProgressRequest,
+    RPCS, SERVICE, Ack, BandwidthRequest, CommitRequest, CommitResponse, HeartbeatRequest, HeartbeatResponse,
+    JoinRequest, JoinResponse, Message, MessageError, OfferQuery, Ping, PlanRequest, PlanResponse, ProgressRequest,
     QuorumRequest, QuorumResponse, RoundRequest, StateOffer, StopRequest, SummaryRequest)
 from transport.certs import write_pki
 from transport.tls import TlsConfig
@@ -104,6 +104,9 @@ MESSAGES = [
     JoinRequest(0, 0, 1, "worker-0.svc:29500", exchange=12),
     JoinResponse(2, {0: ("h:1", "h:2"), 1: ("[::1]:3",)}, (1, 0), heal=True),
     HeartbeatRequest(1, 0, 2**62, "inc"),
+    HeartbeatRequest(0, 1, 7, "inc", quorum="b1-42"),
+    HeartbeatResponse(3),
+    HeartbeatResponse(4, "group 1 of quorum b1-42 failed: it started again"),
     ProgressRequest(0, 1, {"step": 3, "loss": 2.5, "whole": 3.0, "codec": "int8", "healing": False,
                            "big": -2**63}),
     RoundRequest(1, 7, "sha256:abc"),

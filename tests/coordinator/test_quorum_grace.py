@@ -210,3 +210,43 @@ def test_one_group_left_is_not_a_lost_job_and_a_coordinator_that_restarts_says_w
     with pytest.raises(QuorumError):
         restarting.heartbeat(HeartbeatRequest(0, 0, 5))
     assert restarting.state_lost is not None and restarting.state_lost.startswith("job lost")
+
+
+def test_a_quorum_that_lost_a_member_is_reported_to_the_members_running_its_rings():
+    """What a member's heartbeat hears about the quorum whose rings it runs: nothing while the
+    quorum can commit; why not once a member failed (silent past the heartbeat timeout) or started
+    again (a new incarnation joined), or once the quorum was rolled back."""
+    state, clock = formed(3, heartbeat_timeout_s=60.0)
+    got: dict = {}
+    for t in [ask_in_thread(state, g, 0, got) for g in range(3)]:
+        t.join(timeout=5)
+    q = got[0].id
+    assert [state.quorum_lost(q, g) for g in range(3)] == ["", "", ""]
+    assert state.quorum_lost("no-such-quorum", 0) == "" and state.quorum_lost("", 0) == ""
+    clock.now += 31.0
+    for g in (0, 1):
+        state.heartbeat(HeartbeatRequest(g, 0, 5))
+    clock.now += 30.0  # group 2: 61 s silent
+    state.heartbeat(HeartbeatRequest(0, 0, 6))
+    lost = state.quorum_lost(q, 0)
+    assert lost.startswith(f"group 2 of quorum {q} failed:") and "heartbeat_timeout_s=60" in lost
+    assert state.quorum_lost(q, 7) == ""  # only its members are told
+
+    state, clock = formed(2, heartbeat_timeout_s=60.0)
+    got = {}
+    for t in [ask_in_thread(state, g, 0, got) for g in range(2)]:
+        t.join(timeout=5)
+    q = got[0].id
+    rejoin = threading.Thread(target=state.join, args=(JoinRequest(1, 0, 1, "10.0.1.0:7000", incarnation="again"),),
+                              kwargs={"deadline": clock.now + 1})
+    rejoin.start()
+    rejoin.join(timeout=5)
+    assert state.quorum_lost(q, 0) == f"group 1 of quorum {q} failed: it started again"
+
+    state, _ = formed(2, heartbeat_timeout_s=60.0)
+    got = {}
+    for t in [ask_in_thread(state, g, 0, got) for g in range(2)]:
+        t.join(timeout=5)
+    q = got[0].id
+    state.commit(CommitRequest(1, 0, "", q, 0, (0, 1), False, "its ring broke"), deadline=1e9)
+    assert state.quorum_lost(q, 0) == f"quorum {q} was rolled back: group 1 rank 0: its ring broke"

@@ -4,6 +4,7 @@ healed; a contribution with NaN; a coordinator restart. Every group must end bit
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -39,8 +40,10 @@ class Group:
     """One single-rank group in a thread: connect, build the engine (or heal), train to STEPS."""
 
     def __init__(self, address: str, group: int, *, mode: str = "blocking", fragments: int | None = None,
-                 poison_at: int | None = None, die_at: int | None = None, on_connected=None) -> None:
+                 poison_at: int | None = None, die_at: int | None = None, on_connected=None,
+                 settings: TransportConfig | None = None) -> None:
         self.address, self.group, self.mode, self.fragments = address, group, mode, fragments
+        self.settings = settings  # None: SETTINGS as it is when the group connects (tests patch it)
         self.on_connected = on_connected
         self.poison_at, self.die_at = poison_at, die_at
         self.model = make_model()
@@ -66,7 +69,7 @@ class Group:
 
     def _run(self) -> None:
         try:
-            self.link = diloco.connect(self.address, self.group, secret=SECRET, settings=SETTINGS,
+            self.link = diloco.connect(self.address, self.group, secret=SECRET, settings=self.settings or SETTINGS,
                                        heartbeat_timeout=HEARTBEAT_S)
             if self.killed.is_set():
                 return self.kill()
@@ -172,6 +175,45 @@ def test_a_group_killed_mid_collective_rolls_the_round_back_and_no_one_applies_h
     stats = [g.link.fault_stats for g in groups[:2]]
     assert all(len(s.quorum_sizes) > 0 and min(s.quorum_sizes) == 2 for s in stats)
     assert coordinator.snapshot()["rounds_state"]["failures"] >= 1
+
+
+def test_a_member_frozen_in_an_exchange_costs_the_others_its_heartbeat_timeout_not_their_rings_deadline(coordinator):
+    """A group that freezes inside an exchange (its links stay open, it sends nothing and stops
+    heartbeating, as under SIGSTOP or a hung host): the coordinator declares it failed after the
+    heartbeat timeout, and each survivor's next heartbeat aborts its rings, which would otherwise
+    wait for the rings' deadline (60 s here)."""
+    patient = dataclasses.replace(SETTINGS, timeout_s=60.0)
+    thaw = threading.Event()
+
+    def freeze_at_exchange_3(link) -> None:
+        averager, run_rings = link.averager, link.averager.run_rings
+
+        def frozen(src, resp, *args, **kwargs):
+            if resp.exchange >= 3:
+                averager._closed.set()  # no heartbeats either
+                thaw.wait(120)
+                raise RuntimeError("thawed")
+            return run_rings(src, resp, *args, **kwargs)
+
+        averager.run_rings = frozen
+
+    groups = [Group(coordinator.address, g, settings=patient, on_connected=freeze_at_exchange_3 if g == 2 else None)
+              for g in range(3)]
+    started = time.monotonic()
+    for g in groups:
+        g.start()
+    try:
+        finish(groups[:2])
+        took = time.monotonic() - started
+    finally:
+        groups[2].kill()
+        thaw.set()
+        groups[2].join()
+    assert took < 30, f"the survivors took {took:.1f}s: they waited for their rings' deadline"
+    assert groups[0].final_hash == groups[1].final_hash
+    assert sum(g.link.fault_stats.aborted_lost for g in groups[:2]) >= 1
+    state = coordinator.snapshot()["rounds_state"]
+    assert any(e["kind"] == "failure" and e["group"] == 2 for e in state["events"])
 
 
 def test_a_nan_contribution_is_refused_and_named_and_the_group_recovers(coordinator):
@@ -334,3 +376,44 @@ def test_a_group_whose_global_state_drifted_is_evicted_by_the_hash_check(coordin
     assert groups[0].error is None and groups[2].error is None and groups[0].final_hash == groups[2].final_hash
     events = coordinator.snapshot()["rounds_state"]["events"]
     assert any(e["kind"] == "evicted" and e["group"] == 1 and "hash" in e["reason"] for e in events)
+
+
+class _RestartedCoordinator:
+    """A coordinator client whose coordinator restarted: it knows no one (NOT_FOUND)."""
+
+    def __init__(self) -> None:
+        self.joins: list[int] = []
+
+    def quorum(self, request, **kw):
+        from diloco.coordinator import CoordinatorError
+
+        raise CoordinatorError("Quorum: group 1 rank 0 has not joined", "NOT_FOUND")
+
+    def join(self, group, rank, group_size, address, *, incarnation="", exchange=-1):
+        self.joins.append(exchange)
+
+    def heartbeat(self, *a, **kw) -> str:
+        return ""
+
+
+def test_a_healer_whose_coordinator_restarted_restarts_instead_of_rejoining_as_a_member():
+    """A group still healing holds none of the job's state: rejoining a restarted coordinator as
+    a member would make it take the job for running (and the next group to come would wait to heal
+    from one that has nothing). It is told to restart instead, and then joins anew."""
+    from diloco.coordinator.membership import Membership
+    from diloco.exchange.quorum_averager import QuorumAverager
+    from transport import TcpTransport
+
+    client = _RestartedCoordinator()
+    with TcpTransport("127.0.0.1", 0, secret=SECRET, timeout_s=5.0) as t:
+        membership = Membership(epoch=1, members={0: ("127.0.0.1:1",), 1: (t.address,)}, ring=(0, 1), heal=True)
+        averager = QuorumAverager(t, membership, client, group=1, rank=0, incarnation="again", heal=True,
+                                  heartbeat_interval_s=60.0)
+        try:
+            with pytest.raises(GroupEvicted, match="coordinator restarted while this group was healing"):
+                averager.heal(engine=None)
+            with pytest.raises(GroupEvicted, match="restart it to join the job anew"):
+                averager.start(torch.zeros(4), tag="f0/r1")
+        finally:
+            averager.close()
+    assert client.joins == []

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -86,6 +87,17 @@ def test_a_refused_collective_raises_at_the_call_and_a_failed_one_at_wait(plane)
         with pytest.raises(CollectiveAborted, match="timed out"):
             h.wait(0.3)
         assert time.monotonic() - start < 5.0
+        # an abort from outside (the coordinator said a member is gone) ends a running collective
+        # now, with the reason given; on one that already ended it does nothing
+        for t in (plane, silent):
+            h = t.all_reduce(x, [plane.address, silent.address], 0 if t is plane else 1, tag=f"told-{t.address}",
+                             timeout_s=30.0)
+            threading.Timer(0.2, h.abort, args=("group 1 of quorum q-1 failed",)).start()
+            start = time.monotonic()
+            with pytest.raises(CollectiveAborted, match="group 1 of quorum q-1 failed"):
+                h.wait()
+            assert time.monotonic() - start < 5.0
+            h.abort("again")
     assert torch.equal(x, torch.ones(1000))  # the input is never written
     counters = plane.counters()
     assert plane.bytes_sent == counters["bytes_sent"] > 0
