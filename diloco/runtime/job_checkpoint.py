@@ -337,12 +337,13 @@ class JobCheckpointer:
 
     def __init__(self, cfg: Config, *, group: int, rank: int, group_size: int, engine: Any, model: torch.nn.Module,
                  inner: torch.optim.Optimizer, task: Any, link: Any, device: torch.device | None = None,
-                 start_step: int = 0, initial_eval_loss: float = math.nan) -> None:
+                 start_step: int = 0, initial_eval_loss: float = math.nan, healed: bool = False) -> None:
         t = cfg.train
         if not t.checkpoint_dir:
             raise ConfigError("--checkpoint-every / --stop-after need --checkpoint-dir (diloco run sets one)")
-        if t.stop_after and t.stop_after <= start_step:
+        if t.stop_after and (t.stop_after < start_step or t.stop_after == start_step and not healed):
             raise ConfigError(f"--stop-after {t.stop_after} is not after the checkpoint's step {start_step}")
+        self.start_step, self.healed = start_step, healed
         self.cfg, self.root = cfg, Path(t.checkpoint_dir)
         self.every, self.stop_after, self.keep = t.checkpoint_every, t.stop_after, t.checkpoint_keep
         self.steps, self.group, self.rank, self.group_size = t.steps, group, rank, group_size
@@ -351,6 +352,12 @@ class JobCheckpointer:
         self.initial_eval_loss = initial_eval_loss
         self.stop_signalled = False  # set by request_stop (the worker's SIGTERM handler)
         self.last: Path | None = None  # the newest step folder written
+
+    def catch_up(self, *, loss_ema: float | None) -> bool:
+        """For a group that healed into the job (``healed``): what the others do after
+        ``start_step`` (their donor served its state from inside that step's exchange, so they have
+        yet to write that step's checkpoint or stop at it). True if the worker stops now."""
+        return self.healed and self.after_step(self.start_step, loss_ema=loss_ema)
 
     def request_stop(self) -> None:
         """Stop at the next step where a checkpoint is written (``checkpoint_every`` or an agreed stop)."""

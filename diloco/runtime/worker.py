@@ -309,11 +309,12 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
     if not timed and (cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir):
         keeper = job_checkpoint.JobCheckpointer(
             cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
-            task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval)
+            task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval,
+            healed=restored is None and link.fault_stats.healed)
         _on_sigterm(keeper)  # run_worker puts the old handler back
-    stopped_at = None
+    stopped_at = start_step if keeper is not None and keeper.catch_up(loss_ema=loss_ema) else None
     t = start_step
-    while not engine.rounds_done if timed else t < steps:
+    while stopped_at is None and (not engine.rounds_done if timed else t < steps):
         # rounds by time: the lr follows the job's progress in time, alike in every group whatever its speed
         lr_step = min(int(engine.progress() * steps), steps - 1) if timed else t
         lr = inner_lr(lr_step, peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,

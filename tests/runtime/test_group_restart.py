@@ -3,6 +3,7 @@ group's workers, which join again under a new incarnation and heal; the job goes
 every group identical. (This is how a group runs on Kubernetes; `diloco run` restarts whole groups
 itself, see tests/runtime/test_churn.py.)"""
 
+import json
 import os
 import secrets
 import signal
@@ -15,6 +16,7 @@ import pytest
 from diloco_helpers import write_small_job
 
 from diloco.coordinator import CoordinatorServer
+from diloco.runtime import job_checkpoint
 from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV
 from diloco.runtime.processes import processes_mentioning
 
@@ -38,7 +40,11 @@ def worker_pid(marker: str, group: int, rank: int) -> int | None:
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_its_group_heals(tmp_path):
     path = tmp_path / "config.json"
-    write_small_job(path, steps=2500, ranks_per_group=2)
+    cfg = write_small_job(path, steps=2500, ranks_per_group=2)
+    # a checkpoint at every round: the restarted group heals into an exchange whose step the others
+    # checkpoint at next, so it must take part in that checkpoint too (JobCheckpointer.catch_up)
+    cfg.train.checkpoint_every, cfg.train.checkpoint_dir = cfg.sync.h, str(tmp_path / "checkpoints")
+    path.write_text(json.dumps(cfg.validate().to_dict()))
     token = secrets.token_hex(8)
     env = {**os.environ, SECRET_ENV: secrets.token_hex(32), TOKEN_ENV: token, "OMP_NUM_THREADS": "1"}
     server = CoordinatorServer("127.0.0.1", 0, expected_groups=2, token=token, heartbeat_timeout_s=2.0)
@@ -72,5 +78,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_its_group_heals(tmp_path):
         server.stop()
     assert summaries[0]["param_hash"] == summaries[1]["param_hash"]
     assert summaries[1]["fault"]["healed"] and summaries[1]["inner_steps"] == 2500
+    complete = job_checkpoint.complete_steps(tmp_path / "checkpoints")
+    assert complete and complete[-1] == 2490, complete  # both groups checkpointed up to the end
     assert state["heals"] >= 1 and state["failures"] >= 1
     assert not processes_mentioning(str(path))

@@ -314,6 +314,16 @@ def test_checkpointer_writes_periodically_stops_at_stop_after_on_agreement_and_a
     with pytest.raises(ConfigError, match="not after"):
         job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
                                        inner=inner, task=None, link=link, start_step=10)
+    # a group that healed into the job at step s does what the others do after s: checkpoint, stop
+    for start, stops in ((10, True), (8, False), (9, False)):
+        engine.inner_step = start
+        healer = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+                                                inner=inner, task=None, link=link, start_step=start, healed=True)
+        assert healer.catch_up(loss_ema=None) is stops
+        assert healer.last == (None if start == 9 else job_checkpoint.step_path(tmp_path, start))
+    resumed = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+                                             inner=inner, task=None, link=link, start_step=4)
+    assert resumed.catch_up(loss_ema=None) is False and resumed.last is None
 
 
 def test_batch_sampler_continues_from_its_state():
