@@ -59,7 +59,7 @@ from bench.goodput_faults import parse_intervals
 from diloco.demo import gpt_task
 from diloco.job.config import Config
 from diloco.job.task import Task, TaskContext
-from diloco.runtime.chaos import ChaosMonkey, ChaosPlan
+from diloco.runtime.chaos import KINDS, ChaosMonkey, ChaosPlan
 
 ENTRY = "bench.goodput:slow_task"
 
@@ -138,7 +138,8 @@ def _child(cfg_path: str, out_path: str, run_dir: str) -> int:
     if opts.get("chaos"):
         c = opts["chaos"]
         chaos = _TimedChaos(c["kills"], seed=c["seed"], gap_s=tuple(c["gap_s"]), pause_s=tuple(c["pause_s"]),
-                            stop_fraction=c["stop_fraction"])
+                            stop_fraction=c["stop_fraction"], kinds=tuple(c.get("kinds", ("kill",))),
+                            stall_s=tuple(c.get("stall_s", (10.0, 10.0))))
     try:
         s = launcher.run(cfg, run_dir=run_dir, progress=False, timeout_s=opts.get("timeout_s", 900), chaos=chaos)
     finally:
@@ -149,8 +150,9 @@ def _child(cfg_path: str, out_path: str, run_dir: str) -> int:
 
 
 class _TimedChaos(ChaosMonkey):
-    """The fault drill, also noting each kill's wall-clock time and group (``killed``); its clock
-    starts once every group reported training (no kill while the groups start up)."""
+    """The fault drill, also noting each fault's wall-clock time and group (``killed``: kills and
+    stalls alike); its clock starts once every group reported training (no fault while the groups
+    start up)."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
@@ -160,7 +162,7 @@ class _TimedChaos(ChaosMonkey):
         if kw["progress"] <= 0 and not self.kills_done:
             return ChaosPlan()
         plan = super().tick(now, **kw)
-        self.killed += [(time.time(), g) for g in plan.kill]
+        self.killed += [(time.time(), g) for g in plan.kill + plan.stall]
         return plan
 
 
@@ -303,8 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--intervals", default="30", help="seconds between faults, comma-separated; 'none': a "
                    "fault-free job alone (each interval runs its own fault-free twin)")
     f.add_argument("--faults", type=int, default=20, help="faults per faulty job (fewer if it ends first)")
-    f.add_argument("--kinds", default="kill", help="fault kinds: kill (SIGKILL of a random group's process tree, "
-                   "restarted 0.5 s later); stall and corrupt are not wired (module doc of bench/goodput_faults.py)")
+    f.add_argument("--kinds", default="kill", help="fault kinds, comma-separated, each fault's drawn from them: "
+                   "kill (SIGKILL of a random group's process tree, restarted 0.5 s later), stall (SIGSTOP of it "
+                   "for --stall-seconds, then SIGCONT); a corrupting link is not wired (bench/goodput_faults.py)")
+    f.add_argument("--stall-seconds", type=float, default=6.0, help="how long a stalled group stays frozen (make it "
+                   "longer than --heartbeat-timeout: the group is then declared failed, restarts and heals)")
     f.add_argument("--fault-steps", type=int, default=0, help="inner steps per group of every job (0: enough for "
                    "--faults at the pace)")
     f.add_argument("--pace-ms", type=float, default=50.0, help="every group's steps start at least this far apart "
@@ -332,10 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_jobs' finally stops the jobs
     if args.factor < 1 or not math.isfinite(args.factor):
         p.error(f"--factor must be >= 1, got {args.factor}")
-    if args.kinds != "kill":
-        p.error(f"--kinds {args.kinds!r}: only 'kill' is wired into a diloco run job here; a stalled or corrupting "
-                "link needs the workers' dials routed through transport.FaultProxy, which a diloco run "
-                "worker's data-plane process has no setting for (bench/goodput_faults.py)")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds or any(k not in KINDS for k in kinds):
+        p.error(f"--kinds {args.kinds!r}: some of {', '.join(KINDS)}; a corrupting link needs the workers' dials "
+                "routed through transport.FaultProxy, which a diloco run worker's data-plane process has no "
+                "setting for (bench/goodput_faults.py)")
+    args.kinds = ",".join(kinds)
+    if "stall" in kinds and not args.stall_seconds > args.heartbeat_timeout:
+        p.error(f"--stall-seconds ({args.stall_seconds:g}) must exceed --heartbeat-timeout "
+                f"({args.heartbeat_timeout:g}): a shorter stall is never declared a failure, only waited for")
     if args.groups < 2 or args.faults < 0:
         p.error(f"--groups must be >= 2 and --faults >= 0, got {args.groups} and {args.faults}")
     try:

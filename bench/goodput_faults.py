@@ -24,7 +24,11 @@ hardware of its own, with the machine's cores not all busy. Without it, on a mac
 every group shares, a group that is down hands its cores to the others, which then train faster:
 the job would lose almost nothing to a dead group, which real groups in their own datacenters do.
 
-Kills only. A stalled or corrupting link (``transport.FaultProxy``) needs a group's dials to go
+Faults (``--kinds``): kills, and stalls (``--stall-seconds`` of SIGSTOP of a random group's whole
+process tree, then SIGCONT: its links stay open and carry nothing, and it stops heartbeating, as a
+hung host or a stalled link would look to the others; longer than the heartbeat timeout, so the
+group is declared failed, wakes evicted, restarts and heals). ``downtime_s_per_kill`` covers both
+kinds. A corrupting link (``transport.FaultProxy``) needs a group's dials to go
 through the proxy: the link's ``dial_overrides`` table (peer address -> relay address). In a
 ``diloco run`` job that table lives in each worker's data-plane child process
 (``transport.ProcessTransport``, built by ``diloco/runtime/connection.py`` from the config), no
@@ -185,7 +189,8 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
     rec = {
         "case": name, "interval_s": kw.get("interval"), "groups": cfg.topology.groups, "steps": cfg.train.steps,
         "h": cfg.sync.h, "round_seconds": cfg.sync.round_seconds, "quorum_grace_s": cfg.fault.quorum_grace,
-        "heartbeat_timeout_s": cfg.fault.heartbeat_timeout, "kills": f["kills"], "failures": f["failures"],
+        "heartbeat_timeout_s": cfg.fault.heartbeat_timeout, "kills": f["kills"], "frozen": f.get("frozen", 0),
+        "failures": f["failures"],
         "restarts": f["restarts"], "heals": f["heals"], "rolled_back": f["rolled_back"],
         "committed_rounds": f["committed"], "stalls": len(stalls), "stall_s_sum": sum(stalls),
         "stall_s_median": statistics.median(stalls) if stalls else 0.0, "stall_s_max": max(stalls, default=0.0),
@@ -200,8 +205,8 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
         "step_interval_median_s": statistics.median(b - a for t in traces.values() for a, b in itertools.pairwise(t))
         if any(len(t) > 1 for t in traces.values()) else None,
     }
-    print(f"  {name}: {rec['kills']} kills, {rec['committed_tokens']:,} tokens committed, twice "
-          f"{rec['samples_twice']}, left out {rec['samples_left_out']}, eval loss {rec['eval_loss']:.4f}, "
+    print(f"  {name}: {rec['kills']} kills, {rec['frozen']} frozen, {rec['committed_tokens']:,} tokens committed, "
+          f"twice {rec['samples_twice']}, left out {rec['samples_left_out']}, eval loss {rec['eval_loss']:.4f}, "
           f"stalls {len(stalls)} ({rec['stall_s_sum']:.1f} s), down per kill "
           f"{'' if not down else f'median {statistics.median(down):.1f} s'}, wall {rec['wall_s']:.0f} s", flush=True)
     return rec
@@ -235,9 +240,10 @@ def case_faults(args, run_jobs: Callable) -> dict:
     kept = [p for p in ((getattr(args, "previous", None) or {}).get("pairs") or []) if _label(p["interval_s"]) not in asked]
     pairs: list[dict] = []
 
-    def chaos(interval: float) -> dict:  # a kill every interval s, restarted 0.5 s later, none in the last 5 %
+    def chaos(interval: float) -> dict:  # a fault every interval s (a kill restarted 0.5 s later, or a stall of
+        # --stall-seconds), none in the last 5 %
         return {"kills": args.faults, "gap_s": [interval, interval], "pause_s": [0.5, 0.5], "seed": args.seed,
-                "stop_fraction": 0.95}
+                "stop_fraction": 0.95, "kinds": args.kinds.split(","), "stall_s": [args.stall_seconds] * 2}
 
     def run(jobs: dict) -> dict:
         return run_jobs(args, jobs, configure=fault_config, record=fault_record, timeout_s=args.job_timeout)
@@ -284,7 +290,7 @@ def settings(args) -> dict:
             "steps": args.fault_steps or "auto", "pace_ms": args.pace_ms, "h": args.fault_h,
             "round_seconds": args.round_seconds, "quorum_grace_s": args.quorum_grace,
             "heartbeat_timeout_s": args.heartbeat_timeout, "collective_timeout_s": args.collective_timeout,
-            "together": args.together, "kinds": "kill", "data_order": "epochs",
+            "together": args.together, "kinds": args.kinds, "stall_s": args.stall_seconds, "data_order": "epochs",
             "model": "demo GPT 1 layer x 32, block 32, batch 8", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python bench/goodput.py " + " ".join(sys.argv[1:])}
 
@@ -294,7 +300,8 @@ def fault_section(args, pairs: list[dict]) -> dict:
     (each with the settings it ran with)."""
     return {
         "settings": settings(args),
-        "summary": {_label(p["interval_s"]): {"goodput": p["goodput"], "faults": p["fault_job"]["kills"],
+        "summary": {_label(p["interval_s"]): {"goodput": p["goodput"],
+                                              "faults": p["fault_job"]["kills"] + p["fault_job"].get("frozen", 0),
                                               "downtime_share": p["downtime_share"],
                                               "stall_share": p["stall_share"],
                                               "eval_loss_vs_free": p["eval_loss_vs_free_at_equal_steps"],

@@ -1,15 +1,23 @@
 """A fault drill: kill worker groups at random moments and start them again after a pause.
 
-``diloco run --chaos N`` and ``bench/churn.py`` use it. The decisions are a pure function of the
-random generator and what the caller reports (which groups are up and healthy, how far the job
-is), so a drill is reproducible from its seed; the caller does the killing (SIGKILL of the
-group's whole process tree, wherever it stands: inside a collective, a vote, a heal) and the
-restarting.
+``diloco run --chaos N``, ``bench/churn.py`` and ``bench/goodput.py`` use it. The decisions are a
+pure function of the random generator and what the caller reports (which groups are up and
+healthy, how far the job is), so a drill is reproducible from its seed; the caller does the
+killing (SIGKILL of the group's whole process tree, wherever it stands: inside a collective, a
+vote, a heal) and the restarting.
+
+Faults of kind ``stall`` (``kinds``) freeze a group instead: its whole process tree stops
+(SIGSTOP, as a hung host, a long pause or a preempted VM) for a time drawn from ``stall_s``, then
+goes on (SIGCONT). Its links stay open and carry nothing, and it stops heartbeating: the others
+must not wait for it longer than the heartbeat timeout. A stall longer than that timeout gets
+the group declared failed; it learns so as it wakes, exits "restart me", and the caller restarts
+it, as after a kill.
 
 Rules: a group is killed only while it is up and a healthy live member of the job (not healing,
 not killed earlier and not yet healed back), only if at least one other such group would remain
-(someone must hold the state to heal from), and only before ``stop_fraction`` of the job's steps; a killed group is restarted after a pause drawn from
-``pause_s``; kills are spaced by gaps drawn from ``gap_s`` (seconds).
+(someone must hold the state to heal from), and only before ``stop_fraction`` of the job's steps;
+a killed group is restarted after a pause drawn from ``pause_s``; faults are spaced by gaps drawn
+from ``gap_s`` (seconds).
 """
 
 from __future__ import annotations
@@ -18,29 +26,42 @@ import random
 from dataclasses import dataclass, field
 
 
+KINDS = ("kill", "stall")
+
+
 @dataclass
 class ChaosPlan:
-    """What the drill wants done now: groups to kill, groups to start again."""
+    """What the drill wants done now: groups to kill, to start again, to freeze, to wake."""
 
     kill: list[int] = field(default_factory=list)
     restart: list[int] = field(default_factory=list)
+    stall: list[int] = field(default_factory=list)
+    resume: list[int] = field(default_factory=list)
 
 
 class ChaosMonkey:
     """Decides kills and restarts; call ``tick`` often (every fraction of a second)."""
 
     def __init__(self, kills: int, *, seed: int = 0, gap_s: tuple[float, float] = (2.0, 6.0),
-                 pause_s: tuple[float, float] = (0.5, 3.0), stop_fraction: float = 0.8) -> None:
+                 pause_s: tuple[float, float] = (0.5, 3.0), stop_fraction: float = 0.8,
+                 kinds: tuple[str, ...] = ("kill",), stall_s: tuple[float, float] = (10.0, 10.0)) -> None:
+        """``kills``: faults in all (of every kind); ``kinds``: each fault's kind is drawn from
+        these (``KINDS``); ``stall_s``: how long a stalled group stays frozen (s): make it longer
+        than the job's heartbeat timeout, so that the group is declared failed and heals."""
         if kills < 0:
             raise ValueError(f"kills must be >= 0, got {kills}")
-        if not (0 <= gap_s[0] <= gap_s[1] and 0 <= pause_s[0] <= pause_s[1]):
-            raise ValueError("gap_s and pause_s must be (low, high) with 0 <= low <= high")
+        if not (0 <= gap_s[0] <= gap_s[1] and 0 <= pause_s[0] <= pause_s[1] and 0 <= stall_s[0] <= stall_s[1]):
+            raise ValueError("gap_s, pause_s and stall_s must be (low, high) with 0 <= low <= high")
+        if not kinds or any(k not in KINDS for k in kinds):
+            raise ValueError(f"kinds must be some of {KINDS}, got {kinds}")
         self.kills_left = kills
         self.kills_done = 0
         self.rng = random.Random(seed)
         self.gap_s, self.pause_s, self.stop_fraction = gap_s, pause_s, stop_fraction
+        self.kinds, self.stall_s = tuple(kinds), stall_s
         self._next_kill_at: float | None = None
-        self._down: dict[int, float] = {}  # group -> when to restart it
+        self._down: dict[int, float] = {}  # group -> when to restart (killed) or wake (stalled) it
+        self._stalled: set[int] = set()  # groups of _down that are frozen, not killed
         # killed groups not yet back: "drop" until the coordinator no longer counts them live (it
         # noticed), then "heal" until it counts them live again (healed). Only groups outside this
         # map count as healthy, so a stale "live" from the coordinator never lets the drill kill
@@ -59,7 +80,8 @@ class ChaosMonkey:
                 del self._recovering[g]
         for g, at in sorted(self._down.items()):
             if now >= at:
-                plan.restart.append(g)
+                (plan.resume if g in self._stalled else plan.restart).append(g)
+                self._stalled.discard(g)
                 del self._down[g]
         if self._next_kill_at is None:
             self._next_kill_at = now + self.rng.uniform(*self.gap_s)
@@ -69,8 +91,15 @@ class ChaosMonkey:
         if len(healthy) < 2:
             return plan
         victim = self.rng.choice(healthy)
-        plan.kill.append(victim)
-        self._down[victim] = now + self.rng.uniform(*self.pause_s)
+        # one kind draws nothing: a kill-only drill's choices stay those of its seed
+        kind = self.kinds[0] if len(self.kinds) == 1 else self.rng.choice(self.kinds)
+        if kind == "stall":
+            plan.stall.append(victim)
+            self._stalled.add(victim)
+            self._down[victim] = now + self.rng.uniform(*self.stall_s)
+        else:
+            plan.kill.append(victim)
+            self._down[victim] = now + self.rng.uniform(*self.pause_s)
         self._recovering[victim] = "drop"
         self.kills_left -= 1
         self.kills_done += 1
@@ -79,5 +108,5 @@ class ChaosMonkey:
 
     @property
     def down(self) -> set[int]:
-        """Groups killed and not yet due for a restart."""
+        """Groups killed and not yet due for a restart, or frozen and not yet due to wake."""
         return set(self._down)

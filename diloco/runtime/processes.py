@@ -60,6 +60,13 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def freeze_tree(proc: subprocess.Popen, frozen: bool) -> None:
+    """SIGSTOP (``frozen``) or SIGCONT a process and everything below it (a hung host, then one
+    that goes on); the parent first on stopping, so that it starts nothing meanwhile."""
+    tree = [proc.pid, *descendants(proc.pid)]
+    _signal(tree if frozen else reversed(tree), signal.SIGSTOP if frozen else signal.SIGCONT)
+
+
 def processes_mentioning(text: str) -> list[int]:
     """PIDs of live processes whose command line contains ``text`` (e.g. a run folder)."""
     out = []

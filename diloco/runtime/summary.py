@@ -53,7 +53,7 @@ def fault_summary(snapshot: dict, supervisor: Supervisor) -> dict:
     rs = snapshot["rounds_state"]
     stalls = [e["seconds"] for e in rs["events"] if e["kind"] == "stall"]
     return {
-        "kills": len(supervisor.kills), "restarts": sum(supervisor.restarts.values()),
+        "kills": len(supervisor.kills), "frozen": len(supervisor.frozen), "restarts": sum(supervisor.restarts.values()),
         "failures": rs["failures"], "heals": rs["heals"], "rolled_back": rs["rolled_back"],
         "committed": rs["committed"], "rejected": rs["rejected"], "evicted": rs["evicted"],
         "stall_seconds": stalls, "events": rs["events"], "process_failures": supervisor.failures,
@@ -140,13 +140,14 @@ def format_summary(s: dict) -> str:
         f"  logs                     : {s['run_dir']}",
     ]
     f = s.get("fault")
-    if f and (f["kills"] or f["failures"] or f["rolled_back"] or f["rejected"]):
+    if f and (f["kills"] or f.get("frozen") or f["failures"] or f["rolled_back"] or f["rejected"]):
         stalls = f["stall_seconds"]
         stall = (f"; exchanges a failure disturbed took median {statistics.median(stalls):.2f} s, "
                  f"max {max(stalls):.2f} s") if stalls else ""
-        lines.insert(-2, f"  faults                   : {f['kills']} killed by --chaos, {f['failures']} group failures, "
-                         f"{f['restarts']} restarts, {f['heals']} heals, {f['rolled_back']} rounds rolled back, "
-                         f"{f['rejected']} contributions refused{stall}")
+        frozen = f", {f['frozen']} frozen by the drill" if f.get("frozen") else ""
+        lines.insert(-2, f"  faults                   : {f['kills']} killed by --chaos{frozen}, "
+                         f"{f['failures']} group failures, {f['restarts']} restarts, {f['heals']} heals, "
+                         f"{f['rolled_back']} rounds rolled back, {f['rejected']} contributions refused{stall}")
         data = s.get("data_per_group")
         if data:
             twice, left = sum(d["twice"] for d in data.values()), sum(d["left_out"] for d in data.values())

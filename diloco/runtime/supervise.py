@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 from diloco.runtime import exit_codes
 from diloco.runtime.chaos import ChaosMonkey
-from diloco.runtime.processes import kill_tree
+from diloco.runtime.processes import freeze_tree, kill_tree
 
 
 class GroupProcess(Protocol):
@@ -50,6 +50,7 @@ class Supervisor:
     attempts: dict[int, int] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)
     kills: list[dict[str, Any]] = field(default_factory=list)
+    frozen: list[dict[str, Any]] = field(default_factory=list)  # the drill's stalls: group, at_s
     finished: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
 
@@ -99,6 +100,11 @@ class Supervisor:
                 self.kills.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
             for g in plan.restart:
                 self._spawn(g)
+            for g in plan.stall:
+                freeze_tree(self.procs[g].proc, True)
+                self.frozen.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
+            for g in plan.resume:
+                freeze_tree(self.procs[g].proc, False)
         return len(self.finished) == self.groups and not down
 
     def all_procs(self) -> list[GroupProcess]:

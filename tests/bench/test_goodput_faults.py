@@ -108,10 +108,12 @@ def test_the_case_drills_only_the_faulty_job_of_each_pair_and_keeps_other_interv
     saved = []
     args = argparse.Namespace(groups=4, intervals="10,none", faults=3, fault_steps=0, pace_ms=50.0, fault_h=20,
                               round_seconds=0.0, quorum_grace=1.0, heartbeat_timeout=3.0, collective_timeout=10.0,
-                              together=True, equal_tokens=False, seed=7, job_timeout=60, plot=None,
-                              save=saved.append, previous={"pairs": [old_pair(60.0), old_pair(10.0)]})
+                              together=True, equal_tokens=False, seed=7, job_timeout=60, plot=None, kinds="kill,stall",
+                              stall_seconds=6.0, save=saved.append, previous={"pairs": [old_pair(60.0), old_pair(10.0)]})
     section = gf.case_faults(args, fake_run_jobs)
     assert [sorted(j) for j in asked] == [["every-10s", "twin-10s"], ["every-none", "twin-none"]]
+    drill = asked[0]["every-10s"]["chaos"]
+    assert drill["kinds"] == ["kill", "stall"] and drill["stall_s"] == [6.0, 6.0]
     assert asked[0]["every-10s"]["chaos"]["gap_s"] == [10.0, 10.0] and "chaos" not in asked[0]["twin-10s"]
     assert "chaos" not in asked[1]["every-none"]
     assert asked[0]["every-10s"]["steps"] == asked[0]["twin-10s"]["steps"] == 1240  # (3 x 10 / 0.95 + 30) s / 50 ms

@@ -1,5 +1,7 @@
 """The fault drill's decisions (pure): spacing, who may be killed, restarts, the end of the drill."""
 
+import pytest
+
 from diloco.runtime.chaos import ChaosMonkey
 
 
@@ -55,3 +57,36 @@ def test_a_stale_live_set_never_lets_the_drill_kill_the_last_healthy_group():
     assert len(killed) == 2
     killed += monkey.tick(20.1, live={spared, first}, running={0, 1, 2}, progress=0.0).kill  # one healed back
     assert len(killed) == 3 and killed[2] in {spared, first}
+
+
+def test_a_drill_of_stalls_and_kills_freezes_groups_for_stall_s_and_wakes_them():
+    monkey = ChaosMonkey(8, seed=2, gap_s=(1.0, 1.0), pause_s=(0.2, 0.2), kinds=("kill", "stall"), stall_s=(3.0, 3.0))
+    live, running, frozen = {0, 1, 2, 3}, {0, 1, 2, 3}, {}
+    stalls, kills, t = [], [], 0.0
+    while t < 60:
+        plan = monkey.tick(t, live=set(live), running=set(running), progress=0.0)
+        for g in plan.stall:
+            assert g in running and g not in frozen
+            frozen[g] = t
+            stalls.append(g)
+            live.discard(g)  # the coordinator declares it failed; it heals once woken
+        for g in plan.resume:
+            assert 3.0 - 1e-9 <= t - frozen.pop(g) <= 3.05 + 1e-9
+            live.add(g)
+        for g in plan.kill:
+            running.discard(g)
+            live.discard(g)
+            kills.append(g)
+        for g in plan.restart:
+            running.add(g)
+            live.add(g)
+        assert not set(plan.restart) & set(plan.resume)
+        t += 0.05
+    assert len(stalls) + len(kills) == 8 and stalls and kills and not frozen
+
+
+def test_a_drill_refuses_unknown_kinds():
+    with pytest.raises(ValueError, match="kinds"):
+        ChaosMonkey(1, kinds=("kill", "flood"))
+    with pytest.raises(ValueError, match="stall_s"):
+        ChaosMonkey(1, kinds=("stall",), stall_s=(5.0, 1.0))
