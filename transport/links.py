@@ -32,6 +32,7 @@ from .guard import (DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DE
                     AdmissionGuard, Ticket)
 from .identity import Credentials, as_credentials
 from .probe import PROBE_MIN_TRANSFER_S, PROBE_PAIRS, ProbeError, probe_rate
+from .probe_turns import BEGIN, END, MEASURE, ProbeTurns, gives_way
 from .ratelog import RateLimitedLog
 from .shaping import TokenBucket
 from .wire import DATA_TYPES, BufferPool, MsgType, pack_header, read_first_header, read_message
@@ -44,6 +45,10 @@ PROBE_RESEND_S = 2.0
 
 class _Unanswered(TransportError):
     """A probe needed resending: its timing measures the wait, not the link."""
+
+
+class _GaveWay(TransportError):
+    """The peer probes this end too, and this end gives way (``transport.probe_turns``)."""
 
 # Free chunk buffers kept for reuse (see wire.BufferPool): enough for the chunks in flight of a
 # 64 MiB all-reduce, so steady-state collectives allocate nothing per chunk.
@@ -97,6 +102,7 @@ class LinkEndpoint:
         self._incoming_socks: set[Any] = set()
         self._probes: dict[int, threading.Event] = {}
         self._probe_ids = itertools.count()
+        self._probe_turns = ProbeTurns()  # the peers probing this end now
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         if pin_memory and not torch.cuda.is_available():
@@ -205,19 +211,35 @@ class LinkEndpoint:
         short to time, the measured time is floored at ``PROBE_MIN_TRANSFER_S`` (the rate reported is
         then a lower bound, and a warning says so). ProbeError for a rate above any link's, never an
         impossible one. Probe one peer at a time: probes running at once share this host's link.
+        When the peer probes this end at the same time, the two take turns (``transport.probe_turns``).
         """
         if nbytes < 1 or nbytes + 4096 > self.max_message_bytes:
             raise ValueError(f"nbytes must be in [1, max_message_bytes - 4096], got {nbytes}")
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         most = max(nbytes, min(16 * nbytes, self.max_message_bytes - 4096))
         size = nbytes
+        turns, yields = self._probe_turns, gives_way(self.address, peer)
+
+        def half_the_time_left() -> float:  # waits for the peer's turn leave the rest to measure
+            return time.monotonic() + (deadline - time.monotonic()) / 2
+
         while True:
             link = self._get_link(peer, deadline)
+            turns.wait_quiet(peer, half_the_time_left())
             try:
-                self._probe_roundtrip(link, 1, deadline, resend=True)  # warm-up
-                pairs = [(self._probe_roundtrip(link, 1, deadline), self._probe_roundtrip(link, size, deadline))
-                         for _ in range(PROBE_PAIRS)]
-            except _Unanswered:  # measured again, on a link both ways known good
+                try:
+                    self._probe_roundtrip(link, 1, deadline, resend=True, chunk=BEGIN)  # warm-up
+                    if not yields:  # a probe of this end that was running gives way within its round trip
+                        turns.wait_quiet(peer, half_the_time_left())
+                    pairs = []
+                    for _ in range(PROBE_PAIRS):
+                        if yields and turns.probing(peer):
+                            raise _GaveWay(peer)
+                        pairs.append((self._probe_roundtrip(link, 1, deadline),
+                                      self._probe_roundtrip(link, size, deadline)))
+                finally:
+                    self._probe_end(link)
+            except (_Unanswered, _GaveWay):  # measured again: on a link both ways known good, or after the peer's turn
                 continue
             try:
                 rate = probe_rate(size, pairs)
@@ -233,7 +255,14 @@ class LinkEndpoint:
                 return size / PROBE_MIN_TRANSFER_S
             size = min(4 * size, most)
 
-    def _probe_roundtrip(self, link: Link, nbytes: int, deadline: float, *, resend: bool = False) -> float:
+    def _probe_end(self, link: Link) -> None:
+        """Tell the peer that this end's probe of it ended (``probe_turns.END``); nothing awaited."""
+        with self._lock:
+            pid = next(self._probe_ids)
+        link.send([pack_header(MsgType.PROBE, b"", pid, END, 0, 1), bytes(1)], None)
+
+    def _probe_roundtrip(self, link: Link, nbytes: int, deadline: float, *, resend: bool = False,
+                         chunk: int = MEASURE) -> float:
         """Seconds from sending an nbytes probe to its acknowledgement. When none comes within
         PROBE_RESEND_S and ``resend`` (the warm-up) the probe is sent again (the peer's way back may
         have been a stale link to an earlier process at this address: answering on it fails, and the
@@ -247,7 +276,7 @@ class LinkEndpoint:
             done = threading.Event()
             self._probes[pid] = done
         try:
-            head = pack_header(MsgType.PROBE, b"", pid, 0, 0, nbytes)
+            head = pack_header(MsgType.PROBE, b"", pid, chunk, 0, nbytes)
             failed: list[str] = []
             start = time.perf_counter()
             link.send([head, bytes(nbytes)], lambda reason: (failed.append(reason), done.set()))
@@ -274,6 +303,7 @@ class LinkEndpoint:
             if done is not None:
                 done.set()
             return
+        self._probe_turns.heard(peer, msg.chunk)
 
         def answer() -> None:
             deadline = time.monotonic() + self.timeout_s
@@ -464,6 +494,7 @@ class LinkEndpoint:
             still_open = tuple(self._incoming[peer].values())
             if not still_open:
                 del self._incoming[peer]
+                self._probe_turns.gone(peer)
             listeners = self._loss_listeners()
         for op in listeners:
             op.deliver(("lost", peer, conn_id, clean, reason, group, still_open))
