@@ -23,7 +23,11 @@ the least over its fragments: a sample counts when every fragment's exchange aft
 
 ``DataPositions.ledger`` lists the sample ranges this process saw its own group commit;
 ``check_ledger`` tells from the ranges of every incarnation of every group whether any sample
-was counted twice or left out.
+was counted twice or left out. A process may die (or freeze, and be evicted) after its group's
+contribution committed but before it saw the commit: the range is committed, yet its log never
+says so. So the table also keeps each group's last few position advances (``ADVANCES_KEPT``),
+a healer logs its own group's again (``log_inherited``), and ``ledger_from_logs`` counts a range
+logged twice *for the same exchange* once.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ from typing import Any, Iterable, Mapping
 log = logging.getLogger(__name__)
 
 FRAGMENT_TAG = re.compile(r"f(\d+)/r(\d+)")
+#: position advances kept per group in the table (before, after, exchange tag): a process sees
+#: every commit of one fragment before it votes on that fragment's next, so with fragments it can
+#: have missed at most one per fragment
+ADVANCES_KEPT = 8
 
 
 class PositionError(ValueError):
@@ -62,6 +70,7 @@ class DataPositions:
         self._committed: dict[int, dict[int, float]] = {}
         self._rounds: dict[int, int] = {}  # fragment -> its last round counted (a commit counts once)
         self._refused = False
+        self._advances: dict[int, list[tuple[float, float, str]]] = {}  # group -> last ADVANCES_KEPT
         self._lock = threading.Lock()
         #: (first, end) half-open ranges of this group's stream committed while this process ran
         self.ledger: list[tuple[int, int]] = []
@@ -79,8 +88,12 @@ class DataPositions:
             raise PositionError("samples_per_step is not set: the data source did not say what a step holds")
         return self.committed_steps() * self.samples_per_step
 
+    def _weight(self, group: int) -> float:
+        """``group``'s committed weight: the least over the fragments."""
+        return min(self._committed.get(p, {}).get(group, 0.0) for p in range(self.fragments))
+
     def _steps(self, group: int) -> int:
-        total = min(self._committed.get(p, {}).get(group, 0.0) for p in range(self.fragments))
+        total = self._weight(group)
         steps = total / self.tokens_per_step
         if abs(steps - round(steps)) > 1e-6:
             raise PositionError(f"group {group}'s committed weight {total} is not a whole number of steps of "
@@ -102,19 +115,40 @@ class DataPositions:
             self._rounds[p] = r
             before = self._steps(self.group)
             row = self._committed.setdefault(p, {})
+            counted = [int(g) for g, w in weights.items() if w > 0]
+            was = {g: self._weight(g) for g in counted}
             for g, w in weights.items():
                 if w > 0:
                     row[int(g)] = row.get(int(g), 0.0) + float(w)
+            for g in counted:
+                if self._weight(g) > was[g]:
+                    kept = self._advances.setdefault(g, [])
+                    kept.append((was[g], self._weight(g), tag))
+                    del kept[:-ADVANCES_KEPT]
             after = self._steps(self.group)
             self._refused = self._refused or refused
             unit = self.samples_per_step or 1
             if after > before:
                 self.ledger.append((before * unit, after * unit))
         if after > before:
-            log.info("group %d committed data %s [%d, %d) at %s", self.group,
-                     "samples" if self.samples_per_step else "steps", before * unit, after * unit, tag,
-                     extra={"data_group": self.group, "data_first": before * unit, "data_end": after * unit,
-                            "data_unit": "samples" if self.samples_per_step else "steps"})
+            self._log_range(before * unit, after * unit, tag)
+
+    def _log_range(self, first: int, end: int, tag: str, note: str = "") -> None:
+        unit = "samples" if self.samples_per_step else "steps"
+        log.info("group %d committed data %s [%d, %d) at %s%s", self.group, unit, first, end, tag, note,
+                 extra={"data_group": self.group, "data_first": first, "data_end": end, "data_unit": unit,
+                        "data_tag": tag})
+
+    def log_inherited(self) -> None:
+        """A healer, once its table is the donor's and ``samples_per_step`` set: log again its own
+        group's last position advances, which its previous process may not have seen commit
+        (``ledger_from_logs`` counts a range logged twice for the same exchange once)."""
+        with self._lock:
+            advances = list(self._advances.get(self.group, ()))
+        unit = self.samples_per_step or 1
+        for before, after, tag in advances:
+            self._log_range(round(before / self.tokens_per_step) * unit, round(after / self.tokens_per_step) * unit,
+                            tag, " (its previous start's, from the donor's table)")
 
     def take_refused(self) -> bool:
         """True once after a commit that refused this group's contribution."""
@@ -127,7 +161,8 @@ class DataPositions:
         with self._lock:
             rows = [[p, g, w] for p, row in sorted(self._committed.items()) for g, w in sorted(row.items())]
             rounds = [[p, r] for p, r in sorted(self._rounds.items())]
-        return {"fragments": self.fragments, "committed": rows, "rounds": rounds}
+            advances = [[g, a, b, tag] for g, kept in sorted(self._advances.items()) for a, b, tag in kept]
+        return {"fragments": self.fragments, "committed": rows, "rounds": rounds, "advances": advances}
 
     def load_state(self, state: Mapping[str, Any] | None) -> None:
         """Take the table ``state()`` returned (a donor's, a checkpoint's); PositionError if malformed."""
@@ -145,8 +180,16 @@ class DataPositions:
                     and isinstance(row[2], (int, float)) and row[2] >= 0):
                 raise PositionError(f"bad data-position row {row!r:.100}")
             table.setdefault(row[0], {})[row[1]] = float(row[2])
+        advances: dict[int, list[tuple[float, float, str]]] = {}
+        for row in state.get("advances", []):  # absent in a table of an older version
+            if not (isinstance(row, (list, tuple)) and len(row) == 4 and type(row[0]) is int
+                    and all(isinstance(v, (int, float)) and v >= 0 for v in row[1:3]) and isinstance(row[3], str)
+                    and FRAGMENT_TAG.fullmatch(row[3])):
+                raise PositionError(f"bad data-position advance {row!r:.100}")
+            advances.setdefault(row[0], []).append((float(row[1]), float(row[2]), row[3]))
         with self._lock:
             self._committed, self._rounds = table, {int(p): int(r) for p, r in rounds}
+            self._advances = {g: kept[-ADVANCES_KEPT:] for g, kept in advances.items()}
 
 
 @dataclass
@@ -183,14 +226,16 @@ def check_ledger(ranges: Mapping[int, Iterable[tuple[int, int]]]) -> dict[int, L
 
 
 _TEXT_RECORD = re.compile(r"\[worker group (\d+) rank (\d+)\] group (\d+) committed data (samples|steps) "
-                          r"\[(\d+), (\d+)\)")
+                          r"\[(\d+), (\d+)\)(?: at (f\d+/r\d+))?")
 
 
 def ledger_from_logs(lines: Iterable[str]) -> dict[int, list[tuple[int, int]]]:
     """Every group's committed ranges from worker log lines (text or JSON, of every incarnation of
     every group, any order): what rank 0 of each group logged at each commit (``DataPositions.commit``).
-    Feed the result to ``check_ledger``. Lines of other records are skipped."""
+    A range logged again for the same exchange (a healer's ``log_inherited``) counts once. Feed
+    the result to ``check_ledger``. Lines of other records are skipped."""
     out: dict[int, list[tuple[int, int]]] = {}
+    seen: set[tuple[int, int, int, str]] = set()
     for line in lines:
         if "committed data" not in line:
             continue
@@ -202,11 +247,16 @@ def ledger_from_logs(lines: Iterable[str]) -> dict[int, list[tuple[int, int]]]:
             if not isinstance(rec, dict) or rec.get("rank") != 0 or "data_group" not in rec:
                 continue
             group, first, end = int(rec["data_group"]), int(rec["data_first"]), int(rec["data_end"])
+            tag = rec.get("data_tag")
         else:
             m = _TEXT_RECORD.search(line)
             if m is None or m.group(2) != "0":
                 continue
-            group, first, end = int(m.group(3)), int(m.group(5)), int(m.group(6))
+            group, first, end, tag = int(m.group(3)), int(m.group(5)), int(m.group(6)), m.group(7)
+        if tag:
+            if (group, first, end, tag) in seen:
+                continue
+            seen.add((group, first, end, tag))
         out.setdefault(group, []).append((first, end))
     return out
 

@@ -45,6 +45,8 @@ class DataFeed:
                         "the group's committed position", self.group)
             return
         seek(self.source, self.positions.committed_samples())
+        if self.rank == 0:  # rank 0 keeps the group's ledger
+            self.positions.log_inherited()
         log.info("group %d rank %d: data continues at the group's committed sample %d", self.group, self.rank,
                  position(self.source))
 

@@ -151,6 +151,52 @@ def test_the_ledger_is_read_back_from_worker_logs_of_rank_0_in_text_and_json():
         assert ledger_from_logs(lines) == {3: [(0, 8), (8, 12)]}  # rank 1's copies are not counted again
 
 
+def test_a_healer_logs_its_groups_last_advances_again_and_the_ledger_counts_each_commit_once():
+    """Group 1's process saw rounds 0 and 1 commit, then died (or froze and was evicted) after its
+    round-2 contribution committed but before it saw the commit: its log never says so. The healer
+    takes the donor's table, which kept group 1's last advances, and logs them again; a range
+    logged twice for the same exchange counts once."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("diloco.exchange.data_positions")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        donor, dead = DataPositions(group=0, tokens_per_step=1.0), DataPositions(group=1, tokens_per_step=2.0)
+        donor.samples_per_step, dead.samples_per_step = 4, 8
+        for r in range(3):
+            donor.commit(f"f0/r{r}", {0: 2.0, 1: 4.0})
+            if r < 2:
+                dead.commit(f"f0/r{r}", {0: 2.0, 1: 4.0})
+        dead_lines = len(records)
+        healer = DataPositions(group=1, tokens_per_step=2.0)
+        healer.samples_per_step = 8
+        healer.load_state(json.loads(json.dumps(donor.state())))
+        assert healer.committed_samples() == 48
+        healer.log_inherited()
+        inherited = len(records)
+        healer.commit("f0/r3", {0: 2.0, 1: 4.0})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    for r in records:
+        r.component, r.group, r.rank = "worker", r.data_group, 0
+    for formatter in (logs.TextFormatter(), logs.JsonFormatter()):
+        lines = [formatter.format(r) for r in records]
+        without = lines[:dead_lines] + lines[inherited:]  # the dead process's lines and the healer's next commit
+        assert check_ledger(ledger_from_logs(without))[1].gaps == [(32, 48)]
+        ledger = ledger_from_logs(lines)
+        assert ledger[1] == [(0, 16), (16, 32), (32, 48), (48, 64)] and check_ledger(ledger)[1].ok
+    assert any("from the donor's table" in r.getMessage() for r in records[dead_lines:inherited])
+    with pytest.raises(PositionError, match="advance"):
+        healer.load_state({**donor.state(), "advances": [[1, 0.0, 4.0, "checkpoint/8"]]})
+    older = {k: v for k, v in donor.state().items() if k != "advances"}  # a table of an older version
+    healer.load_state(older)
+    assert healer.committed_samples() == 48
+
+
 def test_diloco_run_counts_each_groups_committed_data_from_every_incarnations_log(tmp_path):
     line = "2026-01-01T00:00:00.000Z INFO diloco.exchange.data_positions [worker group {g} rank {r}] group {g} " \
            "committed data samples [{a}, {b}) at f0/r1"
