@@ -239,7 +239,7 @@ class LinkEndpoint:
                                       self._probe_roundtrip(link, size, deadline)))
                 finally:
                     self._probe_end(link)
-            except (_Unanswered, _GaveWay):  # measured again: on a link both ways known good, or after the peer's turn
+            except (_Unanswered, _GaveWay):  # measured again: on a link known good both ways, after the peer's turn
                 continue
             try:
                 rate = probe_rate(size, pairs)
@@ -259,7 +259,7 @@ class LinkEndpoint:
         """Tell the peer that this end's probe of it ended (``probe_turns.END``); nothing awaited."""
         with self._lock:
             pid = next(self._probe_ids)
-        link.send([pack_header(MsgType.PROBE, b"", pid, END, 0, 1), bytes(1)], None)
+        link.send([pack_header(MsgType.PROBE, b"", pid, END, 0, 1), bytes(1)], None)  # never raises
 
     def _probe_roundtrip(self, link: Link, nbytes: int, deadline: float, *, resend: bool = False,
                          chunk: int = MEASURE) -> float:

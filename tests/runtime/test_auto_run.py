@@ -143,9 +143,13 @@ def test_groups_switch_h_at_the_same_round_and_stay_bit_identical():
     for link, s in zip(links, scripted):
         link.averager = s
 
-    def make(i):
+    models = []
+    for _ in range(2):  # seeded here, not in the threads: the global RNG is shared (a race gave them different weights)
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        models.append(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
+
+    def make(i):
+        model = models[i]
         engine = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), averager=scripted[i], sync_every=30)
         engine.schedule = AutoH(engine.schedule, links[i], start, table, num_params=n, step_s=0.1, groups=2)
         return engine
