@@ -1,6 +1,7 @@
 """Resumable data: the demo's samplers as data sources (position = a counter, state round trip, each
 window once per epoch), the committed-position table, and the ledger check."""
 
+import contextlib
 import json
 import logging
 
@@ -126,7 +127,9 @@ def test_check_ledger_names_samples_counted_twice_and_left_out():
     assert merged([(0, 4), (4, 8), (6, 9), (12, 14)]) == [[0, 8], [6, 9], [12, 14]]
 
 
-def test_the_ledger_is_read_back_from_worker_logs_of_rank_0_in_text_and_json():
+@contextlib.contextmanager
+def position_records():
+    """The records ``diloco.exchange.data_positions`` logs inside the block (INFO and up)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -135,6 +138,14 @@ def test_the_ledger_is_read_back_from_worker_logs_of_rank_0_in_text_and_json():
     old = logger.level
     logger.setLevel(logging.INFO)
     try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+
+
+def test_the_ledger_is_read_back_from_worker_logs_of_rank_0_in_text_and_json():
+    with position_records() as records:
         for rank in (0, 1):
             pos = DataPositions(group=3, tokens_per_step=1.0)
             pos.samples_per_step = 4
@@ -143,9 +154,6 @@ def test_the_ledger_is_read_back_from_worker_logs_of_rank_0_in_text_and_json():
             pos.commit("f0/r2", {3: 1.0})
             for r in records[-2:]:
                 r.component, r.group, r.rank = "worker", 3, rank
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
     for formatter in (logs.TextFormatter(), logs.JsonFormatter()):
         lines = [formatter.format(r) for r in records] + ["unrelated line", "{not json committed data"]
         assert ledger_from_logs(lines) == {3: [(0, 8), (8, 12)]}  # rank 1's copies are not counted again
@@ -156,14 +164,7 @@ def test_a_healer_logs_its_groups_last_advances_again_and_the_ledger_counts_each
     round-2 contribution committed but before it saw the commit: its log never says so. The healer
     takes the donor's table, which kept group 1's last advances, and logs them again; a range
     logged twice for the same exchange counts once."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("diloco.exchange.data_positions")
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with position_records() as records:
         donor, dead = DataPositions(group=0, tokens_per_step=1.0), DataPositions(group=1, tokens_per_step=2.0)
         donor.samples_per_step, dead.samples_per_step = 4, 8
         for r in range(3):
@@ -178,9 +179,6 @@ def test_a_healer_logs_its_groups_last_advances_again_and_the_ledger_counts_each
         healer.log_inherited()
         inherited = len(records)
         healer.commit("f0/r3", {0: 2.0, 1: 4.0})
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
     for r in records:
         r.component, r.group, r.rank = "worker", r.data_group, 0
     for formatter in (logs.TextFormatter(), logs.JsonFormatter()):
