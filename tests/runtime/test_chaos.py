@@ -90,3 +90,32 @@ def test_a_drill_refuses_unknown_kinds():
         ChaosMonkey(1, kinds=("kill", "flood"))
     with pytest.raises(ValueError, match="stall_s"):
         ChaosMonkey(1, kinds=("stall",), stall_s=(5.0, 1.0))
+
+
+def test_freeze_tree_stops_a_process_and_its_children_and_lets_them_go_on():
+    import subprocess
+    import sys
+    import time
+
+    from diloco.runtime.processes import _stat_fields, descendants, freeze_tree, kill_tree
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                               "time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 20
+        while not descendants(parent.pid):
+            assert time.monotonic() < deadline, "the child did not start"
+            time.sleep(0.05)
+        tree = [parent.pid, *descendants(parent.pid)]
+
+        def states() -> list[str]:
+            time.sleep(0.2)  # the signals are delivered asynchronously
+            return [(_stat_fields(pid) or ["?"])[0] for pid in tree]
+
+        freeze_tree(parent, True)
+        assert states() == ["T"] * len(tree)
+        freeze_tree(parent, False)
+        assert "T" not in states()
+    finally:
+        kill_tree(parent)
