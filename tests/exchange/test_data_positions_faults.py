@@ -12,7 +12,6 @@ import time
 import pytest
 import test_fault_tolerance as ft
 import torch
-import torch.nn as nn
 
 import diloco
 from diloco.coordinator import CoordinatorServer
@@ -100,13 +99,7 @@ class Counting(ft.Group):
                 return self.kill()
             ids, x, y = feed.next()
             self.pending += ids.tolist()
-            loss = nn.functional.mse_loss(self.model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if t + 1 == self.poison_at:
-                with torch.no_grad():
-                    self.model[0].weight[0, 0] = float("nan")
+            self.inner_step(opt, x, y, t)
             refused = len(self.link.fault_stats.rejected)
             events = self.engine.step()
             feed.after_step()

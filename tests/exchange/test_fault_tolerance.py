@@ -92,19 +92,22 @@ class Group:
         for t in range(self.engine.inner_step, STEPS):
             if self.killed.is_set() or t == self.die_at:
                 return self.kill()
-            x, y = batch(self.group, t)
-            loss = nn.functional.mse_loss(self.model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if t + 1 == self.poison_at:
-                with torch.no_grad():
-                    self.model[0].weight[0, 0] = float("nan")
+            self.inner_step(opt, *batch(self.group, t), t)
             events = self.engine.step()
             if any(e.kind == "commit" for e in events):
                 self.hashes[self.engine.inner_step] = self.engine.global_hash()
         self.engine.close()
         self.final_hash = self.engine.global_hash()
+
+    def inner_step(self, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, t: int) -> None:
+        """Inner step ``t`` on (x, y); after step ``poison_at`` the model holds a NaN."""
+        loss = nn.functional.mse_loss(self.model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if t + 1 == self.poison_at:
+            with torch.no_grad():
+                self.model[0].weight[0, 0] = float("nan")
 
     def join(self, timeout_s: float = 90.0) -> None:
         self.thread.join(timeout_s)
