@@ -220,17 +220,19 @@ class LinkEndpoint:
         size = nbytes
         turns, yields = self._probe_turns, gives_way(self.address, peer)
 
-        def half_the_time_left() -> float:  # waits for the peer's turn leave the rest to measure
-            return time.monotonic() + (deadline - time.monotonic()) / 2
+        def await_turn() -> None:  # the peer's probe of this end ends; at most half the time left
+            if not turns.wait_quiet(peer, time.monotonic() + (deadline - time.monotonic()) / 2):
+                log.warning("%s: %s's probe of this end did not end within half of this probe's time; measuring "
+                            "anyway (the two probes overlap: this rate may be misread)", self.address, peer)
 
         while True:
             link = self._get_link(peer, deadline)
-            turns.wait_quiet(peer, half_the_time_left())
+            await_turn()
             try:
                 try:
                     self._probe_roundtrip(link, 1, deadline, resend=True, chunk=BEGIN)  # warm-up
                     if not yields:  # a probe of this end that was running gives way within its round trip
-                        turns.wait_quiet(peer, half_the_time_left())
+                        await_turn()
                     pairs = []
                     for _ in range(PROBE_PAIRS):
                         if yields and turns.probing(peer):
