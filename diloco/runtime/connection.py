@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import sys
 import time
 from typing import Any
 
@@ -218,6 +219,8 @@ class GroupConnection:
         self._last_line: float | None = None
         self.compute_seconds = 0.0
         self.loss: float | None = None
+        self._finished_engine = None  # the engine whose close() this connection observed
+        self._summary_reported = False
 
     # --- the averager protocol (the engine calls these) -------------------------------------
 
@@ -286,6 +289,8 @@ class GroupConnection:
                 self.periods.append(engine.next_sync[0])
             self.periods.extend(e.next_period for e in events if e.kind == "launch" and e.fragment == 0 and e.next_period)
         committed = any(e.kind == "commit" for e in events)
+        if engine.finished:
+            self._finished_engine = engine
         if committed or engine.finished:
             self.bytes_sent, self.bytes_received = self._group_bytes()
         # eager groups' global copies differ until close() reconciles them: only the final hash counts
@@ -394,14 +399,30 @@ class GroupConnection:
         }
         if self.rank == 0:  # the job's summary needs it: retried while the coordinator is away
             self.averager.call_coordinator("summary", lambda: self.client.report_summary(self.group, out))
+            self._summary_reported = True
         return out
 
-    def close(self) -> None:
+    def close(self, *, failed: bool | None = None) -> None:
         """Stop the metrics endpoint, the data plane and the coordinator channel. Idempotent.
+
+        A group whose engine closed normally has finished its part of the job: when rank 0 has not
+        reported a summary (``summary()``), close reports one, so the coordinator counts the group
+        finished instead of failing it for going quiet (and calling the job lost when it was the
+        last). ``failed=True`` reports nothing: the group then goes quiet, the coordinator declares
+        it failed, and the others go on without it. The default, None, means failed when an
+        exception is propagating (close in a ``finally``, or the ``with`` block left on an error).
 
         A re-probe still in flight is not waited for: its peer may have finished and will never
         answer (a finished job then sat out --timeout here). Its thread is a daemon; closing the
         links ends its probe, and it is given REPROBE_CLOSE_S to notice."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
+        engine, self._finished_engine = self._finished_engine, None
+        if engine is not None and not failed and self.rank == 0 and not self._summary_reported:
+            try:
+                self.summary(engine)
+            except Exception as e:  # closing must still release the links and the channel
+                log.warning("group %d: could not report the summary at close: %s", self.group, e)
         self.averager.close()
         self.metrics.close()
         self.transport.close()
@@ -412,8 +433,8 @@ class GroupConnection:
     def __enter__(self) -> "GroupConnection":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def _incarnation(process_group, size: int, device: torch.device) -> str:

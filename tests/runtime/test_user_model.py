@@ -161,3 +161,48 @@ def test_entry_args_are_checked_before_any_process_starts(tmp_path, capsys, monk
                      "--run-dir", str(tmp_path / "b")]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_group_that_closes_without_a_summary_is_finished_and_one_that_fails_is_not():
+    """An API job that never calls link.summary() reports one at close (else the coordinator
+    fails the quiet group and, once all are quiet, calls the job lost); a `with` block left on an
+    error reports none."""
+    secret = secrets.token_bytes(32)
+    steps, h = 8, 4
+    with CoordinatorServer(expected_groups=2, token="tok") as server:
+        torch.manual_seed(0)
+        models = [nn.Linear(8, 2) for _ in range(2)]
+        with torch.no_grad():
+            models[1].load_state_dict(models[0].state_dict())
+        errors = {}
+
+        def group(g):
+            model = models[g]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(g)
+            settings = TransportConfig(probe_bytes=1 << 14, timeout_s=30)
+            try:
+                with diloco.connect(server.address, g, secret=secret, token="tok", settings=settings) as link:
+                    with diloco.DiLoCo(model, opt, averager=link, sync_every=h, hook_optimizer=True):
+                        for _ in range(steps):
+                            x = torch.randn(16, 8, generator=gen)
+                            ((model(x) - x[:, :2]) ** 2).mean().backward()
+                            opt.step()
+                            opt.zero_grad()
+                    if g == 1:
+                        raise RuntimeError("the user's evaluation failed")
+            except RuntimeError as e:
+                errors[g] = str(e)
+
+        threads = [threading.Thread(target=group, args=(g,)) for g in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        snap = server.snapshot()
+    assert errors == {1: "the user's evaluation failed"}
+    assert set(snap["summaries"]) == {0}  # group 0 finished at close; group 1 failed and said nothing
+    summary = snap["summaries"][0]
+    assert summary["outer_rounds"] == steps // h and summary["inner_steps"] == steps
+    assert len(summary["param_hash"]) == 16
