@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -67,3 +69,20 @@ def write_small_job(path, *, steps: int, ranks_per_group: int, groups: int = 2):
     cfg.fault.heartbeat_timeout = 2.0
     path.write_text(json.dumps(cfg.validate().to_dict()))
     return cfg
+
+
+@contextlib.contextmanager
+def position_records() -> Iterator[list[logging.LogRecord]]:
+    """The records ``diloco.exchange.data_positions`` logs inside the block (INFO and up)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("diloco.exchange.data_positions")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)

@@ -28,6 +28,11 @@ contribution committed but before it saw the commit: the range is committed, yet
 says so. So the table also keeps each group's last few position advances (``ADVANCES_KEPT``),
 a healer logs its own group's again (``log_inherited``), and ``ledger_from_logs`` counts a range
 logged twice *for the same exchange* once.
+
+A job resumed from checkpoints (after a stop, or after every group was lost) continues from the
+checkpoint's table: whatever its groups committed after the checkpoint was lost with them and is
+trained again. So a resume logs the rounds its table holds (``log_resumed``), and
+``ledger_from_logs`` drops the ranges that group logged earlier for later rounds.
 """
 
 from __future__ import annotations
@@ -150,6 +155,16 @@ class DataPositions:
             self._log_range(round(before / self.tokens_per_step) * unit, round(after / self.tokens_per_step) * unit,
                             tag, " (its previous start's, from the donor's table)")
 
+    def log_resumed(self) -> None:
+        """Rank 0 of a group resumed from a checkpoint whose table this is: log the last round it
+        counted per fragment. ``ledger_from_logs`` then drops the ranges this group logged before
+        for later rounds: their commits were lost with the job and their samples are trained again."""
+        with self._lock:
+            rounds = sorted(self._rounds.items())
+        kept = " ".join(f"f{p}/r{r}" for p, r in rounds)
+        log.info("group %d resumed its committed data after [%s]", self.group, kept,
+                 extra={"data_group": self.group, "data_resume": kept})
+
     def take_refused(self) -> bool:
         """True once after a commit that refused this group's contribution."""
         with self._lock:
@@ -227,38 +242,64 @@ def check_ledger(ranges: Mapping[int, Iterable[tuple[int, int]]]) -> dict[int, L
 
 _TEXT_RECORD = re.compile(r"\[worker group (\d+) rank (\d+)\] group (\d+) committed data (samples|steps) "
                           r"\[(\d+), (\d+)\)(?: at (f\d+/r\d+))?")
+_TEXT_RESUME = re.compile(r"\[worker group (\d+) rank (\d+)\] group (\d+) resumed its committed data after "
+                          r"\[([^\]]*)\]")
 
 
 def ledger_from_logs(lines: Iterable[str]) -> dict[int, list[tuple[int, int]]]:
     """Every group's committed ranges from worker log lines (text or JSON, of every incarnation of
-    every group, any order): what rank 0 of each group logged at each commit (``DataPositions.commit``).
-    A range logged again for the same exchange (a healer's ``log_inherited``) counts once. Feed
-    the result to ``check_ledger``. Lines of other records are skipped."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    seen: set[tuple[int, int, int, str]] = set()
-    for line in lines:
-        if "committed data" not in line:
+    every group; each group's lines in the order they were written, groups in any order): what
+    rank 0 of each group logged at each commit (``DataPositions.commit``). A range logged again for
+    the same exchange (a healer's ``log_inherited``) counts once; a resume from a checkpoint
+    (``log_resumed``) drops the ranges its group logged before for rounds after the checkpoint's.
+    Feed the result to ``check_ledger``. Lines of other records are skipped."""
+    out: dict[int, dict[tuple, None]] = {}  # per group, its ranges in order (a dict: tagged ones once)
+    for n, line in enumerate(lines):
+        record = _ledger_record(line)
+        if record is None:
             continue
-        if line.lstrip().startswith("{"):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict) or rec.get("rank") != 0 or "data_group" not in rec:
-                continue
-            group, first, end = int(rec["data_group"]), int(rec["data_first"]), int(rec["data_end"])
-            tag = rec.get("data_tag")
-        else:
-            m = _TEXT_RECORD.search(line)
-            if m is None or m.group(2) != "0":
-                continue
-            group, first, end, tag = int(m.group(3)), int(m.group(5)), int(m.group(6)), m.group(7)
-        if tag:
-            if (group, first, end, tag) in seen:
-                continue
-            seen.add((group, first, end, tag))
-        out.setdefault(group, []).append((first, end))
-    return out
+        group, first, end, tag, resume = record
+        ranges = out.setdefault(group, {})
+        if resume is not None:
+            out[group] = {k: None for k in ranges if k[2] is None or _within(k[2], resume)}
+        else:  # an untagged range (an older version's) is never taken for another
+            ranges[(first, end, tag) if tag else (first, end, None, n)] = None
+    return {g: [(k[0], k[1]) for k in ranges] for g, ranges in out.items()}
+
+
+def _ledger_record(line: str) -> tuple[int, int, int, str | None, dict[int, int] | None] | None:
+    """(group, first, end, tag, None) of a rank-0 committed-range line, (group, 0, 0, None,
+    {fragment: last round}) of a rank-0 resume line, else None."""
+    if "committed data" not in line:
+        return None
+    if line.lstrip().startswith("{"):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(rec, dict) or rec.get("rank") != 0 or "data_group" not in rec:
+            return None
+        if "data_resume" in rec:
+            return int(rec["data_group"]), 0, 0, None, _resume_rounds(str(rec["data_resume"]))
+        return int(rec["data_group"]), int(rec["data_first"]), int(rec["data_end"]), rec.get("data_tag"), None
+    m = _TEXT_RESUME.search(line)
+    if m is not None:
+        return (int(m.group(3)), 0, 0, None, _resume_rounds(m.group(4))) if m.group(2) == "0" else None
+    m = _TEXT_RECORD.search(line)
+    if m is None or m.group(2) != "0":
+        return None
+    return int(m.group(3)), int(m.group(5)), int(m.group(6)), m.group(7), None
+
+
+def _resume_rounds(text: str) -> dict[int, int]:
+    """``{fragment: round}`` from a resume record's ``f0/r12 f1/r11``."""
+    return {int(m.group(1)): int(m.group(2)) for m in FRAGMENT_TAG.finditer(text)}
+
+
+def _within(tag: str, resume: dict[int, int]) -> bool:
+    """The exchange ``tag`` is one a resume's table counted (a fragment it never saw: none is)."""
+    m = FRAGMENT_TAG.fullmatch(tag)
+    return m is None or int(m.group(2)) <= resume.get(int(m.group(1)), -1)
 
 
 def merged(ranges: Iterable[tuple[int, int]]) -> list[list[int]]:

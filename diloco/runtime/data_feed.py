@@ -60,6 +60,8 @@ class DataFeed:
                         "counts from 0 at this resume", self.group)
             return
         self.positions.load_state(state["data_positions"])
+        if self.rank == 0:  # rank 0 keeps the group's ledger: commits after the checkpoint were lost
+            self.positions.log_resumed()
 
     def next(self) -> Any:
         """This rank's next batch (StopIteration when a plain iterator ran out)."""

@@ -12,12 +12,13 @@ import time
 import pytest
 import test_fault_tolerance as ft
 import torch
+from diloco_helpers import position_records
 
 import diloco
 from diloco.coordinator import CoordinatorServer
-from diloco.exchange.data_positions import check_ledger
+from diloco.exchange.data_positions import check_ledger, ledger_from_logs
 from diloco.job.task import Task
-from diloco.runtime import rank_state
+from diloco.runtime import logs, rank_state
 from diloco.runtime.data_feed import DataFeed
 from transport import FaultProxy
 
@@ -53,12 +54,13 @@ class Numbered:
 class Counting(ft.Group):
     """A group of test_fault_tolerance that draws from ``Numbered`` through a DataFeed and counts,
     from what it trained and the commits it saw, the sample ids its committed contributions hold.
-    ``stop_at``: capture a rank checkpoint after that step and leave; ``resume``: start from one."""
+    ``stop_at``: capture a rank checkpoint after that step and leave; ``checkpoint_at``: capture one
+    and go on; ``resume``: start from one."""
 
-    def __init__(self, address: str, group: int, *, stop_at: int | None = None, resume: dict | None = None,
-                 **kw) -> None:
+    def __init__(self, address: str, group: int, *, stop_at: int | None = None, checkpoint_at: int | None = None,
+                 resume: dict | None = None, **kw) -> None:
         super().__init__(address, group, **kw)
-        self.stop_at, self.resume = stop_at, resume
+        self.stop_at, self.checkpoint_at, self.resume = stop_at, checkpoint_at, resume
         self.source = Numbered(group)
         self.committed: list[int] = []  # the truth: ids in contributions that committed with weight > 0
         self.pending: list[int] = []  # trained since this group's last launch
@@ -104,12 +106,14 @@ class Counting(ft.Group):
             events = self.engine.step()
             feed.after_step()
             self.count(events, refused)
-            if t + 1 == self.stop_at:
+            if t + 1 in (self.stop_at, self.checkpoint_at):
                 assert not self.launched  # blocking: nothing in flight between steps
-                self.checkpoint = {"pending": list(self.pending), "state": rank_state.capture(
-                    step=t + 1, cfg=None, engine=self.engine, model=self.model, inner=opt, task=task,
-                    data_positions=self.link.averager.positions.state)}
-                return
+                self.checkpoint = {"pending": list(self.pending), "committed": len(self.committed),
+                                   "state": rank_state.capture(step=t + 1, cfg=None, engine=self.engine,
+                                                               model=self.model, inner=opt, task=task,
+                                                               data_positions=self.link.averager.positions.state)}
+                if t + 1 == self.stop_at:
+                    return
         self.count(self.engine.close(), len(self.link.fault_stats.rejected))
         self.final_hash = self.engine.global_hash()
 
@@ -193,6 +197,34 @@ def test_every_sample_counted_once_across_a_stop_and_resume(coordinator):
     assert all(g.engine.inner_step == ft.STEPS for g in resumed)
     ends = assert_counted_once({g.group: [g, r] for g, r in zip(first, resumed)})
     assert ends == {g: ft.STEPS * BATCH for g in range(3)}
+
+
+def test_every_sample_counted_once_when_the_job_is_lost_and_resumes_from_an_earlier_checkpoint(coordinator):
+    """Every group checkpoints at step 10, commits two more rounds, and dies at step 18: the job is
+    lost. Resumed from the step-10 checkpoints, the groups train the lost rounds' samples again.
+    The truth: what committed up to the checkpoint, then what the resumed groups committed. The
+    ledger read from the logs of both runs must count each sample once."""
+    with position_records() as records:
+        first = [Counting(coordinator.address, g, checkpoint_at=10, die_at=18).start() for g in range(3)]
+        for g in first:
+            g.join()
+        assert all(len(g.committed) > g.checkpoint["committed"] for g in first)  # commits the job then lost
+        server = CoordinatorServer("127.0.0.1", 0, expected_groups=3, heartbeat_timeout_s=ft.HEARTBEAT_S,
+                                   join_timeout_s=30.0)
+        server.start()
+        try:
+            resumed = [Counting(server.address, g.group, resume=g.checkpoint).start() for g in first]
+            ft.finish(resumed)
+        finally:
+            server.stop()
+    assert len({g.final_hash for g in resumed}) == 1
+    for r in records:
+        r.component, r.group, r.rank = "worker", r.data_group, 0
+    ledger = check_ledger(ledger_from_logs([logs.TextFormatter().format(r) for r in records]))
+    for before, after in zip(first, resumed):
+        truth = sorted(before.committed[:before.checkpoint["committed"]] + after.committed)
+        assert truth == list(range(ft.STEPS * BATCH))
+        assert ledger[before.group].ok and ledger[before.group].end == ft.STEPS * BATCH, ledger[before.group]
 
 
 def test_a_plain_iterator_heals_from_its_start_and_counts_samples_twice(coordinator):

@@ -1,14 +1,13 @@
 """Resumable data: the demo's samplers as data sources (position = a counter, state round trip, each
 window once per epoch), the committed-position table, and the ledger check."""
 
-import contextlib
 import json
-import logging
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from diloco_helpers import position_records
 
 from diloco.demo import data
 from diloco.exchange.data_positions import (
@@ -127,23 +126,6 @@ def test_check_ledger_names_samples_counted_twice_and_left_out():
     assert merged([(0, 4), (4, 8), (6, 9), (12, 14)]) == [[0, 8], [6, 9], [12, 14]]
 
 
-@contextlib.contextmanager
-def position_records():
-    """The records ``diloco.exchange.data_positions`` logs inside the block (INFO and up)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("diloco.exchange.data_positions")
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
-
-
 def test_the_ledger_is_read_back_from_worker_logs_of_rank_0_in_text_and_json():
     with position_records() as records:
         for rank in (0, 1):
@@ -205,3 +187,34 @@ def test_diloco_run_counts_each_groups_committed_data_from_every_incarnations_lo
     (tmp_path / "group-1.restart-2.log").write_text(line.format(g=1, r=0, a=20, b=24))  # 4 left out
     counts = summary.data_counts(tmp_path)
     assert counts == {0: {"committed": 16, "twice": 0, "left_out": 0}, 1: {"committed": 24, "twice": 4, "left_out": 4}}
+
+
+def test_a_resume_after_the_job_was_lost_drops_the_lost_commits_from_the_ledger():
+    """Group 0 committed rounds 0-3 and checkpointed after round 1; then every group was lost. The
+    resumed job continues from the checkpoint's table: rounds 2 and 3 were lost with the job, so
+    their samples are trained again (as rounds 2-4, the first of them refused this time, which
+    shifts the ranges). The ledger counts each sample once only if it drops the lost rounds."""
+    with position_records() as records:
+        first = DataPositions(group=0, tokens_per_step=1.0)
+        first.samples_per_step = 4
+        for r in range(4):
+            first.commit(f"f0/r{r}", {0: 2.0, 1: 2.0})
+            if r == 1:
+                checkpoint = json.loads(json.dumps(first.state()))
+        resumed = DataPositions(group=0, tokens_per_step=1.0)
+        resumed.samples_per_step = 4
+        resumed.load_state(checkpoint)
+        resumed.log_resumed()
+        resumed.commit("f0/r2", {0: 2.0, 1: 2.0})  # the same range as the lost round 2: counted again
+        resumed.commit("f0/r3", {0: 0.0, 1: 2.0}, refused=True)
+        resumed.commit("f0/r4", {0: 2.0, 1: 2.0})
+    for r in records:
+        r.component, r.group, r.rank = "worker", r.data_group, 0
+    for formatter in (logs.TextFormatter(), logs.JsonFormatter()):
+        lines = [formatter.format(r) for r in records]
+        ledger = ledger_from_logs(lines)
+        assert ledger[0] == [(0, 8), (8, 16), (16, 24), (24, 32)], ledger
+        assert check_ledger(ledger)[0].ok and check_ledger(ledger)[0].end == resumed.committed_samples() == 32
+        resume_line = next(line for line in lines if "resumed" in line)
+        without = [line for line in lines if line != resume_line]  # what the ledger read before
+        assert check_ledger(ledger_from_logs(without))[0].twice == [(24, 32)]  # lost r3, trained again in r4
