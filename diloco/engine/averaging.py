@@ -140,10 +140,15 @@ class InProcessMember:
         self.index = index
         self.group_index = index
         self.num_groups = groups.size
+        self.codec = groups.codec
 
     @property
     def error_feedback(self) -> bool:
-        return self._groups.error_feedback
+        return bool(getattr(self.codec, "requires_error_feedback", False))
+
+    def set_codec(self, codec) -> None:
+        """This member's codec from its next ``start`` on (every member must switch at the same tag)."""
+        self.codec = codec
 
     @property
     def weighted(self) -> bool:
@@ -153,7 +158,7 @@ class InProcessMember:
               weight: float = 1.0) -> PendingMean:
         """Post this member's contribution under ``tag``; ``weight`` counts only when weighted
         (exact exchanges are plain means)."""
-        codec = self._groups.codec
+        codec = self.codec
         w = float(weight) if self._groups.weighted and not exact else None
         if w is not None and not (w >= 0 and w < float("inf")):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")

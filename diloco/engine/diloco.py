@@ -210,6 +210,7 @@ class DiLoCo:
                              "or sign1), whose residual stands in for outer momentum")
         self.error_feedback = Residuals(len(self.fragments), 1.0 if decay is None else decay) \
             if getattr(averager, "error_feedback", False) else None
+        self._flushing: Residuals | None = None  # residuals still to send once (set_error_feedback(False))
         #: SparseLoCo: each fragment laid out tile-major before the residual and the codec see it
         self.tiles = self._tile_layouts(getattr(rule, "tile", None) if decay is not None else None)
         self.finished = False
@@ -403,10 +404,30 @@ class DiLoCo:
         for param in frag.local_params:
             self.inner_optimizer.state.pop(param, None)
 
+    def set_error_feedback(self, on: bool) -> None:
+        """The averager switched codec between launches (``--codec auto`` following the link, on
+        every group at the same launch): keep a residual per fragment from the next launch on
+        (each starts at zero), or stop keeping them. A residual holds what earlier exchanges
+        did not deliver yet, so when they stop each fragment adds its residual once to its next
+        Δ, which the new codec sends; nothing is lost. SparseLoCo's rule needs its residuals."""
+        if on == (self.error_feedback is not None):
+            return
+        if on:  # residuals not yet flushed are still owed: keep them
+            self.error_feedback, self._flushing = self._flushing or Residuals(len(self.fragments), 1.0), None
+            return
+        if self.tiles is not None:
+            raise ValueError("SparseLoCo's outer rule needs error feedback: its codec must keep one")
+        self._flushing, self.error_feedback = self.error_feedback, None
+
     def _launch(self, p: int, delta: torch.Tensor) -> SyncEvent:
         r = self.rounds[p]
         extra = {"weight": float(self.inner_step - self._launched_at[p])} if self._weighted else {}
         extra.update(self._shards(p))
+        if self._flushing is not None and self._flushing.residual[p] is not None:
+            # error feedback stopped: this fragment's last exchange with it has landed (a fragment
+            # launches after its previous exchange lands), so its residual is final: sent once now
+            delta = delta + self._flushing.residual[p].to(delta.device)
+            self._flushing.residual[p] = None
         if self.error_feedback is not None:  # sends Δ + residual; the residual moves when it lands
             if self.tiles is not None:  # residual and codec in tile-major order, the mean back in place
                 layout = self.tiles[p]

@@ -290,11 +290,13 @@ class QuorumAverager(StripedAverager):
         except ValueError:  # a member measured nothing towards the quorum's others
             return equal_plan(sizes)
 
-    def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool, gather: bool = False, shards=None):
+    def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool, gather: bool = False, shards=None,
+                  codec=None):
         """One attempt: this rank's stripes of the weighted contribution, among the quorum's groups.
         ``gather``: all-gathers of each group's own encoded contribution, weighted on arrival
         (error feedback: ``sent`` is then what the others decoded of ``src``, or of zeros when
-        this group's weight is 0). Returns (out, stripe plan, group index, ok, why, sent)."""
+        this group's weight is 0). ``codec``: the exchange's (default the averager's now).
+        Returns (out, stripe plan, group index, ok, why, sent)."""
         scale = weighted_scale(resp.weights, self.group)
         sent = scales = None
         if gather:
@@ -307,7 +309,7 @@ class QuorumAverager(StripedAverager):
         plan = self._plan(resp)
         sp, me, handles = self.launch(x, out, plan, {g: list(a) for g, a in resp.members.items()},
                                       tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales,
-                                      shards=shards)
+                                      shards=shards, codec=codec)
         why = ""
         with self._rings_lock:
             self._running[resp.id] = [h for _, h in handles]

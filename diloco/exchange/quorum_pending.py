@@ -35,6 +35,7 @@ class QuorumPending:
         self._exact = exact
         self._shards = shards
         self._gather = gather
+        self._codec = avg.codec  # every attempt of this exchange uses the codec it started with
         #: error feedback: after ``wait``, what the other groups decoded of this group's contribution
         #: in the attempt that committed (each rank's stripes, shared in the group)
         self.sent: torch.Tensor | None = None
@@ -75,7 +76,8 @@ class QuorumPending:
                 avg.stats.rejected.append(resp.rejected[avg.group])
                 log.warning("group %d: the quorum refused this group's contribution to %s: %s", avg.group,
                             resp.tag, resp.rejected[avg.group])
-            out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather, self._shards)
+            out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather, self._shards,
+                                                            self._codec)
             decision = avg.vote(resp, ok, why)
             if decision.committed:
                 self.committed_at = time.monotonic()

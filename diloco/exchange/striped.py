@@ -85,18 +85,25 @@ class StripedAverager:
     def bytes_sent(self) -> int:
         return int(self.transport.bytes_sent)
 
-    def stripe_plan_for(self, plan: NetworkPlan, numel: int) -> StripePlan:
+    def set_codec(self, codec) -> None:
+        """Use ``codec`` from the next ``start`` on (``--codec auto`` following the link: every
+        group switches at the same exchange). Exchanges already started keep the codec they
+        started with, retries included."""
+        self.codec = codec
+        self.error_feedback = bool(getattr(codec, "requires_error_feedback", False))
+
+    def stripe_plan_for(self, plan: NetworkPlan, numel: int, codec=None) -> StripePlan:
         """The stripes of an ``numel``-element vector under ``plan``: ``stripes_per_rank`` per rank
         of the largest group in it (the same on every member of the plan), each starting at a
-        multiple of the codec's chunk where it has one (top-k's: its chunks are then the caller's,
-        SparseLoCo's tiles)."""
-        key = (plan, numel)
+        multiple of the chunk of ``codec`` (default this averager's) where it has one (top-k's: its
+        chunks are then the caller's, SparseLoCo's tiles)."""
+        align = int(getattr(self.codec if codec is None else codec, "chunk", 1))
+        key = (plan, numel, align)
         if key not in self._stripe_plans:
             bandwidths = [list(b) for b in plan.rank_bandwidths]
             stripes = self.stripes_per_rank * max(len(b) for b in bandwidths)
             if len(self._stripe_plans) > 64:
                 self._stripe_plans.clear()
-            align = int(getattr(self.codec, "chunk", 1))
             self._stripe_plans[key] = stripe_plan(numel, bandwidths, min(stripes, max(numel, 1)), align=align)
         return self._stripe_plans[key]
 
@@ -157,20 +164,22 @@ class StripedAverager:
 
     def launch(self, src: torch.Tensor, out: torch.Tensor, plan: NetworkPlan, addresses: dict[int, list[str]],
                *, tag: str, exact: bool = False, sent: torch.Tensor | None = None,
-               scales: dict[int, float] | None = None, shards: ShardLayout | None = None) -> tuple[Plan, int, list]:
+               scales: dict[int, float] | None = None, shards: ShardLayout | None = None,
+               codec=None) -> tuple[Plan, int, list]:
         """Start the rings of this rank's stripes of ``src`` among ``plan.groups`` (data-plane
         ``addresses`` by group, by rank); each writes its stripe of the mean into ``out``.
         With ``sent`` the rings are all-gathers of each group's own encoded stripe, and each
         writes what the others decoded of ours into its stripe of ``sent``; ``scales``: each
         group's weight in their mean (by group id; default 1). ``shards``: ``src`` is this
         rank's shard laid out so; ``out`` and ``sent`` are then in the plan's exchange order
-        until ``land`` puts them back.
+        until ``land`` puts them back. ``codec``: the exchange's (default this averager's now).
         Returns the stripe plan, this group's index in ``plan.groups`` and the ring handles."""
+        codec = self.codec if codec is None else codec
         me = plan.groups.index(self.group)
         ranks = [addresses[g] for g in plan.groups]
         order = [plan.groups.index(g) for g in plan.ring_order]
         if shards is None:
-            sp: Plan = self.stripe_plan_for(plan, src.numel())
+            sp: Plan = self.stripe_plan_for(plan, src.numel(), codec)
             mine, ring_of = sp.stripes_of(me, self.rank), (lambda s: sp.ring(s.index, ranks, order))
         else:
             sp = self.shard_plan_for(shards, [len(a) for a in ranks], me)
@@ -185,7 +194,7 @@ class StripedAverager:
             return sp, me, [
                 (s, self.transport.all_gather_mean(
                     src[s.start : s.stop], ring_of(s), index,
-                    tag=f"{tag}/s{s.index}", codec=self.codec, timeout_s=self.timeout_s,
+                    tag=f"{tag}/s{s.index}", codec=codec, timeout_s=self.timeout_s,
                     out=out[s.start : s.stop], sent=sent[s.start : s.stop], groups=ring_groups, finite=True,
                     scales=weights,
                 ))
@@ -194,7 +203,7 @@ class StripedAverager:
         handles = [
             (s, self.transport.all_reduce(
                 src[s.start : s.stop], ring_of(s), index,
-                tag=f"{tag}/s{s.index}", codec=None if exact else self.codec, timeout_s=self.timeout_s,
+                tag=f"{tag}/s{s.index}", codec=None if exact else codec, timeout_s=self.timeout_s,
                 out=out[s.start : s.stop], groups=ring_groups, finite=not exact,
             ))
             for s in mine if s.size

@@ -202,22 +202,43 @@ def slowest_link(table: Mapping[int, Mapping[int, Mapping[int, float]]], sizes: 
     return min(rates)
 
 
+#: what a running job keeps when it follows its link: the outer rule and its state, the sync mode
+#: and its fragments (codec, top-k density and H may change between two launches)
+_RULE = ("outer_optimizer", "outer_lr", "outer_momentum", "sparseloco_beta", "mode", "fragments", "overlap_steps",
+         "groups")
+
+
+def same_rule(a: Setting, b: Setting) -> bool:
+    """Whether a running job can switch between ``a`` and ``b``: the same outer rule (and lr,
+    momentum, residual decay), mode, fragments and tau; codec, density and H may differ."""
+    return all(getattr(a, k) == getattr(b, k) for k in _RULE)
+
+
 def same_but_h(a: Setting, b: Setting) -> bool:
-    """Whether ``a`` and ``b`` are one setting at two values of H (what a running job can switch
-    between: codec, density, outer rule and its state, mode and fragments all stay)."""
-    keys = ("codec", "topk_density", "outer_optimizer", "outer_lr", "outer_momentum", "sparseloco_beta", "mode",
-            "fragments", "overlap_steps", "groups")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+    """Whether ``a`` and ``b`` are one setting at two values of H (codec and density kept too)."""
+    return same_rule(a, b) and a.codec == b.codec and a.topk_density == b.topk_density
+
+
+def choose_relink(table: AutoTable, current: Setting, *, num_params: int, link_bytes_per_s: float, step_s: float,
+                  groups: int, codec_fixed: bool = False, h_fixed: bool = False,
+                  blocking_share: float = BLOCKING_SHARE) -> Choice:
+    """``choose`` among the settings a running job on ``current`` can switch to when its link
+    changed (``same_rule``), keeping the codec and density (``codec_fixed``: a fixed ``--codec``)
+    or H (``h_fixed``: a fixed ``--h``) where the user fixed them."""
+    pool = tuple(e for e in table.entries if same_rule(e, current)
+                 and (not codec_fixed or (e.codec, e.topk_density) == (current.codec, current.topk_density))
+                 and (not h_fixed or e.h == current.h))
+    sub = AutoTable(table.size, table.study_dates, table.commit, table.regenerate, pool)
+    return choose(sub, num_params=num_params, link_bytes_per_s=link_bytes_per_s, step_s=step_s, groups=groups,
+                  blocking_share=blocking_share)
 
 
 def choose_h(table: AutoTable, current: Setting, *, num_params: int, link_bytes_per_s: float, step_s: float,
              groups: int, blocking_share: float = BLOCKING_SHARE) -> Choice:
     """``choose`` among the table's settings that differ from ``current`` in H only: the H a
     running job moves to when its link changed (the same rule, the codec kept)."""
-    pool = tuple(e for e in table.entries if same_but_h(e, current))
-    sub = AutoTable(table.size, table.study_dates, table.commit, table.regenerate, pool)
-    return choose(sub, num_params=num_params, link_bytes_per_s=link_bytes_per_s, step_s=step_s, groups=groups,
-                  blocking_share=blocking_share)
+    return choose_relink(table, current, num_params=num_params, link_bytes_per_s=link_bytes_per_s, step_s=step_s,
+                         groups=groups, codec_fixed=True, blocking_share=blocking_share)
 
 
 def link_changed(decided_bytes_per_s: float, measured_bytes_per_s: float,

@@ -1,4 +1,5 @@
-"""``--codec auto`` / ``--h auto`` in a running job: measure, agree, decide once, before the engine.
+"""``--codec auto`` / ``--h auto`` in a running job: measure, agree, decide before the engine,
+then follow the link.
 
 Every group must run the same setting from the same exchange on, so every group decides from
 numbers every group holds bit for bit:
@@ -10,17 +11,19 @@ numbers every group holds bit for bit:
   that exchange, by which every rank of every group has reported its first probe), whose slowest
   group-to-group capacity every group derives with the same pure function.
 
-The choice (``diloco.job.auto_choice.choose``) is then the same on every rank. The codec is
-chosen once, at start, before the engine is built, so the engine never changes codec mid-run:
-error-feedback residuals and outer momentum start empty under the chosen setting.
+The choice (``diloco.job.auto_choice.choose``) is then the same on every rank; it is made before
+the engine is built, so error-feedback residuals and outer momentum start under it.
 
-With ``--h auto``, H is re-decided while the job runs (``AutoH``): at every launch, after the
-averager fetched the bandwidth table the coordinator pinned for that exchange (the same table on
-every rank of every group), a slowest link that moved by more than ``RELINK_THRESHOLD`` from the
-one last decided on (hysteresis) re-runs the rule among the study's settings that differ from the
-running one in H only (``auto_choice.choose_h``). The next round takes the new H on every group
-alike; outer momentum and error-feedback residuals carry over (neither depends on H). With a
-fixed ``--h``, such a change is logged with what ``auto`` would choose now, and the setting stays.
+While the job runs (``AutoSchedule``), what was left to auto is re-decided: at every launch,
+after the averager fetched the bandwidth table the coordinator pinned for that exchange (the same
+table on every rank of every group), a slowest link that moved by more than ``RELINK_THRESHOLD``
+from the one last decided on (hysteresis) re-runs the rule among the study's settings a running
+job can switch to (``auto_choice.choose_relink``: the same outer rule, mode and fragments; the
+codec and top-k density where ``--codec auto``, H where ``--h auto``). The next exchange runs the
+new codec and the next round the new H, on every group alike. Outer momentum carries over; an
+error-feedback residual carries over between codecs that keep one, starts at zero when one
+starts keeping it, and is sent once, in the next Δ, when the new codec keeps none
+(``DiLoCo.set_error_feedback``). An exchange already started keeps its codec, retries included.
 """
 
 from __future__ import annotations
@@ -125,10 +128,7 @@ def decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device:
     except ValueError as e:
         raise ConfigError(f"--codec/--h auto: {e}") from None
     chosen = auto_choice.apply_choice(cfg, choice.setting).validate()
-    codec = make_codec(chosen.transport)
-    averager = link.averager
-    averager.codec, averager.error_feedback = codec, bool(getattr(codec, "requires_error_feedback", False))
-    averager._stripe_plans.clear()  # aligned to the new codec's chunks from the next exchange
+    switch_codec(link, None, cfg, choice.setting)
     link.auto = {"step_s_per_group": {str(g): s for g, s in steps.items()},
                  "table": f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"}
     _show(link, choice, bandwidth, version)
@@ -141,19 +141,27 @@ def decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device:
     return chosen, choice
 
 
-class AutoH:
-    """A ``SyncSchedule`` whose H follows the link (see the module doc); wraps the run's fixed
-    schedule and keeps its total steps."""
+class AutoSchedule:
+    """A ``SyncSchedule`` whose H, and with ``--codec auto`` the codec, follow the link (see the
+    module doc); wraps the run's fixed schedule and keeps its total steps. ``engine``: the
+    engine it schedules (its residuals follow the codec; None: H only). ``cfg``: the config
+    the job runs (what a new codec is built from). ``codec_fixed`` / ``h_fixed``: what the user
+    fixed (``--codec X --h auto``, ``--codec auto --h N``)."""
 
     def __init__(self, base: Any, link: Any, choice: Choice, table: auto_choice.AutoTable, *, num_params: int,
-                 step_s: float, groups: int) -> None:
+                 step_s: float, groups: int, engine: Any = None, cfg: Config | None = None,
+                 codec_fixed: bool = True, h_fixed: bool = False) -> None:
+        if not codec_fixed and (engine is None or cfg is None):
+            raise ValueError("a codec that follows the link needs the engine and the config")
         self.base, self.link, self.choice, self.table = base, link, choice, table
         self.num_params, self.step_s, self.groups = num_params, step_s, groups
+        self.engine, self.cfg, self.codec_fixed, self.h_fixed = engine, cfg, codec_fixed, h_fixed
         self.decided_bytes_per_s = choice.link_bytes_per_s
         self.total_steps = getattr(base, "total_steps", None)
         self.h_max = getattr(base, "h_max", None)
         self.h = choice.setting.h
         self.changes: list[tuple[int, int, float]] = []  # (inner step, new H, link bytes/s)
+        self.codec_changes: list[tuple[int, str, float]] = []  # (inner step, new setting's label, link bytes/s)
         self._seen_version: int | None = None
 
     def period(self, step: int, lr: float) -> int:
@@ -173,19 +181,37 @@ class AutoH:
         if not auto_choice.link_changed(self.decided_bytes_per_s, now):
             return
         self.decided_bytes_per_s = now
-        choice = auto_choice.choose_h(self.table, self.choice.setting, num_params=self.num_params,
-                                      link_bytes_per_s=now, step_s=self.step_s, groups=self.groups)
-        old = self.h
+        choice = auto_choice.choose_relink(self.table, self.choice.setting, num_params=self.num_params,
+                                           link_bytes_per_s=now, step_s=self.step_s, groups=self.groups,
+                                           codec_fixed=self.codec_fixed, h_fixed=self.h_fixed)
+        old = self.choice.setting
         self.choice, self.h = choice, choice.setting.h
-        if self.h == old:
-            log.info("auto: the slowest link moved to %.3g Mbit/s (plan version %d): H stays %d: %s",
-                     8 * now / 1e6, current[1], old, choice.reason)
+        new = choice.setting
+        link_text = f"the slowest link moved to {8 * now / 1e6:.3g} Mbit/s (plan version {current[1]})"
+        if (new.codec, new.topk_density) != (old.codec, old.topk_density):
+            switch_codec(self.link, self.engine, self.cfg, new)
+            self.codec_changes.append((step, new.label, now))
+            log.warning("auto: %s: %s -> %s from the next exchange (step %d): %s", link_text, old.label, new.label,
+                        step, choice.reason)
+        elif new.h != old.h:
+            log.warning("auto: %s: H %d -> %d from step %d: %s", link_text, old.h, new.h, step, choice.reason)
         else:
-            self.changes.append((step, self.h, now))
-            log.warning("auto: the slowest link moved to %.3g Mbit/s (plan version %d): H %d -> %d from step %d: %s",
-                        8 * now / 1e6, current[1], old, self.h, step, choice.reason)
+            log.info("auto: %s: %s stays: %s", link_text, old.label, choice.reason)
+        if new.h != old.h:
+            self.changes.append((step, new.h, now))
         _show(self.link, choice, now, current[1])
         self.link.auto["h_changes"] = [{"step": st, "h": h, "link_bytes_per_s": bw} for st, h, bw in self.changes]
+        self.link.auto["codec_changes"] = [{"step": st, "setting": label, "link_bytes_per_s": bw}
+                                           for st, label, bw in self.codec_changes]
+
+
+def switch_codec(link: Any, engine: Any, cfg: Config, setting: auto_choice.Setting) -> None:
+    """Run ``setting``'s codec from the next exchange on: the averager's codec, and the engine's
+    residuals where error feedback starts or stops (``engine`` None: before the engine exists)."""
+    codec = make_codec(auto_choice.apply_choice(cfg, setting).transport)
+    link.averager.set_codec(codec)
+    if engine is not None:
+        engine.set_error_feedback(bool(getattr(codec, "requires_error_feedback", False)))
 
 
 def _show(link: Any, choice: Choice, bandwidth: float, version: int) -> None:
@@ -198,34 +224,15 @@ def _show(link: Any, choice: Choice, bandwidth: float, version: int) -> None:
                                "reason": choice.reason})
 
 
-def install_auto_h(engine: Any, link: Any, cfg: Config) -> AutoH | None:
-    """With ``--h auto`` (as given, before the choice): H follows the link for the rest of the run."""
+def install_auto_schedule(engine: Any, link: Any, cfg: Config) -> AutoSchedule | None:
+    """With ``--h auto`` and/or ``--codec auto`` (as given, before the choice): what was left to
+    auto follows the link for the rest of the run. ``cfg``: the config the job runs (chosen)."""
     inputs = getattr(link, "auto_inputs", None)
-    if inputs is None or inputs["h"] is not None or not hasattr(engine, "schedule"):
+    if inputs is None or not hasattr(engine, "schedule"):
         return None
-    schedule = AutoH(engine.schedule, link, link.auto_choice, inputs["table"], num_params=inputs["num_params"],
-                     step_s=inputs["step_s"], groups=inputs["groups"])
+    schedule = AutoSchedule(engine.schedule, link, link.auto_choice, inputs["table"], num_params=inputs["num_params"],
+                            step_s=inputs["step_s"], groups=inputs["groups"], engine=engine, cfg=cfg,
+                            codec_fixed=inputs["codec"] is not None, h_fixed=inputs["h"] is not None)
     engine.schedule = schedule
     link.auto_schedule = schedule
     return schedule
-
-
-def watch_link(link: Any) -> None:
-    """After a re-probe: when the slowest link in the averager's current table differs from the one
-    decided on by more than the hysteresis, log what ``auto`` would choose now (once per table)."""
-    current = getattr(link.averager, "_table", None)
-    decided = getattr(link, "auto_bandwidth", None)
-    if current is None or decided is None or getattr(link, "auto_schedule", None) is not None \
-            or current[1] == getattr(link, "_auto_seen_version", None):
-        return  # no decision, H follows the link (AutoH), or a table already seen
-    link._auto_seen_version = current[1]
-    members = link.membership
-    try:
-        now = auto_choice.slowest_link(current[2], {g: len(members.ranks(g)) for g in members.groups})
-    except ValueError:
-        return
-    if auto_choice.link_changed(decided, now):
-        would = auto_choice.choose(link_bytes_per_s=now, **link.auto_inputs)
-        log.warning("auto: the slowest link is now %.3g Mbit/s (decided on %.3g, plan version %d): auto would now "
-                    "choose %s; the setting chosen at start stays (auto decides once per run)",
-                    8 * now / 1e6, 8 * decided / 1e6, current[1], would.reason)

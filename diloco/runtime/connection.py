@@ -38,7 +38,6 @@ from diloco.coordinator.credentials import for_group
 from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
 from diloco.exchange.quorum_averager import QuorumAverager
 from diloco.job.config import ConfigError, TransportConfig, make_codec
-from diloco.runtime import auto_setting
 from diloco.runtime.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
 from transport import TcpTransport, TlsConfig
 from transport.identity import GroupKeys
@@ -280,8 +279,6 @@ class GroupConnection:
             self.metrics.compute_seconds.inc(compute)
             if self.reprobe is not None:
                 self.reprobe.after_step()
-                if self.auto is not None:
-                    auto_setting.watch_link(self)
         if getattr(engine, "time_rounds", None) is not None:  # rounds by time: this group's steps in each
             self.periods = list(engine.round_steps)
         else:

@@ -239,7 +239,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         try:
             engine = make_engine(cfg, model, inner, link, task.fragments)  # a group joining a running job heals here
             if auto:
-                auto_setting.install_auto_h(engine, link, cfg)  # --h auto: H follows the re-probed link
+                auto_setting.install_auto_schedule(engine, link, cfg)  # what auto chose follows the re-probed link
         except JobFinished as e:
             late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
             if rank == 0:

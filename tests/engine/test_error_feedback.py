@@ -14,6 +14,7 @@ import compress
 from diloco.engine.averaging import InProcessGroups
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.error_feedback import Residuals
+from diloco.engine.outer import sparseloco
 from diloco.exchange.striped import StripedAverager
 from transport import TcpTransport
 
@@ -256,3 +257,80 @@ def test_config_takes_sign1_and_topk_and_refuses_the_modes_that_keep_no_residual
     cfg.transport.codec, cfg.transport.topk_density = "int8", 0.1
     with pytest.raises(ConfigError, match="--topk-density applies to --codec topk only"):
         cfg.validate()
+
+
+class _Switching:
+    """A one-group averager whose codec can change between launches (``--codec auto``); it keeps
+    what it was asked to send and what it delivered (decoded), per exchange."""
+
+    num_groups, group_index = 1, 0
+
+    def __init__(self, codec) -> None:
+        self.codec, self.asked, self.delivered = codec, [], []
+
+    @property
+    def error_feedback(self) -> bool:
+        return bool(getattr(self.codec, "requires_error_feedback", False))
+
+    def set_codec(self, codec) -> None:
+        self.codec = codec
+
+    def start(self, flat, *, tag, exact=False, error_feedback=False):
+        if exact or self.codec is None:
+            decoded = flat.clone()
+        else:
+            assert error_feedback == self.error_feedback
+            decoded = self.codec.decode(self.codec.encode(flat))
+        if not exact:
+            self.asked.append(flat.clone())
+            self.delivered.append(decoded.clone())
+        return _Pending(decoded, decoded)
+
+
+def test_switching_error_feedback_off_sends_the_residual_once_and_on_starts_from_zero():
+    """int2 (error-fed) for three rounds, then an exact codec for two, then int2 again: what the
+    exchanges delivered adds up to the sum of the Δs once the residual was flushed, and the
+    flush goes into the first Δ after the switch only."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    avg = _Switching(compress.get_codec("int2"))
+    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=avg, sync_every=4)
+    deltas = []
+    delta_of = engine._delta
+    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    gen = torch.Generator().manual_seed(1)
+
+    def train(steps):
+        for _ in range(steps):
+            x = torch.randn(8, 16, generator=gen)
+            engine.inner_optimizer.zero_grad()
+            ((model(x) - x.flip(1)) ** 2).mean().backward()
+            engine.inner_optimizer.step()
+            engine.step()
+
+    train(12)
+    assert len(deltas) == 3 and engine.error_feedback.residual[0] is not None
+    owed = engine.error_feedback.residual[0].clone()
+    assert float(owed.abs().sum()) > 0
+    avg.set_codec(None)
+    engine.set_error_feedback(False)
+    assert engine.error_feedback is None
+    train(8)
+    assert len(deltas) == 5
+    torch.testing.assert_close(avg.asked[3], deltas[3] + owed)  # the residual, once, in the next Δ
+    torch.testing.assert_close(avg.asked[4], deltas[4])
+    total = sum(d.double() for d in deltas)
+    torch.testing.assert_close(sum(d.double() for d in avg.delivered), total, rtol=0, atol=1e-5)
+    avg.set_codec(compress.get_codec("int2"))
+    engine.set_error_feedback(True)
+    train(4)
+    torch.testing.assert_close(avg.asked[5], deltas[5])  # a new residual starts at zero
+    assert engine.error_feedback.residual[0] is not None
+
+
+def test_sparselocos_rule_refuses_to_stop_error_feedback():
+    model = nn.Linear(64, 64)
+    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=_Switching(
+        compress.get_codec("topk", chunk=4096, k=64)), sync_every=4, outer_optimizer=sparseloco())
+    with pytest.raises(ValueError, match="SparseLoCo"):
+        engine.set_error_feedback(False)

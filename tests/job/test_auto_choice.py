@@ -187,3 +187,23 @@ def test_choose_h_keeps_everything_but_h():
     fp32 = entry("m2-h30-outer")  # fp32 at 0.7/0.7: H 30, 50, 100 measured; 100 is best and cheapest
     assert ac.choose_h(TABLE, fp32, num_params=10**6, link_bytes_per_s=1e9, step_s=0.1, groups=2).setting.h == 100
     assert not ac.same_but_h(entry("m2-h30"), fp32)  # another outer momentum: another setting
+
+
+def test_choose_relink_keeps_the_rule_and_what_the_user_fixed():
+    for cur in TABLE.entries:
+        for link in (1e3, 1e5, 1e7, 1e9):
+            kw = {"num_params": 1_000_000, "link_bytes_per_s": link, "step_s": 0.1, "groups": cur.groups}
+            free = ac.choose_relink(TABLE, cur, **kw).setting
+            assert ac.same_rule(free, cur)
+            fixed_h = ac.choose_relink(TABLE, cur, h_fixed=True, **kw).setting
+            assert ac.same_rule(fixed_h, cur) and fixed_h.h == cur.h
+            fixed_codec = ac.choose_relink(TABLE, cur, codec_fixed=True, **kw).setting
+            assert ac.same_but_h(fixed_codec, cur)
+    fp32 = entry("m2-h100-outer")  # the Nesterov 0.7/0.7 family: fp32, int4 and int2 at several H
+    kw = {"num_params": 437_760, "step_s": 0.1, "groups": 2}
+    assert ac.choose_relink(TABLE, fp32, link_bytes_per_s=1e9, **kw).setting.row == "m2-h100-outer"
+    slow = ac.choose_relink(TABLE, fp32, link_bytes_per_s=2e3, **kw).setting  # nothing fits: the fewest bits
+    assert (slow.codec, slow.h) == ("int2", 300)
+    # at a fixed H=200 the same slow link takes int2 over int4 and fp32 (fewest bits)
+    assert ac.choose_relink(TABLE, entry("m2-h200-outer"), link_bytes_per_s=2e3, h_fixed=True,
+                            **kw).setting.row == "m2-h200-int2-outer"

@@ -63,7 +63,7 @@ def test_status_and_metrics_show_the_choice():
 
 
 class _Link:
-    """What AutoH reads of a GroupConnection: the averager's pinned table, the members, metrics."""
+    """What AutoSchedule reads of a GroupConnection: the averager's pinned table, the members, metrics."""
 
     def __init__(self) -> None:
         self.averager = type("A", (), {"_table": None})()
@@ -79,14 +79,14 @@ class _Link:
 def test_h_follows_the_link_with_hysteresis_and_keeps_the_codec():
     from diloco.engine.schedule import FixedSchedule
     from diloco.job import auto_choice as ac
-    from diloco.runtime.auto_setting import AutoH
+    from diloco.runtime.auto_setting import AutoSchedule
 
     table = ac.load_table()
     n, step = 400_000, 0.1
     start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=step, groups=2, codec="topk")
     assert start.setting.row == "slo-h30-d3"
     link = _Link()
-    h = AutoH(FixedSchedule(30, total_steps=10_000), link, start, table, num_params=n, step_s=step, groups=2)
+    h = AutoSchedule(FixedSchedule(30, total_steps=10_000), link, start, table, num_params=n, step_s=step, groups=2)
     assert h.period(0, 1e-3) == 30 and h.total_steps == 10_000
     link.pin(1, 0.8e9)  # within the hysteresis: nothing is re-decided
     assert h.period(30, 1e-3) == 30 and not h.changes and not link.shown
@@ -104,7 +104,7 @@ def test_h_follows_the_link_with_hysteresis_and_keeps_the_codec():
 
 class _Scripted:
     """An in-process group member whose 'pinned table' changes at a scripted exchange, as the
-    coordinator's does for every group at once; AutoH reads it after each launch."""
+    coordinator's does for every group at once; AutoSchedule reads it after each launch."""
 
     def __init__(self, member, slow_from: int) -> None:
         self.member, self.slow_from, self.started = member, slow_from, 0
@@ -132,7 +132,7 @@ def test_groups_switch_h_at_the_same_round_and_stay_bit_identical():
     from diloco.engine.averaging import InProcessGroups
     from diloco.engine.diloco import DiLoCo
     from diloco.job import auto_choice as ac
-    from diloco.runtime.auto_setting import AutoH
+    from diloco.runtime.auto_setting import AutoSchedule
 
     table = ac.load_table()
     n = 437_760  # the demo GPT's parameters: what the decision weighs (the test model is smaller)
@@ -151,7 +151,7 @@ def test_groups_switch_h_at_the_same_round_and_stay_bit_identical():
     def make(i):
         model = models[i]
         engine = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), averager=scripted[i], sync_every=30)
-        engine.schedule = AutoH(engine.schedule, links[i], start, table, num_params=n, step_s=0.1, groups=2)
+        engine.schedule = AutoSchedule(engine.schedule, links[i], start, table, num_params=n, step_s=0.1, groups=2)
         return engine
 
     engines = build_in_threads(make, 2)
@@ -172,4 +172,82 @@ def test_groups_switch_h_at_the_same_round_and_stay_bit_identical():
     assert periods[0] == periods[1] == [30, 30, 100, 100, 100]  # exchanges 1, 2 fast; 3 on slow
     assert [c[1] for c in engines[0].schedule.changes] == [100] and engines[0].schedule.changes == \
         engines[1].schedule.changes
+    assert engines[0].global_hash() == engines[1].global_hash()
+
+
+class _Relinked(_Scripted):
+    """A member whose pinned table follows ``bandwidth(exchange)``; a new plan version at each change."""
+
+    def __init__(self, member, bandwidth) -> None:
+        super().__init__(member, slow_from=0)
+        self.bandwidth, self.version, self._last = bandwidth, 0, None
+
+    def start(self, flat, **kw):
+        bw = self.bandwidth(self.started)
+        if bw != self._last:
+            self.version, self._last = self.version + 1, bw
+        self._table = (0, self.version, {0: {0: {1: bw}}, 1: {0: {0: bw}}})
+        self.started += 1
+        return self.member.start(flat, **kw)
+
+
+def test_with_codec_auto_groups_switch_codec_and_h_at_the_same_exchange_and_stay_bit_identical():
+    """--codec auto --h auto: a fast link runs fp32 at H=100 (the study's best); when it slows at
+    exchange 2 both groups move to int2 (error-fed) at H=300, and back to fp32 when it recovers at
+    exchange 4, flushing the residual; the groups apply the same bits throughout."""
+    import torch
+    from diloco_helpers import build_in_threads, run_in_threads
+    from torch import nn
+
+    import compress
+    from diloco.engine.averaging import InProcessGroups
+    from diloco.engine.diloco import DiLoCo
+    from diloco.job import auto_choice as ac
+    from diloco.job.config import Config
+    from diloco.runtime.auto_setting import AutoSchedule
+
+    table = ac.load_table()
+    n = 437_760
+    start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=0.1, groups=2)
+    assert start.setting.row == "m2-h100-outer"
+    groups = InProcessGroups(2, codec=compress.get_codec("fp32"))
+    members = [_Relinked(groups.member(i), lambda x: 2e3 if x in (2, 3) else 1e9) for i in range(2)]
+    links = [_Link() for _ in range(2)]
+    for link, m in zip(links, members):
+        link.averager = m
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
+
+    def make(i):
+        model = models[i]
+        engine = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), averager=members[i], sync_every=100)
+        engine.schedule = AutoSchedule(engine.schedule, links[i], start, table, num_params=n, step_s=0.1, groups=2,
+                                       engine=engine, cfg=Config(), codec_fixed=False, h_fixed=False)
+        return engine
+
+    engines = build_in_threads(make, 2)
+    seen = [[], []]
+
+    def work(i):
+        e = engines[i]
+        for t in range(1000):  # launches at steps 100, 200 (slow), 500 (slow), 800, 900, 1000
+            g = torch.Generator().manual_seed(10_000 * i + t)
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            e.inner_optimizer.zero_grad()
+            nn.functional.mse_loss(e.model(x), y).backward()
+            e.inner_optimizer.step()
+            for ev in e.step():
+                if ev.kind == "launch":
+                    seen[i].append((ev.next_period, members[i].codec.name, e.error_feedback is not None))
+        e.close()
+
+    run_in_threads(work, 2)
+    assert seen[0] == seen[1] == [(100, "fp32", False), (300, "int2", True), (300, "int2", True),
+                                  (100, "fp32", False), (100, "fp32", False), (100, "fp32", False)]
+    schedule = engines[0].schedule
+    assert [(step, label) for step, label, _ in schedule.codec_changes] == [(200, "int2 H=300"), (800, "fp32 H=100")]
+    assert schedule.codec_changes == engines[1].schedule.codec_changes
+    assert links[0].auto["codec_changes"][0]["setting"] == "int2 H=300"
     assert engines[0].global_hash() == engines[1].global_hash()
