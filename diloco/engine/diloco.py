@@ -109,12 +109,17 @@ class DiLoCo:
     ``"model"`` or a device for the fp32 global copy. ``hook_optimizer``: run ``step()`` after
     every ``inner_optimizer.step()``. ``initial_sync``: ``"check"`` or ``"copy"`` (see module doc).
 
-    Rounds by time (``sync_every=TimeRounds(seconds, rounds)``; mode ``blocking``, one fragment):
-    a round ends after the step that ``round_over`` picks for its deadline, ``seconds`` after the
-    previous commit on ``clock`` (seconds; ``time.monotonic``), and each contribution weighs its
-    inner steps. A group of several ranks passes ``round_vote``, which every rank calls at every
-    step with its own verdict and which returns one verdict for all (rank 0's, broadcast), so
-    every rank ends the round on the same step.
+    Rounds by time (``sync_every=TimeRounds(seconds, rounds)``; modes ``blocking`` and
+    ``overlap``, any fragments): a fragment's round ends after the step that ``round_over`` picks
+    for its deadline on ``clock`` (seconds; ``time.monotonic``), and each contribution weighs its
+    inner steps. The deadline is ``seconds`` after the round began: in ``blocking`` after the
+    previous commit (every group commits together), in ``overlap`` where the previous round was
+    due (no barrier: a fixed grid from the engine's start, so a slow group's late fragment holds
+    nobody). With P fragments, fragment p's first round ends ``(p + 1) / P`` of ``seconds`` in,
+    as ``first_syncs`` staggers H. A group of several ranks passes ``round_vote``, which every
+    rank calls at every step with its own verdict (a bit mask of the fragments whose round ends)
+    and which returns one verdict for all (rank 0's, broadcast), so every rank ends a round on
+    the same step.
     """
 
     def __init__(
@@ -133,7 +138,7 @@ class DiLoCo:
         hook_optimizer: bool = False,
         initial_sync: InitialSync = "check",
         clock: Callable[[], float] = time.monotonic,
-        round_vote: Callable[[bool], bool] | None = None,
+        round_vote: Callable[[int], int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -164,9 +169,8 @@ class DiLoCo:
             raise ValueError("the model has no trainable parameters")
         groups = self._fragment_names(model, named, fragments)
         self.time_rounds = self.schedule if isinstance(self.schedule, TimeRounds) else None
-        if self.time_rounds is not None and (mode != "blocking" or tau or len(groups) != 1):
-            raise ValueError("rounds by time run with mode 'blocking', one fragment and no overlap; "
-                             f"not mode {mode!r} with {len(groups)} fragment(s) and overlap_steps {tau}")
+        if self.time_rounds is not None and mode not in ("blocking", "overlap"):
+            raise ValueError(f"rounds by time run with mode 'blocking' or 'overlap', not {mode!r}")
         self.clock, self.round_vote = clock, round_vote
         device = None if str(global_device) == "model" else torch.device(global_device)
         self.fragments = [
@@ -186,12 +190,14 @@ class DiLoCo:
             frag.merge_into_model(0.0)
         self._changed()
         self.inner_step = 0
-        self.next_sync = [NEVER] if self.time_rounds is not None else \
+        self.next_sync = [NEVER] * len(self.fragments) if self.time_rounds is not None else \
             first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))
-        self._round_start = self._step_end = clock()  # time rounds: when this round began, the last step ended
+        self._step_end = clock()  # time rounds: when the last step ended
+        #: time rounds: when each fragment's round began (its deadline is ``seconds`` later)
+        self._round_start = self._staggered(self._step_end, len(self.fragments) - 1)
         self._step_seconds = 0.0  # time rounds: moving average of this group's step time
-        self.round_steps: list[int] = []  # time rounds: the inner steps this group trained in each round
-        if self.overlap_steps and self.overlap_steps >= min(self.next_sync):
+        self.round_steps: list[int] = []  # time rounds: the inner steps this group trained in each round of fragment 0
+        if self.time_rounds is None and self.overlap_steps and self.overlap_steps >= min(self.next_sync):
             raise ValueError(
                 f"overlap_steps ({self.overlap_steps}) must be < H/P ({min(self.next_sync)}): "
                 "a fragment's exchange must land before the next fragment is due"
@@ -259,8 +265,9 @@ class DiLoCo:
             raise RuntimeError("step() after close()")
         t0 = time.perf_counter()
         self.inner_step += 1
-        if self.time_rounds is not None and self._time_round_over():
-            self.next_sync[0] = self.inner_step
+        if self.time_rounds is not None:
+            for p in self._time_rounds_due():
+                self.next_sync[p] = self.inner_step
         events: list[SyncEvent] = []
         for p, flight in enumerate(self.in_flight):
             if self.mode == "overlap" and flight is not None and self.inner_step >= flight.apply_at:
@@ -270,15 +277,29 @@ class DiLoCo:
                 events.extend(self._sync(p))
         return self._done(events, t0)
 
-    def _time_round_over(self) -> bool:
-        """Time rounds: whether the round ends at this step (the same verdict on every rank)."""
+    def _time_rounds_due(self) -> list[int]:
+        """Time rounds: the fragments whose round ends at this step (the same on every rank)."""
         now = self.clock()
         took = now - self._step_end
         self._step_seconds = took if self._step_seconds == 0 else 0.5 * self._step_seconds + 0.5 * took
         self._step_end = now
         t = self.time_rounds
-        over = self.rounds[0] < t.rounds and round_over(now, self._round_start + t.seconds, self._step_seconds)
-        return self.round_vote(over) if self.round_vote is not None else over
+        mask = 0
+        for p, start in enumerate(self._round_start):
+            if self.rounds[p] < t.rounds and round_over(now, start + t.seconds, self._step_seconds):
+                mask |= 1 << p
+        if self.round_vote is not None:
+            mask = int(self.round_vote(mask))
+        return [p for p in range(len(self.fragments)) if mask >> p & 1]
+
+    def _staggered(self, at: float, p: int) -> list[float]:
+        """Time rounds: when each fragment's round began, given that fragment p's began ``at``
+        (seconds, ``clock``): fragment q's round ends ``(q - p) mod P`` P-ths of a round after
+        p's (P fragments), as the fixed schedule staggers them."""
+        if self.time_rounds is None:
+            return []
+        n, seconds = len(self.fragments), self.time_rounds.seconds
+        return [at + ((q - p) % n) * seconds / n - (seconds if (q - p) % n else 0.0) for q in range(n)]
 
     def progress(self) -> float:
         """The job's progress in [0, 1]: with time rounds, rounds committed and this round's time
@@ -286,14 +307,15 @@ class DiLoCo:
         total steps (0 without one)."""
         if self.time_rounds is not None:
             t = self.time_rounds
-            return time_progress(self.rounds[0], self.clock() - self._round_start, seconds=t.seconds, rounds=t.rounds)
+            return time_progress(self.rounds[0], self.clock() - self._round_start[0], seconds=t.seconds,
+                                 rounds=t.rounds)
         total = getattr(self.schedule, "total_steps", None)
         return min(self.inner_step / total, 1.0) if total else 0.0
 
     @property
     def rounds_done(self) -> bool:
-        """Time rounds: every round of the job has been launched (the training loop ends)."""
-        return self.time_rounds is not None and self.rounds[0] >= self.time_rounds.rounds
+        """Time rounds: every round of every fragment has been launched (the training loop ends)."""
+        return self.time_rounds is not None and min(self.rounds) >= self.time_rounds.rounds
 
     def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()
@@ -492,10 +514,15 @@ class DiLoCo:
     def _after_launch(self, p: int, events: list[SyncEvent]) -> list[SyncEvent]:
         if self.mode in ("overlap", "blocking") and self.overlap_steps == 0:
             events.append(self._commit_overlap(p))
-        if self.time_rounds is not None:  # the next round's clock starts once this one committed
+        if self.time_rounds is not None:
             period, self.next_sync[p] = 0, NEVER
-            self.round_steps.append(self._round_steps)
-            self._round_start = self._step_end = self.clock()
+            if p == 0:
+                self.round_steps.append(self._round_steps)
+            self._step_end = self.clock()
+            if self.mode == "overlap":  # no barrier: the next round runs from where this one was due
+                self._round_start[p] += self.time_rounds.seconds
+            else:  # blocking: from this commit, which every group made together
+                self._round_start[p] = self._step_end
         else:
             period = self._period()
             self.next_sync[p] = self.inner_step + max(period, 1)
@@ -519,8 +546,9 @@ class DiLoCo:
         if self.tiles is not None:  # SparseLoCo: the exchange ran in tile-major order, as the members' did
             pending = FromTiles(pending, self.tiles[p])
         events = self._after_launch(p, [self._launched(p, pending)])
-        if self.time_rounds is not None and committed_at is not None:
-            self._round_start = min(committed_at, self._round_start)
+        if self.time_rounds is not None:  # the members' rounds began when that exchange was due
+            self._round_start = self._staggered(min(committed_at, self._step_end) if committed_at is not None
+                                                else self._step_end, p)
         self.last_events = events
         return events
 

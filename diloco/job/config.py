@@ -423,10 +423,10 @@ class Config:
         need(s.overlap_steps >= 0, f"--overlap-steps must be >= 0, got {s.overlap_steps}")
         need(s.round_seconds >= 0, f"--round-seconds must be >= 0 (0 = rounds of H steps), got {s.round_seconds}")
         if s.round_seconds > 0:
-            need(s.mode == "blocking" and s.fragments == 1 and s.schedule == "fixed",
-                 f"--round-seconds runs with --mode blocking, --fragments 1 and --schedule fixed (overlap, "
-                 f"streaming fragments and QSR are not supported with rounds by time), not --mode {s.mode} "
-                 f"--fragments {s.fragments} --schedule {s.schedule}")
+            need(s.mode in ("blocking", "overlap") and s.schedule == "fixed",
+                 f"--round-seconds runs with --mode blocking or overlap (any --fragments) and --schedule fixed "
+                 f"(eager, delayed, co2 and QSR are not supported with rounds by time), not --mode {s.mode} "
+                 f"--schedule {s.schedule}")
             need(not (self.train.checkpoint_every or self.train.stop_after),
                  "--round-seconds does not take --checkpoint-every or --stop-after yet: job checkpoints are taken "
                  "at an inner step every group reaches together, and with rounds by time groups run at their own step")

@@ -129,17 +129,17 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
 
 
 def _group_round_vote():
-    """Rounds by time in a group of several ranks: rank 0's verdict (does the round end at this
-    step?) broadcast to the group every step, so every rank ends it on the same step (DDP). None
-    outside a process group of more than one rank."""
+    """Rounds by time in a group of several ranks: rank 0's verdict (a bit mask of the fragments
+    whose round ends at this step) broadcast to the group every step, so every rank ends them on
+    the same step (DDP). None outside a process group of more than one rank."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def vote(mine: bool) -> bool:
+    def vote(mine: int) -> int:
         flag = torch.tensor([int(mine)], dtype=torch.int32, device=device)
         dist.broadcast(flag, src=0)
-        return bool(flag.item())
+        return int(flag.item())
 
     return vote
 

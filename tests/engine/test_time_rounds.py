@@ -65,12 +65,18 @@ class _ClockedMember:
         return _Pending()
 
 
-def _run(costs: list[float], seconds: float, rounds: int):
+launches_by_fragment: list[dict[int, list[tuple[int, float]]]] = []
+
+
+def _run(costs: list[float], seconds: float, rounds: int, **engine_kw):
     """Train one linear model per group for ``rounds`` time rounds; returns the engines, the
-    weights each exchange saw, the clocks and each group's inner steps at every launch."""
+    weights each exchange saw, the clocks and each group's inner steps at every launch
+    (fragment 0's; ``launches_by_fragment`` holds every fragment's)."""
     groups = InProcessGroups(len(costs), weighted=True)
     posted: dict = {}
     engines, clocks, launches = [None] * len(costs), [_Clock() for _ in costs], [[] for _ in costs]
+    launches_by_fragment.clear()
+    launches_by_fragment.extend({} for _ in costs)
     errors = []
     models = []
     for _ in costs:  # in the main thread: the global RNG is not per thread
@@ -82,7 +88,7 @@ def _run(costs: list[float], seconds: float, rounds: int):
             model = models[g]
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             engine = DiLoCo(model, opt, averager=_ClockedMember(groups.member(g), clocks[g], posted),
-                            sync_every=TimeRounds(seconds, rounds), clock=clocks[g])
+                            sync_every=TimeRounds(seconds, rounds), clock=clocks[g], **engine_kw)
             engines[g] = engine
             gen = torch.Generator().manual_seed(g)
             while not engine.rounds_done:
@@ -94,7 +100,9 @@ def _run(costs: list[float], seconds: float, rounds: int):
                 clocks[g].t += costs[g]
                 for e in engine.step():
                     if e.kind == "launch":
-                        launches[g].append(engine.inner_step)
+                        launches_by_fragment[g].setdefault(e.fragment, []).append((engine.inner_step, clocks[g].t))
+                        if e.fragment == 0:
+                            launches[g].append(engine.inner_step)
             engine.close()
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
@@ -142,11 +150,52 @@ def test_time_rounds_refuse_what_they_do_not_support():
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     groups = InProcessGroups(1, weighted=True)
-    with pytest.raises(ValueError, match="rounds by time run with mode 'blocking'"):
-        DiLoCo(model, opt, averager=groups.member(0), sync_every=TimeRounds(1.0, 2), mode="overlap")
-    with pytest.raises(ValueError, match="one fragment"):
-        DiLoCo(model, opt, averager=groups.member(0), sync_every=TimeRounds(1.0, 2),
-               fragments=[["weight"], ["bias"]])
+    for mode in ("eager", "delayed", "co2"):
+        with pytest.raises(ValueError, match="rounds by time run with mode 'blocking' or 'overlap'"):
+            DiLoCo(model, opt, averager=groups.member(0), sync_every=TimeRounds(1.0, 2), mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "blocking"])
+def test_streaming_fragments_by_time_stagger_and_the_fast_group_never_waits(mode):
+    """Two fragments, overlap (tau 1) or blocking, a fast group (1 s steps) and a slow one (2 s):
+    fragment 0's rounds end at 5, 15, 25 s and fragment 1's at 10, 20, 30 s. The slow group ends
+    each round within half its step of the deadline; in overlap nobody waits for anyone (its
+    exchange lands a step later), in blocking it waits for the fast group's contribution. Each
+    contribution weighs the steps since its fragment's last launch; the groups end identical."""
+    kw = {"mode": mode, "fragments": [["weight"], ["bias"]], **({"overlap_steps": 1} if mode == "overlap" else {})}
+    engines, weights, clocks, _ = _run([1.0, 2.0], seconds=10.0, rounds=3, **kw)
+    fast, slow = launches_by_fragment
+    assert fast == {0: [(5, 5.0), (15, 15.0), (25, 25.0)], 1: [(10, 10.0), (20, 20.0), (30, 30.0)]}
+    if mode == "overlap":  # the slow group launches at its last step before each deadline and goes on
+        assert slow == {0: [(2, 4.0), (7, 14.0), (12, 24.0)], 1: [(5, 10.0), (10, 20.0), (15, 30.0)]}
+        assert weights["f0/r0"] == [5.0, 2.0] and all(weights[f"f{p}/r{r}"] == [10.0, 5.0]
+                                                       for p, r in ((1, 0), (0, 1), (1, 1), (0, 2), (1, 2)))
+    else:  # it waits at each launch for the fast group (half a slow step), then starts the next round
+        assert [t for _, t in slow[0]] == [5.0, 15.0, 25.0] and [t for _, t in slow[1]] == [10.0, 20.0, 30.0]
+        assert weights["f0/r0"] == [5.0, 2.0] and weights["f1/r2"] == [10.0, 4.0]
+    assert clocks[0].t == clocks[1].t == 30.0
+    assert engines[0].global_hash() == engines[1].global_hash()
+    assert all(e.rounds_done for e in engines) and [e.rounds for e in engines] == [[3, 3], [3, 3]]
+    assert engines[0].round_steps == [5, 10, 10]  # fragment 0's rounds
+
+
+def test_a_group_that_heals_into_overlapping_time_rounds_takes_the_members_grid():
+    """adopt() of fragment 1's exchange committed at t=23 (2 fragments, 10 s rounds): the healer's
+    next rounds end where the members' do, fragment 0 at 28 s, fragment 1 at 33 s."""
+    model = nn.Linear(4, 1)
+    clock = _Clock()
+    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=InProcessGroups(1, weighted=True)
+                    .member(0), sync_every=TimeRounds(10.0, 5), mode="overlap", overlap_steps=1,
+                    fragments=[["weight"], ["bias"]], clock=clock)
+    engine.rounds = [3, 2]  # as loaded from a member launching f1/r2 (fragment 0 launched its round 2 already)
+
+    class _Done:
+        def wait(self):
+            return torch.zeros(1)
+
+    clock.t = 24.0
+    engine.adopt("f1/r2", _Done(), committed_at=23.0)
+    assert [s + 10.0 for s in engine._round_start] == [28.0, 33.0]
 
 
 def test_round_vote_overrides_each_ranks_own_verdict():

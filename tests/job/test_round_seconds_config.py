@@ -25,8 +25,8 @@ def test_round_seconds_makes_time_rounds_as_many_as_fixed_h_would_run():
 
 @pytest.mark.parametrize("sync, train, message", [
     ({"round_seconds": -1.0}, {}, "--round-seconds must be >= 0"),
-    ({"round_seconds": 2.0, "mode": "overlap"}, {}, "--round-seconds runs with --mode blocking"),
-    ({"round_seconds": 2.0, "fragments": 2}, {}, "--fragments 1"),
+    ({"round_seconds": 2.0, "mode": "eager"}, {}, "--round-seconds runs with --mode blocking or overlap"),
+    ({"round_seconds": 2.0, "mode": "delayed"}, {}, "not --mode delayed"),
     ({"round_seconds": 2.0, "schedule": "qsr"}, {}, "--schedule fixed"),
     ({"round_seconds": 2.0}, {"checkpoint_every": 10, "checkpoint_dir": "/tmp/x"}, "does not take --checkpoint-every"),
     ({"round_seconds": float("inf")}, {}, "must be finite"),
@@ -37,6 +37,12 @@ def test_bad_round_seconds_settings_are_refused_with_a_reason(sync, train, messa
         setattr(cfg.train, k, v)
     with pytest.raises(ConfigError, match=message):
         cfg.validate()
+
+
+def test_round_seconds_take_overlap_and_streaming_fragments():
+    cfg = _cfg(round_seconds=2.0, mode="overlap", fragments=2, overlap_steps=1, h=30)
+    cfg.model.n_layer = 2
+    assert cfg.validate().sync.fragments == 2
 
 
 def test_the_flag_is_in_the_help():

@@ -10,20 +10,26 @@ from diloco import cli
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
+SMALL = ["--n-embd", "64", "--block-size", "32", "--batch-size", "8",
          "--eval-batches", "4", "--warmup-steps", "5", "--no-progress"]
 
 
-def test_rounds_by_time_in_groups_of_two_ranks(tmp_path):
+@pytest.mark.parametrize("sync", [[], ["--mode", "overlap", "--fragments", "2", "--overlap-steps", "1"]],
+                         ids=["blocking", "overlap-2-fragments"])
+def test_rounds_by_time_in_groups_of_two_ranks(tmp_path, sync):
+    """Overlap with 2 fragments: rank 0's verdict is a mask of the fragments whose round ends."""
     out = tmp_path / "summary.json"
-    code = cli.main(["run", *SMALL, "--steps", "30", "--h", "10", "--round-seconds", "1.5", "--groups", "2",
-                     "--ranks-per-group", "2", "--json", str(out), "--run-dir", str(tmp_path / "run"),
-                     "--probe-bytes", "0"])
+    code = cli.main(["run", *SMALL, "--n-layer", "2", "--steps", "30", "--h", "10", "--round-seconds", "1.5",
+                     "--groups", "2", "--ranks-per-group", "2", "--json", str(out), "--run-dir", str(tmp_path / "run"),
+                     "--probe-bytes", "0", *sync])
     assert code == 0
     s = json.loads(out.read_text())
-    assert s["outer_rounds"] == 3  # ceil(30 / 10) rounds, however many steps each took
-    assert len(s["periods"]) == 3 and sum(s["periods"]) == s["inner_steps"]  # this group's steps per round
+    fragments = 2 if sync else 1
+    assert s["outer_rounds"] == 3 * fragments  # ceil(30 / 10) rounds of each fragment, however many steps each took
+    assert len(s["periods"]) == 3  # group 0's steps in each round of fragment 0
+    # with 2 fragments the last round of fragment 1 ends half a round after fragment 0's
+    assert sum(s["periods"]) == s["inner_steps"] if fragments == 1 else sum(s["periods"]) < s["inner_steps"]
     hashes = s["round_hashes_per_group"]
-    assert hashes["0"] == hashes["1"] and len(hashes["0"]) == 3
+    assert hashes["0"] == hashes["1"] and len(hashes["0"]) == 3 * fragments
     assert s["params_identical"] and not s["divergence"]
     assert s["eval_loss"] < s["initial_eval_loss"]
