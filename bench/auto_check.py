@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * s['utilization']:.1f} %, {s['bits_per_param_per_step']:.3g} bits/param/step")
     for change in auto.get("h_changes", []):
         print(f"H -> {change['h']} at step {change['step']} (link {8 * change['link_bytes_per_s'] / 1e6:.3g} Mbit/s)")
+    for change in auto.get("codec_changes", []):
+        print(f"setting -> {change['setting']} at step {change['step']} "
+              f"(link {8 * change['link_bytes_per_s'] / 1e6:.3g} Mbit/s)")
     if a.json:
         Path(a.json).write_text(json.dumps(s, indent=1, default=str))
     return 0 if s["params_identical"] else 1

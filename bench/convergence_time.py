@@ -21,6 +21,7 @@ nothing but the wall time, so its loss is that of any speeds).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -45,9 +46,6 @@ from bench.convergence_run import (
     study_task,
 )
 from diloco.engine.averaging import InProcessGroups
-from diloco.engine.diloco import DiLoCo
-from diloco.engine.outer import by_name
-from diloco.engine.schedule import TimeRounds
 from diloco.job.task import TaskContext
 from diloco.runtime.worker import _train, make_engine, make_inner_optimizer
 
@@ -61,6 +59,9 @@ class TimeRow:
     timed: bool = True  # rounds by time (False: fixed H)
     weighted: bool = True
     h: int = 30
+    mode: str = "blocking"  # or overlap (Streaming DiLoCo: ``fragments``, ``tau``)
+    fragments: int = 1
+    tau: int = 0
     seeded: bool = False
     note: str = ""
 
@@ -72,6 +73,10 @@ ROWS = (
     TimeRow("time-h30-slow2-unweighted", speeds=(1.0, 2.0), weighted=False,
             note="as time-h30-slow2, the plain mean instead of the token-weighted one"),
     TimeRow("time-h30-slow4", speeds=(1.0, 4.0), note="rounds by time, group 1 at quarter speed"),
+    TimeRow("fixed-overlap-p2-tau5", timed=False, mode="overlap", fragments=2, tau=5,
+            note="fixed H=30, overlap with 2 fragments, tau 5: the streaming baseline at equal tokens"),
+    TimeRow("time-overlap-p2-tau5-slow2", speeds=(1.0, 2.0), mode="overlap", fragments=2, tau=5,
+            note="rounds by time, overlap with 2 fragments, tau 5, group 1 at half speed"),
 )
 
 
@@ -155,17 +160,12 @@ def run_time_row(cfg, row: TimeRow) -> dict:
         members.append(member)
     summaries: list[dict | None] = [None] * g_count
     errors: list[BaseException] = []
-    o = cfg.outer
 
     def group_thread(g: int) -> None:
         try:
-            if row.timed:
-                engine = DiLoCo(tasks[g].model, inners[g], averager=members[g], sync_every=TimeRounds(seconds, rounds),
-                                mode="blocking", outer_optimizer=by_name(o.optimizer, o.outer_lr("blocking"),
-                                                                         o.outer_momentum("blocking")),
-                                clock=clocks[g])
-            else:
-                engine = make_engine(cfg, tasks[g].model, inners[g], members[g])
+            timed = copy.deepcopy(cfg)
+            timed.sync.round_seconds = seconds if row.timed else 0.0  # TimeRounds(seconds, ceil(steps / H))
+            engine = make_engine(timed, tasks[g].model, inners[g], members[g], tasks[g].fragments, clock=clocks[g])
             links[g].engine = engine
             summaries[g] = _train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
                                   engine, links[g])
@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         lrs = settings_from(study, size_name, flags)
         for row in rows:
             for seed in range(a.seed, a.seed + (a.seeds if row.seeded else 1)):
-                study_row = Row(row.name, groups=len(row.speeds), h=row.h, note=row.note)
+                study_row = Row(row.name, groups=len(row.speeds), h=row.h, mode=row.mode, fragments=row.fragments,
+                                tau=row.tau, note=row.note)
                 cfg = make_config(size, study_row, seed, lrs)
                 t0 = time.perf_counter()
                 result = run_time_row(cfg, row)

@@ -116,6 +116,8 @@ def _config(args, *, groups: int, slow_group: int, trace: Path, round_seconds: f
     cfg.topology.groups, cfg.topology.ranks_per_group, cfg.topology.threads_per_rank = groups, 1, 1
     cfg.train.steps, cfg.sync.h = steps or args.steps, args.h
     cfg.sync.round_seconds = round_seconds
+    cfg.sync.mode, cfg.sync.fragments = args.mode, args.fragments
+    cfg.sync.overlap_steps = args.overlap_steps if args.mode == "overlap" else 1
     cfg.train.entry = ENTRY
     cfg.train.entry_args = f"slow_group={slow_group},factor={args.factor},trace={trace}"
     cfg.train.log_every = 50
@@ -275,6 +277,8 @@ def _section(args, repeats: list[dict]) -> dict:
             "loss_vs_equal_speed", "tokens_vs_equal_speed")
     return {
         "settings": {"steps": args.steps, "h": args.h, "factor": args.factor, "repeats": args.repeats,
+                     "mode": args.mode, "fragments": args.fragments,
+                     "overlap_steps": args.overlap_steps if args.mode == "overlap" else 0,
                      "ranks_per_group": 1, "threads_per_rank": 1, "entry": ENTRY},
         "summary": {k: {"mean": statistics.mean(r[k] for r in repeats),
                         "min": min(r[k] for r in repeats), "max": max(r[k] for r in repeats)} for k in keys},
@@ -300,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--h", type=int, default=20, help="H of the fixed-H jobs (rounds: steps / H)")
     p.add_argument("--factor", type=float, default=2.0, help="the slowed group runs at 1/factor of its speed")
     p.add_argument("--repeats", type=int, default=2, help="runs of the whole sequence (their spread: the noise)")
+    p.add_argument("--mode", default="blocking", choices=("blocking", "overlap"),
+                   help="slow-group case: the sync mode of every job (overlap: Streaming DiLoCo's)")
+    p.add_argument("--fragments", type=int, default=1, help="slow-group case: fragments of every job")
+    p.add_argument("--overlap-steps", type=int, default=2, help="slow-group case with --mode overlap: tau")
     f = p.add_argument_group("faults case (bench/goodput_faults.py)")
     f.add_argument("--groups", type=int, default=8, help="groups of one rank (one thread each)")
     f.add_argument("--intervals", default="30", help="seconds between faults, comma-separated; 'none': a "

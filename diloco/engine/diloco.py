@@ -195,7 +195,11 @@ class DiLoCo:
         self._step_end = clock()  # time rounds: when the last step ended
         #: time rounds: when each fragment's round began (its deadline is ``seconds`` later)
         self._round_start = self._staggered(self._step_end, len(self.fragments) - 1)
-        self._step_seconds = 0.0  # time rounds: moving average of this group's step time
+        self._step_seconds = 0.0  # time rounds, catching up: moving average of this group's step time
+        #: a healer under fixed H, until its first launch as a member: (clock time the exchange it
+        #: joined committed, inner step then); see ``steps_behind``
+        self._catch_up: tuple[float, int] | None = None
+        self._skipping = False
         self.round_steps: list[int] = []  # time rounds: the inner steps this group trained in each round of fragment 0
         if self.time_rounds is None and self.overlap_steps and self.overlap_steps >= min(self.next_sync):
             raise ValueError(
@@ -265,6 +269,11 @@ class DiLoCo:
             raise RuntimeError("step() after close()")
         t0 = time.perf_counter()
         self.inner_step += 1
+        if self._catch_up is not None:
+            if self._skipping:
+                self._step_end = self.clock()
+            else:
+                self._note_step_time()
         if self.time_rounds is not None:
             for p in self._time_rounds_due():
                 self.next_sync[p] = self.inner_step
@@ -277,12 +286,50 @@ class DiLoCo:
                 events.extend(self._sync(p))
         return self._done(events, t0)
 
-    def _time_rounds_due(self) -> list[int]:
-        """Time rounds: the fragments whose round ends at this step (the same on every rank)."""
+    def _note_step_time(self) -> float:
+        """The clock now, after a step; updates this group's moving-average step time."""
         now = self.clock()
         took = now - self._step_end
         self._step_seconds = took if self._step_seconds == 0 else 0.5 * self._step_seconds + 0.5 * took
         self._step_end = now
+        return now
+
+    @property
+    def catching_up(self) -> bool:
+        """A group that healed into rounds of fixed H, until it launches its first exchange as a
+        member: ``steps_behind`` may say to count steps untrained (``skip_step``)."""
+        return self._catch_up is not None
+
+    def steps_behind(self) -> int:
+        """How many inner steps this group trails the others by while ``catching_up``: the members
+        started their round when the exchange it joined committed, it only once its state transfer
+        ended. The steps they have made since, at this group's own step time, less the steps it
+        made; never the steps up to its next launch (it trains at least that one). 0 until it has
+        timed a step. In a group of several ranks, rank 0's count (``round_vote``), so every rank
+        skips alike; every rank calls it at every step of the catch-up."""
+        if self._catch_up is None:
+            return 0
+        committed_at, at_step = self._catch_up
+        behind = 0
+        if self._step_seconds > 0:
+            made = self.inner_step - at_step
+            behind = int((self.clock() - committed_at) / self._step_seconds) - made
+            behind = max(0, min(behind, min(self.next_sync) - self.inner_step - 1))
+        return int(self.round_vote(behind)) if self.round_vote is not None else behind
+
+    def skip_step(self) -> list[SyncEvent]:
+        """Count one inner step this group did not train (``steps_behind``): the schedule moves
+        on as for a trained step, and its contributions weigh only the steps it trained."""
+        self._launched_at = [a + 1 for a in self._launched_at]
+        self._skipping = True
+        try:
+            return self.step()
+        finally:
+            self._skipping = False
+
+    def _time_rounds_due(self) -> list[int]:
+        """Time rounds: the fragments whose round ends at this step (the same on every rank)."""
+        now = self._note_step_time()
         t = self.time_rounds
         mask = 0
         for p, start in enumerate(self._round_start):
@@ -514,6 +561,7 @@ class DiLoCo:
     def _after_launch(self, p: int, events: list[SyncEvent]) -> list[SyncEvent]:
         if self.mode in ("overlap", "blocking") and self.overlap_steps == 0:
             events.append(self._commit_overlap(p))
+        self._catch_up = None  # a healer's first launch as a member: caught up
         if self.time_rounds is not None:
             period, self.next_sync[p] = 0, NEVER
             if p == 0:
@@ -549,6 +597,8 @@ class DiLoCo:
         if self.time_rounds is not None:  # the members' rounds began when that exchange was due
             self._round_start = self._staggered(min(committed_at, self._step_end) if committed_at is not None
                                                 else self._step_end, p)
+        elif committed_at is not None:  # fixed H: the members' round began then; see steps_behind
+            self._catch_up, self._step_end = (committed_at, self.inner_step), self.clock()
         self.last_events = events
         return events
 

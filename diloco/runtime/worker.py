@@ -23,7 +23,9 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -108,9 +110,11 @@ def make_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer
     raise ConfigError(f"unknown inner optimizer {i.optimizer!r}")
 
 
-def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None):
+def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None,
+                clock: Callable[[], float] = time.monotonic):
     """The engine a config asks for: ``DiLoCo`` in the configured mode, or data parallel.
-    ``fragments(model, P)``: the task's split for ``--fragments`` (default: ``partition``)."""
+    ``fragments(model, P)``: the task's split for ``--fragments`` (default: ``partition``).
+    ``clock``: what rounds by time (``--round-seconds``) measure their seconds on."""
     s, o = cfg.sync, cfg.outer
     if s.mode == "dp":
         return DataParallelAcrossGroups(model, averager, initial_sync=cfg.train.initial_sync)
@@ -124,14 +128,15 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
         model, inner, averager=averager, sync_every=make_schedule(cfg), mode=s.mode, fragments=split,
         overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
         outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
-        initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote() if s.round_seconds > 0 else None,
+        initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote(), clock=clock,
     )
 
 
 def _group_round_vote():
-    """Rounds by time in a group of several ranks: rank 0's verdict (a bit mask of the fragments
-    whose round ends at this step) broadcast to the group every step, so every rank ends them on
-    the same step (DDP). None outside a process group of more than one rank."""
+    """A group of several ranks: rank 0's verdict broadcast to the group, so every rank acts on
+    the same step (DDP): with rounds by time, a bit mask of the fragments whose round ends at this
+    step (every step); after a heal into rounds of fixed H, the steps it is behind (every step of
+    its first round). None outside a process group of more than one rank."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -321,31 +326,38 @@ def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Mod
                       schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
         for pg in inner.param_groups:
             pg["lr"] = lr
-        try:
-            batch = to_device(next(batches), device)
-        except StopIteration:
-            raise WorkerError(f"the task's train_batches ran out after {t} of {steps} steps") from None
-        if items_per_batch is None:
-            items_per_batch = batch_items(batch)
-        loss = task.loss(ddp, batch)
-        inner.zero_grad(set_to_none=True)
-        loss.backward()
-        if data_parallel:
-            engine.average_gradients()
-        if c.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(group_parallel.bare(ddp).parameters(), c.grad_clip)
-        inner.step()
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise WorkerError(f"group {group} rank {rank}: inner loss is {value} at step {t + 1}")
-        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
         # the lr the next round starts with: what QSR reads when it sets H after this sync
         nxt = inner_lr(min(lr_step + 1, steps - 1), peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
                        schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
-        for pg in inner.param_groups:
-            pg["lr"] = nxt
-        events = engine.step()
-        feed.after_step()
+        if getattr(engine, "catching_up", False) and engine.steps_behind() > 0:
+            # healed into rounds of fixed H: its state transfer made it late; it counts this step
+            # untrained (no batch drawn, no weight) so that it launches its first exchange with the others
+            for pg in inner.param_groups:
+                pg["lr"] = nxt
+            events = engine.skip_step()
+        else:
+            try:
+                batch = to_device(next(batches), device)
+            except StopIteration:
+                raise WorkerError(f"the task's train_batches ran out after {t} of {steps} steps") from None
+            if items_per_batch is None:
+                items_per_batch = batch_items(batch)
+            loss = task.loss(ddp, batch)
+            inner.zero_grad(set_to_none=True)
+            loss.backward()
+            if data_parallel:
+                engine.average_gradients()
+            if c.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(group_parallel.bare(ddp).parameters(), c.grad_clip)
+            inner.step()
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise WorkerError(f"group {group} rank {rank}: inner loss is {value} at step {t + 1}")
+            loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
+            for pg in inner.param_groups:
+                pg["lr"] = nxt
+            events = engine.step()
+            feed.after_step()
         last = engine.rounds_done if timed else t + 1 == steps
         if last:
             events = engine.close()

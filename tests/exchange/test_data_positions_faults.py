@@ -179,12 +179,8 @@ def test_every_sample_counted_once_across_a_kill_and_heal_a_rollback_and_a_refus
     assert ends[2] == len(first[2].committed) + (ft.STEPS - healer.start_step) * BATCH
 
 
-def test_every_sample_counted_once_across_a_stop_and_resume(coordinator):
-    stop = 18  # H=4: mid-round, with samples trained but not yet committed
-    first = [Counting(coordinator.address, g, stop_at=stop).start() for g in range(3)]
-    ft.finish(first)
-    assert all(g.checkpoint is not None and g.pending for g in first)
-    assert all(g.checkpoint["state"]["data"]["samples"] == stop * BATCH for g in first)
+def resume_all(first: list[Counting]) -> list[Counting]:
+    """Every group of ``first`` resumed from its checkpoint under a new coordinator, run to the end."""
     server = CoordinatorServer("127.0.0.1", 0, expected_groups=3, heartbeat_timeout_s=ft.HEARTBEAT_S,
                                join_timeout_s=30.0)
     server.start()
@@ -193,6 +189,16 @@ def test_every_sample_counted_once_across_a_stop_and_resume(coordinator):
         ft.finish(resumed)
     finally:
         server.stop()
+    return resumed
+
+
+def test_every_sample_counted_once_across_a_stop_and_resume(coordinator):
+    stop = 18  # H=4: mid-round, with samples trained but not yet committed
+    first = [Counting(coordinator.address, g, stop_at=stop).start() for g in range(3)]
+    ft.finish(first)
+    assert all(g.checkpoint is not None and g.pending for g in first)
+    assert all(g.checkpoint["state"]["data"]["samples"] == stop * BATCH for g in first)
+    resumed = resume_all(first)
     assert len({g.final_hash for g in resumed}) == 1
     assert all(g.engine.inner_step == ft.STEPS for g in resumed)
     ends = assert_counted_once({g.group: [g, r] for g, r in zip(first, resumed)})
@@ -209,14 +215,7 @@ def test_every_sample_counted_once_when_the_job_is_lost_and_resumes_from_an_earl
         for g in first:
             g.join()
         assert all(len(g.committed) > g.checkpoint["committed"] for g in first)  # commits the job then lost
-        server = CoordinatorServer("127.0.0.1", 0, expected_groups=3, heartbeat_timeout_s=ft.HEARTBEAT_S,
-                                   join_timeout_s=30.0)
-        server.start()
-        try:
-            resumed = [Counting(server.address, g.group, resume=g.checkpoint).start() for g in first]
-            ft.finish(resumed)
-        finally:
-            server.stop()
+        resumed = resume_all(first)
     assert len({g.final_hash for g in resumed}) == 1
     for r in records:
         r.component, r.group, r.rank = "worker", r.data_group, 0

@@ -134,7 +134,6 @@ class TimedGroup(ft.Group):
 
     def _train(self) -> None:
         import torch
-        import torch.nn as nn
 
         import diloco
         from diloco.engine.schedule import TimeRounds
@@ -147,11 +146,7 @@ class TimedGroup(ft.Group):
             if self.killed.is_set() or (self.die_after_round is not None
                                         and self.engine.rounds[0] >= self.die_after_round):
                 return self.kill()
-            x, y = ft.batch(self.group, t)
-            loss = nn.functional.mse_loss(self.model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            self.inner_step(opt, *ft.batch(self.group, t), t)
             time.sleep(STEP_S)
             self.engine.step()
             t += 1
@@ -173,6 +168,72 @@ def test_with_rounds_by_time_a_healers_transfer_shortens_its_first_round_and_sta
     state = coordinator.snapshot()["rounds_state"]
     healed = [e["exchange"] for e in state["events"] if e["kind"] == "healed"]
     assert len(healed) == 1
+    for g in first[:2]:
+        took = {e: seconds for e, seconds, _, _ in g.link.fault_stats.exchanges}
+        assert healed[0] + 1 in took and took[healed[0] + 1] < TIMED_FETCH_S / 2, g.link.fault_stats.exchanges
+
+
+CATCH_UP_H, CATCH_UP_STEPS, CATCH_UP_STEP_S = 40, 160, 0.03  # rounds of about 1.2 s, longer than the transfer
+
+
+class CatchingUpGroup(ft.Group):
+    """The harness's group with the worker's catch-up, H=CATCH_UP_H: after healing into rounds of
+    fixed H it counts steps untrained while ``steps_behind`` says so. Records its contributions'
+    weights (inner steps)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.weights: dict[str, float] = {}
+        self.skipped = 0
+
+    def _train(self) -> None:
+        import torch
+
+        import diloco
+
+        start = self.link.averager.start
+
+        def recording(flat, *, tag, weight=1.0, **kw):
+            self.weights[tag] = weight
+            return start(flat, tag=tag, weight=weight, **kw)
+
+        self.link.averager.start = recording
+        opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.engine = diloco.DiLoCo(self.model, opt, averager=self.link, sync_every=CATCH_UP_H)
+        t = self.engine.inner_step
+        while t < CATCH_UP_STEPS:
+            if self.killed.is_set() or t == self.die_at:
+                return self.kill()
+            if self.engine.catching_up and self.engine.steps_behind() > 0:
+                self.engine.skip_step()
+                self.skipped += 1
+            else:
+                self.inner_step(opt, *ft.batch(self.group, t), t)
+                time.sleep(CATCH_UP_STEP_S)
+                self.engine.step()
+            t += 1
+        self.engine.close()
+        self.final_hash = self.engine.global_hash()
+
+
+def test_with_fixed_h_a_healer_skips_the_steps_its_transfer_took_and_stalls_no_one(server):
+    """Rounds of fixed H (about 1.2 s): the healer's transfer (0.8 s) ends inside the others' next
+    round; it counts the steps the transfer took untrained, launches its first exchange as a
+    member with the others, weighted by the steps it trained, and nobody waits for it (without
+    the catch-up they would wait about the transfer)."""
+    coordinator = server(heartbeat_timeout_s=ft.HEARTBEAT_S)
+    first = [CatchingUpGroup(coordinator.address, g, die_at=50 if g == 2 else None).start() for g in range(3)]
+    first[2].join()
+    assert first[2].killed.is_set()
+    healer = CatchingUpGroup(coordinator.address, 2, on_connected=slow_transfer(TIMED_FETCH_S)).start()
+    survivors = [first[0], first[1], healer]
+    ft.finish(survivors)
+    assert len({g.final_hash for g in survivors}) == 1 and healer.link.fault_stats.healed
+    assert healer.skipped >= TIMED_FETCH_S / CATCH_UP_STEP_S / 2 and not first[0].skipped
+    healed = [e["exchange"] for e in coordinator.snapshot()["rounds_state"]["events"] if e["kind"] == "healed"]
+    assert len(healed) == 1
+    first_own = next(tag for tag in healer.weights if tag.startswith("f0/"))  # its first contribution as a member
+    assert healer.weights[first_own] == CATCH_UP_H - healer.skipped and first[0].weights[first_own] == CATCH_UP_H
     for g in first[:2]:
         took = {e: seconds for e, seconds, _, _ in g.link.fault_stats.exchanges}
         assert healed[0] + 1 in took and took[healed[0] + 1] < TIMED_FETCH_S / 2, g.link.fault_stats.exchanges

@@ -6,11 +6,11 @@ import secrets
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from diloco_helpers import run_in_threads
 
 import diloco
 from diloco import cli
@@ -105,12 +105,7 @@ def test_connect_gives_probes_plans_metrics_round_reports_and_summaries():
                 metrics[g] = {m.name: s.value for m in link.metrics.registry.collect() for s in m.samples
                               if s.name.endswith("_total") or m.type == "gauge"}
 
-        threads = [threading.Thread(target=group, args=(g,)) for g in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads)
+        run_in_threads(group, 2, timeout_s=60)
         snap = server.snapshot()
     assert set(summaries) == {0, 1}
     assert summaries[0]["param_hash"] == summaries[1]["param_hash"]
@@ -194,12 +189,7 @@ def test_a_group_that_closes_without_a_summary_is_finished_and_one_that_fails_is
             except RuntimeError as e:
                 errors[g] = str(e)
 
-        threads = [threading.Thread(target=group, args=(g,)) for g in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads)
+        run_in_threads(group, 2, timeout_s=60)
         snap = server.snapshot()
     assert errors == {1: "the user's evaluation failed"}
     assert set(snap["summaries"]) == {0}  # group 0 finished at close; group 1 failed and said nothing
