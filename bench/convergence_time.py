@@ -73,9 +73,9 @@ ROWS = (
     TimeRow("time-h30-slow2-unweighted", speeds=(1.0, 2.0), weighted=False,
             note="as time-h30-slow2, the plain mean instead of the token-weighted one"),
     TimeRow("time-h30-slow4", speeds=(1.0, 4.0), note="rounds by time, group 1 at quarter speed"),
-    TimeRow("fixed-overlap-p2-tau5", timed=False, mode="overlap", fragments=2, tau=5,
+    TimeRow("fixed-overlap-p2-tau5", timed=False, mode="overlap", fragments=2, tau=5, seeded=True,
             note="fixed H=30, overlap with 2 fragments, tau 5: the streaming baseline at equal tokens"),
-    TimeRow("time-overlap-p2-tau5-slow2", speeds=(1.0, 2.0), mode="overlap", fragments=2, tau=5,
+    TimeRow("time-overlap-p2-tau5-slow2", speeds=(1.0, 2.0), mode="overlap", fragments=2, tau=5, seeded=True,
             note="rounds by time, overlap with 2 fragments, tau 5, group 1 at half speed"),
 )
 

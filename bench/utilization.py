@@ -52,6 +52,8 @@ def make_config(args: argparse.Namespace, mode: str, steps: int) -> Config:
     cfg.sync.mode = spec["mode"]
     cfg.sync.fragments = args.fragments if spec["fragments"] == "P" else 1
     cfg.sync.overlap_steps = args.tau
+    if args.round_seconds and mode in ("blocking", "overlap"):  # rounds by time: ceil(steps / H) rounds of S
+        cfg.sync.round_seconds = args.round_seconds
     cfg.transport.codec = args.codec if spec["codec"] == "CODEC" else spec["codec"]
     if mode == "blocking" and args.blocking_codec:
         cfg.transport.codec = args.blocking_codec
@@ -74,7 +76,8 @@ def run_one(args, mode: str, link_mbit: float | None, steps: int) -> dict:
     return {
         "mode": mode, "sync_mode": cfg.sync.mode, "codec": cfg.transport.codec,
         "outer_optimizer": cfg.outer.optimizer, "fragments": cfg.sync.fragments, "tau": cfg.sync.overlap_steps if cfg.sync.mode == "overlap" else 0,
-        "h": cfg.sync.h if mode != "dp" else 1, "groups": args.groups, "link_mbit": link_mbit,
+        "h": cfg.sync.h if mode != "dp" else 1, "round_seconds": cfg.sync.round_seconds,
+        "inner_steps_per_group": s.get("inner_steps_per_group"), "groups": args.groups, "link_mbit": link_mbit,
         "link_mbit_per_group": rates, "steps": steps, "utilization": s["utilization"],
         "eval_loss": s["eval_loss"], "bytes_sent": s["bytes_sent"], "seconds": s["seconds"],
         "params_identical": s["params_identical"], "num_parameters": s["num_parameters"],
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--slow-group", action="store_true", help="last group's link at a quarter of the others'")
+    p.add_argument("--round-seconds", type=float, default=0.0, help="modes blocking and overlap: rounds by time of "
+                   "this many seconds (ceil(steps / H) of them) instead of H steps")
     p.add_argument("--run-timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH")
