@@ -58,7 +58,8 @@ from diloco.engine.initial import agree
 from diloco.engine.modes import MODES, InitialSync, Mode
 from diloco.engine.outer import OuterOptimizerFactory, by_mode
 from diloco.engine.outer_state import OuterFragment, global_weights_loaded, params_hash
-from diloco.engine.schedule import FixedSchedule, SyncSchedule, TimeRounds, round_over, time_progress
+from diloco.engine.round_clock import RoundClock
+from diloco.engine.schedule import FixedSchedule, SyncSchedule, TimeRounds
 from diloco.engine.sharded import ShardedState
 
 STATE_VERSION = 1
@@ -171,7 +172,10 @@ class DiLoCo:
         self.time_rounds = self.schedule if isinstance(self.schedule, TimeRounds) else None
         if self.time_rounds is not None and mode not in ("blocking", "overlap"):
             raise ValueError(f"rounds by time run with mode 'blocking' or 'overlap', not {mode!r}")
-        self.clock, self.round_vote = clock, round_vote
+        self.clock = clock
+        #: rounds by time, a healer's catch-up (``diloco.engine.round_clock``)
+        self.round_clock = RoundClock(len(groups), self.time_rounds, overlap=mode == "overlap", clock=clock,
+                                      vote=round_vote)
         device = None if str(global_device) == "model" else torch.device(global_device)
         self.fragments = [
             OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer or by_mode(mode), device=device)
@@ -192,13 +196,6 @@ class DiLoCo:
         self.inner_step = 0
         self.next_sync = [NEVER] * len(self.fragments) if self.time_rounds is not None else \
             first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))
-        self._step_end = clock()  # time rounds: when the last step ended
-        #: time rounds: when each fragment's round began (its deadline is ``seconds`` later)
-        self._round_start = self._staggered(self._step_end, len(self.fragments) - 1)
-        self._step_seconds = 0.0  # time rounds, catching up: moving average of this group's step time
-        #: a healer under fixed H, until its first launch as a member: (clock time the exchange it
-        #: joined committed, inner step then); see ``steps_behind``
-        self._catch_up: tuple[float, int] | None = None
         self._skipping = False
         self.round_steps: list[int] = []  # time rounds: the inner steps this group trained in each round of fragment 0
         if self.time_rounds is None and self.overlap_steps and self.overlap_steps >= min(self.next_sync):
@@ -269,13 +266,13 @@ class DiLoCo:
             raise RuntimeError("step() after close()")
         t0 = time.perf_counter()
         self.inner_step += 1
-        if self._catch_up is not None:
+        if self.round_clock.catch_up is not None:
             if self._skipping:
-                self._step_end = self.clock()
+                self.round_clock.step_end = self.clock()
             else:
-                self._note_step_time()
+                self.round_clock.note_step()
         if self.time_rounds is not None:
-            for p in self._time_rounds_due():
+            for p in self.round_clock.due(self.rounds):
                 self.next_sync[p] = self.inner_step
         events: list[SyncEvent] = []
         for p, flight in enumerate(self.in_flight):
@@ -286,19 +283,11 @@ class DiLoCo:
                 events.extend(self._sync(p))
         return self._done(events, t0)
 
-    def _note_step_time(self) -> float:
-        """The clock now, after a step; updates this group's moving-average step time."""
-        now = self.clock()
-        took = now - self._step_end
-        self._step_seconds = took if self._step_seconds == 0 else 0.5 * self._step_seconds + 0.5 * took
-        self._step_end = now
-        return now
-
     @property
     def catching_up(self) -> bool:
         """A group that healed into rounds of fixed H, until it launches its first exchange as a
         member: ``steps_behind`` may say to count steps untrained (``skip_step``)."""
-        return self._catch_up is not None
+        return self.round_clock.catch_up is not None
 
     def steps_behind(self) -> int:
         """How many inner steps this group trails the others by while ``catching_up``: the members
@@ -307,15 +296,7 @@ class DiLoCo:
         made; never the steps up to its next launch (it trains at least that one). 0 until it has
         timed a step. In a group of several ranks, rank 0's count (``round_vote``), so every rank
         skips alike; every rank calls it at every step of the catch-up."""
-        if self._catch_up is None:
-            return 0
-        committed_at, at_step = self._catch_up
-        behind = 0
-        if self._step_seconds > 0:
-            made = self.inner_step - at_step
-            behind = int((self.clock() - committed_at) / self._step_seconds) - made
-            behind = max(0, min(behind, min(self.next_sync) - self.inner_step - 1))
-        return int(self.round_vote(behind)) if self.round_vote is not None else behind
+        return self.round_clock.steps_behind(self.inner_step, min(self.next_sync))
 
     def skip_step(self) -> list[SyncEvent]:
         """Count one inner step this group did not train (``steps_behind``): the schedule moves
@@ -327,35 +308,12 @@ class DiLoCo:
         finally:
             self._skipping = False
 
-    def _time_rounds_due(self) -> list[int]:
-        """Time rounds: the fragments whose round ends at this step (the same on every rank)."""
-        now = self._note_step_time()
-        t = self.time_rounds
-        mask = 0
-        for p, start in enumerate(self._round_start):
-            if self.rounds[p] < t.rounds and round_over(now, start + t.seconds, self._step_seconds):
-                mask |= 1 << p
-        if self.round_vote is not None:
-            mask = int(self.round_vote(mask))
-        return [p for p in range(len(self.fragments)) if mask >> p & 1]
-
-    def _staggered(self, at: float, p: int) -> list[float]:
-        """Time rounds: when each fragment's round began, given that fragment p's began ``at``
-        (seconds, ``clock``): fragment q's round ends ``(q - p) mod P`` P-ths of a round after
-        p's (P fragments), as the fixed schedule staggers them."""
-        if self.time_rounds is None:
-            return []
-        n, seconds = len(self.fragments), self.time_rounds.seconds
-        return [at + ((q - p) % n) * seconds / n - (seconds if (q - p) % n else 0.0) for q in range(n)]
-
     def progress(self) -> float:
         """The job's progress in [0, 1]: with time rounds, rounds committed and this round's time
         elapsed (``time_progress``, alike on every group); else inner steps over the schedule's
         total steps (0 without one)."""
         if self.time_rounds is not None:
-            t = self.time_rounds
-            return time_progress(self.rounds[0], self.clock() - self._round_start[0], seconds=t.seconds,
-                                 rounds=t.rounds)
+            return self.round_clock.progress(self.rounds[0])
         total = getattr(self.schedule, "total_steps", None)
         return min(self.inner_step / total, 1.0) if total else 0.0
 
@@ -561,16 +519,11 @@ class DiLoCo:
     def _after_launch(self, p: int, events: list[SyncEvent]) -> list[SyncEvent]:
         if self.mode in ("overlap", "blocking") and self.overlap_steps == 0:
             events.append(self._commit_overlap(p))
-        self._catch_up = None  # a healer's first launch as a member: caught up
+        self.round_clock.launched(p)
         if self.time_rounds is not None:
             period, self.next_sync[p] = 0, NEVER
             if p == 0:
                 self.round_steps.append(self._round_steps)
-            self._step_end = self.clock()
-            if self.mode == "overlap":  # no barrier: the next round runs from where this one was due
-                self._round_start[p] += self.time_rounds.seconds
-            else:  # blocking: from this commit, which every group made together
-                self._round_start[p] = self._step_end
         else:
             period = self._period()
             self.next_sync[p] = self.inner_step + max(period, 1)
@@ -594,11 +547,7 @@ class DiLoCo:
         if self.tiles is not None:  # SparseLoCo: the exchange ran in tile-major order, as the members' did
             pending = FromTiles(pending, self.tiles[p])
         events = self._after_launch(p, [self._launched(p, pending)])
-        if self.time_rounds is not None:  # the members' rounds began when that exchange was due
-            self._round_start = self._staggered(min(committed_at, self._step_end) if committed_at is not None
-                                                else self._step_end, p)
-        elif committed_at is not None:  # fixed H: the members' round began then; see steps_behind
-            self._catch_up, self._step_end = (committed_at, self.inner_step), self.clock()
+        self.round_clock.adopted(p, committed_at, self.inner_step)
         self.last_events = events
         return events
 

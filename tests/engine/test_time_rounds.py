@@ -195,7 +195,7 @@ def test_a_group_that_heals_into_overlapping_time_rounds_takes_the_members_grid(
 
     clock.t = 24.0
     engine.adopt("f1/r2", _Done(), committed_at=23.0)
-    assert [s + 10.0 for s in engine._round_start] == [28.0, 33.0]
+    assert [s + 10.0 for s in engine.round_clock.round_start] == [28.0, 33.0]
 
 
 def test_round_vote_overrides_each_ranks_own_verdict():
