@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, iter_fields
 from diloco.job.config_parse import from_dict
 from diloco.runtime import checkpoint, rank_state
@@ -374,13 +375,24 @@ class JobCheckpointer:
             self.save(step, loss_ema=loss_ema)
         return stop
 
+    def running_config(self) -> Config:
+        """The config the job runs at this step. With ``--codec auto`` / ``--h auto`` the setting
+        auto runs now, which may differ from the one chosen at start (codec and H follow the
+        link): a resume then continues with it, as fixed flags, and the engine state it loads
+        (error-feedback residuals above all) is the state of that setting."""
+        schedule = getattr(self.link, "auto_schedule", None)
+        if schedule is None:
+            return self.cfg
+        return auto_choice.apply_choice(self.cfg, schedule.choice.setting).validate()
+
     def save(self, step: int, *, loss_ema: float | None) -> Path:
         """Write this rank's file and, on rank 0, the group's manifest; prune old steps."""
         # a barrier across groups first: every group finished writing its previous checkpoint,
         # so with keep >= 2 the newest complete step always survives pruning
         rank_state.agree_on_step(self.link, step, tag=f"checkpoint/{step}")
         positions = getattr(getattr(self.link, "averager", None), "positions", None)
-        state = rank_state.capture(step=step, cfg=self.cfg, engine=self.engine, model=self.model, inner=self.inner,
+        cfg = self.running_config()
+        state = rank_state.capture(step=step, cfg=cfg, engine=self.engine, model=self.model, inner=self.inner,
                                    task=self.task, loss_ema=loss_ema, initial_eval_loss=self.initial_eval_loss,
                                    group=self.group, rank=self.rank, device=self.device,
                                    periods=getattr(self.link, "periods", ()),
@@ -389,7 +401,7 @@ class JobCheckpointer:
         if self.group_size > 1 and dist.is_available() and dist.is_initialized():
             dist.barrier()
         if self.rank == 0:
-            write_manifest(self.root, step, self.group, self.group_size, self.cfg,
+            write_manifest(self.root, step, self.group, self.group_size, cfg,
                            mode=self.engine.mode, param_hash=self.engine.global_hash())
             prune(self.root, self.group, self.keep)
         self.last = step_path(self.root, step)

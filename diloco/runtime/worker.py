@@ -236,9 +236,10 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                 restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
         if auto:
             if restored is not None or link.membership.heal:
-                raise ConfigError("--codec auto / --h auto decide once, when every group starts together: a group "
-                                  "cannot heal into or resume such a job yet; restart it with the setting its log and "
-                                  "summary name (auto: ...) as fixed flags")
+                raise ConfigError("--codec auto / --h auto decide when every group starts together: a group cannot "
+                                  "heal into such a job, nor resume it with the auto flags, yet. `diloco run --resume "
+                                  "DIR` continues from a checkpoint with the setting that checkpoint ran, as fixed "
+                                  "flags; or restart with the setting its log and summary name (auto: ...)")
             cfg, _ = auto_setting.decide(cfg, link, model=ddp, task=task, device=device, group=group,
                                          num_params=sum(p.numel() for p in group_parallel.bare(ddp).parameters()))
         try:

@@ -410,3 +410,27 @@ def test_diloco_run_stop_and_resume_equals_a_straight_run(tmp_path):
     assert resumed["initial_eval_loss"] == straight["initial_eval_loss"]
     assert resumed["periods"] == straight["periods"] and resumed["outer_rounds"] == straight["outer_rounds"]
     assert stopped["periods"] == straight["periods"][:stopped["outer_rounds"]]  # the rounds it did, no more
+
+
+def test_an_auto_jobs_checkpoint_holds_the_setting_it_runs_at_that_step(tmp_path):
+    """--codec auto: the codec and H may have followed the link since the start; the checkpoint's
+    config is the setting running at its step (what its engine state, residuals included, belongs
+    to), so a resume continues with it."""
+    from types import SimpleNamespace
+
+    from diloco.job import auto_choice
+
+    table = auto_choice.load_table()
+    now = next(e for e in table.entries if e.row == "m2-h300-int2-outer")
+    cfg = job_config(groups=1, checkpoint_every=4, checkpoint_dir=str(tmp_path))  # chosen at start: fp32 H=30
+    model, inner, engine = single(cfg)
+    link = FakeLink()
+    link.auto_schedule = SimpleNamespace(choice=SimpleNamespace(setting=now))
+    keeper = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+                                            inner=inner, task=None, link=link)
+    engine.inner_step = 4
+    keeper.after_step(4, loss_ema=None)
+    saved = job_checkpoint.load_rank(job_checkpoint.step_path(tmp_path, 4), auto_choice.apply_choice(cfg, now), 0, 0)
+    assert (saved.state["config"]["transport"]["codec"], saved.state["config"]["sync"]["h"]) == ("int2", 300)
+    with pytest.raises(CheckpointError, match="--codec"):  # the start's setting no longer matches it
+        job_checkpoint.load_rank(job_checkpoint.step_path(tmp_path, 4), cfg, 0, 0)
