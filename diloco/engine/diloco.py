@@ -173,9 +173,6 @@ class DiLoCo:
         if self.time_rounds is not None and mode not in ("blocking", "overlap"):
             raise ValueError(f"rounds by time run with mode 'blocking' or 'overlap', not {mode!r}")
         self.clock = clock
-        #: rounds by time, a healer's catch-up (``diloco.engine.round_clock``)
-        self.round_clock = RoundClock(len(groups), self.time_rounds, overlap=mode == "overlap", clock=clock,
-                                      vote=round_vote)
         device = None if str(global_device) == "model" else torch.device(global_device)
         self.fragments = [
             OuterFragment(f, [named[n] for n in f], outer_optimizer=outer_optimizer or by_mode(mode), device=device)
@@ -193,6 +190,10 @@ class DiLoCo:
         for frag in self.fragments:
             frag.merge_into_model(0.0)
         self._changed()
+        #: rounds by time, a healer's catch-up (``diloco.engine.round_clock``); made after the initial
+        #: exchange, which every group leaves together: rounds by time count from there on every group
+        self.round_clock = RoundClock(len(groups), self.time_rounds, overlap=mode == "overlap", clock=clock,
+                                      vote=round_vote)
         self.inner_step = 0
         self.next_sync = [NEVER] * len(self.fragments) if self.time_rounds is not None else \
             first_syncs(len(self.fragments), self.schedule.period(0, self.current_lr()))

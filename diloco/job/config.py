@@ -151,9 +151,10 @@ class SyncConfig:
     fragment_pattern: str = opt("strided", "blocks to fragments: strided or sequential", flag="--fragment-pattern", choices=FRAGMENT_PATTERNS)
     overlap_steps: int = opt(1, "tau: inner steps a fragment's exchange overlaps (mode overlap)", flag="--overlap-steps")
     round_seconds: float = opt(
-        0.0, "rounds by time: each group trains S seconds (from the previous exchange's commit) per round, as many "
-        "steps as its speed allows, and the mean weighs each group's tokens; the job runs ceil(--steps / --h) rounds "
-        "and the inner lr follows the rounds' time; mode blocking, one fragment; 0 = off (rounds of H steps)",
+        0.0, "rounds by time: each group trains S seconds per round (blocking: from the previous commit; overlap: on a "
+        "fixed grid, each fragment's staggered by S/P), as many steps as its speed allows, and the mean weighs each "
+        "group's tokens; the job runs ceil(--steps / --h) rounds of each fragment and the inner lr follows the rounds' "
+        "time; modes blocking and overlap; 0 = off (rounds of H steps)",
         flag="--round-seconds",
     )
 

@@ -68,13 +68,15 @@ class _ClockedMember:
 launches_by_fragment: list[dict[int, list[tuple[int, float]]]] = []
 
 
-def _run(costs: list[float], seconds: float, rounds: int, **engine_kw):
+def _run(costs: list[float], seconds: float, rounds: int, starts: list[float] | None = None, **engine_kw):
     """Train one linear model per group for ``rounds`` time rounds; returns the engines, the
     weights each exchange saw, the clocks and each group's inner steps at every launch
     (fragment 0's; ``launches_by_fragment`` holds every fragment's)."""
     groups = InProcessGroups(len(costs), weighted=True)
     posted: dict = {}
     engines, clocks, launches = [None] * len(costs), [_Clock() for _ in costs], [[] for _ in costs]
+    for clock, start in zip(clocks, starts or []):  # when each group builds its engine
+        clock.t = start
     launches_by_fragment.clear()
     launches_by_fragment.extend({} for _ in costs)
     errors = []
@@ -177,6 +179,16 @@ def test_streaming_fragments_by_time_stagger_and_the_fast_group_never_waits(mode
     assert engines[0].global_hash() == engines[1].global_hash()
     assert all(e.rounds_done for e in engines) and [e.rounds for e in engines] == [[3, 3], [3, 3]]
     assert engines[0].round_steps == [5, 10, 10]  # fragment 0's rounds
+
+
+def test_rounds_by_time_count_from_the_initial_exchange_that_every_group_leaves_together():
+    """Group 1 builds its engine 3 s after group 0 (a slower start); the initial exchange makes
+    group 0 wait for it, and both grids start there: every launch at the same instants."""
+    _run([1.0, 1.0], seconds=10.0, rounds=2, starts=[0.0, 3.0], mode="overlap", fragments=[["weight"], ["bias"]],
+         overlap_steps=1)
+    fast, late = launches_by_fragment
+    assert [t for _, t in fast[0]] == [t for _, t in late[0]] == [8.0, 18.0]
+    assert [t for _, t in fast[1]] == [t for _, t in late[1]] == [13.0, 23.0]
 
 
 def test_a_group_that_heals_into_overlapping_time_rounds_takes_the_members_grid():
