@@ -46,6 +46,7 @@ from bench.convergence_run import (
     study_task,
 )
 from diloco.engine.averaging import InProcessGroups
+from diloco.job.config import make_codec
 from diloco.job.task import TaskContext
 from diloco.runtime.worker import _train, make_engine, make_inner_optimizer
 
@@ -62,6 +63,8 @@ class TimeRow:
     mode: str = "blocking"  # or overlap (Streaming DiLoCo: ``fragments``, ``tau``)
     fragments: int = 1
     tau: int = 0
+    codec: str = "fp32"
+    rule: str = ""  # "sparseloco": SparseLoCo's outer rule (with codec topk)
     seeded: bool = False
     note: str = ""
 
@@ -77,6 +80,10 @@ ROWS = (
             note="fixed H=30, overlap with 2 fragments, tau 5: the streaming baseline at equal tokens"),
     TimeRow("time-overlap-p2-tau5-slow2", speeds=(1.0, 2.0), mode="overlap", fragments=2, tau=5, seeded=True,
             note="rounds by time, overlap with 2 fragments, tau 5, group 1 at half speed"),
+    TimeRow("fixed-slo-overlap-p2-tau5", timed=False, mode="overlap", fragments=2, tau=5, codec="topk",
+            rule="sparseloco", note="fixed H=30, SparseLoCo with overlap (2 fragments, tau 5)"),
+    TimeRow("time-slo-overlap-p2-tau5-equal", mode="overlap", fragments=2, tau=5, codec="topk", rule="sparseloco",
+            note="rounds by time, SparseLoCo with overlap (2 fragments, tau 5), equal speeds"),
 )
 
 
@@ -95,6 +102,7 @@ class _ClockedMember:
     def __init__(self, member, clock: _Clock, posted: dict, lock: threading.Lock) -> None:
         self.member, self.clock, self.posted, self.lock = member, clock, posted, lock
         self.weighted, self.num_groups, self.group_index = member.weighted, member.num_groups, member.group_index
+        self.error_feedback = member.error_feedback  # topk, sign1, int2: the engine keeps the residual
         self.recorder = None
 
     def start(self, flat, *, tag, exact=False, **kw):
@@ -103,6 +111,8 @@ class _ClockedMember:
         pending, me = self.member.start(flat, tag=tag, exact=exact, **kw), self
 
         class _Pending:
+            sent = getattr(pending, "sent", None)  # error feedback: what the others decoded of ours
+
             def wait(self):
                 mean = pending.wait()
                 with me.lock:
@@ -140,7 +150,8 @@ def run_time_row(cfg, row: TimeRow) -> dict:
     cpu = torch.device("cpu")
     rounds = math.ceil(cfg.train.steps / cfg.sync.h)
     seconds = g_count * cfg.train.steps / (rounds * sum(1 / s for s in row.speeds))
-    groups = InProcessGroups(g_count, timeout_s=600, weighted=row.weighted)
+    groups = InProcessGroups(g_count, timeout_s=600, weighted=row.weighted,
+                             codec=None if row.codec == "fp32" else make_codec(cfg.transport))
     posted: dict = {}
     lock = threading.Lock()
     clocks = [_Clock() for _ in range(g_count)]
@@ -216,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             for seed in range(a.seed, a.seed + (a.seeds if row.seeded else 1)):
                 study_row = Row(row.name, groups=len(row.speeds), h=row.h, mode=row.mode, fragments=row.fragments,
-                                tau=row.tau, note=row.note)
+                                tau=row.tau, codec=row.codec, rule=row.rule, note=row.note)
                 cfg = make_config(size, study_row, seed, lrs)
                 t0 = time.perf_counter()
                 result = run_time_row(cfg, row)

@@ -548,7 +548,7 @@ class DiLoCo:
         if self.tiles is not None:  # SparseLoCo: the exchange ran in tile-major order, as the members' did
             pending = FromTiles(pending, self.tiles[p])
         events = self._after_launch(p, [self._launched(p, pending)])
-        self.round_clock.adopted(p, committed_at, self.inner_step)
+        self.round_clock.adopted(p, r, committed_at, self.inner_step)
         self.last_events = events
         return events
 

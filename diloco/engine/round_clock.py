@@ -33,6 +33,7 @@ class RoundClock:
         self.fragments, self.time_rounds, self.overlap = fragments, time_rounds, overlap
         self.clock, self.vote = clock, vote
         self.step_end = clock()  # when the last step ended
+        self.origin = self.step_end  # overlap: the grid's start (fragment P-1's first round began then)
         self.step_seconds = 0.0  # moving average of this group's step time (timed rounds, catching up)
         #: when each fragment's current round began (its deadline is ``seconds`` later)
         self.round_start = self.staggered(self.step_end, fragments - 1)
@@ -81,18 +82,23 @@ class RoundClock:
         else:
             self.round_start[p] = self.step_end
 
-    def adopted(self, p: int, committed_at: float | None, inner_step: int) -> None:
-        """A healer joined fragment p's exchange, which committed at ``committed_at`` (None:
-        unknown): its rounds follow the members' from there, and under fixed H it catches up."""
+    def adopted(self, p: int, r: int, committed_at: float | None, inner_step: int) -> None:
+        """A healer joined fragment p's exchange of round r, which committed at ``committed_at``
+        (None: unknown): its rounds follow the members' from there, and under fixed H it catches up."""
         if self.time_rounds is not None:
-            self.round_start = self.staggered(self.step_end if committed_at is None
-                                              else min(committed_at, self.step_end), p)
+            at = self.step_end if committed_at is None else min(committed_at, self.step_end)
+            self.round_start = self.staggered(at, p)
+            self.origin = at - (r + (p + 1) / self.fragments) * self.time_rounds.seconds
         elif committed_at is not None:
             self.catch_up, self.step_end = (committed_at, inner_step), self.clock()
 
     def progress(self, rounds_done: int) -> float:
-        """Rounds by time: the job's progress in [0, 1] after ``rounds_done`` rounds of fragment 0."""
+        """Rounds by time: the job's progress in [0, 1] after ``rounds_done`` rounds of fragment 0.
+        Overlap: the time since the grid's start over the job's (``rounds`` rounds of ``seconds``,
+        when the last fragment's last round ends), the same on every group at the same moment."""
         t = self.time_rounds
+        if self.overlap:
+            return min(max(self.clock() - self.origin, 0.0) / (t.rounds * t.seconds), 1.0)
         return time_progress(rounds_done, self.clock() - self.round_start[0], seconds=t.seconds, rounds=t.rounds)
 
     def steps_behind(self, inner_step: int, next_launch: int) -> int:

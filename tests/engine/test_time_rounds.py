@@ -208,6 +208,21 @@ def test_a_group_that_heals_into_overlapping_time_rounds_takes_the_members_grid(
     clock.t = 24.0
     engine.adopt("f1/r2", _Done(), committed_at=23.0)
     assert [s + 10.0 for s in engine.round_clock.round_start] == [28.0, 33.0]
+    assert engine.progress() == pytest.approx((24.0 + 7.0) / 50.0)  # the members' grid began at -7 s
+
+
+def test_overlapping_time_rounds_progress_from_the_start_of_the_grid():
+    """The inner lr follows progress: in overlap it runs from 0 at the start (not from fragment
+    0's half-round offset, which skipped the warmup's first steps) to 1 at the last round's end."""
+    model, clock = nn.Linear(4, 1), _Clock()
+    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=InProcessGroups(1, weighted=True)
+                    .member(0), sync_every=TimeRounds(10.0, 3), mode="overlap", overlap_steps=1,
+                    fragments=[["weight"], ["bias"]], clock=clock)
+    assert engine.progress() == 0.0
+    clock.t = 15.0
+    assert engine.progress() == pytest.approx(0.5)
+    clock.t = 40.0
+    assert engine.progress() == 1.0
 
 
 def test_round_vote_overrides_each_ranks_own_verdict():
