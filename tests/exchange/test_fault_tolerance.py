@@ -41,11 +41,12 @@ class Group:
 
     def __init__(self, address: str, group: int, *, mode: str = "blocking", fragments: int | None = None,
                  poison_at: int | None = None, die_at: int | None = None, on_connected=None,
-                 settings: TransportConfig | None = None) -> None:
+                 settings: TransportConfig | None = None, step_delay_s: float = 0.0) -> None:
         self.address, self.group, self.mode, self.fragments = address, group, mode, fragments
         self.settings = settings  # None: SETTINGS as it is when the group connects (tests patch it)
         self.on_connected = on_connected
         self.poison_at, self.die_at = poison_at, die_at
+        self.step_delay_s = step_delay_s  # a pace: seconds slept after every inner step
         self.model = make_model()
         self.link = None
         self.engine = None
@@ -93,6 +94,8 @@ class Group:
             if self.killed.is_set() or t == self.die_at:
                 return self.kill()
             self.inner_step(opt, *batch(self.group, t), t)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             events = self.engine.step()
             if any(e.kind == "commit" for e in events):
                 self.hashes[self.engine.inner_step] = self.engine.global_hash()
@@ -351,7 +354,9 @@ def test_a_heal_that_fails_every_attempt_stops_with_its_reason_and_the_others_go
         link.averager.max_attempts = 3
         proxies.extend(corrupt_links(link, [0, 1]))
 
-    first = [Group(coordinator.address, g, die_at=13 if g == 2 else None).start() for g in range(3)]
+    # paced, so the survivors are still training while the restarted group connects and fails 3 heals
+    # (unpaced, on a loaded host they finished first, and it was told the job had finished instead)
+    first = [Group(coordinator.address, g, die_at=13 if g == 2 else None, step_delay_s=0.2).start() for g in range(3)]
     first[2].join()
     healer = Group(coordinator.address, 2, on_connected=corrupting_links).start()
     try:
