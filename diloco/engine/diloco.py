@@ -451,11 +451,9 @@ class DiLoCo:
         r = self.rounds[p]
         extra = {"weight": float(self.inner_step - self._launched_at[p])} if self._weighted else {}
         extra.update(self._shards(p))
-        if self._flushing is not None and self._flushing.residual[p] is not None:
-            # error feedback stopped: this fragment's last exchange with it has landed (a fragment
-            # launches after its previous exchange lands), so its residual is final: sent once now
-            delta = delta + self._flushing.residual[p].to(delta.device)
-            self._flushing.residual[p] = None
+        owed = self._flushing.take(p) if self._flushing is not None else None
+        if owed is not None:  # error feedback stopped; this fragment's last exchange with it has landed
+            delta = delta + owed.to(delta.device)
         if self.error_feedback is not None:  # sends Δ + residual; the residual moves when it lands
             if self.tiles is not None:  # residual and codec in tile-major order, the mean back in place
                 layout = self.tiles[p]

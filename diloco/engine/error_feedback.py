@@ -73,6 +73,12 @@ class Residuals:
                              f"{tuple(getattr(saved, 'shape', ()))}, want float32 ({numel},)")
         self.residual[p] = saved.detach().to(device).clone()
 
+    def take(self, p: int) -> torch.Tensor | None:
+        """Fragment p's residual, which it no longer keeps (None: zero): error feedback stopped
+        (``DiLoCo.set_error_feedback``) and the residual is sent once, in its next Δ."""
+        e, self.residual[p] = self.residual[p], None
+        return e
+
     def reset(self) -> None:
         """Forget every residual (a group healed from another group's state)."""
         self.residual = [None] * len(self.residual)
