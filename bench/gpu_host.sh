@@ -60,6 +60,7 @@ stage() {
     case "$1" in
         setup) setup ;;
         cuda) python -m pytest -q tests/transport/test_transport_device.py tests/compress/test_compress_cuda.py \
+                  tests/engine/test_sparseloco.py \
                   tests/engine/test_outer_device.py tests/runtime/test_placement.py tests/runtime/test_run.py \
                   tests/transport/test_transport_process.py tests/compress/test_fingerprint.py ;;
         tests) python -m pytest -q ;;

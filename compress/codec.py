@@ -101,6 +101,17 @@ class Codec(ABC):
         codec whose kernel can write there directly overrides this."""
         return out.copy_(self.dequantize(parts, count))
 
+    def dequantize_on(self, parts: Parts, count: int, device: torch.device | str | None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """``dequantize`` (into ``out`` if given) of the CPU ``parts`` of a checked frame, the values
+        on ``device`` (None: the CPU). Default: the parts go to the device and are dequantized there;
+        a codec whose unpacking is many small host steps overrides this."""
+        if device is not None and torch.device(device).type != "cpu":
+            parts = [p.to(device) for p in parts]
+        if out is not None:
+            return self.dequantize_into(parts, count, out)
+        return self.dequantize(parts, count)
+
     def validate(self, parts: Parts, count: int) -> None:
         """Raise FrameError if parts read from a frame hold values the encoder never writes."""
 
@@ -305,11 +316,7 @@ def decode_parsed(cls: type[Codec], h: frame.Header, payload: memoryview,
         parts.append(raw[off:off + nb].view(dt))
         off += nb
     codec.validate(parts, h.count)
-    if device is not None and torch.device(device).type != "cpu":
-        parts = [p.to(device) for p in parts]
-    if out is not None:
-        return codec.dequantize_into(parts, h.count, out)
-    return codec.dequantize(parts, h.count)
+    return codec.dequantize_on(parts, h.count, device, out)
 
 
 @functools.lru_cache(maxsize=256)

@@ -55,7 +55,8 @@ class StaticRing:
 
 def write_small_job(path, *, steps: int, ranks_per_group: int, groups: int = 2):
     """A job config small enough for multi-process fault tests (1-layer demo GPT, H=10, 5 s
-    collective deadline, 2 s heartbeat timeout), written as JSON to ``path``; returns the Config."""
+    collective deadline, 2 s heartbeat timeout, every rank on the CPU with gloo, whatever GPUs the
+    host has), written as JSON to ``path``; returns the Config."""
     import json
 
     from diloco.job.config import Config
@@ -65,6 +66,7 @@ def write_small_job(path, *, steps: int, ranks_per_group: int, groups: int = 2):
     cfg.data.batch_size, cfg.data.eval_batches = 8, 2
     cfg.train.steps, cfg.sync.h, cfg.train.log_every = steps, 10, 50
     cfg.topology.groups, cfg.topology.ranks_per_group = groups, ranks_per_group
+    cfg.topology.backend = "gloo"
     cfg.transport.timeout_s, cfg.transport.probe_bytes = 5.0, 0
     cfg.fault.heartbeat_timeout = 2.0
     path.write_text(json.dumps(cfg.validate().to_dict()))

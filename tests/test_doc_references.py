@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import functools
 import io
+import os
 import re
 import tokenize
 from pathlib import Path
@@ -86,7 +87,13 @@ def scanned_files() -> list[Path]:
 
 def resolves(ref: str, referrer: Path) -> bool:
     ref = ref.rstrip("/")
-    return (ROOT / ref).exists() or (referrer.parent / ref).exists()
+    if (ROOT / ref).exists() or (referrer.parent / ref).exists():
+        return True
+    beside = Path(os.path.normpath(ROOT / ref))
+    # a folder beside the repository (../shared) is checked where the checkout has it (CI does); a
+    # copy of the repository alone (a GPU host's) cannot say
+    return not beside.is_relative_to(ROOT) and beside.is_relative_to(ROOT.parent) and \
+        not (ROOT.parent / beside.relative_to(ROOT.parent).parts[0]).exists()
 
 
 @functools.lru_cache(maxsize=1)

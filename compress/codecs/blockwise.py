@@ -138,8 +138,10 @@ class BlockScaled(BlockSizeParam, NativeCoded):
         if not math.isfinite(absmax.max()):
             raise ValueError(f"{self.name} cannot encode NaN or infinite values")
         q = self.qmax if self.stochastic else self.q_nearest
-        # the floor keeps scales normal floats; zero blocks still code as 0
-        scale = absmax.clamp_(min=TINY).div_(q)
+        # the floor keeps scales normal floats; zero blocks still code as 0. A tensor divisor: CUDA
+        # turns a division by a number into a product with its reciprocal, which rounds differently
+        # from the C kernel's division (and a CPU and a GPU member must write the same frame)
+        scale = absmax.clamp_(min=TINY).div_(torch.full_like(absmax, q))
         inv = torch.reciprocal(scale)[:, None]
         noise = None
         if self.stochastic:

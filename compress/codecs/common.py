@@ -59,10 +59,9 @@ def block_means_(sums: torch.Tensor, count: int, block: int) -> torch.Tensor:
     """Per-block sums of ``count`` values in blocks of ``block`` turned into means, in place: the
     last block may be short and is divided by its real length."""
     last = count - (sums.numel() - 1) * block
-    if last == block:
-        return sums.div_(block)
-    lengths = torch.full_like(sums, float(block))
-    lengths[-1] = last
+    lengths = torch.full_like(sums, float(block))  # a tensor: CUDA would multiply by 1 / a number
+    if last != block:
+        lengths[-1] = last
     return sums.div_(lengths)
 
 

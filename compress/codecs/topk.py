@@ -160,13 +160,27 @@ class TopK(Codec):
         if not bool((flat[1:] > flat[:-1]).all()):
             raise FrameError("topk frame has indices that are not strictly ascending in a chunk")
 
-    def dequantize(self, parts: Parts, count: int) -> torch.Tensor:
+    def _kept(self, parts: Parts, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions in the vector, values) of the kept entries, on the parts' device."""
         meta, fields, _, chunk_of, flat = self._unpack(parts, count)
-        out = torch.zeros(count, device=meta.device)
-        if flat.numel() == 0:
-            return out
         lo, step = meta[chunk_of, 0], meta[chunk_of, 1]
         mag = (fields >> 1).to(torch.float32).mul_(step).add_(lo)
-        val = torch.where((fields & 1).bool(), -mag, mag)
+        return flat, torch.where((fields & 1).bool(), -mag, mag)
+
+    def dequantize(self, parts: Parts, count: int) -> torch.Tensor:
+        flat, val = self._kept(parts, count)
+        out = torch.zeros(count, device=parts[0].device)
         out[flat] = val
         return out
+
+    def dequantize_on(self, parts: Parts, count: int, device: torch.device | str | None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """The indices are unpacked on the host and only the kept entries go to the device: the
+        Elias-Fano scan is many small steps, each a kernel launch and a sync on a GPU (decoding
+        there ran at 0.1 GB/s of output on an H200, bench/results/codecs_cuda.json)."""
+        if device is None or torch.device(device).type == "cpu":
+            return super().dequantize_on(parts, count, device, out)
+        flat, val = self._kept(parts, count)
+        target = torch.zeros(count, device=device) if out is None else out.zero_()
+        target[flat.to(target.device)] = val.to(target.device)
+        return target

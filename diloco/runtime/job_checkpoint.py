@@ -271,7 +271,11 @@ def prune(root: str | Path, group: int, keep: int) -> list[int]:
         if step >= oldest_kept:
             break
         (folder / manifest_file(group)).unlink(missing_ok=True)
-        for f in folder.iterdir():
+        try:
+            files = list(folder.iterdir())
+        except FileNotFoundError:  # another group, pruning too, removed its last files and the folder
+            continue
+        for f in files:
             if f.name.startswith(prefixes):
                 f.unlink(missing_ok=True)
         try:

@@ -128,9 +128,12 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def test_two_groups_over_real_links_apply_the_same_bits():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_two_groups_over_real_links_apply_the_same_bits(device):
     """SparseLoCo's defaults (topk 64 of 4096, 64 x 64 tiles, β 0.95, α 1) over the gather path:
-    the stripes start at tiles, every group's global copy is bit-identical after every round."""
+    the stripes start at tiles, every group's global copy is bit-identical after every round; on a
+    GPU the residual, the tiles' top-k and the decode stay on the device."""
     codec = compress.get_codec("topk")
     ts = [TcpTransport("127.0.0.1", 0, secret=SECRET, timeout_s=20, chunk_bytes=1 << 16) for _ in range(2)]
     try:
@@ -141,6 +144,7 @@ def test_two_groups_over_real_links_apply_the_same_bits():
         torch.manual_seed(0)
         models = [Net() for _ in range(2)]
         models[1].load_state_dict(models[0].state_dict())  # the same start (the global RNG is not per thread)
+        models = [m.to(device) for m in models]
 
         def make(g: int) -> DiLoCo:
             return DiLoCo(models[g], torch.optim.AdamW(models[g].parameters(), lr=1e-2), averager=avgs[g],
@@ -153,7 +157,7 @@ def test_two_groups_over_real_links_apply_the_same_bits():
             gen = torch.Generator().manual_seed(g)
             engine = engines[g]
             for _ in range(12):
-                x = torch.randn(16, 96, generator=gen)
+                x = torch.randn(16, 96, generator=gen).to(device)
                 loss = (engine.model(x) - x[:, :8]).pow(2).mean()
                 engine.inner_optimizer.zero_grad()
                 loss.backward()
@@ -165,6 +169,7 @@ def test_two_groups_over_real_links_apply_the_same_bits():
         assert len(hashes[0]) == 4 and hashes[0] == hashes[1]
         assert all(e.tiles is not None and e.error_feedback.decay == 0.95 for e in engines)
         assert not torch.equal(engines[0].error_feedback.residual[0], engines[1].error_feedback.residual[0])
+        assert all(e.error_feedback.residual[0].device.type == device for e in engines)
     finally:
         for t in ts:
             t.close(flush_timeout_s=1.0)

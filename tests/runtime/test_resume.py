@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import signal
 import threading
 
@@ -272,6 +273,28 @@ def test_prune_keeps_the_newest_and_touches_only_its_group(tmp_path):
     assert job_checkpoint.complete_steps(tmp_path, group=1) == [2, 4, 6, 8]
     job_checkpoint.prune(tmp_path, 1, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006", "step-000008"]
+
+
+def test_prune_goes_on_when_another_group_removes_a_folder_it_listed(tmp_path, monkeypatch):
+    """Two groups prune at the same checkpoint. A group that healed has fewer complete steps, so it
+    prunes a step later than the others and its folders hold only its own files: the other group
+    lists such a folder, the healed group removes it, and the other must not fail on it."""
+    for step in (2, 4, 6):
+        write_step(tmp_path, step)
+    job_checkpoint.prune(tmp_path, 0, keep=2)  # step 2 now holds only group 1's files
+    listed = job_checkpoint._step_folders
+
+    def listed_then_removed(root):
+        folders = listed(root)
+        shutil.rmtree(job_checkpoint.step_path(tmp_path, 2))  # group 1 pruned its files and the folder
+        return folders
+
+    write_step(tmp_path, 8)
+    monkeypatch.setattr(job_checkpoint, "_step_folders", listed_then_removed)
+    assert job_checkpoint.prune(tmp_path, 0, keep=2) == [4]
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000006", "step-000008"]
+    assert job_checkpoint.complete_steps(tmp_path, group=0) == [6, 8]
 
 
 # --- the worker's decisions, data position, cross-group step agreement ------------------------------

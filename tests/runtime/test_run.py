@@ -25,7 +25,7 @@ def test_two_groups_of_two_ranks_stay_bit_identical_and_learn(tmp_path):
     out = tmp_path / "summary.json"
     ckpt = tmp_path / "global.pt"
     code = cli.main(["run", *SMALL, "--steps", "40", "--h", "10", "--groups", "2",
-                     "--ranks-per-group", "2", "--json", str(out), "--run-dir", str(tmp_path / "run"),
+                     "--ranks-per-group", "2", "--backend", "gloo", "--json", str(out), "--run-dir", str(tmp_path / "run"),
                      "--save", str(ckpt), "--probe-bytes", "0"])
     assert code == 0
     s = json.loads(out.read_text())
@@ -205,7 +205,7 @@ def test_a_data_plane_process_trains_exactly_as_the_in_process_one(tmp_path):
     for plane in ("thread", "process"):
         out = tmp_path / f"{plane}.json"
         code = cli.main(["run", *SMALL, "--n-layer", "2", "--steps", "20", "--h", "10", "--mode", "overlap", "--fragments", "2",
-                         "--codec", "int8", "--groups", "2", "--ranks-per-group", "2", "--data-plane", plane,
+                         "--codec", "int8", "--groups", "2", "--ranks-per-group", "2", "--backend", "gloo", "--data-plane", plane,
                          "--json", str(out), "--run-dir", str(tmp_path / plane)])
         assert code == 0
         s = json.loads(out.read_text())
@@ -218,7 +218,7 @@ def test_a_data_plane_process_trains_exactly_as_the_in_process_one(tmp_path):
 
 def test_groups_of_different_sizes_stay_bit_identical(tmp_path):
     out = tmp_path / "s.json"
-    code = cli.main(["run", *SMALL, "--steps", "20", "--h", "10", "--groups", "2", "--group-sizes", "2,1",
+    code = cli.main(["run", *SMALL, "--steps", "20", "--h", "10", "--groups", "2", "--group-sizes", "2,1", "--backend", "gloo",
                      "--json", str(out), "--run-dir", str(tmp_path / "run")])
     assert code == 0
     s = json.loads(out.read_text())

@@ -20,7 +20,7 @@ def test_rounds_by_time_in_groups_of_two_ranks(tmp_path, sync):
     """Overlap with 2 fragments: rank 0's verdict is a mask of the fragments whose round ends."""
     out = tmp_path / "summary.json"
     code = cli.main(["run", *SMALL, "--n-layer", "2", "--steps", "30", "--h", "10", "--round-seconds", "1.5",
-                     "--groups", "2", "--ranks-per-group", "2", "--json", str(out), "--run-dir", str(tmp_path / "run"),
+                     "--groups", "2", "--ranks-per-group", "2", "--backend", "gloo", "--json", str(out), "--run-dir", str(tmp_path / "run"),
                      "--probe-bytes", "0", *sync])
     assert code == 0
     s = json.loads(out.read_text())

@@ -279,7 +279,7 @@ def test_a_cuda_mean_is_copied_back_beside_the_callers_stream_not_behind_it(plan
     stream after the start (the next inner steps) does not hold up wait()."""
     n = 1 << 16
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(30 + i)) for i in range(2)]
-    with transports(g=1) as (other,):
+    with transports(g=1, chunk_bytes=64 << 10) as (other,):  # the plane's chunk
         ring = [plane.address, other.address]
         reference = _ring([plane, other], xs, tag="cpu")
         h = plane.all_reduce(xs[0].cuda(), ring, 0, tag="beside")
