@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--faults", type=int, default=20, help="faults per faulty job (fewer if it ends first)")
     f.add_argument("--kinds", default="kill", help="fault kinds, comma-separated, each fault's drawn from them: "
                    "kill (SIGKILL of a random group's process tree, restarted 0.5 s later), stall (SIGSTOP of it "
-                   "for --stall-seconds, then SIGCONT); a corrupting link is not wired (bench/goodput_faults.py)")
+                   "for --stall-seconds, then SIGCONT), corrupt (one bit flipped in what a random group receives "
+                   "next, by a relay in front of its data plane: diloco.runtime.link_relays)")
     f.add_argument("--stall-seconds", type=float, default=6.0, help="how long a stalled group stays frozen (make it "
                    "longer than --heartbeat-timeout: the group is then declared failed, restarts and heals)")
     f.add_argument("--fault-steps", type=int, default=0, help="inner steps per group of every job (0: enough for "
@@ -347,9 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--factor must be >= 1, got {args.factor}")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
-        p.error(f"--kinds {args.kinds!r}: some of {', '.join(KINDS)}; a corrupting link needs the workers' dials "
-                "routed through transport.FaultProxy, which a diloco run worker's data-plane process has no "
-                "setting for (bench/goodput_faults.py)")
+        p.error(f"--kinds {args.kinds!r}: some of {', '.join(KINDS)}")
     args.kinds = ",".join(kinds)
     if "stall" in kinds and not args.stall_seconds > args.heartbeat_timeout:
         p.error(f"--stall-seconds ({args.stall_seconds:g}) must exceed --heartbeat-timeout "

@@ -28,13 +28,10 @@ Faults (``--kinds``): kills, and stalls (``--stall-seconds`` of SIGSTOP of a ran
 process tree, then SIGCONT: its links stay open and carry nothing, and it stops heartbeating, as a
 hung host or a stalled link would look to the others; longer than the heartbeat timeout, so the
 group is declared failed, wakes evicted, restarts and heals). ``downtime_s_per_kill`` covers both
-kinds. A corrupting link (``transport.FaultProxy``) needs a group's dials to go
-through the proxy: the link's ``dial_overrides`` table (peer address -> relay address). In a
-``diloco run`` job that table lives in each worker's data-plane child process
-(``transport.ProcessTransport``, built by ``diloco/runtime/connection.py`` from the config), no
-flag or environment variable fills it, and the peers' addresses are ephemeral ports known only
-once each group listens (new ones after every restart). Wiring it needs a hook in the worker's
-transport setup and a relay that learns its targets at run time: not done here.
+kinds. Corrupting links (kind ``corrupt``): ``diloco run``'s drill puts a relay
+(``transport.FaultProxy``) in front of every group's data plane (``diloco.runtime.link_relays``),
+and a fault flips one bit of what a random group receives next: the frame fails its check, that
+exchange rolls back and runs again; nothing restarts.
 
 The functions here are pure (records in, numbers out) except ``case_faults``, which runs jobs.
 """
@@ -190,6 +187,7 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
         "case": name, "interval_s": kw.get("interval"), "groups": cfg.topology.groups, "steps": cfg.train.steps,
         "h": cfg.sync.h, "round_seconds": cfg.sync.round_seconds, "quorum_grace_s": cfg.fault.quorum_grace,
         "heartbeat_timeout_s": cfg.fault.heartbeat_timeout, "kills": f["kills"], "frozen": f.get("frozen", 0),
+        "corrupted": f.get("corrupted", 0),
         "failures": f["failures"],
         "restarts": f["restarts"], "heals": f["heals"], "rolled_back": f["rolled_back"],
         "committed_rounds": f["committed"], "stalls": len(stalls), "stall_s_sum": sum(stalls),
@@ -205,7 +203,8 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
         "step_interval_median_s": statistics.median(b - a for t in traces.values() for a, b in itertools.pairwise(t))
         if any(len(t) > 1 for t in traces.values()) else None,
     }
-    print(f"  {name}: {rec['kills']} kills, {rec['frozen']} frozen, {rec['committed_tokens']:,} tokens committed, "
+    print(f"  {name}: {rec['kills']} kills, {rec['frozen']} frozen, {rec['corrupted']} bits flipped, "
+          f"{rec['rolled_back']} rolled back, {rec['committed_tokens']:,} tokens committed, "
           f"twice {rec['samples_twice']}, left out {rec['samples_left_out']}, eval loss {rec['eval_loss']:.4f}, "
           f"stalls {len(stalls)} ({rec['stall_s_sum']:.1f} s), down per kill "
           f"{'' if not down else f'median {statistics.median(down):.1f} s'}, wall {rec['wall_s']:.0f} s", flush=True)

@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a coordinator and --groups torchrun jobs of --ranks-per-group ranks on "
         "loopback, train the demo GPT (or your own model: --entry package.module:function), and print a summary. "
         "Groups that fail are started again (--max-restarts) and heal; --chaos N kills N random groups "
-        "during the run as a drill. With GPUs (backend nccl) every rank of a group gets its own GPU and the "
-        "groups are spread over the host's GPUs before any GPU is shared between groups; where a group has "
-        "more ranks than the host has GPUs, the default --ranks-per-group is cut to the GPU count (the "
+        "during the run as a drill (--chaos-kinds: also stalls, and bits flipped on a group's links). With GPUs "
+        "(backend nccl) every rank of a group gets its own GPU and the groups are spread over the host's GPUs "
+        "before any GPU is shared between groups; where a group has more ranks than the host has GPUs, the default --ranks-per-group is cut to the GPU count (the "
         "summary's placement line says so) and an explicit --ranks-per-group or --group-sizes stops with an "
         "error before any process starts (groups under torchrun by hand: DILOCO_GPU_OFFSET, see diloco "
         "worker --help).",

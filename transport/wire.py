@@ -1,9 +1,14 @@
-"""Wire format: a fixed 32-byte envelope, then the tag (UTF-8), then the payload.
+"""Wire format: a fixed 36-byte envelope, then the tag (UTF-8), then the payload.
 
     magic "DLTP" | version u8 | type u8 | tag_len u16 | seg u32 | chunk u32 | aux u64 | payload_len u64
+    | crc u32
 
 Every field is checked before anything is allocated from it; the payload is opaque bytes (a
-`compress` frame or a handshake field). There is no pickle anywhere.
+`compress` frame, which carries its own checksum, or a handshake field, covered by the
+handshake's MAC). ``crc`` is the CRC-32 of the envelope's other 32 bytes and the tag: a bit
+flipped in a length, an index or a tag on the way is an error as the message arrives, where it
+would otherwise leave the receiver waiting for bytes that never come (until the collective's
+deadline). There is no pickle anywhere.
 
 Also here: the memory that payloads and results are received into and reused from
 (`BufferPool`).
@@ -15,14 +20,16 @@ import enum
 import socket
 import struct
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
 from .errors import PeerDisconnected, WireError
 
 MAGIC = b"DLTP"
-VERSION = 1
-HEADER = struct.Struct("!4sBBHIIQQ")
+VERSION = 2
+HEADER = struct.Struct("!4sBBHIIQQI")
+_FIELDS = struct.Struct("!4sBBHIIQQ")  # the envelope without its crc
 MAX_TAG_BYTES = 256
 MAX_INDEX = 1 << 31  # bound on seg / chunk indices
 
@@ -70,12 +77,23 @@ def encode_tag(tag: str) -> bytes:
 
 def pack_header(mtype: MsgType, tag: bytes, seg: int, chunk: int, aux: int, payload_len: int) -> bytes:
     """The envelope plus tag bytes for one message whose payload has `payload_len` bytes."""
-    return HEADER.pack(MAGIC, VERSION, int(mtype), len(tag), seg, chunk, aux, payload_len) + tag
+    fields = _FIELDS.pack(MAGIC, VERSION, int(mtype), len(tag), seg, chunk, aux, payload_len)
+    return fields + struct.pack("!I", zlib.crc32(tag, zlib.crc32(fields))) + tag
+
+
+def check_header_crc(head: bytes, tag: bytes) -> None:
+    """WireError unless the envelope's crc matches its other fields and the tag read after it."""
+    (stored,) = struct.unpack_from("!I", head, _FIELDS.size)
+    computed = zlib.crc32(tag, zlib.crc32(head[:_FIELDS.size]))
+    if stored != computed:
+        raise WireError(f"message envelope checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): "
+                        "corrupted on the way")
 
 
 def unpack_header(buf: bytes, max_payload: int, allowed: frozenset[MsgType]) -> tuple[MsgType, int, int, int, int, int]:
-    """Validate a 32-byte envelope; returns (type, tag_len, seg, chunk, aux, payload_len)."""
-    magic, version, mtype, tag_len, seg, chunk, aux, payload_len = HEADER.unpack(buf)
+    """Validate a 36-byte envelope's fields (the crc once the tag is read: ``check_header_crc``);
+    returns (type, tag_len, seg, chunk, aux, payload_len)."""
+    magic, version, mtype, tag_len, seg, chunk, aux, payload_len, _crc = HEADER.unpack(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r} (not a transport peer?)")
     if version != VERSION:
@@ -135,6 +153,7 @@ def read_message(
     head = bytes(first) if first is not None else bytes(recv_exact(sock, HEADER.size, on_bytes))
     t, tag_len, seg, chunk, aux, payload_len = unpack_header(head, max_payload, allowed)
     tag_raw = recv_exact(sock, tag_len, on_bytes) if tag_len else b""
+    check_header_crc(head, bytes(tag_raw))
     try:
         tag = bytes(tag_raw).decode("utf-8")
     except UnicodeDecodeError:

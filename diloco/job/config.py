@@ -30,6 +30,7 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
 SCHEDULES = ("fixed", "qsr")
 LR_SCHEDULES = ("cosine", "constant")
 LOG_FORMATS = ("text", "json")
+CHAOS_KINDS = ("kill", "stall", "corrupt")  # diloco run --chaos-kinds
 BACKENDS = ("auto", "gloo", "nccl")
 PARALLELS = ("auto", "ddp", "fsdp")  # inside a group: replicate (DDP) or shard (FSDP2); auto: as the Task asks
 OUTER_DEVICES = ("model", "cpu")
@@ -330,6 +331,16 @@ class FaultConfig:
     )
     max_restarts: int = opt(3, "diloco run: times each group is restarted after it fails (it then heals)", flag="--max-restarts")
     chaos: int = opt(0, "diloco run: kill N random groups at random moments and restart them (a fault drill)", flag="--chaos")
+    chaos_kinds: str = opt(
+        "kill", "diloco run --chaos: the faults' kinds, comma-separated, each fault's drawn from them: kill (a "
+        "group's processes, restarted), stall (a group frozen for 2-3 heartbeat timeouts), corrupt (one bit "
+        "flipped in what a group receives, by a relay in front of its data plane; groups of one rank)",
+        flag="--chaos-kinds",
+    )
+
+    def kinds(self) -> tuple[str, ...]:
+        """``chaos_kinds`` as a tuple, without blanks."""
+        return tuple(k.strip() for k in self.chaos_kinds.split(",") if k.strip())
 
 
 @dataclass
@@ -378,6 +389,8 @@ class Config:
         need(fl.quorum_grace >= 0, f"--quorum-grace must be >= 0 seconds (0 = off), got {fl.quorum_grace}")
         need(fl.max_restarts >= 0 and fl.chaos >= 0, "--max-restarts and --chaos must be >= 0")
         need(fl.chaos == 0 or fl.max_restarts >= 1, "--chaos needs --max-restarts >= 1 (killed groups are restarted)")
+        need(bool(fl.kinds()) and set(fl.kinds()) <= set(CHAOS_KINDS),
+             f"--chaos-kinds must be some of {', '.join(CHAOS_KINDS)}, comma-separated, got {fl.chaos_kinds!r}")
         need(m.n_layer >= 1, f"--n-layer must be >= 1, got {m.n_layer}")
         need(m.n_head >= 1 and m.n_embd % max(m.n_head, 1) == 0,
              f"--n-embd ({m.n_embd}) must be a positive multiple of --n-head ({m.n_head})")

@@ -13,6 +13,10 @@ must not wait for it longer than the heartbeat timeout. A stall longer than that
 the group declared failed; it learns so as it wakes, exits "restart me", and the caller restarts
 it, as after a kill.
 
+Faults of kind ``corrupt`` flip one bit of what a group receives next (the caller does it, with a
+relay in front of the group's data plane, ``diloco.runtime.link_relays``): the group stays up; the
+frame fails its check, that exchange rolls back and runs again.
+
 Rules: a group is killed only while it is up and a healthy live member of the job (not healing,
 not killed earlier and not yet healed back), only if at least one other such group would remain
 (someone must hold the state to heal from), and only before ``stop_fraction`` of the job's steps;
@@ -25,18 +29,22 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from diloco.job.config import CHAOS_KINDS
 
-KINDS = ("kill", "stall")
+
+KINDS = CHAOS_KINDS
 
 
 @dataclass
 class ChaosPlan:
-    """What the drill wants done now: groups to kill, to start again, to freeze, to wake."""
+    """What the drill wants done now: groups to kill, to start again, to freeze, to wake, and
+    groups whose next received bytes get a bit flipped."""
 
     kill: list[int] = field(default_factory=list)
     restart: list[int] = field(default_factory=list)
     stall: list[int] = field(default_factory=list)
     resume: list[int] = field(default_factory=list)
+    corrupt: list[int] = field(default_factory=list)
 
 
 class ChaosMonkey:
@@ -93,14 +101,17 @@ class ChaosMonkey:
         victim = self.rng.choice(healthy)
         # one kind draws nothing: a kill-only drill's choices stay those of its seed
         kind = self.kinds[0] if len(self.kinds) == 1 else self.rng.choice(self.kinds)
-        if kind == "stall":
+        if kind == "corrupt":  # the group stays up and a live member
+            plan.corrupt.append(victim)
+        elif kind == "stall":
             plan.stall.append(victim)
             self._stalled.add(victim)
             self._down[victim] = now + self.rng.uniform(*self.stall_s)
+            self._recovering[victim] = "drop"
         else:
             plan.kill.append(victim)
             self._down[victim] = now + self.rng.uniform(*self.pause_s)
-        self._recovering[victim] = "drop"
+            self._recovering[victim] = "drop"
         self.kills_left -= 1
         self.kills_done += 1
         self._next_kill_at = now + self.rng.uniform(*self.gap_s)

@@ -31,6 +31,7 @@ from diloco.runtime.chaos import ChaosMonkey
 from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV, coordinator_tls
 from diloco.runtime.device_placement import DEVICE_MAP_ENV, DevicePlan, place_ranks
 from diloco.runtime.job_checkpoint import ResumePoint
+from diloco.runtime.link_relays import CorruptingRelays
 from diloco.runtime.processes import RUN_ID_ENV, end_trees
 from diloco.runtime.summary import fault_summary, human_bytes, summarize
 from diloco.runtime.supervise import GroupFailed, Supervisor
@@ -101,7 +102,8 @@ class Placement:
 
 
 def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env: dict, run_dir: Path,
-                 placement: Placement, resume: Path | None = None, attempt: int = 0) -> GroupProcess:
+                 placement: Placement, resume: Path | None = None, attempt: int = 0,
+                 extra_args: list[str] | None = None) -> GroupProcess:
     log_path = run_dir / (f"group-{group}.log" if attempt == 0 else f"group-{group}.restart-{attempt}.log")
     host = placement.host(group)
     cmd = [
@@ -114,6 +116,7 @@ def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env:
         *(["--resume", str(resume)] if resume is not None else []),
         *(["--metrics-port", str(cfg.train.metrics_port + sum(cfg.topology.sizes()[:group]))]
           if cfg.train.metrics_port else []),
+        *(extra_args or []),
     ]
     log = open(log_path, "wb")
     env = {**env, PARENT_ENV: str(os.getpid())}  # the group's agent dies with this process
@@ -163,7 +166,8 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     Groups that fail for a fault are started again (``--max-restarts``) and heal. Job checkpoints
     go to ``--checkpoint-dir``, by default ``RUN_DIR/checkpoints``. Each rank gets its device from
     ``place_devices`` (``fit_ranks``: fewer ranks per group where the host has fewer GPUs, rather
-    than an error).
+    than an error). A drill with ``corrupt`` faults puts a relay in front of every group
+    (``link_relays``; groups on this host's loopback only).
 
     In the main thread, the first SIGINT or SIGTERM asks every group to checkpoint at its next
     exchange and stop (the summary then says how to resume), within ``stop_timeout_s`` (None: 3
@@ -198,12 +202,16 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     )
     if chaos is None and cfg.fault.chaos:
         hb = cfg.fault.heartbeat_timeout
-        chaos = ChaosMonkey(cfg.fault.chaos, seed=cfg.train.seed, gap_s=(hb, 3 * hb), pause_s=(0.5, hb))
+        chaos = ChaosMonkey(cfg.fault.chaos, seed=cfg.train.seed, gap_s=(hb, 3 * hb), pause_s=(0.5, hb),
+                            kinds=cfg.fault.kinds(), stall_s=(2 * hb, 3 * hb))
+    relays = _relays(cfg, chaos, placement)
     address = server.start()
     try:
         http = _serve_coordinator_http(cfg, server, placement)
     except BaseException:
         server.stop()
+        if relays is not None:
+            relays.close()
         raise
     bar = _Progress(cfg.train.steps, progress, start=resume.step if resume is not None else 0)
     started = time.perf_counter()
@@ -218,9 +226,11 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         own.pop(DEVICE_MAP_ENV, None)
         if devices.device_map(g) is not None:
             own[DEVICE_MAP_ENV] = devices.device_map(g)
-        return _spawn_group(cfg_path, cfg, g, address, own, out_dir, placement, resume=point, attempt=attempt)
+        return _spawn_group(cfg_path, cfg, g, address, own, out_dir, placement, resume=point, attempt=attempt,
+                            extra_args=relays.args(g) if relays is not None else None)
 
-    supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos)
+    supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos,
+                            corrupt_link=relays.corrupt if relays is not None else None)
     stop = _Stop(server, lambda: stop_timeout_s if stop_timeout_s is not None else _auto_stop_timeout(
         server.snapshot(), time.perf_counter() - started))
     stop.install()
@@ -255,6 +265,8 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         server.stop()
         if http is not None:
             http.close()
+        if relays is not None:
+            relays.close()
         stop.restore()
         if left:
             logging.getLogger("diloco.run").error("processes %s of this run did not end after SIGKILL", left)
@@ -266,6 +278,19 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     summary["placement"] = devices.describe()
     summary["summaries"] = summaries
     return summary
+
+
+def _relays(cfg: Config, chaos: ChaosMonkey | None, placement: Placement) -> CorruptingRelays | None:
+    """The relays of a drill with ``corrupt`` faults (None without); LaunchError where they cannot go."""
+    if chaos is None or "corrupt" not in chaos.kinds:
+        return None
+    if set(cfg.topology.sizes()) != {1} or cfg.transport.data_port or cfg.transport.advertise_address:
+        raise LaunchError("corrupt faults put a relay in front of each group's data plane: they need groups of one "
+                          "rank and no --data-port or --advertise-address", exit_codes.CONFIGURATION)
+    if any(placement.prefix(g) or placement.host(g) for g in range(cfg.topology.groups)):
+        raise LaunchError("corrupt faults need every group on this host's loopback (the relays listen there)",
+                          exit_codes.CONFIGURATION)
+    return CorruptingRelays(cfg.topology.groups, host=cfg.transport.host, seed=cfg.train.seed)
 
 
 def job_lost_message(lost: str, cfg: Config) -> str:

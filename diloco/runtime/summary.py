@@ -53,7 +53,8 @@ def fault_summary(snapshot: dict, supervisor: Supervisor) -> dict:
     rs = snapshot["rounds_state"]
     stalls = [e["seconds"] for e in rs["events"] if e["kind"] == "stall"]
     return {
-        "kills": len(supervisor.kills), "frozen": len(supervisor.frozen), "restarts": sum(supervisor.restarts.values()),
+        "kills": len(supervisor.kills), "frozen": len(supervisor.frozen), "corrupted": len(supervisor.corrupted),
+        "restarts": sum(supervisor.restarts.values()),
         "failures": rs["failures"], "heals": rs["heals"], "rolled_back": rs["rolled_back"],
         "committed": rs["committed"], "rejected": rs["rejected"], "evicted": rs["evicted"],
         "stall_seconds": stalls, "events": rs["events"], "process_failures": supervisor.failures,
@@ -145,6 +146,7 @@ def format_summary(s: dict) -> str:
         stall = (f"; exchanges a failure disturbed took median {statistics.median(stalls):.2f} s, "
                  f"max {max(stalls):.2f} s") if stalls else ""
         frozen = f", {f['frozen']} frozen by the drill" if f.get("frozen") else ""
+        frozen += f", {f['corrupted']} links corrupted by the drill" if f.get("corrupted") else ""
         lines.insert(-2, f"  faults                   : {f['kills']} killed by --chaos{frozen}, "
                          f"{f['failures']} group failures, {f['restarts']} restarts, {f['heals']} heals, "
                          f"{f['rolled_back']} rounds rolled back, {f['rejected']} contributions refused{stall}")

@@ -45,12 +45,15 @@ class Supervisor:
     groups: int
     max_restarts: int
     chaos: ChaosMonkey | None = None
+    #: flips a bit of what a group receives next (the drill's ``corrupt`` faults; see link_relays)
+    corrupt_link: Callable[[int], None] | None = None
     procs: dict[int, GroupProcess] = field(default_factory=dict)
     restarts: dict[int, int] = field(default_factory=dict)  # failures restarted, per group
     attempts: dict[int, int] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)
     kills: list[dict[str, Any]] = field(default_factory=list)
     frozen: list[dict[str, Any]] = field(default_factory=list)  # the drill's stalls: group, at_s
+    corrupted: list[dict[str, Any]] = field(default_factory=list)  # the drill's bit flips: group, at_s
     finished: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
 
@@ -105,6 +108,11 @@ class Supervisor:
                 self.frozen.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
             for g in plan.resume:
                 freeze_tree(self.procs[g].proc, False)
+            for g in plan.corrupt:
+                if self.corrupt_link is None:
+                    raise ValueError("the drill asked for a corrupting link, but no relays are in front of the groups")
+                self.corrupt_link(g)
+                self.corrupted.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
         return len(self.finished) == self.groups and not down
 
     def all_procs(self) -> list[GroupProcess]:

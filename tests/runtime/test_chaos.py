@@ -85,6 +85,21 @@ def test_a_drill_of_stalls_and_kills_freezes_groups_for_stall_s_and_wakes_them()
     assert len(stalls) + len(kills) == 8 and stalls and kills and not frozen
 
 
+def test_a_corrupt_fault_leaves_its_group_up_and_healthy():
+    """A bit flipped on a group's link takes nothing down: no restart or wake is planned, and the
+    same group may be hit again at the next fault."""
+    monkey = ChaosMonkey(6, seed=4, gap_s=(1.0, 1.0), kinds=("corrupt",))
+    hits, t = [], 0.0
+    while t < 10:
+        plan = monkey.tick(t, live={0, 1}, running={0, 1}, progress=0.0)
+        assert not (plan.kill or plan.stall or plan.restart or plan.resume)
+        hits += [(round(t, 2), g) for g in plan.corrupt]
+        t += 0.05
+    assert len(hits) == 6 and monkey.kills_left == 0 and not monkey.down
+    assert [b[0] - a[0] for a, b in zip(hits, hits[1:])] == pytest.approx([1.0] * 5, abs=0.06)
+    assert {g for _, g in hits} == {0, 1}  # either group, the drill never waits for one to heal
+
+
 def test_a_drill_refuses_unknown_kinds():
     with pytest.raises(ValueError, match="kinds"):
         ChaosMonkey(1, kinds=("kill", "flood"))

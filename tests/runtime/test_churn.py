@@ -26,3 +26,33 @@ def test_three_kills_no_divergence_no_hang_no_leak_and_the_loss_goes_down():
     r = churn.run(a)
     assert churn.check(r, a) == [], r
     assert r["kills"] == 3 and r["heals"] >= 1 and r["committed_rounds"] >= 100
+
+
+def test_corrupted_links_roll_exchanges_back_and_the_job_ends_identical(tmp_path):
+    """``diloco run --chaos N --chaos-kinds corrupt``: each fault flips a bit of what one group
+    receives (a relay in front of its data plane); the frame fails its checksum, the exchange rolls
+    back and runs again; nothing restarts, nothing is counted twice, the groups end identical."""
+    import json
+
+    from diloco import cli
+
+    out = tmp_path / "summary.json"
+    code = cli.main(["run", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
+                     "--eval-batches", "2", "--groups", "3", "--ranks-per-group", "1", "--steps", "600", "--h", "10",
+                     "--chaos", "2", "--chaos-kinds", "corrupt", "--heartbeat-timeout", "1", "--timeout", "5",
+                     "--probe-bytes", "0", "--no-progress", "--json", str(out), "--run-dir", str(tmp_path / "run")])
+    assert code == 0
+    s = json.loads(out.read_text())
+    f = s["fault"]
+    assert f["corrupted"] == 2 and f["kills"] == f["restarts"] == f["failures"] == 0, f
+    bad = [e["reason"] for e in f["events"] if e["kind"] == "rolled_back"]
+    assert bad and all("frame corrupted" in r or "checksum" in r or "authentic" in r for r in bad), bad
+    assert s["params_identical"]
+    assert all(d["twice"] == 0 and d["left_out"] == 0 for d in s["data_per_group"].values())
+
+
+def test_corrupt_faults_need_groups_of_one_rank():
+    from diloco import cli
+
+    assert cli.main(["run", "--groups", "2", "--ranks-per-group", "2", "--chaos", "1", "--chaos-kinds", "corrupt",
+                     "--steps", "10", "--no-progress"]) == 2

@@ -113,14 +113,24 @@ def _fake_left_peer(target: TcpTransport, claimed: str) -> socket.socket:
     return s
 
 
+def _flipped(data: bytes, at: int) -> bytes:
+    """``data`` with one bit of byte ``at`` flipped: a payload length one byte longer, or another
+    tag, makes a receiver without the envelope's crc wait until its deadline for what never comes."""
+    out = bytearray(data)
+    out[at] ^= 0x01
+    return bytes(out)
+
+
 def _bad_streams(n: int) -> dict[str, bytes]:
     tag = b"victim"
     good_head = pack_header(MsgType.RS, tag, 0, 0, n, 100)
     return {
         "truncated": good_head + b"\x00" * 10,
         "bad-magic": b"XXXX" + good_head[4:],
-        "huge-length": HEADER.pack(MAGIC, VERSION, MsgType.RS, len(tag), 0, 0, n, 1 << 62) + tag,
-        "bad-type": HEADER.pack(MAGIC, VERSION, 99, len(tag), 0, 0, n, 0) + tag,
+        "huge-length": HEADER.pack(MAGIC, VERSION, MsgType.RS, len(tag), 0, 0, n, 1 << 62, 0) + tag,
+        "bad-type": HEADER.pack(MAGIC, VERSION, 99, len(tag), 0, 0, n, 0, 0) + tag,
+        "flipped-length": _flipped(pack_header(MsgType.RS, tag, 0, 0, n, 100), 31) + bytes(100),
+        "flipped-tag": _flipped(pack_header(MsgType.RS, tag, 0, 0, n, 100), HEADER.size + 2) + bytes(100),
         "bad-frame": good_head + os.urandom(100),
         "wrong-index": pack_header(MsgType.RS, tag, 7, 0, n, 4) + b"\x00" * 4,
     }
@@ -155,8 +165,8 @@ def test_garbage_to_listening_port_is_rejected_and_listener_keeps_serving() -> N
         payloads = [
             os.urandom(4096),
             b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-            HEADER.pack(MAGIC, VERSION, MsgType.HELLO, 0, 0, 0, 0, 1 << 40),
-            HEADER.pack(MAGIC, VERSION, MsgType.RS, 1, 0, 0, 0, 8) + b"t" + b"\x00" * 8,  # data before auth
+            HEADER.pack(MAGIC, VERSION, MsgType.HELLO, 0, 0, 0, 0, 1 << 40, 0),
+            HEADER.pack(MAGIC, VERSION, MsgType.RS, 1, 0, 0, 0, 8, 0) + b"t" + b"\x00" * 8,  # data before auth
         ]
         for p in payloads:
             s = socket.create_connection((host, int(port)), timeout=5)
