@@ -281,8 +281,9 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
 
 
 def _relays(cfg: Config, chaos: ChaosMonkey | None, placement: Placement) -> CorruptingRelays | None:
-    """The relays of a drill with ``corrupt`` faults (None without); LaunchError where they cannot go."""
-    if chaos is None or "corrupt" not in chaos.kinds:
+    """The relays of a drill with ``corrupt`` faults (None without; a drill of the caller's own, any
+    object with ``tick``, has them if its ``kinds`` say so); LaunchError where they cannot go."""
+    if chaos is None or "corrupt" not in getattr(chaos, "kinds", ()):
         return None
     if set(cfg.topology.sizes()) != {1} or cfg.transport.data_port or cfg.transport.advertise_address:
         raise LaunchError("corrupt faults put a relay in front of each group's data plane: they need groups of one "
