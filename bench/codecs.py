@@ -209,9 +209,12 @@ def _chunks(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     return [x[i:i + chunk] for i in range(0, x.numel(), chunk)]
 
 
-def _timed(fn) -> float:
+def timed(fn, device: torch.device | None = None) -> float:
+    """Seconds of ``fn()``, until the work it queued on a CUDA ``device`` is done."""
     t = time.perf_counter()
     fn()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t
 
 
@@ -236,15 +239,17 @@ def ef_error(parts: list[torch.Tensor], codec_of, rounds: int) -> float:
 
 
 def speed(codec, x: torch.Tensor, chunk: int, repeats: int) -> dict:
-    """Best-of-``repeats`` encode / decode GB/s over all chunks, interleaved with clone()."""
+    """Best-of-``repeats`` encode / decode GB/s over all chunks, interleaved with clone(). On a GPU
+    tensor, decode writes the values back to its device and every timing waits for the device."""
     parts = _chunks(x, chunk)
     frames = [codec.encode(p) for p in parts]
     nbytes = x.numel() * 4
+    dev = x.device if x.device.type != "cpu" else None
     t_clone = t_enc = t_dec = float("inf")
     for _ in range(repeats):  # interleaved so that machine noise hits all three alike
-        t_clone = min(t_clone, _timed(lambda: [p.clone() for p in parts]))
-        t_enc = min(t_enc, _timed(lambda: [codec.encode(p) for p in parts]))
-        t_dec = min(t_dec, _timed(lambda: [codec.decode(f) for f in frames]))
+        t_clone = min(t_clone, timed(lambda: [p.clone() for p in parts], dev))
+        t_enc = min(t_enc, timed(lambda: [codec.encode(p) for p in parts], dev))
+        t_dec = min(t_dec, timed(lambda: [codec.decode(f, device=dev) for f in frames], dev))
     return {"clone_GBps": nbytes / t_clone / 1e9, "encode_GBps": nbytes / t_enc / 1e9,
             "decode_GBps": nbytes / t_dec / 1e9, "encode_vs_clone": t_clone / t_enc,
             "decode_vs_clone": t_clone / t_dec}

@@ -22,44 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import compress  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def best_seconds(fn, device: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn`` (after one warm-up call), in seconds."""
-    fn()
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+from bench.codecs import speed, timed  # noqa: E402
 
 
 def measure(name: str, x: torch.Tensor, chunk: int, repeats: int) -> dict:
     """Encode / decode GB/s of one codec over ``x`` cut in ``chunk``-value frames."""
     codec = compress.get_codec(name)
-    chunks = list(torch.split(x, chunk))
-    frames: list[bytes] = []
-
-    def encode() -> None:
-        frames[:] = [codec.encode(c) for c in chunks]
-
-    def decode() -> None:
-        for f in frames:
-            codec.decode(f, device=x.device)
-
-    enc = best_seconds(encode, x.device, repeats)
-    dec = best_seconds(decode, x.device, repeats)
-    gb = x.numel() * 4 / 1e9
-    wire = sum(len(f) for f in frames)
-    return {"codec": name, "encode_gb_s": gb / enc, "decode_gb_s": gb / dec, "bits_per_value": 8 * wire / x.numel()}
+    r = speed(codec, x, chunk, repeats)
+    wire = sum(len(codec.encode(c)) for c in torch.split(x, chunk))
+    return {"codec": name, "encode_gb_s": r["encode_GBps"], "decode_gb_s": r["decode_GBps"],
+            "bits_per_value": 8 * wire / x.numel()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device here: --device cpu for a smoke test", file=sys.stderr)
         return 2
     x = torch.randn(a.values, generator=torch.Generator().manual_seed(0)).to(device)
-    copy = best_seconds(lambda: x.to("cpu"), device, a.repeats)
+    copy = min(timed(lambda: x.to("cpu"), device) for _ in range(a.repeats + 1))
     records = [{"codec": "copy-to-host", "encode_gb_s": x.numel() * 4 / 1e9 / copy, "decode_gb_s": None,
                 "bits_per_value": 32.0}]
     for name in a.codecs.split(","):
