@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--quorum-grace", type=float, default=1.0, help="--quorum-grace of the fault case's jobs (the "
                    "paced groups ask for an exchange together; 0: off, survivors wait out the heartbeat timeout)")
     f.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    f.add_argument("--spares", type=int, default=0, help="warm spares of every job (diloco run --spares): a restarted "
+                   "group becomes one at once instead of starting python and torch")
     f.add_argument("--collective-timeout", type=float, default=10.0)
     f.add_argument("--together", action=argparse.BooleanOptionalAction, default=True,
                    help="run each faulty job and its fault-free twin at the same time (--no-together: one after "

@@ -162,6 +162,7 @@ def fault_config(args, *, trace: Path, steps: int | None = None, unpaced: bool =
     cfg.transport.timeout_s, cfg.transport.probe_bytes = args.collective_timeout, 0
     cfg.fault.heartbeat_timeout, cfg.fault.quorum_grace = args.heartbeat_timeout, 0.0 if unpaced else args.quorum_grace
     cfg.fault.max_restarts = 100  # chaos kills do not count; a group left out while alive does
+    cfg.fault.spares = getattr(args, "spares", 0)  # the twin keeps them too, idle
     cfg.train.entry = ENTRY
     cfg.train.entry_args = f"slow_group=-1,factor=1,trace={trace},pace={0 if unpaced else args.pace_ms / 1000}"
     return cfg.validate()
@@ -190,6 +191,7 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
         "corrupted": f.get("corrupted", 0),
         "failures": f["failures"],
         "restarts": f["restarts"], "heals": f["heals"], "rolled_back": f["rolled_back"],
+        "spares": cfg.fault.spares, "spares_used": f.get("spares_used", 0),
         "committed_rounds": f["committed"], "stalls": len(stalls), "stall_s_sum": sum(stalls),
         "stall_s_median": statistics.median(stalls) if stalls else 0.0, "stall_s_max": max(stalls, default=0.0),
         "downtime_s_per_kill": down, "downtime_s_median": statistics.median(down) if down else None,

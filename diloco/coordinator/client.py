@@ -156,7 +156,8 @@ class CoordinatorClient:
                            JoinResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s,
                            waits_for=f"every group to join at the coordinator {self.address} (group {group} rank {rank})")
         assert isinstance(reply, JoinResponse)
-        return Membership(epoch=reply.epoch, members=reply.members, ring=reply.ring_order, heal=reply.heal)
+        return Membership(epoch=reply.epoch, members=reply.members, ring=reply.ring_order, heal=reply.heal,
+                          setting=reply.setting)
 
     def heartbeat(self, group: int, rank: int, step: int, incarnation: str = "", quorum: str = "") -> str:
         """Tell the coordinator this rank is alive at inner ``step`` (running the rings of

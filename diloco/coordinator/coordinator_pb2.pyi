@@ -78,7 +78,7 @@ class RankAddresses(_message.Message):
     def __init__(self, addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("epoch", "members", "ring_order", "heal")
+    __slots__ = ("epoch", "members", "ring_order", "heal", "setting")
     class MembersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,11 +90,13 @@ class JoinResponse(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RING_ORDER_FIELD_NUMBER: _ClassVar[int]
     HEAL_FIELD_NUMBER: _ClassVar[int]
+    SETTING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.MessageMap[int, RankAddresses]
     ring_order: _containers.RepeatedScalarFieldContainer[int]
     heal: bool
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., ring_order: _Optional[_Iterable[int]] = ..., heal: _Optional[bool] = ...) -> None: ...
+    setting: str
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., ring_order: _Optional[_Iterable[int]] = ..., heal: _Optional[bool] = ..., setting: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("group", "rank", "step", "incarnation", "quorum")
@@ -211,7 +213,7 @@ class PlanResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., table: _Optional[_Mapping[int, GroupRates]] = ...) -> None: ...
 
 class QuorumRequest(_message.Message):
-    __slots__ = ("group", "rank", "incarnation", "exchange", "tag", "numel", "weight", "state_hash", "delta_norm", "retry", "healable")
+    __slots__ = ("group", "rank", "incarnation", "exchange", "tag", "numel", "weight", "state_hash", "delta_norm", "retry", "healable", "setting")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +225,7 @@ class QuorumRequest(_message.Message):
     DELTA_NORM_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
     HEALABLE_FIELD_NUMBER: _ClassVar[int]
+    SETTING_FIELD_NUMBER: _ClassVar[int]
     group: int
     rank: int
     incarnation: str
@@ -234,10 +237,11 @@ class QuorumRequest(_message.Message):
     delta_norm: float
     retry: bool
     healable: bool
-    def __init__(self, group: _Optional[int] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., exchange: _Optional[int] = ..., tag: _Optional[str] = ..., numel: _Optional[int] = ..., weight: _Optional[float] = ..., state_hash: _Optional[str] = ..., delta_norm: _Optional[float] = ..., retry: _Optional[bool] = ..., healable: _Optional[bool] = ...) -> None: ...
+    setting: str
+    def __init__(self, group: _Optional[int] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., exchange: _Optional[int] = ..., tag: _Optional[str] = ..., numel: _Optional[int] = ..., weight: _Optional[float] = ..., state_hash: _Optional[str] = ..., delta_norm: _Optional[float] = ..., retry: _Optional[bool] = ..., healable: _Optional[bool] = ..., setting: _Optional[str] = ...) -> None: ...
 
 class QuorumResponse(_message.Message):
-    __slots__ = ("id", "exchange", "attempt", "tag", "numel", "members", "weights", "healers", "donor", "rejected", "state_hash", "evicted", "stop", "finished")
+    __slots__ = ("id", "exchange", "attempt", "tag", "numel", "members", "weights", "healers", "donor", "rejected", "state_hash", "evicted", "stop", "finished", "setting")
     class MembersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +277,7 @@ class QuorumResponse(_message.Message):
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SETTING_FIELD_NUMBER: _ClassVar[int]
     id: str
     exchange: int
     attempt: int
@@ -287,7 +292,8 @@ class QuorumResponse(_message.Message):
     evicted: str
     stop: bool
     finished: bool
-    def __init__(self, id: _Optional[str] = ..., exchange: _Optional[int] = ..., attempt: _Optional[int] = ..., tag: _Optional[str] = ..., numel: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., weights: _Optional[_Mapping[int, float]] = ..., healers: _Optional[_Iterable[int]] = ..., donor: _Optional[int] = ..., rejected: _Optional[_Mapping[int, str]] = ..., state_hash: _Optional[str] = ..., evicted: _Optional[str] = ..., stop: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
+    setting: str
+    def __init__(self, id: _Optional[str] = ..., exchange: _Optional[int] = ..., attempt: _Optional[int] = ..., tag: _Optional[str] = ..., numel: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., weights: _Optional[_Mapping[int, float]] = ..., healers: _Optional[_Iterable[int]] = ..., donor: _Optional[int] = ..., rejected: _Optional[_Mapping[int, str]] = ..., state_hash: _Optional[str] = ..., evicted: _Optional[str] = ..., stop: _Optional[bool] = ..., finished: _Optional[bool] = ..., setting: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("group", "rank", "incarnation", "quorum_id", "exchange", "groups", "ok", "reason")

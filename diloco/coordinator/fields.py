@@ -198,6 +198,11 @@ def _rates(value: Any, what: str) -> dict[int, float]:
     return out
 
 
+def _setting(value: Any) -> str:
+    """An auto setting's name (a row of the study's table), or "" (none)."""
+    return _opt_str(value, "setting", MAX_TAG_CHARS, _HASH_RE)
+
+
 def _reason(value: Any, what: str) -> str:
     if not isinstance(value, str) or len(value) > MAX_REASON_CHARS:
         raise MessageError(f"{what}: expected a string of at most {MAX_REASON_CHARS} characters")

@@ -74,6 +74,9 @@ class Liveness:
         self._incarnations: dict[int, str] = {}
         self._group_failed: dict[int, str] = {}  # group -> why (until it starts again)
         self._healing: set[int] = set()  # joined while the job ran; a member once a quorum commits
+        #: --codec/--h auto: the setting the members of the latest quorum asked with (a healer builds
+        #: its engine with it before it asks to heal); "" before one, or without auto
+        self.latest_setting = ""
         self._counts = {"committed": 0, "committed_training": 0, "rolled_back": 0, "heals": 0, "failures": 0, "rejected": 0,
                         "evicted": 0}
         self._events: OrderedDict[int, dict[str, Any]] = OrderedDict()
@@ -184,7 +187,7 @@ class Liveness:
                    for h in sorted(self._members) if self._complete(h) and h not in self._group_failed
                    and (h == g or h not in self._summaries)}
         return Membership(epoch=self._epoch, members=members, ring=tuple(sorted(members)),
-                          heal=g in self._healing)
+                          heal=g in self._healing, setting=self.latest_setting)
 
     def _complete(self, g: int) -> bool:
         return g in self._sizes and len(self._members.get(g, {})) == self._sizes[g]

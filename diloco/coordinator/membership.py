@@ -19,6 +19,7 @@ class Membership:
     members: Mapping[int, tuple[str, ...]]
     ring: tuple[int, ...]
     heal: bool = False  # joined while the job ran: fetch the job's state before taking part
+    setting: str = ""  # --codec/--h auto: the setting of the job's latest quorum ("" none yet, or no auto)
 
     @property
     def groups(self) -> list[int]:

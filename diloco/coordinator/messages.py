@@ -28,7 +28,7 @@ from google.protobuf import message as pb_message
 from . import coordinator_pb2 as pb
 from .fields import (_HASH_RE, _HEX64_RE, MAX_GROUP_SIZE, MAX_GROUPS, MAX_HASH_CHARS, MAX_INT64, MAX_NUMEL,
                      MAX_TAG_CHARS, MessageError, _bool, _by_group, _check_fields, _flat_dict, _float, _groups,
-                     _incarnation, _int, _json_tree, _members, _opt_str, _rates, _reason, _str, _type_name,
+                     _incarnation, _int, _json_tree, _members, _opt_str, _rates, _reason, _setting, _str, _type_name,
                      check_address)
 from .pbconvert import _fill, _parse, _pb_to_obj
 
@@ -131,10 +131,11 @@ class JoinResponse(Message):
     members: dict[int, tuple[str, ...]]
     ring_order: tuple[int, ...]
     heal: bool = False  # the job is under way: this group fetches its state before it takes part
+    setting: str = ""  # --codec/--h auto: the setting (a row of the study's table) of the latest quorum
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> JoinResponse:
-        _check_fields(obj, "JoinResponse", ("epoch", "members", "ring_order"), ("heal",))
+        _check_fields(obj, "JoinResponse", ("epoch", "members", "ring_order"), ("heal", "setting"))
         members = _members(obj["members"], "members")
         ring = obj["ring_order"]
         if not isinstance(ring, list) or any(type(g) is not int for g in ring):
@@ -142,12 +143,13 @@ class JoinResponse(Message):
         if sorted(ring) != sorted(members):
             raise MessageError(f"ring_order {ring} is not a permutation of {sorted(members)}")
         return cls(epoch=_int(obj["epoch"], "epoch", 1, MAX_INT64), members=members,
-                   ring_order=tuple(ring), heal=_bool(obj.get("heal", False), "heal"))
+                   ring_order=tuple(ring), heal=_bool(obj.get("heal", False), "heal"),
+                   setting=_setting(obj.get("setting", "")))
 
     def to_obj(self) -> dict[str, Any]:
         return {"epoch": self.epoch,
                 "members": {str(g): list(a) for g, a in sorted(self.members.items())},
-                "ring_order": list(self.ring_order), "heal": self.heal}
+                "ring_order": list(self.ring_order), "heal": self.heal, "setting": self.setting}
 
 
 @dataclass(frozen=True)
@@ -381,7 +383,9 @@ class QuorumRequest(Message):
     comparison) and ``delta_norm`` (its contribution's L2 norm; NaN/Inf allowed: a non-finite
     contribution, which is rejected) are compared and screened; ``weight`` is what the group
     contributed since its last exchange (tokens). ``retry``: a repeat of a rolled-back exchange.
-    ``healable``: healers may join it (a fragment sync, not a control exchange).
+    ``healable``: healers may join it (a fragment sync, not a control exchange). ``setting``: with
+    ``--codec auto`` / ``--h auto``, the setting (a row of the study's table) whose codec the
+    exchange runs ("" without auto), handed to healers in the quorum's response.
     """
 
     PB: ClassVar[type[pb_message.Message]] = pb.QuorumRequest
@@ -397,13 +401,14 @@ class QuorumRequest(Message):
     delta_norm: float = 0.0
     retry: bool = False
     healable: bool = True  # healers may join this exchange (not a control exchange)
+    setting: str = ""
 
     FIELDS: ClassVar[tuple[str, ...]] = ("group", "rank", "incarnation", "exchange", "tag", "numel",
-                                         "weight", "state_hash", "delta_norm", "retry", "healable")
+                                         "weight", "state_hash", "delta_norm", "retry", "healable", "setting")
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> QuorumRequest:
-        _check_fields(obj, "QuorumRequest", cls.FIELDS)
+        _check_fields(obj, "QuorumRequest", cls.FIELDS[:-1], ("setting",))
         return cls(group=_int(obj["group"], "group", 0, MAX_GROUPS - 1),
                    rank=_int(obj["rank"], "rank", 0, MAX_GROUP_SIZE - 1),
                    incarnation=_incarnation(obj["incarnation"]),
@@ -413,7 +418,8 @@ class QuorumRequest(Message):
                    weight=_float(obj["weight"], "weight", lo=0.0),
                    state_hash=_opt_str(obj["state_hash"], "state_hash", MAX_HASH_CHARS, _HASH_RE),
                    delta_norm=_float(obj["delta_norm"], "delta_norm", finite=False),
-                   retry=_bool(obj["retry"], "retry"), healable=_bool(obj["healable"], "healable"))
+                   retry=_bool(obj["retry"], "retry"), healable=_bool(obj["healable"], "healable"),
+                   setting=_setting(obj.get("setting", "")))
 
     def to_obj(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.FIELDS}
@@ -424,7 +430,8 @@ class QuorumResponse(Message):
     """The quorum of one attempt at one exchange (see ``diloco.coordinator.rounds.Quorum``), with
     the members' data-plane addresses. ``evicted``: why the caller's group must stop and heal ("" if
     not). ``stop``: the job asked every group to checkpoint and stop after this exchange.
-    ``finished``: nothing to heal into, the job's groups have finished."""
+    ``finished``: nothing to heal into, the job's groups have finished. ``setting``: the auto
+    setting the members asked with ("" without auto)."""
 
     PB: ClassVar[type[pb_message.Message]] = pb.QuorumResponse
     LIMIT: ClassVar[int] = MAX_SUMMARY_BYTES
@@ -443,14 +450,15 @@ class QuorumResponse(Message):
     evicted: str = ""
     stop: bool = False
     finished: bool = False
+    setting: str = ""
 
     FIELDS: ClassVar[tuple[str, ...]] = ("id", "exchange", "attempt", "tag", "numel", "members", "weights",
                                          "healers", "donor", "rejected", "state_hash", "evicted", "stop",
-                                         "finished")
+                                         "finished", "setting")
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> QuorumResponse:
-        _check_fields(obj, "QuorumResponse", cls.FIELDS)
+        _check_fields(obj, "QuorumResponse", cls.FIELDS[:-1], ("setting",))
         finished = _bool(obj["finished"], "finished")
         members = {} if finished and obj["members"] == {} else _members(obj["members"], "members")
         weights = _by_group(obj["weights"], "weights", lambda v, w: _float(v, w, lo=0.0))
@@ -468,7 +476,7 @@ class QuorumResponse(Message):
                    healers=healers, donor=donor, rejected=_by_group(obj["rejected"], "rejected", _reason),
                    state_hash=_opt_str(obj["state_hash"], "state_hash", MAX_HASH_CHARS, _HASH_RE),
                    evicted=_reason(obj["evicted"], "evicted"), stop=_bool(obj["stop"], "stop"),
-                   finished=finished)
+                   finished=finished, setting=_setting(obj.get("setting", "")))
 
     def to_obj(self) -> dict[str, Any]:
         return {"id": self.id, "exchange": self.exchange, "attempt": self.attempt, "tag": self.tag,
@@ -476,7 +484,7 @@ class QuorumResponse(Message):
                 "weights": {str(g): w for g, w in sorted(self.weights.items())}, "healers": list(self.healers),
                 "donor": self.donor, "rejected": {str(g): r for g, r in sorted(self.rejected.items())},
                 "state_hash": self.state_hash, "evicted": self.evicted, "stop": self.stop,
-                "finished": self.finished}
+                "finished": self.finished, "setting": self.setting}
 
 
 @dataclass(frozen=True)

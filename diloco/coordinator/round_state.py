@@ -220,7 +220,11 @@ class RoundState(Liveness):
                 self._event("left_out", exchange=exchange, groups=list(q.left_out), quorum=q.id,
                             waited_s=round(self._clock() - start, 4) if start is not None else None)
             members = {g: tuple(self._members[g][r] for r in range(self._sizes[g])) for g in q.groups}
-            meta = {"members": members, "sizes": {g: self._sizes[g] for g in q.groups},
+            # every member asks with the same setting (they decide alike); the lowest member's counts
+            setting = next((self._asks[exchange][g][0].setting for g in sorted(asks) if g in q.groups), "")
+            if setting:
+                self.latest_setting = setting
+            meta = {"setting": setting, "members": members, "sizes": {g: self._sizes[g] for g in q.groups},
                     "incarnations": {g: self._incarnations[g] for g in q.groups},
                     "norms": {g: asks[g].delta_norm for g in q.groups if g in asks}, "orphan": False,
                     "decided_at": self._clock(), "stop": self._stop_reason is not None,
@@ -275,7 +279,7 @@ class RoundState(Liveness):
         return QuorumResponse(id=q.id, exchange=q.exchange, attempt=q.attempt, tag=q.tag, numel=q.numel,
                               members=dict(meta["members"]), weights=dict(q.weights), healers=q.healers,
                               donor=q.donor, rejected=dict(q.rejected), state_hash=q.state_hash,
-                              stop=meta.get("stop", False))
+                              stop=meta.get("stop", False), setting=meta.get("setting", ""))
 
     def commit(self, req: CommitRequest, *, deadline: float,
                active: Callable[[], bool] = lambda: True) -> CommitResponse:

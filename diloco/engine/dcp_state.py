@@ -85,7 +85,7 @@ def to_dcp(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
                       "param_groups": outer["param_groups"]})
     meta = {"format": FORMAT, "version": VERSION, "engine_version": state["version"], "mode": state["mode"],
             "inner_step": state["inner_step"], "finished": state["finished"], "fragments": frags,
-            "sharded": engine.sharded is not None}
+            "sharded": engine.sharded is not None, "schedule": state.get("schedule")}
     return tensors, meta
 
 
@@ -154,4 +154,4 @@ def from_dcp(engine: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
             "own_previous": flat["own_previous"], "residual": flat["residual"],
         })
     return {"version": meta["engine_version"], "mode": meta["mode"], "inner_step": meta["inner_step"],
-            "finished": meta["finished"], "fragments": frags}
+            "finished": meta["finished"], "fragments": frags, "schedule": meta.get("schedule")}

@@ -161,6 +161,9 @@ class DiLoCo:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.schedule: SyncSchedule = FixedSchedule(sync_every) if isinstance(sync_every, int) else sync_every
+        bind = getattr(self.schedule, "bind", None)  # a schedule that acts on its engine (--codec auto's switches)
+        if bind is not None:
+            bind(self)
         self.mode: Mode = mode
         self.overlap_steps = tau
         self.merge_alpha = merge_alpha
@@ -651,8 +654,9 @@ class DiLoCo:
                 "own_previous": None if own is None else own.detach().clone(),
                 "residual": None if self.error_feedback is None else self.error_feedback.state_of(p),
             })
+        schedule = getattr(self.schedule, "state_dict", None)  # a schedule with a state (--h/--codec auto)
         return {"version": STATE_VERSION, "mode": self.mode, "inner_step": self.inner_step,
-                "finished": self.finished, "fragments": frags}
+                "finished": self.finished, "fragments": frags, "schedule": schedule() if schedule else None}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -681,6 +685,9 @@ class DiLoCo:
             frag.merge_into_model(0.0)
         self.inner_step = int(state["inner_step"])
         self.finished = bool(state["finished"])
+        load = getattr(self.schedule, "load_state_dict", None)  # a state saved by a fixed schedule is None
+        if load is not None and state.get("schedule") is not None:
+            load(state["schedule"])
         self._changed()
 
 

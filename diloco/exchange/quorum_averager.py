@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -147,6 +148,11 @@ class QuorumAverager(StripedAverager):
         self.step = 0  # inner steps, for heartbeats
         self._needs_heal = heal
         self._engine = None
+        #: --codec/--h auto: the setting whose codec this group's exchanges run, sent with each quorum
+        #: request (""  without auto); ``on_setting(name)``: what a healer does when the exchange it
+        #: joins runs another one (switch to its codec), before it takes part
+        self.setting = ""
+        self.on_setting: Callable[[str], None] | None = None
         self._evicted: str | None = None
         self.round_timeout_s = round_timeout_s
         self._retry = _Retry(self, round_timeout_s)
@@ -190,7 +196,7 @@ class QuorumAverager(StripedAverager):
             numel=src.numel() if shards is None else shards.numel,
             weight=1.0 if exact else max(weight, 0.0) * self.tokens_per_step,  # control exchanges: a plain mean
             state_hash=engine.global_hash() if lead and engine is not None and engine.mode != "eager" else "",
-            delta_norm=norm if lead else 0.0, retry=False)
+            delta_norm=norm if lead else 0.0, retry=False, setting=self.setting)
         resp = self._ask(ask, healable=not exact)
         if resp.healers and resp.donor == self.group and engine is not None:
             self._transfer.serve(resp, {**engine.state_dict(), "data_positions": self.positions.state()})
@@ -206,6 +212,7 @@ class QuorumAverager(StripedAverager):
             if resp.finished:
                 raise JobFinished(f"group {self.group}: the job's groups finished before this group could heal")
             refuse_other_sizes(engine, resp, self.group)
+            self._take_setting(resp)
             shards = healing_layout(engine, resp.tag)  # None unless the model is sharded
             zeros = torch.zeros(resp.numel if shards is None else shards.local_numel(), dtype=torch.float32,
                                 device=engine.fragments[0].global_params[0].device)
@@ -244,6 +251,17 @@ class QuorumAverager(StripedAverager):
             log.info("group %d rank %d healed from group %d in %.2fs at %s", self.group, self.rank, resp.donor,
                      self.stats.heal_seconds, resp.tag)
             return
+
+    def _take_setting(self, resp: QuorumResponse) -> None:
+        """A healer runs the codec of the exchange it joins: that of the members' auto setting."""
+        if not resp.setting or resp.setting == self.setting:
+            return
+        if self.on_setting is None:
+            raise ValueError(f"group {self.group}: the job runs the auto setting {resp.setting!r} (--codec/--h auto) "
+                             "and this group was started with fixed flags: start it with the job's flags")
+        self.on_setting(resp.setting)
+        if self.setting != resp.setting:
+            raise ValueError(f"group {self.group}: could not switch to the job's auto setting {resp.setting!r}")
 
     def _every_rank_fetched(self, mine: bool) -> bool:
         """Whether every rank of this group got its state (a collective of the group's ranks,

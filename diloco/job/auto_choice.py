@@ -283,6 +283,20 @@ def auto_problems(cfg: Any, table: AutoTable | None = None) -> list[str]:
     return problems
 
 
+def unchoose(cfg: Any, *, codec: bool, h: bool) -> Any:
+    """A copy of ``cfg`` (a ``Config`` that ran a setting, e.g. a checkpoint's) with ``--codec auto``
+    (``codec``) and/or ``--h auto`` (``h``) asked again and the options a setting sets at their
+    defaults: what the job's flags were."""
+    out = copy.deepcopy(cfg)
+    for section, name, default, _ in _CHOSEN:
+        setattr(getattr(out, section), name, default)
+    if codec:
+        out.transport.codec = AUTO
+    if h:
+        out.sync.h = AUTO_H
+    return out
+
+
 def apply_choice(cfg: Any, s: Setting) -> Any:
     """A copy of ``cfg`` (a ``Config``) that runs setting ``s``."""
     out = copy.deepcopy(cfg)

@@ -330,6 +330,11 @@ class FaultConfig:
         "8 accepted (0 = only NaN/Inf are refused)", flag="--outlier-factor",
     )
     max_restarts: int = opt(3, "diloco run: times each group is restarted after it fails (it then heals)", flag="--max-restarts")
+    spares: int = opt(
+        0, "diloco run: processes kept started (python, torch and the worker imported) that become a restarted "
+        "group at once, instead of a new process that imports them first (seconds, more on a busy host); "
+        "groups of one rank on this host", flag="--spares",
+    )
     chaos: int = opt(0, "diloco run: kill N random groups at random moments and restart them (a fault drill)", flag="--chaos")
     chaos_kinds: str = opt(
         "kill", "diloco run --chaos: the faults' kinds, comma-separated, each fault's drawn from them: kill (a "
@@ -387,7 +392,9 @@ class Config:
         need(1 <= fl.min_groups <= t.groups, f"--min-groups must be in [1, --groups={t.groups}], got {fl.min_groups}")
         need(fl.outlier_factor >= 0, f"--outlier-factor must be >= 0 (0 = off), got {fl.outlier_factor}")
         need(fl.quorum_grace >= 0, f"--quorum-grace must be >= 0 seconds (0 = off), got {fl.quorum_grace}")
-        need(fl.max_restarts >= 0 and fl.chaos >= 0, "--max-restarts and --chaos must be >= 0")
+        need(fl.max_restarts >= 0 and fl.chaos >= 0 and fl.spares >= 0, "--max-restarts, --chaos and --spares must be >= 0")
+        need(fl.spares == 0 or max(t.sizes()) == 1,
+             f"--spares replace groups of one rank (a spare runs the group's only rank); groups have {t.sizes()}")
         need(fl.chaos == 0 or fl.max_restarts >= 1, "--chaos needs --max-restarts >= 1 (killed groups are restarted)")
         need(bool(fl.kinds()) and set(fl.kinds()) <= set(CHAOS_KINDS),
              f"--chaos-kinds must be some of {', '.join(CHAOS_KINDS)}, comma-separated, got {fl.chaos_kinds!r}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,18 +142,65 @@ def decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device:
     return chosen, choice
 
 
+def running_setting(table: auto_choice.AutoTable, row: str, *, codec: str | None = None,
+                    h: int | None = None) -> auto_choice.Setting:
+    """The table's setting named ``row`` (the one a running job or a checkpoint runs), with the
+    ``codec`` and ``h`` the user fixed (None: auto); ConfigError when this table lacks it or the
+    flags exclude it."""
+    setting = next((e for e in table.entries if e.row == row), None)
+    if setting is None:
+        raise ConfigError(f"the job runs the auto setting {row!r}, which this auto table ({table.size}, {table.commit}) "
+                          "does not hold (or this config cannot run): start every group with the same version and flags")
+    if codec not in (None, setting.codec) or h not in (None, setting.h):
+        raise ConfigError(f"the job runs {setting.label} (auto setting {row!r}), which these flags exclude "
+                          f"(--codec {codec or 'auto'}, --h {h or 'auto'})")
+    return setting
+
+
+def join_setting(cfg: Config, link: Any, row: str, *, num_params: int, why: str,
+                 base_schedule: Callable[[Config], Any]) -> tuple[Config, AutoSchedule]:
+    """``--codec auto`` / ``--h auto`` in a group that joins a running job (it heals) or resumes one
+    from its checkpoints: no measurement and no new decision; the group runs the setting the job
+    runs (``row``: the coordinator's, or the checkpoint's), and the engine's state, as it is
+    loaded (the donor's or the checkpoint's), brings the choice's numbers and the changes so far.
+    Returns the config to build the engine with and the schedule to build it with (waiting for
+    that state). ``why``: where ``row`` comes from, for the log. ``base_schedule(cfg)``: the
+    schedule a config of fixed H runs (its total steps and cap are kept)."""
+    codec_auto, h_auto = auto_choice.is_auto(cfg)
+    table = runnable_table(cfg, auto_choice.load_table())
+    setting = running_setting(table, row, codec=None if codec_auto else cfg.transport.codec,
+                              h=None if h_auto else cfg.sync.h)
+    chosen = auto_choice.apply_choice(cfg, setting).validate()
+    switch_codec(link, None, chosen, setting)
+    placeholder = Choice(setting, 0.0, 0.0, True, 0.0, 0.0, f"{setting.label}: {why}")
+    link.auto = {"table": f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"}
+    link.auto_choice = placeholder
+    schedule = AutoSchedule(base_schedule(chosen), link, placeholder, table, num_params=num_params, step_s=0.0,
+                            groups=cfg.topology.groups, cfg=chosen, codec_fixed=not codec_auto, h_fixed=not h_auto,
+                            waiting=True)
+    link.averager.on_setting = schedule.take_setting
+    link.auto_schedule = schedule
+    log.info("auto: this group joins the job on %s (%s); the rest of the choice comes with the engine's state",
+             setting.label, why)
+    return chosen, schedule
+
+
 class AutoSchedule:
     """A ``SyncSchedule`` whose H, and with ``--codec auto`` the codec, follow the link (see the
     module doc); wraps the run's fixed schedule and keeps its total steps. ``engine``: the
-    engine it schedules (its residuals follow the codec; None: H only). ``cfg``: the config
-    the job runs (what a new codec is built from). ``codec_fixed`` / ``h_fixed``: what the user
-    fixed (``--codec X --h auto``, ``--codec auto --h N``)."""
+    engine it schedules (its residuals follow the codec; None: H only, or bound as the engine is
+    built, ``bind``). ``cfg``: the config the job runs (what a new codec is built from).
+    ``codec_fixed`` / ``h_fixed``: what the user fixed (``--codec X --h auto``, ``--codec auto --h N``).
+
+    Its state (``state_dict``: the setting, the link it was decided on, the changes) is part of the
+    engine's, so a healer takes the donor's and a resumed job its checkpoint's. ``waiting=True``:
+    built before that state is loaded (a healer, a resume): nothing is re-decided until it is."""
 
     def __init__(self, base: Any, link: Any, choice: Choice, table: auto_choice.AutoTable, *, num_params: int,
                  step_s: float, groups: int, engine: Any = None, cfg: Config | None = None,
-                 codec_fixed: bool = True, h_fixed: bool = False) -> None:
-        if not codec_fixed and (engine is None or cfg is None):
-            raise ValueError("a codec that follows the link needs the engine and the config")
+                 codec_fixed: bool = True, h_fixed: bool = False, waiting: bool = False) -> None:
+        if not codec_fixed and cfg is None:
+            raise ValueError("a codec that follows the link needs the config")
         self.base, self.link, self.choice, self.table = base, link, choice, table
         self.num_params, self.step_s, self.groups = num_params, step_s, groups
         self.engine, self.cfg, self.codec_fixed, self.h_fixed = engine, cfg, codec_fixed, h_fixed
@@ -163,6 +211,47 @@ class AutoSchedule:
         self.changes: list[tuple[int, int, float]] = []  # (inner step, new H, link bytes/s)
         self.codec_changes: list[tuple[int, str, float]] = []  # (inner step, new setting's label, link bytes/s)
         self._seen_version: int | None = None
+        self._waiting = waiting
+
+    def bind(self, engine: Any) -> None:
+        """The engine this schedule's codec switches reach (called as the engine is built)."""
+        self.engine = engine
+
+    def take_setting(self, row: str) -> None:
+        """A healer joins an exchange that runs setting ``row``: run its codec from that exchange
+        on (the choice itself comes with the donor's state)."""
+        switch_codec(self.link, self.engine, self.cfg, running_setting(self.table, row))
+
+    def state_dict(self) -> dict:
+        """The setting run now, the choice's numbers and the changes so far (plain values)."""
+        c = self.choice
+        return {"row": c.setting.row, "wire_s": c.wire_s, "budget_s": c.budget_s, "hides": c.hides,
+                "link_bytes_per_s": c.link_bytes_per_s, "step_s": c.step_s, "reason": c.reason,
+                "decided_bytes_per_s": self.decided_bytes_per_s,
+                "changes": [list(x) for x in self.changes], "codec_changes": [list(x) for x in self.codec_changes]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Run the setting ``state`` names, from the next exchange on (its codec now, with the
+        engine's residuals), and re-decide from the next pinned table on. Redeciding with a table
+        already decided on gives the same answer (the link it was decided on moves with each
+        change), so the plan version seen is not part of the state."""
+        row = state["row"]
+        setting = next((e for e in self.table.entries if e.row == row), None)
+        if setting is None:
+            raise ValueError(f"the engine state runs the auto setting {row!r}, which this auto table ({self.table.size}, "
+                             f"{self.table.commit}) does not hold")
+        self.choice = Choice(setting, float(state["wire_s"]), float(state["budget_s"]), bool(state["hides"]),
+                             float(state["link_bytes_per_s"]), float(state["step_s"]), str(state["reason"]))
+        self.h, self.step_s = setting.h, float(state["step_s"])
+        self.decided_bytes_per_s = float(state["decided_bytes_per_s"])
+        self.changes = [(int(a), int(b), float(c)) for a, b, c in state["changes"]]
+        self.codec_changes = [(int(a), str(b), float(c)) for a, b, c in state["codec_changes"]]
+        self._seen_version, self._waiting = None, False
+        if getattr(self.link.averager, "setting", row) != row:
+            switch_codec(self.link, self.engine, self.cfg, setting)
+        self.link.auto_choice = self.choice
+        _show(self.link, self.choice, self.decided_bytes_per_s, -1)
+        self._show_changes()
 
     def period(self, step: int, lr: float) -> int:
         self._redecide(step)
@@ -170,7 +259,7 @@ class AutoSchedule:
 
     def _redecide(self, step: int) -> None:
         current = getattr(self.link.averager, "_table", None)  # (block, version, table) of the exchange just launched
-        if current is None or current[1] == self._seen_version:
+        if self._waiting or current is None or current[1] == self._seen_version:
             return
         self._seen_version = current[1]
         members = self.link.membership
@@ -187,6 +276,7 @@ class AutoSchedule:
         old = self.choice.setting
         self.choice, self.h = choice, choice.setting.h
         new = choice.setting
+        self.link.averager.setting = new.row  # what the next exchanges ask their quorums with
         link_text = f"the slowest link moved to {8 * now / 1e6:.3g} Mbit/s (plan version {current[1]})"
         if (new.codec, new.topk_density) != (old.codec, old.topk_density):
             switch_codec(self.link, self.engine, self.cfg, new)
@@ -200,6 +290,9 @@ class AutoSchedule:
         if new.h != old.h:
             self.changes.append((step, new.h, now))
         _show(self.link, choice, now, current[1])
+        self._show_changes()
+
+    def _show_changes(self) -> None:
         self.link.auto["h_changes"] = [{"step": st, "h": h, "link_bytes_per_s": bw} for st, h, bw in self.changes]
         self.link.auto["codec_changes"] = [{"step": st, "setting": label, "link_bytes_per_s": bw}
                                            for st, label, bw in self.codec_changes]
@@ -210,6 +303,7 @@ def switch_codec(link: Any, engine: Any, cfg: Config, setting: auto_choice.Setti
     residuals where error feedback starts or stops (``engine`` None: before the engine exists)."""
     codec = make_codec(auto_choice.apply_choice(cfg, setting).transport)
     link.averager.set_codec(codec)
+    link.averager.setting = setting.row
     if engine is not None:
         engine.set_error_feedback(bool(getattr(codec, "requires_error_feedback", False)))
 

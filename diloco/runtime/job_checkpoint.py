@@ -47,7 +47,7 @@ OPERATIONAL: dict[str, frozenset[str]] = {
                         "checkpoint_dir", "checkpoint_keep", "stop_after"}),
     "transport": frozenset({"host", "data_port", "advertise_address", "timeout_s", "link", "connections", "zstd",
                             "zstd_level", "tls_cert", "tls_key", "tls_ca", "plaintext"}),
-    "fault": frozenset({"heartbeat_timeout", "max_restarts", "chaos"}),
+    "fault": frozenset({"heartbeat_timeout", "max_restarts", "chaos", "chaos_kinds", "spares"}),
 }
 
 
@@ -218,7 +218,14 @@ def resume_config(saved: Config, explicit: dict[tuple[str, str], Any], root: str
     operational settings the command line names (``config_parse.explicit_settings``). A named setting
     that changes the math must equal the checkpoint's (ConfigError otherwise: e.g. --steps cannot
     grow, the lr schedule follows it). ``--stop-after`` is not carried over (given, it must lie
-    after ``step``); ``--checkpoint-dir`` defaults to ``root``."""
+    after ``step``); ``--checkpoint-dir`` defaults to ``root``. ``--codec auto`` / ``--h auto``
+    (the flags of a job that ran them; its config holds the setting it ran) continue it under
+    auto: the checkpoint's setting, following the link from there (the workers check that it ran
+    one, ``as_checkpoint_ran``)."""
+    codec_auto = explicit.get(("transport", "codec")) == auto_choice.AUTO
+    h_auto = explicit.get(("sync", "h")) == auto_choice.AUTO_H
+    if codec_auto or h_auto:
+        saved = auto_choice.unchoose(saved, codec=codec_auto, h=h_auto)
     cfg = copy.deepcopy(saved)
     cfg.train.stop_after = 0
     cfg.train.checkpoint_dir = str(root)
@@ -324,10 +331,35 @@ def load_rank(folder: str | Path, cfg: Config, group: int, rank: int) -> RankChe
         saved = from_dict(state["config"])
     except (ConfigError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: bad config: {e}") from e
-    diffs = math_differences(saved, cfg)
+    diffs = math_differences(saved, as_checkpoint_ran(cfg, state, path))
     if diffs:
         raise CheckpointError(f"{path}: saved by a different job:\n  " + "\n  ".join(diffs))
     return RankCheckpoint(path, state)
+
+
+def auto_row(state: dict) -> str | None:
+    """The ``--codec/--h auto`` setting a rank checkpoint's engine ran (its schedule's state), or
+    None for a job of fixed flags."""
+    engine = state.get("engine")
+    row = (engine.get("schedule") or {}).get("row") if isinstance(engine, dict) else None
+    return row if isinstance(row, str) else None
+
+
+def as_checkpoint_ran(cfg: Config, state: dict, path: Path) -> Config:
+    """``cfg``, or with ``--codec auto`` / ``--h auto`` the config of the setting the checkpoint
+    ran (its engine state names it; its config holds it as fixed flags), to compare the rest
+    with. CheckpointError for a checkpoint of fixed flags, or of a setting this table lacks."""
+    codec_auto, h_auto = auto_choice.is_auto(cfg)
+    if not (codec_auto or h_auto):
+        return cfg
+    row = auto_row(state)
+    if row is None:
+        raise CheckpointError(f"{path}: saved by a job of fixed flags, not --codec/--h auto: resume it with the flags "
+                              "its config holds (diloco run --resume DIR takes them from the checkpoint)")
+    setting = next((e for e in auto_choice.load_table().entries if e.row == row), None)
+    if setting is None:
+        raise CheckpointError(f"{path}: runs the auto setting {row!r}, which this version's auto table does not hold")
+    return auto_choice.apply_choice(cfg, setting).validate()
 
 
 class JobCheckpointer:

@@ -8,6 +8,7 @@ On Kubernetes the same pieces run separately (``diloco coordinator``, ``diloco w
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Callable
 from diloco.coordinator import CoordinatorServer
 from diloco.coordinator.credentials import group_token
 from diloco.job.config import Config
-from diloco.runtime import exit_codes, job_checkpoint, preflight
+from diloco.runtime import exit_codes, job_checkpoint, preflight, spare
 from diloco.runtime.agent import PARENT_ENV
 from diloco.runtime.chaos import ChaosMonkey
 from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV, coordinator_tls
@@ -104,25 +105,36 @@ class Placement:
 def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env: dict, run_dir: Path,
                  placement: Placement, resume: Path | None = None, attempt: int = 0,
                  extra_args: list[str] | None = None) -> GroupProcess:
-    log_path = run_dir / (f"group-{group}.log" if attempt == 0 else f"group-{group}.restart-{attempt}.log")
-    host = placement.host(group)
+    log_path = _group_log(run_dir, group, attempt)
     cmd = [
         *placement.prefix(group), sys.executable, "-m", "diloco", "torchrun", "--standalone",
         f"--nproc-per-node={cfg.topology.sizes()[group]}", "--monitor-interval=0.5",
         "--max-restarts=0",  # the supervisor restarts the whole group (see diloco/runtime/supervise.py)
-        "-m", "diloco", "worker", "--config", str(cfg_path),
-        "--group-id", str(group), "--coordinator", coordinator,
-        *(["--host", host] if host else []),
-        *(["--resume", str(resume)] if resume is not None else []),
-        *(["--metrics-port", str(cfg.train.metrics_port + sum(cfg.topology.sizes()[:group]))]
-          if cfg.train.metrics_port else []),
-        *(extra_args or []),
+        "-m", "diloco", "worker", *_worker_args(cfg_path, cfg, group, coordinator, placement, resume, extra_args),
     ]
     log = open(log_path, "wb")
     env = {**env, PARENT_ENV: str(os.getpid())}  # the group's agent dies with this process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
     return GroupProcess(group, proc, log_path)
+
+
+def _group_log(run_dir: Path, group: int, attempt: int) -> Path:
+    return run_dir / (f"group-{group}.log" if attempt == 0 else f"group-{group}.restart-{attempt}.log")
+
+
+def _worker_args(cfg_path: Path, cfg: Config, group: int, coordinator: str, placement: Placement,
+                 resume: Path | None = None, extra_args: list[str] | None = None) -> list[str]:
+    """The arguments of ``diloco worker`` for one group (after ``worker``)."""
+    host = placement.host(group)
+    return [
+        "--config", str(cfg_path), "--group-id", str(group), "--coordinator", coordinator,
+        *(["--host", host] if host else []),
+        *(["--resume", str(resume)] if resume is not None else []),
+        *(["--metrics-port", str(cfg.train.metrics_port + sum(cfg.topology.sizes()[:group]))]
+          if cfg.train.metrics_port else []),
+        *(extra_args or []),
+    ]
 
 
 class _Progress:
@@ -204,6 +216,9 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         hb = cfg.fault.heartbeat_timeout
         chaos = ChaosMonkey(cfg.fault.chaos, seed=cfg.train.seed, gap_s=(hb, 3 * hb), pause_s=(0.5, hb),
                             kinds=cfg.fault.kinds(), stall_s=(2 * hb, 3 * hb))
+    if cfg.fault.spares and any(placement.prefix(g) or placement.host(g) for g in range(cfg.topology.groups)):
+        raise LaunchError("--spares are started on this host as plain processes: they cannot replace groups placed in "
+                          "network namespaces or on other hosts", exit_codes.CONFIGURATION)
     relays = _relays(cfg, chaos, placement)
     address = server.start()
     try:
@@ -218,19 +233,39 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
 
     job_secret = bytes.fromhex(env[SECRET_ENV])
 
-    def spawn(g: int, attempt: int) -> GroupProcess:  # a restarted group heals: it does not resume
-        point = resume.path.resolve() if resume is not None and attempt == 0 else None
+    def group_env(g: int) -> dict[str, str]:
         # each group gets only its own credentials: it can prove it is group g, and be nobody else
         own = {**env, SECRET_ENV: GroupKeys.derive(job_secret, g, peers=range(cfg.topology.groups)).to_text(),
                TOKEN_ENV: group_token(token, g)}
         own.pop(DEVICE_MAP_ENV, None)
         if devices.device_map(g) is not None:
             own[DEVICE_MAP_ENV] = devices.device_map(g)
-        return _spawn_group(cfg_path, cfg, g, address, own, out_dir, placement, resume=point, attempt=attempt,
-                            extra_args=relays.args(g) if relays is not None else None)
+        return own
+
+    def spawn(g: int, attempt: int) -> GroupProcess:  # a restarted group heals: it does not resume
+        point = resume.path.resolve() if resume is not None and attempt == 0 else None
+        return _spawn_group(cfg_path, cfg, g, address, group_env(g), out_dir, placement, resume=point,
+                            attempt=attempt, extra_args=relays.args(g) if relays is not None else None)
+
+    # warm spares: the job's environment without any group's credentials, which come with the assignment
+    spare_env = {k: v for k, v in env.items() if k not in (SECRET_ENV, TOKEN_ENV, DEVICE_MAP_ENV)}
+    spare_env[PARENT_ENV] = str(os.getpid())
+    spares_started = itertools.count()
+
+    def assign(s: spare.Spare, g: int, attempt: int) -> GroupProcess:
+        log_path = _group_log(out_dir, g, attempt)
+        args = _worker_args(cfg_path, cfg, g, address, placement, None, relays.args(g) if relays is not None else None)
+        try:
+            spare.hand_over(s, args, {k: v for k, v in group_env(g).items() if spare_env.get(k) != v}, log_path)
+        except OSError as e:  # it died since it was polled: start the group the usual way
+            logging.getLogger("diloco.run").warning("spare %s is gone (%s); starting group %d anew", s.log_path, e, g)
+            return spawn(g, attempt)
+        return GroupProcess(g, s.proc, log_path)
 
     supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos,
-                            corrupt_link=relays.corrupt if relays is not None else None)
+                            corrupt_link=relays.corrupt if relays is not None else None, spares=cfg.fault.spares,
+                            start_spare=lambda: spare.start(spare_env, out_dir / f"spare-{next(spares_started)}.log"),
+                            assign=assign)
     stop = _Stop(server, lambda: stop_timeout_s if stop_timeout_s is not None else _auto_stop_timeout(
         server.snapshot(), time.perf_counter() - started))
     stop.install()

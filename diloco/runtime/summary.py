@@ -54,7 +54,7 @@ def fault_summary(snapshot: dict, supervisor: Supervisor) -> dict:
     stalls = [e["seconds"] for e in rs["events"] if e["kind"] == "stall"]
     return {
         "kills": len(supervisor.kills), "frozen": len(supervisor.frozen), "corrupted": len(supervisor.corrupted),
-        "restarts": sum(supervisor.restarts.values()),
+        "restarts": sum(supervisor.restarts.values()), "spares_used": len(supervisor.spares_used),
         "failures": rs["failures"], "heals": rs["heals"], "rolled_back": rs["rolled_back"],
         "committed": rs["committed"], "rejected": rs["rejected"], "evicted": rs["evicted"],
         "stall_seconds": stalls, "events": rs["events"], "process_failures": supervisor.failures,
@@ -147,8 +147,9 @@ def format_summary(s: dict) -> str:
                  f"max {max(stalls):.2f} s") if stalls else ""
         frozen = f", {f['frozen']} frozen by the drill" if f.get("frozen") else ""
         frozen += f", {f['corrupted']} links corrupted by the drill" if f.get("corrupted") else ""
+        spares = f" ({f['spares_used']} groups started from warm spares)" if f.get("spares_used") else ""
         lines.insert(-2, f"  faults                   : {f['kills']} killed by --chaos{frozen}, "
-                         f"{f['failures']} group failures, {f['restarts']} restarts, {f['heals']} heals, "
+                         f"{f['failures']} group failures, {f['restarts']} restarts, {f['heals']} heals{spares}, "
                          f"{f['rolled_back']} rounds rolled back, {f['rejected']} contributions refused{stall}")
         data = s.get("data_per_group")
         if data:

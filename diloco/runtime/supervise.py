@@ -7,6 +7,9 @@ configuration error (2) or another error (1) is not: a restart would repeat it, 
 with the group's own error lines.
 A fault drill (``diloco.runtime.chaos.ChaosMonkey``) may kill groups on purpose; those are started again
 when the drill says, and do not count against ``max_restarts``.
+With ``spares`` (``--spares N``) N warm spares (``diloco.runtime.spare``) are kept started: a group
+restarted (after a fault or by the drill) becomes the oldest live spare at once, and a new spare
+is started in its place.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ class Supervisor:
     chaos: ChaosMonkey | None = None
     #: flips a bit of what a group receives next (the drill's ``corrupt`` faults; see link_relays)
     corrupt_link: Callable[[int], None] | None = None
+    #: warm spares: how many to keep, ``start_spare()`` starts one (an object with ``proc``), and
+    #: ``assign(spare, group, attempt)`` makes it that group's process tree
+    spares: int = 0
+    start_spare: Callable[[], Any] | None = None
+    assign: Callable[[Any, int, int], GroupProcess] | None = None
     procs: dict[int, GroupProcess] = field(default_factory=dict)
     restarts: dict[int, int] = field(default_factory=dict)  # failures restarted, per group
     attempts: dict[int, int] = field(default_factory=dict)
@@ -56,21 +64,44 @@ class Supervisor:
     corrupted: list[dict[str, Any]] = field(default_factory=list)  # the drill's bit flips: group, at_s
     finished: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
+    ready: list[Any] = field(default_factory=list)  # spares started, oldest first
+    spares_used: list[dict[str, Any]] = field(default_factory=list)  # group, at_s
 
     def start(self) -> None:
+        if self.spares and (self.start_spare is None or self.assign is None):
+            raise ValueError("spares need start_spare and assign")
         for g in range(self.groups):
             self._spawn(g)
+        self._refill()
 
     def _spawn(self, g: int) -> None:
         self.attempts[g] = self.attempts.get(g, -1) + 1
-        self.procs[g] = self.spawn(g, self.attempts[g])
+        spare = self._take_spare() if self.attempts[g] else None
+        if spare is None:
+            self.procs[g] = self.spawn(g, self.attempts[g])
+            return
+        self.procs[g] = self.assign(spare, g, self.attempts[g])
+        self.spares_used.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
+        self._refill()
+
+    def _take_spare(self) -> Any:
+        """The oldest spare still running (one that died, e.g. with the host's memory, is dropped)."""
+        while self.ready:
+            spare = self.ready.pop(0)
+            if spare.proc.poll() is None:
+                return spare
+        return None
+
+    def _refill(self) -> None:
+        while len(self.ready) < self.spares:
+            self.ready.append(self.start_spare())
 
     def poll(self, *, live: set[int], progress: float, committed: int = 1) -> bool:
         """Check every group, restart the failed ones, run the drill; True once every group
         exited 0. Raises GroupFailed when a group exits with a code no restart fixes, is out of
         restarts, or fails before the job committed its first training exchange (``committed``
         0: a setup error such as a coordinator that cannot be reached from one group, which a
-        restart would only repeat)."""
+        restart would only repeat); the drill starts once it has."""
         down = self.chaos.down if self.chaos is not None else set()
         for g, p in list(self.procs.items()):
             code = p.proc.poll()
@@ -95,7 +126,7 @@ class Supervisor:
             self.failures.append({"group": g, "code": code, "at_s": round(time.monotonic() - self.started, 3),
                                   "log": str(p.log_path)})
             self._spawn(g)
-        if self.chaos is not None:
+        if self.chaos is not None and committed:  # a group lost before that is not restarted (above)
             running = {g for g, p in self.procs.items() if p.proc.poll() is None}
             plan = self.chaos.tick(time.monotonic(), live=live, running=running, progress=progress)
             for g in plan.kill:
@@ -115,5 +146,6 @@ class Supervisor:
                 self.corrupted.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
         return len(self.finished) == self.groups and not down
 
-    def all_procs(self) -> list[GroupProcess]:
-        return list(self.procs.values())
+    def all_procs(self) -> list[Any]:
+        """Every process tree this supervisor started and may still run: groups and spares (``proc``)."""
+        return [*self.procs.values(), *self.ready]

@@ -111,10 +111,11 @@ def make_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer
 
 
 def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None,
-                clock: Callable[[], float] = time.monotonic):
+                clock: Callable[[], float] = time.monotonic, schedule: SyncSchedule | None = None):
     """The engine a config asks for: ``DiLoCo`` in the configured mode, or data parallel.
     ``fragments(model, P)``: the task's split for ``--fragments`` (default: ``partition``).
-    ``clock``: what rounds by time (``--round-seconds``) measure their seconds on."""
+    ``clock``: what rounds by time (``--round-seconds``) measure their seconds on. ``schedule``:
+    the sync schedule (default ``make_schedule(cfg)``)."""
     s, o = cfg.sync, cfg.outer
     if s.mode == "dp":
         return DataParallelAcrossGroups(model, averager, initial_sync=cfg.train.initial_sync)
@@ -125,7 +126,7 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
         outer = by_name(o.optimizer, o.outer_lr(s.mode), o.outer_momentum(s.mode), beta=o.sparseloco_beta)
     split = None if s.fragments == 1 else (fragments(model, s.fragments) if fragments else s.fragments)
     return DiLoCo(
-        model, inner, averager=averager, sync_every=make_schedule(cfg), mode=s.mode, fragments=split,
+        model, inner, averager=averager, sync_every=schedule or make_schedule(cfg), mode=s.mode, fragments=split,
         overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
         outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
         initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote(), clock=clock,
@@ -171,8 +172,13 @@ def _device(backend: str, local_rank: int, *, group: int, rank: int) -> torch.de
 
 def _init_group(backend: str, timeout: datetime.timedelta) -> None:
     """The group's process group. Under torchrun each restart of the workers gets its own key space
-    in the rendezvous store: Gloo would otherwise read the dead workers' addresses and fail."""
+    in the rendezvous store: Gloo would otherwise read the dead workers' addresses and fail. A
+    group of one rank started without a rendezvous (a warm spare, ``diloco.runtime.spare``) needs
+    no store beyond its own process."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
     if restart is None or "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, timeout=timeout)
         return
@@ -234,17 +240,20 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
             else:  # the job (re)starts here: every group resumes from its checkpoints
                 point = job_checkpoint.find(resume, group=group)
                 restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
+        schedule = None  # --codec/--h auto joining a running job or resuming one: built before the engine
         if auto:
-            if restored is not None or link.membership.heal:
-                raise ConfigError("--codec auto / --h auto decide when every group starts together: a group cannot "
-                                  "heal into such a job, nor resume it with the auto flags, yet. `diloco run --resume "
-                                  "DIR` continues from a checkpoint with the setting that checkpoint ran, as fixed "
-                                  "flags; or restart with the setting its log and summary name (auto: ...)")
-            cfg, _ = auto_setting.decide(cfg, link, model=ddp, task=task, device=device, group=group,
-                                         num_params=sum(p.numel() for p in group_parallel.bare(ddp).parameters()))
+            num_params = sum(p.numel() for p in group_parallel.bare(ddp).parameters())
+            running = _running_auto_setting(restored, link, group)
+            if running is None:  # every group starts: measure, agree, decide
+                cfg, _ = auto_setting.decide(cfg, link, model=ddp, task=task, device=device, group=group,
+                                             num_params=num_params)
+            else:
+                cfg, schedule = auto_setting.join_setting(cfg, link, running[0], num_params=num_params, why=running[1],
+                                                          base_schedule=make_schedule)
         try:
-            engine = make_engine(cfg, model, inner, link, task.fragments)  # a group joining a running job heals here
-            if auto:
+            # a group joining a running job heals here
+            engine = make_engine(cfg, model, inner, link, task.fragments, schedule=schedule)
+            if auto and schedule is None:
                 auto_setting.install_auto_schedule(engine, link, cfg)  # what auto chose follows the re-probed link
         except JobFinished as e:
             late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
@@ -261,6 +270,25 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         if link is not None:
             link.close()
         dist.destroy_process_group()
+
+
+def _running_auto_setting(restored: job_checkpoint.RankCheckpoint | None, link: GroupConnection,
+                          group: int) -> tuple[str, str] | None:
+    """(setting, where from) of a ``--codec/--h auto`` job this group joins rather than starts:
+    the checkpoint's when it resumes, the coordinator's when it heals; None when every group
+    starts and decides."""
+    if restored is not None:
+        row = job_checkpoint.auto_row(restored.state)
+        if row is None:
+            raise ConfigError(f"{restored.path}: holds no --codec/--h auto setting: resume it with the flags its "
+                              "config holds")
+        return row, f"the setting of checkpoint {restored.path.parent.name}"
+    if not link.membership.heal:
+        return None
+    if not link.membership.setting:
+        raise GroupEvicted(f"group {group}: the job has not run an exchange with its auto setting yet, so this group "
+                           "cannot learn it to heal; restart it to heal once it has")
+    return link.membership.setting, "the setting of the job's latest quorum"
 
 
 def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.Progress:

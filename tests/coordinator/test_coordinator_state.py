@@ -1,10 +1,11 @@
 """Coordinator state without gRPC: liveness on a fake clock, replacement, rounds, summaries."""
 
 import threading
+import time
 
 import pytest
 
-from diloco.coordinator.messages import (HeartbeatRequest, JoinRequest, ProgressRequest, QuorumRequest,
+from diloco.coordinator.messages import (CommitRequest, HeartbeatRequest, JoinRequest, ProgressRequest, QuorumRequest,
                                          RoundRequest, SummaryRequest)
 from diloco.coordinator.rounds import HEAL
 from diloco.coordinator.quorum import QuorumError
@@ -169,3 +170,34 @@ def test_votes_on_made_up_quorums_of_a_previous_coordinator_are_bounded_per_grou
     assert e.value.code == "INVALID_ARGUMENT"
     assert vote(1, "old-7-0", (1,)).committed  # still remembered, still decided the same way
     assert vote(1, "old-8-0", (1,)).committed  # the flood did not use up group 1's share
+
+
+def test_a_healer_learns_the_auto_setting_the_members_run():
+    """--codec/--h auto: a group joining a running job learns the setting of its latest quorum
+    (to build its engine), and the quorum it heals in tells it the setting that exchange runs
+    (to run its codec), which may have changed since it joined."""
+    state, clock = formed(groups=2, heartbeat_timeout_s=10.0)
+
+    def at_once(call, requests):
+        answers = {}
+        threads = [threading.Thread(target=lambda r=r: answers.update({r.group: call(r, deadline=clock.now + 5)}))
+                   for r in requests]
+        for t in threads:  # in order: a healer asks before the exchange it joins forms
+            t.start()
+            time.sleep(0.2)
+        for t in threads:
+            t.join(timeout=5)
+        assert len(answers) == len(requests)
+        return answers
+
+    first = at_once(state.quorum, [QuorumRequest(g, 0, "", 0, tag="f0/r0", numel=4, weight=1.0,
+                                                 setting="slo-h30-d3") for g in range(2)])
+    assert {g: a.setting for g, a in first.items()} == {0: "slo-h30-d3", 1: "slo-h30-d3"}
+    at_once(state.commit, [CommitRequest(g, 0, "", first[g].id, 0, (0, 1), True, "") for g in range(2)])
+    healer = state.join(JoinRequest(1, 0, 1, "10.0.1.0:7001", incarnation="second"), deadline=clock.now + 1)
+    assert healer.heal and healer.setting == "slo-h30-d3"
+    later = at_once(state.quorum, [QuorumRequest(1, 0, "second", HEAL),
+                                   QuorumRequest(0, 0, "", 1, tag="f0/r1", numel=4, weight=1.0, setting="slo-h50-d3")])
+    assert later[1].healers == (1,) and later[1].setting == later[0].setting == "slo-h50-d3"
+    assert state.join(JoinRequest(1, 0, 1, "10.0.1.0:7002", incarnation="third"),
+                      deadline=clock.now + 1).setting == "slo-h50-d3"

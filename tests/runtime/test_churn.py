@@ -38,7 +38,7 @@ def test_corrupted_links_roll_exchanges_back_and_the_job_ends_identical(tmp_path
 
     out = tmp_path / "summary.json"
     code = cli.main(["run", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
-                     "--eval-batches", "2", "--groups", "3", "--ranks-per-group", "1", "--steps", "600", "--h", "10",
+                     "--eval-batches", "2", "--groups", "3", "--ranks-per-group", "1", "--steps", "900", "--h", "10",
                      "--chaos", "2", "--chaos-kinds", "corrupt", "--heartbeat-timeout", "1", "--timeout", "5",
                      "--probe-bytes", "0", "--no-progress", "--json", str(out), "--run-dir", str(tmp_path / "run")])
     assert code == 0

@@ -1,0 +1,85 @@
+"""Warm spares (``diloco run --spares N``): a restarted group of one rank becomes a process that
+already imported python, torch and the worker, and a new spare takes its place."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diloco import cli
+from diloco.runtime import spare
+from diloco.runtime.supervise import Supervisor
+
+
+class _Proc:
+    def __init__(self, code: int | None = None) -> None:
+        self.code = code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class _Group:
+    def __init__(self, group: int, proc: _Proc) -> None:
+        self.group, self.proc, self.log_path = group, proc, Path(f"group-{group}.log")
+
+    def tail(self, lines: int = 20) -> str:
+        return ""
+
+
+def test_a_restarted_group_takes_the_oldest_live_spare_and_a_new_one_is_started():
+    spawned, spares, assigned = [], [], []
+
+    def spawn(g: int, attempt: int) -> _Group:
+        spawned.append((g, attempt))
+        return _Group(g, _Proc(75 if (g, attempt) == (1, 0) else None))
+
+    def start_spare():
+        spares.append(_Proc())
+        return type("S", (), {"proc": spares[-1]})()
+
+    def assign(s, g: int, attempt: int) -> _Group:
+        assigned.append((g, attempt, spares.index(s.proc)))
+        return _Group(g, s.proc)
+
+    sup = Supervisor(spawn, groups=2, max_restarts=3, spares=2, start_spare=start_spare, assign=assign)
+    sup.start()
+    assert spawned == [(0, 0), (1, 0)] and len(spares) == 2  # first starts are plain; two spares wait
+    spares[0].code = -9  # the oldest spare died meanwhile: it is skipped
+    assert sup.poll(live={0, 1}, progress=0.5) is False
+    assert assigned == [(1, 1, 1)] and spawned == [(0, 0), (1, 0)]
+    assert len(spares) == 4 and len(sup.ready) == 2 and sup.spares_used[0]["group"] == 1  # refilled to two
+    assert {id(p.proc) for p in sup.all_procs()} >= {id(spares[2]), id(spares[3])}  # ended with the run
+
+
+def test_an_assignment_is_checked_before_it_runs(monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"argv": [1], "env": {}, "log": "x"}) + "\n"))
+    assert spare.serve() == 2 and "a spare's assignment must be" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # closed without an assignment: nothing to do
+    assert spare.serve() == 0
+
+
+@pytest.mark.slow
+def test_killed_groups_restart_from_spares_heal_and_end_identical(tmp_path):
+    out = tmp_path / "summary.json"
+    code = cli.main(["run", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
+                     "--eval-batches", "2", "--groups", "3", "--ranks-per-group", "1", "--steps", "1500", "--h", "10",
+                     "--chaos", "2", "--spares", "1", "--heartbeat-timeout", "2", "--timeout", "5", "--probe-bytes",
+                     "0", "--no-progress", "--json", str(out), "--run-dir", str(tmp_path / "run")])
+    assert code == 0
+    s = json.loads(out.read_text())
+    f = s["fault"]
+    assert f["kills"] == 2 and f["spares_used"] == 2 and f["heals"] >= 2 and s["params_identical"], f
+    for restart in (tmp_path / "run").glob("group-*.restart-*.log"):
+        text = restart.read_text()
+        assert "diloco.runtime.worker" in text and "torchrun" not in text  # the spare ran the worker itself
+        assert "healed from group" in text
+    assert all(d["twice"] == 0 and d["left_out"] == 0 for d in s["data_per_group"].values())
+
+
+def test_spares_need_groups_of_one_rank(capsys):
+    assert cli.main(["run", "--groups", "2", "--ranks-per-group", "2", "--spares", "1", "--steps", "10",
+                     "--no-progress"]) == 2
+    assert "--spares replace groups of one rank" in capsys.readouterr().err
