@@ -236,10 +236,7 @@ class AutoSchedule:
         already decided on gives the same answer (the link it was decided on moves with each
         change), so the plan version seen is not part of the state."""
         row = state["row"]
-        setting = next((e for e in self.table.entries if e.row == row), None)
-        if setting is None:
-            raise ValueError(f"the engine state runs the auto setting {row!r}, which this auto table ({self.table.size}, "
-                             f"{self.table.commit}) does not hold")
+        setting = running_setting(self.table, row)
         self.choice = Choice(setting, float(state["wire_s"]), float(state["budget_s"]), bool(state["hides"]),
                              float(state["link_bytes_per_s"]), float(state["step_s"]), str(state["reason"]))
         self.h, self.step_s = setting.h, float(state["step_s"])
