@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["spare"]:  # diloco run's warm spare (diloco/runtime/spare.py): not a user's command
         from diloco.runtime import spare
 
-        return spare.serve()
+        return spare.serve(lambda args: main(["worker", *args]))
     args = build_parser().parse_args(argv)
     if args.command == "worker":
         _die_with_agent()

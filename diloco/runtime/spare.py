@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,15 +48,15 @@ def _read_assignment(line: str) -> dict[str, Any]:
     return job
 
 
-def serve() -> int:
-    """``python -m diloco spare``: import, wait for an assignment on stdin, run it (see the module
-    doc); returns the exit code."""
+def serve(run_worker: Callable[[list[str]], int]) -> int:
+    """``python -m diloco spare``: import, wait for an assignment on stdin, then run it with
+    ``run_worker(arguments after "worker")`` (``diloco worker``'s entry; see the module doc);
+    returns the exit code."""
     parent = os.environ.get(PARENT_ENV)
     if parent is not None:
         die_with_parent(int(parent))
     import torch.distributed  # noqa: F401  what a restart would otherwise wait for
 
-    from diloco import cli
     from diloco.runtime import worker  # noqa: F401
 
     line = sys.stdin.readline()
@@ -73,7 +74,7 @@ def serve() -> int:
     os.dup2(log, 2)
     os.close(log)
     os.environ.update({**SINGLE_RANK_ENV, **job["env"]})
-    return cli.main(["worker", *job["argv"]])
+    return run_worker(job["argv"])
 
 
 @dataclass

@@ -55,10 +55,11 @@ def test_a_restarted_group_takes_the_oldest_live_spare_and_a_new_one_is_started(
 def test_an_assignment_is_checked_before_it_runs(monkeypatch, capsys):
     import io
 
+    ran: list = []
     monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"argv": [1], "env": {}, "log": "x"}) + "\n"))
-    assert spare.serve() == 2 and "a spare's assignment must be" in capsys.readouterr().err
+    assert spare.serve(ran.append) == 2 and "a spare's assignment must be" in capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # closed without an assignment: nothing to do
-    assert spare.serve() == 0
+    assert spare.serve(ran.append) == 0 and not ran
 
 
 @pytest.mark.slow
