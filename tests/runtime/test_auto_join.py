@@ -100,12 +100,14 @@ def _run(tmp_path, name, *args, groups=2):
 
 @pytest.mark.slow
 def test_a_killed_group_heals_into_an_auto_job_on_its_setting(tmp_path):
-    """A group SIGKILLed in a --codec topk --h auto job (SparseLoCo, error feedback, tiles) restarts,
-    learns the job's setting from the coordinator, builds its engine with it, takes the donor's
-    state (schedule included, residual empty) and ends bit-identical with the others."""
-    s = _run(tmp_path, "heal", "--codec", "topk", "--h", "auto", "--steps", "1500", "--chaos", "1",
+    """A group SIGKILLed in a --codec topk --h auto job (SparseLoCo, error feedback, tiles) restarts
+    from a warm spare, learns the job's setting from the coordinator, builds its engine with it,
+    takes the donor's state (schedule included, residual empty) and ends bit-identical with the
+    others."""
+    s = _run(tmp_path, "heal", "--codec", "topk", "--h", "auto", "--steps", "1500", "--chaos", "1", "--spares", "1",
              "--heartbeat-timeout", "2", "--timeout", "5", groups=3)
     assert s["fault"]["kills"] == 1 and s["fault"]["heals"] >= 1 and s["params_identical"]
+    assert s["fault"]["spares_used"] == 1  # restarted from a warm spare (tests/runtime/test_spares.py)
     healed = [d for d in s["summaries"].values() if d["fault"]["healed"]]
     assert len(healed) == 1 and all(d["auto"]["row"] == s["auto"]["row"] for d in s["summaries"].values())
     assert healed[0]["auto"]["reason"] == s["auto"]["reason"]  # the donor's choice, not a placeholder
@@ -134,12 +136,24 @@ def test_an_auto_job_resumed_with_its_flags_equals_a_straight_run(tmp_path):
     assert "joins the job on topk 3 % sparseloco H=30 (the setting of checkpoint step-000060)" in log
 
 
-def test_resuming_a_checkpoint_of_fixed_flags_under_auto_is_refused(tmp_path, capsys):
-    out = _run(tmp_path, "fixed", "--codec", "topk", "--h", "30", "--steps", "20", "--stop-after", "10",
-               "--checkpoint-every", "10")
-    assert out["stopped_at_step"] == 10
-    root = tmp_path / "fixed" / "checkpoints"
-    code = cli.main(["run", "--resume", str(root), "--codec", "topk", "--h", "auto", "--probe-bytes", "4096",
-                     "--no-progress", "--run-dir", str(tmp_path / "again")])
-    assert code == 2
-    assert "saved by a job of fixed flags" in capsys.readouterr().err
+def test_resuming_a_checkpoint_of_fixed_flags_under_auto_is_refused(tmp_path):
+    """A worker given auto flags reads a checkpoint whose engine ran no auto schedule: refused,
+    saying how to resume it (before any process would train)."""
+    import torch
+
+    from diloco.engine.averaging import SingleGroup
+    from diloco.engine.diloco import DiLoCo
+    from diloco.runtime import job_checkpoint, rank_state
+    from diloco.runtime.checkpoint import CheckpointError
+
+    fixed = Config()
+    fixed.topology.groups, fixed.transport.codec, fixed.sync.h = 2, "topk", 30
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    engine = DiLoCo(model, inner, averager=SingleGroup(), sync_every=30)
+    state = rank_state.capture(step=0, cfg=fixed, engine=engine, model=model, inner=inner, group=0)
+    assert state["engine"]["schedule"] is None and job_checkpoint.auto_row(state) is None
+    job_checkpoint.write_rank(tmp_path, 0, 0, 0, state)
+    job_checkpoint.write_manifest(tmp_path, 0, 0, 1, fixed, mode="blocking")
+    with pytest.raises(CheckpointError, match="saved by a job of fixed flags"):
+        job_checkpoint.load_rank(job_checkpoint.step_path(tmp_path, 0), _auto_config(), 0, 0)

@@ -1,10 +1,9 @@
 """Warm spares (``diloco run --spares N``): a restarted group of one rank becomes a process that
-already imported python, torch and the worker, and a new spare takes its place."""
+already imported python, torch and the worker, and a new spare takes its place. A real job's
+group restarted from a spare: ``tests/runtime/test_auto_join.py -k killed``."""
 
 import json
 from pathlib import Path
-
-import pytest
 
 from diloco import cli
 from diloco.runtime import spare
@@ -60,24 +59,6 @@ def test_an_assignment_is_checked_before_it_runs(monkeypatch, capsys):
     assert spare.serve(ran.append) == 2 and "a spare's assignment must be" in capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # closed without an assignment: nothing to do
     assert spare.serve(ran.append) == 0 and not ran
-
-
-@pytest.mark.slow
-def test_killed_groups_restart_from_spares_heal_and_end_identical(tmp_path):
-    out = tmp_path / "summary.json"
-    code = cli.main(["run", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
-                     "--eval-batches", "2", "--groups", "3", "--ranks-per-group", "1", "--steps", "1500", "--h", "10",
-                     "--chaos", "2", "--spares", "1", "--heartbeat-timeout", "2", "--timeout", "5", "--probe-bytes",
-                     "0", "--no-progress", "--json", str(out), "--run-dir", str(tmp_path / "run")])
-    assert code == 0
-    s = json.loads(out.read_text())
-    f = s["fault"]
-    assert f["kills"] == 2 and f["spares_used"] == 2 and f["heals"] >= 2 and s["params_identical"], f
-    for restart in (tmp_path / "run").glob("group-*.restart-*.log"):
-        text = restart.read_text()
-        assert "diloco.runtime.worker" in text and "torchrun" not in text  # the spare ran the worker itself
-        assert "healed from group" in text
-    assert all(d["twice"] == 0 and d["left_out"] == 0 for d in s["data_per_group"].values())
 
 
 def test_spares_need_groups_of_one_rank(capsys):
