@@ -91,6 +91,10 @@ class AutoTable:
             raise ValueError("the auto table has no settings")
         return min(counts, key=lambda g: (abs(g - groups), g))
 
+    def named(self, row: str) -> Setting | None:
+        """The setting of row ``row`` (None: the table has none)."""
+        return next((e for e in self.entries if e.row == row), None)
+
     def candidates(self, groups: int, codec: str | None = None, h: int | None = None) -> list[Setting]:
         """The settings measured at the group count closest to ``groups``, with ``codec`` and ``h``
         where they are fixed (None: any)."""

@@ -147,7 +147,7 @@ def running_setting(table: auto_choice.AutoTable, row: str, *, codec: str | None
     """The table's setting named ``row`` (the one a running job or a checkpoint runs), with the
     ``codec`` and ``h`` the user fixed (None: auto); ConfigError when this table lacks it or the
     flags exclude it."""
-    setting = next((e for e in table.entries if e.row == row), None)
+    setting = table.named(row)
     if setting is None:
         raise ConfigError(f"the job runs the auto setting {row!r}, which this auto table ({table.size}, {table.commit}) "
                           "does not hold (or this config cannot run): start every group with the same version and flags")
@@ -207,11 +207,15 @@ class AutoSchedule:
         self.decided_bytes_per_s = choice.link_bytes_per_s
         self.total_steps = getattr(base, "total_steps", None)
         self.h_max = getattr(base, "h_max", None)
-        self.h = choice.setting.h
         self.changes: list[tuple[int, int, float]] = []  # (inner step, new H, link bytes/s)
         self.codec_changes: list[tuple[int, str, float]] = []  # (inner step, new setting's label, link bytes/s)
         self._seen_version: int | None = None
         self._waiting = waiting
+
+    @property
+    def h(self) -> int:
+        """H of the setting run now."""
+        return self.choice.setting.h
 
     def bind(self, engine: Any) -> None:
         """The engine this schedule's codec switches reach (called as the engine is built)."""
@@ -239,7 +243,7 @@ class AutoSchedule:
         setting = running_setting(self.table, row)
         self.choice = Choice(setting, float(state["wire_s"]), float(state["budget_s"]), bool(state["hides"]),
                              float(state["link_bytes_per_s"]), float(state["step_s"]), str(state["reason"]))
-        self.h, self.step_s = setting.h, float(state["step_s"])
+        self.step_s = float(state["step_s"])
         self.decided_bytes_per_s = float(state["decided_bytes_per_s"])
         self.changes = [(int(a), int(b), float(c)) for a, b, c in state["changes"]]
         self.codec_changes = [(int(a), str(b), float(c)) for a, b, c in state["codec_changes"]]
@@ -271,7 +275,7 @@ class AutoSchedule:
                                            link_bytes_per_s=now, step_s=self.step_s, groups=self.groups,
                                            codec_fixed=self.codec_fixed, h_fixed=self.h_fixed)
         old = self.choice.setting
-        self.choice, self.h = choice, choice.setting.h
+        self.choice = choice
         new = choice.setting
         self.link.averager.setting = new.row  # what the next exchanges ask their quorums with
         link_text = f"the slowest link moved to {8 * now / 1e6:.3g} Mbit/s (plan version {current[1]})"

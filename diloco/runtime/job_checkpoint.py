@@ -356,7 +356,7 @@ def as_checkpoint_ran(cfg: Config, state: dict, path: Path) -> Config:
     if row is None:
         raise CheckpointError(f"{path}: saved by a job of fixed flags, not --codec/--h auto: resume it with the flags "
                               "its config holds (diloco run --resume DIR takes them from the checkpoint)")
-    setting = next((e for e in auto_choice.load_table().entries if e.row == row), None)
+    setting = auto_choice.load_table().named(row)
     if setting is None:
         raise CheckpointError(f"{path}: runs the auto setting {row!r}, which this version's auto table does not hold")
     return auto_choice.apply_choice(cfg, setting).validate()
