@@ -78,13 +78,13 @@ def initial_loss(cfg: Config) -> float:
     import torch
 
     from diloco.job.task import DEMO_ENTRY, TaskContext, build_task
-    from diloco.runtime.worker import _evaluate
+    from diloco.runtime.train_loop import evaluate
 
     ctx = TaskContext(group=0, num_groups=cfg.topology.groups, rank=0, group_size=1, device=torch.device("cpu"),
                       seed=cfg.train.seed, steps=cfg.train.steps, batch_size=cfg.data.batch_size,
                       data_path=cfg.data.path, args={}, config=cfg)
     task = build_task(DEMO_ENTRY, ctx)
-    return _evaluate(task.model, task, torch.device("cpu"))
+    return evaluate(task.model, task, torch.device("cpu"))
 
 
 def run(a: argparse.Namespace) -> dict:

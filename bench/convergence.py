@@ -3,7 +3,7 @@
 What runs (the code path). Every row trains the demo GPT through the same pieces as ``diloco run``:
 the task (``diloco.demo.gpt_task``), the inner optimizer (``diloco.runtime.worker.make_inner_optimizer``),
 the engine built from the config (``diloco.runtime.worker.make_engine``: DiLoCo in every mode, or data
-parallel) and the training loop itself (``diloco.runtime.worker._train``: lr schedule, grad clip, engine
+parallel) and the training loop itself (``diloco.runtime.train_loop.train``: lr schedule, grad clip, engine
 steps, final eval of the global model). What differs from a real job is only where the groups live:
 the G groups are G threads of this process, each with its own model, inner optimizer and engine
 (one rank per group, no DDP wrapper: a DDP group of one rank only copies the gradients), and each

@@ -35,7 +35,8 @@ from diloco.demo import gpt_task  # noqa: E402
 from diloco.job.task import Task, TaskContext  # noqa: E402
 from diloco.runtime.connection import group_keys, make_transport  # noqa: E402
 from diloco.runtime.summary import bits_per_param_per_step  # noqa: E402
-from diloco.runtime.worker import _evaluate, _train, make_engine, make_inner_optimizer  # noqa: E402
+from diloco.runtime.train_loop import evaluate, train
+from diloco.runtime.worker import make_engine, make_inner_optimizer  # noqa: E402
 
 ENTRY = "bench.convergence_run:study_task"  # this file, importable with the repository root on the path
 EVAL_BATCH = 16  # sequences per eval batch, whatever a row's batch per group
@@ -95,7 +96,7 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
 # --- one run, in-process --------------------------------------------------------------------------
 
 class _Recorder:
-    """What ``_train`` reports through its link (``report_progress``, ``summary``) and what the
+    """What ``train_loop.train`` reports through its link (``report_progress``, ``summary``) and what the
     engine tells its averager (``observe``): bytes at every report, the periods chosen, and (group 0)
     the global model's eval loss every ``log_every`` steps."""
 
@@ -117,7 +118,7 @@ class _Recorder:
         self.bytes_at[step] = self.sent()
         if self.group == 0 and self.every and step % self.every == 0 and step < steps:
             with self.engine.global_weights() as model:
-                self.curve.append((step, _evaluate(model, self.task, torch.device("cpu"))))
+                self.curve.append((step, evaluate(model, self.task, torch.device("cpu"))))
 
     def observe(self, engine, events) -> None:
         self.periods += [e.next_period for e in events if e.kind == "launch" and e.next_period]
@@ -158,7 +159,7 @@ class _Static:
 
 
 class _Model:
-    """Stands where ``_train`` expects the DDP wrapper: calls the model, exposes it as ``module``."""
+    """Stands where ``train_loop.train`` expects the DDP wrapper: calls the model, exposes it as ``module``."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -219,7 +220,7 @@ def run_in_process(cfg: Config) -> dict:
                 engine = make_engine(cfg, tasks[g].model, inners[g], averagers[g], tasks[g].fragments)
                 recorders[g].engine = engine
                 # groups other than 0 skip the evals, as ranks other than 0 do in a real job
-                summaries[g] = _train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
+                summaries[g] = train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
                                       engine, recorders[g])
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                 errors.append(e)

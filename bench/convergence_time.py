@@ -48,7 +48,8 @@ from bench.convergence_run import (
 from diloco.engine.averaging import InProcessGroups
 from diloco.job.config import make_codec
 from diloco.job.task import TaskContext
-from diloco.runtime.worker import _train, make_engine, make_inner_optimizer
+from diloco.runtime.train_loop import train
+from diloco.runtime.worker import make_engine, make_inner_optimizer
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "convergence.json"
 
@@ -130,7 +131,7 @@ class _ClockedMember:
 
 
 class _Link(_Recorder):
-    """What ``_train`` reports through (``_Recorder``), with what it reads of a real connection."""
+    """What ``train_loop.train`` reports through (``_Recorder``), with what it reads of a real connection."""
 
     averager = None
     fault_stats = SimpleNamespace(healed=False)
@@ -178,7 +179,7 @@ def run_time_row(cfg, row: TimeRow) -> dict:
             timed.sync.round_seconds = seconds if row.timed else 0.0  # TimeRounds(seconds, ceil(steps / H))
             engine = make_engine(timed, tasks[g].model, inners[g], members[g], tasks[g].fragments, clock=clocks[g])
             links[g].engine = engine
-            summaries[g] = _train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
+            summaries[g] = train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
                                   engine, links[g])
             summaries[g].update(round_steps=list(getattr(engine, "round_steps", [])), inner_steps=engine.inner_step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller

@@ -168,6 +168,15 @@ class _TimedChaos(ChaosMonkey):
         return plan
 
 
+def _jobs_folder(args, stack: contextlib.ExitStack) -> str:
+    """Where the jobs' folders go: ``--keep DIR`` (left there: logs, traces, summaries), else a
+    temporary folder removed with ``stack``."""
+    if getattr(args, "keep", None):
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        return tempfile.mkdtemp(prefix="goodput-", dir=args.keep)
+    return stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-goodput-"))
+
+
 def run_jobs(args, jobs: dict[str, dict], *, configure: Callable | None = None, record: Callable | None = None,
              timeout_s: float = 900) -> dict[str, dict]:
     """Run ``jobs`` (name: ``configure`` keywords, default ``_config``'s; a ``chaos`` entry, the
@@ -177,7 +186,8 @@ def run_jobs(args, jobs: dict[str, dict], *, configure: Callable | None = None, 
     configure = configure or _config
     record = record or (lambda name, kw, cfg, s, d: _record(name, kw, cfg, s, _steps_of(d / "trace")))
     out = {}
-    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp, contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
+        tmp = _jobs_folder(args, stack)
         procs, cfgs = {}, {}
         try:
             for name, kw in jobs.items():
@@ -340,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--seed", type=int, default=7, help="the jobs' seed and the fault drill's")
     f.add_argument("--job-timeout", type=float, default=1800, help="seconds before a fault-case job counts as hung")
     f.add_argument("--plot", help="PNG of goodput against fault interval, e.g. bench/results/goodput_faults.png")
+    p.add_argument("--keep", metavar="DIR", help="keep every job's folder (group logs, step traces, summaries) under "
+                   "DIR instead of deleting it [default: deleted]")
     p.add_argument("--json", help="write (merge) the sections here, e.g. bench/results/goodput.json")
     p.add_argument("--child", nargs=3, metavar=("CONFIG", "SUMMARY", "RUN_DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -303,10 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         from diloco.runtime import agent
 
         return agent.main(argv[1:])
-    if argv == ["spare"]:  # diloco run's warm spare (diloco/runtime/spare.py): not a user's command
+    if argv[:1] == ["spare"] and len(argv) <= 2:  # diloco run's warm spare (runtime/spare.py), not a user's command
         from diloco.runtime import spare
 
-        return spare.serve(lambda args: main(["worker", *args]))
+        return spare.serve(lambda args: main(["worker", *args]), argv[1] if len(argv) == 2 else None)
     args = build_parser().parse_args(argv)
     if args.command == "worker":
         _die_with_agent()

@@ -157,7 +157,8 @@ class RoundState(Liveness):
         for g, by_rank in self._asks.get(exchange, {}).items():
             if self._complete(g) and len(by_rank) == self._sizes[g] and 0 in by_rank:
                 a = by_rank[0]
-                out[g] = rounds.Ask(a.exchange, a.tag, a.numel, a.weight, a.state_hash, a.delta_norm, a.healable)
+                out[g] = rounds.Ask(a.exchange, a.tag, a.numel, a.weight, a.state_hash, a.delta_norm, a.healable,
+                                    a.setting)
         return out
 
     def _decide_quorums(self) -> None:
@@ -220,11 +221,9 @@ class RoundState(Liveness):
                 self._event("left_out", exchange=exchange, groups=list(q.left_out), quorum=q.id,
                             waited_s=round(self._clock() - start, 4) if start is not None else None)
             members = {g: tuple(self._members[g][r] for r in range(self._sizes[g])) for g in q.groups}
-            # every member asks with the same setting (they decide alike); the lowest member's counts
-            setting = next((self._asks[exchange][g][0].setting for g in sorted(asks) if g in q.groups), "")
-            if setting:
-                self.latest_setting = setting
-            meta = {"setting": setting, "members": members, "sizes": {g: self._sizes[g] for g in q.groups},
+            if q.setting:
+                self.latest_setting = q.setting
+            meta = {"setting": q.setting, "members": members, "sizes": {g: self._sizes[g] for g in q.groups},
                     "incarnations": {g: self._incarnations[g] for g in q.groups},
                     "norms": {g: asks[g].delta_norm for g in q.groups if g in asks}, "orphan": False,
                     "decided_at": self._clock(), "stop": self._stop_reason is not None,

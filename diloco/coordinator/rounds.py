@@ -18,8 +18,9 @@ Rules (docs/fault_tolerance.md):
   that healed in an earlier exchange and has not asked for a later one yet is waited for past the
   window while it is heard from (``patient_groups``): it trains its first round only once its
   state transfer ended, and cutting it would only send it to heal again;
-* the non-healing members must agree on the exchange's tag and size and on the hash of the global
-  state they start from: a member in the minority is *evicted* (stopped and healed), never averaged;
+* the non-healing members must agree on the exchange's tag and size, on the hash of the global
+  state they start from and (``--codec/--h auto``) on the setting they run: a member in the
+  minority is *evicted* (stopped and healed), never averaged;
 * weights: a member's weight is what it contributed since its last exchange (tokens, or inner
   steps x ranks); healers and rejected contributions weigh 0. The mean is the weighted mean;
 * a contribution is *rejected* if its norm is NaN/Inf, or larger than ``factor`` times the median
@@ -50,6 +51,7 @@ class Ask:
     state_hash: str = ""  # hash of its global state before this exchange ("" = not compared)
     delta_norm: float = 0.0  # L2 norm of its contribution (NaN/Inf = non-finite)
     healable: bool = True  # healers may join this exchange
+    setting: str = ""  # --codec/--h auto: the setting (a row of the study's table) it runs; "" none
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Quorum:
     evicted: Mapping[int, str] = field(default_factory=dict)  # group -> why it must stop and heal
     state_hash: str = ""  # the agreed global-state hash the exchange starts from
     left_out: tuple[int, ...] = ()  # live groups that had not asked when the grace window ended
+    setting: str = ""  # --codec/--h auto: the setting every member runs ("" none)
 
     @property
     def contributors(self) -> tuple[int, ...]:
@@ -153,6 +156,11 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
     for g, h in hashes.items():
         if h != agreed:
             evicted[g] = f"global state hash {h} differs from the quorum's {agreed}"
+    settings = {g: a.setting for g, a in current.items() if g not in evicted and a.setting}
+    setting = str(_majority(settings)) if settings else ""
+    for g, s in settings.items():
+        if s != setting:
+            evicted[g] = f"runs the auto setting {s!r}, the quorum {setting!r}"
     members = sorted(g for g in current if g not in evicted)
     healable = all(current[g].healable for g in members)
     healers = sorted(g for g, a in asks.items() if a.exchange == HEAL) if healable else []
@@ -165,7 +173,7 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
     return Quorum(id=quorum_id, exchange=exchange, attempt=attempt, tag=str(tag), numel=int(numel),
                   groups=tuple(sorted(members + healers)), weights=weights, healers=tuple(healers),
                   donor=members[0] if healers else -1, rejected=refused, evicted=evicted,
-                  state_hash=agreed, left_out=tuple(missing))
+                  state_hash=agreed, left_out=tuple(missing), setting=setting)
 
 
 def commit_outcome(quorum: Quorum, sizes: Mapping[int, int], votes: Mapping[tuple[int, int], tuple[bool, str]],

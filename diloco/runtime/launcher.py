@@ -264,7 +264,8 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
 
     supervisor = Supervisor(spawn, cfg.topology.groups, cfg.fault.max_restarts, chaos,
                             corrupt_link=relays.corrupt if relays is not None else None, spares=cfg.fault.spares,
-                            start_spare=lambda: spare.start(spare_env, out_dir / f"spare-{next(spares_started)}.log"),
+                            start_spare=lambda: spare.start(spare_env, out_dir / f"spare-{next(spares_started)}.log",
+                                                            cfg_path),
                             assign=assign)
     stop = _Stop(server, lambda: stop_timeout_s if stop_timeout_s is not None else _auto_stop_timeout(
         server.snapshot(), time.perf_counter() - started))

@@ -1,10 +1,11 @@
 """Warm spares (``diloco run --spares N``): processes started ahead, with python, torch and the
 worker already imported, that become a failed group of one rank the moment it is restarted.
 
-Starting a group is seconds of imports (torchrun's agent and the worker each load torch), longer
-on a host busy with the other groups; during them the group trains nothing, which is most of
-what a fault costs (``bench/pages/goodput.md``). A spare has paid that ahead: ``serve`` imports,
-then blocks reading one line from its stdin. The supervisor writes the assignment there (a JSON
+Starting a group is seconds of imports (torchrun's agent and the worker each load torch; DDP's
+constructor loads ``torch._dynamo``; the task's module its own packages, the demo its corpus's),
+longer on a host busy with the other groups; during them the group trains nothing, which is most
+of what a fault costs (``bench/pages/goodput.md``). A spare has paid that ahead: ``serve`` imports
+them (``warm``, from the job's config), then blocks reading one line from its stdin. The supervisor writes the assignment there (a JSON
 object: the worker's arguments, the group's own environment, its log file) and the spare points
 its stdout and stderr at that log, takes the environment and runs ``diloco worker`` in this
 process, as the group's only rank, without a torchrun agent (a single-rank group's process group
@@ -48,17 +49,41 @@ def _read_assignment(line: str) -> dict[str, Any]:
     return job
 
 
-def serve(run_worker: Callable[[list[str]], int]) -> int:
-    """``python -m diloco spare``: import, wait for an assignment on stdin, then run it with
-    ``run_worker(arguments after "worker")`` (``diloco worker``'s entry; see the module doc);
-    returns the exit code."""
-    parent = os.environ.get(PARENT_ENV)
-    if parent is not None:
-        die_with_parent(int(parent))
-    import torch.distributed  # noqa: F401  what a restart would otherwise wait for
+def warm(config_path: str | None) -> list[str]:
+    """Import what a worker of the job in ``config_path`` (``diloco run``'s resolved config, JSON)
+    would import as it starts: torch.distributed, the worker, ``torch._dynamo`` (DDP's constructor
+    imports it), the task's entry module and, for the bundled corpus, its package. Returns what
+    could not be warmed, one line each: the worker meets and reports it when it starts."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
 
     from diloco.runtime import worker  # noqa: F401
 
+    if config_path is None:
+        return []
+    from diloco.demo import data
+    from diloco.job.config_parse import from_dict
+    from diloco.job.task import DEMO_ENTRY, load_entry
+
+    try:
+        cfg = from_dict(json.loads(Path(config_path).read_text()))
+        load_entry(cfg.train.entry or DEMO_ENTRY)
+        if not cfg.data.path:
+            data.shakespeare_dir()
+    except Exception as e:  # noqa: BLE001 - a spare serves regardless; the worker reports its own errors
+        return [f"{type(e).__name__}: {e}"]
+    return []
+
+
+def serve(run_worker: Callable[[list[str]], int], config_path: str | None = None) -> int:
+    """``python -m diloco spare [CONFIG]``: import (``warm``), wait for an assignment on stdin,
+    then run it with ``run_worker(arguments after "worker")`` (``diloco worker``'s entry; see the
+    module doc); returns the exit code."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is not None:
+        die_with_parent(int(parent))
+    for problem in warm(config_path):
+        print(f"diloco spare: not warmed: {problem}", file=sys.stderr, flush=True)
     line = sys.stdin.readline()
     if not line:
         return exit_codes.DONE
@@ -85,11 +110,12 @@ class Spare:
     log_path: Path
 
 
-def start(env: dict[str, str], log_path: Path) -> Spare:
-    """Start a spare with ``env`` (no group's credentials: they come with its assignment); its
-    lines until then go to ``log_path``."""
+def start(env: dict[str, str], log_path: Path, config_path: Path | None = None) -> Spare:
+    """Start a spare with ``env`` (no group's credentials: they come with its assignment), warmed
+    for the job of ``config_path``; its lines until then go to ``log_path``."""
+    argv = [sys.executable, "-m", "diloco", "spare", *([str(config_path)] if config_path is not None else [])]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "diloco", "spare"], stdin=subprocess.PIPE, stdout=log,
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Spare(proc, log_path)
 

@@ -1,4 +1,6 @@
-"""One rank of one worker group: the training loop run under ``torchrun``.
+"""One rank of one worker group, run under ``torchrun``: its start (device, process group, task,
+connection, engine; healing into a running job or resuming a checkpoint), then the training loop
+(``diloco.runtime.train_loop``).
 
 Inside the group the ranks are an ordinary DDP job (Gloo on CPU, NCCL on GPU), or with
 ``--parallel fsdp`` an FSDP2 one (``diloco.runtime.group_parallel``). Across groups,
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import logging
 import math
@@ -35,25 +36,19 @@ import torch.nn as nn
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.outer import by_name, co2
-from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, TimeRounds, inner_lr
-from diloco.exchange.data_positions import merged
+from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, TimeRounds
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import (
     DEMO_ENTRY,
-    Task,
     TaskContext,
-    batch_items,
     build_task,
     parse_entry_args,
-    to_device,
 )
 from diloco.runtime import (
     auto_setting,
-    checkpoint,
     cpu_threads,
-    data_feed,
     device_placement,
     exit_codes,
     group_parallel,
@@ -61,6 +56,7 @@ from diloco.runtime import (
     kernels,
     preflight,
     rank_state,
+    train_loop,
 )
 from diloco.runtime.connection import (
     SECRET_ENV,
@@ -69,16 +65,11 @@ from diloco.runtime.connection import (
     connect,
     read_secret,
 )
+from diloco.runtime.train_loop import WorkerError
 
 __all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]
 
 log = logging.getLogger(__name__)
-
-
-
-
-class WorkerError(RuntimeError):
-    """A worker cannot start or continue; the message says why."""
 
 
 def make_schedule(cfg: Config) -> SyncSchedule:
@@ -195,6 +186,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
     a job checkpoint (a step folder, or a folder of them) to continue from; with
     ``resume_unless_healing`` (``--resume auto``) only when the job is not running, else the group
     heals from a live group and the checkpoint is not read."""
+    started = time.monotonic()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -227,12 +219,14 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         model = task.model.to(device)
         ddp = group_parallel.wrap(cfg, task, model, device)  # DDP, or the model sharded in place (--parallel fsdp)
         inner = make_inner_optimizer(cfg, model)
+        built = time.monotonic()
         auto = any(auto_choice.is_auto(cfg))  # the codec until it is decided: fp32 (the decision's exchange is exact)
         settings = dataclasses.replace(cfg.transport, codec="fp32") if cfg.transport.codec == auto_choice.AUTO else \
             cfg.transport
         link = connect(coordinator, group, secret=secret, settings=settings, metrics_port=cfg.train.metrics_port,
                        heartbeat_timeout=cfg.fault.heartbeat_timeout)
         link.progress_every_s = cfg.train.progress_every
+        joined = time.monotonic()
         if resume is not None and resume_unless_healing:
             if link.membership.heal:
                 log.info("the job is running: group %d heals from a live group (its checkpoints in %s are not "
@@ -255,6 +249,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
             engine = make_engine(cfg, model, inner, link, task.fragments, schedule=schedule)
             if auto and schedule is None:
                 auto_setting.install_auto_schedule(engine, link, cfg)  # what auto chose follows the re-probed link
+            _log_startup(started, built, joined, healed=link.membership.heal)
         except JobFinished as e:
             late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
             if rank == 0:
@@ -263,13 +258,24 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         if restored is not None:  # every group resumes from the same step, or all refuse
             rank_state.agree_on_step(link, restored.step, tag=f"resume/{restored.step}")
             log.info("resumed from %s at step %d", restored.path.parent, restored.step)
-        return _train(cfg, group, rank, device, ddp, task, inner, engine, link, restored)
+        return train_loop.train(cfg, group, rank, device, ddp, task, inner, engine, link, restored)
     finally:
         if sigterm_handler is not None:
             signal.signal(signal.SIGTERM, sigterm_handler)
         if link is not None:
             link.close()
         dist.destroy_process_group()
+
+
+def _log_startup(started: float, built: float, joined: float, *, healed: bool) -> None:
+    """One line: how long this rank took from ``run_worker`` to training (monotonic seconds), by part;
+    a restarted group's down time is mostly this (``bench/pages/goodput.md``)."""
+    ready = time.monotonic()
+    parts = {"task_s": built - started, "join_s": joined - built, "engine_s": ready - joined}
+    log.info("ready to train %.2f s after the worker started: task and model %.2f s, joining the job %.2f s, %s %.2f s",
+             ready - started, parts["task_s"], parts["join_s"],
+             "healing (its quorum, then the state)" if healed else "the engine", parts["engine_s"],
+             extra={"startup_s": round(ready - started, 4), **{k: round(v, 4) for k, v in parts.items()}})
 
 
 def _running_auto_setting(restored: job_checkpoint.RankCheckpoint | None, link: GroupConnection,
@@ -289,150 +295,6 @@ def _running_auto_setting(restored: job_checkpoint.RankCheckpoint | None, link: 
         raise GroupEvicted(f"group {group}: the job has not run an exchange with its auto setting yet, so this group "
                            "cannot learn it to heal; restart it to heal once it has")
     return link.membership.setting, "the setting of the job's latest quorum"
-
-
-def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.Progress:
-    try:
-        return rank_state.restore(restored.state, **objects)
-    except (ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise checkpoint.CheckpointError(f"{restored.path}: cannot be restored here: {e}") from e
-
-
-def _on_sigterm(keeper: job_checkpoint.JobCheckpointer) -> None:
-    """SIGTERM (main thread only): the first asks ``keeper`` to checkpoint and stop at the next
-    step the job agrees on (a periodic checkpoint, or the connection's ``stop_requested``); a
-    second one ends the process at once, as without checkpoints."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def handler(signum, frame) -> None:
-        if keeper.stop_signalled:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-        keeper.request_stop()
-
-    signal.signal(signal.SIGTERM, handler)
-
-
-def _train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Module, task: Task,
-           inner: torch.optim.Optimizer, engine, link: GroupConnection,
-           restored: job_checkpoint.RankCheckpoint | None = None) -> dict:
-    c = cfg.inner
-    steps = cfg.train.steps
-    data_parallel = isinstance(engine, DataParallelAcrossGroups)
-    evaluate = functools.partial(_evaluate, group_parallel.bare(ddp), task, device)
-    feed = data_feed.DataFeed(task.train_batches, getattr(link.averager, "positions", None), group=group, rank=rank)
-    batches = feed.batches
-    items_per_batch = task.tokens_per_batch
-    timed = getattr(engine, "time_rounds", None) is not None  # --round-seconds: the loop ends with the rounds
-    if timed and restored is not None:
-        raise ConfigError("--resume with --round-seconds is not supported: rounds by time take no job checkpoints")
-    if restored is None:
-        # a group that healed into a running job continues at the job's step, its data at its committed position
-        start_step, loss_ema = engine.inner_step, None
-        if link.fault_stats.healed:
-            feed.healed()
-        initial_eval = group_parallel.evaluate_on(rank, ddp, evaluate) if start_step == 0 else float("nan")
-    else:  # engine, local model, inner optimizer, data position, then the RNG states
-        progress = _restore(restored, engine=engine, model=group_parallel.bare(ddp), inner=inner, task=task, batches=batches,
-                            device=device)
-        start_step, loss_ema, initial_eval = progress.step, progress.loss_ema, progress.initial_eval_loss
-        link.periods = list(progress.periods)  # H of the rounds before the checkpoint, for the summary
-        feed.resumed(restored.state)
-    keeper = None
-    if not timed and (cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir):
-        keeper = job_checkpoint.JobCheckpointer(
-            cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
-            task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval,
-            healed=restored is None and link.fault_stats.healed)
-        _on_sigterm(keeper)  # run_worker puts the old handler back
-    stopped_at = start_step if keeper is not None and keeper.catch_up(loss_ema=loss_ema) else None
-    t = start_step
-    while stopped_at is None and (not engine.rounds_done if timed else t < steps):
-        # rounds by time: the lr follows the job's progress in time, alike in every group whatever its speed
-        lr_step = min(int(engine.progress() * steps), steps - 1) if timed else t
-        lr = inner_lr(lr_step, peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
-                      schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
-        for pg in inner.param_groups:
-            pg["lr"] = lr
-        # the lr the next round starts with: what QSR reads when it sets H after this sync
-        nxt = inner_lr(min(lr_step + 1, steps - 1), peak=c.lr, warmup_steps=c.warmup_steps, total_steps=steps,
-                       schedule=c.lr_schedule, min_ratio=c.min_lr_ratio)
-        if getattr(engine, "catching_up", False) and engine.steps_behind() > 0:
-            # healed into rounds of fixed H: its state transfer made it late; it counts this step
-            # untrained (no batch drawn, no weight) so that it launches its first exchange with the others
-            for pg in inner.param_groups:
-                pg["lr"] = nxt
-            events = engine.skip_step()
-        else:
-            try:
-                batch = to_device(next(batches), device)
-            except StopIteration:
-                raise WorkerError(f"the task's train_batches ran out after {t} of {steps} steps") from None
-            if items_per_batch is None:
-                items_per_batch = batch_items(batch)
-            loss = task.loss(ddp, batch)
-            inner.zero_grad(set_to_none=True)
-            loss.backward()
-            if data_parallel:
-                engine.average_gradients()
-            if c.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(group_parallel.bare(ddp).parameters(), c.grad_clip)
-            inner.step()
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise WorkerError(f"group {group} rank {rank}: inner loss is {value} at step {t + 1}")
-            loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
-            for pg in inner.param_groups:
-                pg["lr"] = nxt
-            events = engine.step()
-            feed.after_step()
-        last = engine.rounds_done if timed else t + 1 == steps
-        if last:
-            events = engine.close()
-        if (t + 1) % cfg.train.log_every == 0 or last or events:
-            link.report_progress(loss=loss_ema, step=t + 1, steps=steps, lr=nxt,
-                                 tokens_per_step=(items_per_batch or 0) * link.group_size)
-        if keeper is not None and keeper.after_step(t + 1, loss_ema=loss_ema):
-            stopped_at = t + 1  # checkpoint written: leave the job here, to be resumed
-            break
-        t += 1
-    with engine.global_weights():
-        eval_loss = group_parallel.evaluate_on(rank, ddp, evaluate)
-    extra = {}
-    if restored is not None:
-        extra.update(resumed_from=str(restored.path.parent), resumed_at_step=start_step)
-    if stopped_at is not None:
-        extra.update(stopped_at_step=stopped_at, job_checkpoint=str(keeper.last))
-    if feed.positions is not None:  # this incarnation's committed data ranges (diloco.exchange.data_positions)
-        extra.update(data_ledger=merged(feed.positions.ledger),
-                     data_unit="samples" if feed.positions.samples_per_step else "steps")
-    summary = link.summary(
-        engine, eval_loss=eval_loss, initial_eval_loss=initial_eval, final_train_loss=loss_ema,
-        tokens=(stopped_at or t) * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
-        **extra,
-    )
-    whole = group_parallel.global_model_to_save(engine, ddp, rank) if cfg.train.save and group == 0 and \
-        stopped_at is None else None  # sharded: every rank of the group takes part; rank 0 gets it
-    if whole is not None:
-        checkpoint.save(cfg.train.save, {
-            "global": whole, "config": cfg.to_dict(),
-            "inner_steps": steps, "eval_loss": eval_loss, "param_hash": summary["param_hash"],
-        })
-        summary["checkpoint"] = cfg.train.save
-    return summary
-
-
-@torch.no_grad()
-def _evaluate(model: nn.Module, task: Task, device: torch.device) -> float:
-    """Mean of ``task.loss`` over ``task.eval_batches`` (NaN when the task has none)."""
-    if not task.eval_batches:
-        return float("nan")
-    was_training = model.training
-    model.eval()
-    total = sum(float(task.loss(model, to_device(b, device))) for b in task.eval_batches)
-    model.train(was_training)
-    return total / len(task.eval_batches)
 
 
 def format_worker_line(s: dict) -> str:

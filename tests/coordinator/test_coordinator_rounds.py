@@ -7,8 +7,8 @@ import pytest
 from diloco.coordinator.rounds import HEAL, Ask, Quorum, commit_outcome, decide, own_share, screen, weighted_scale
 
 
-def ask(exchange=5, tag="f0/r5", numel=100, weight=10.0, state_hash="h1", norm=1.0, healable=True):
-    return Ask(exchange, tag, numel, weight, state_hash, norm, healable)
+def ask(exchange=5, tag="f0/r5", numel=100, weight=10.0, state_hash="h1", norm=1.0, healable=True, setting=""):
+    return Ask(exchange, tag, numel, weight, state_hash, norm, healable, setting)
 
 
 def test_a_quorum_waits_for_every_live_group_then_forms():
@@ -48,6 +48,24 @@ def test_a_group_with_another_state_hash_or_exchange_is_evicted_by_the_majority(
     q = decide({0: ask(state_hash="a"), 1: ask(state_hash="b")}, {0, 1}, next_exchange=5, min_groups=1,
                attempt=0, quorum_id="q")
     assert q.groups == (0,) and 1 in q.evicted and q.state_hash == "a"
+
+
+def test_a_member_running_another_auto_setting_is_evicted_by_the_majority():
+    """--codec/--h auto: every member decides the same setting; one that asks with another would
+    exchange another codec's frames, so it is stopped and heals (learning the job's setting)."""
+    asks = {0: ask(setting="slo-h30-d3"), 1: ask(setting="slo-h50-d3"), 2: ask(setting="slo-h30-d3")}
+    q = decide(asks, {0, 1, 2}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
+    assert q.groups == (0, 2) and q.setting == "slo-h30-d3"
+    assert "slo-h50-d3" in q.evicted[1] and "slo-h30-d3" in q.evicted[1]
+    # a tie goes to the lowest group id's setting; jobs without auto ask with none and agree
+    q = decide({0: ask(setting="b"), 1: ask(setting="a")}, {0, 1}, next_exchange=5, min_groups=1, attempt=0,
+               quorum_id="q")
+    assert q.groups == (0,) and q.setting == "b" and 1 in q.evicted
+    q = decide({0: ask(), 1: ask()}, {0, 1}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
+    assert q.groups == (0, 1) and q.setting == "" and not q.evicted
+    # a healer asks without one: it learns the quorum's
+    q = decide({0: ask(setting="a"), 1: Ask(HEAL)}, {0}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
+    assert q.healers == (1,) and q.setting == "a" and not q.evicted
 
 
 def test_after_a_coordinator_restart_the_exchange_most_groups_ask_for_wins():

@@ -21,7 +21,7 @@ from diloco.engine.diloco import DiLoCo
 from diloco.job import config_parse
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import Task, TaskError
-from diloco.runtime import job_checkpoint, launcher, rank_state, worker
+from diloco.runtime import job_checkpoint, launcher, rank_state, train_loop
 from diloco.runtime.checkpoint import CheckpointError
 
 G = 2
@@ -325,7 +325,7 @@ def test_checkpointer_writes_periodically_stops_at_stop_after_on_agreement_and_a
     if threading.current_thread() is threading.main_thread():  # SIGTERM: stop at the next periodic step
         before = signal.getsignal(signal.SIGTERM)
         try:
-            worker._on_sigterm(keeper)
+            train_loop.on_sigterm(keeper)
             os.kill(os.getpid(), signal.SIGTERM)
         finally:
             signal.signal(signal.SIGTERM, before)

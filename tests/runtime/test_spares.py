@@ -61,6 +61,32 @@ def test_an_assignment_is_checked_before_it_runs(monkeypatch, capsys):
     assert spare.serve(ran.append) == 0 and not ran
 
 
+def test_a_spare_imports_the_jobs_task_module_ahead_and_serves_even_when_it_cannot(tmp_path, monkeypatch, capsys):
+    """What a restarted group's worker would import as it starts (seconds on a busy host) a spare
+    imports before it is needed: the task's entry module among them. One it cannot import is the
+    worker's to report once assigned: the spare says so and serves."""
+    import io
+    import sys
+
+    from diloco.job.config import Config
+
+    (tmp_path / "warm_probe_entry.py").write_text("def task(ctx):\n    raise AssertionError('never called')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = Config()
+    cfg.train.entry = "warm_probe_entry:task"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    assert "warm_probe_entry" not in sys.modules
+    assert spare.warm(str(path)) == [] and "warm_probe_entry" in sys.modules and "torch._dynamo" in sys.modules
+    cfg.train.entry = "warm_probe_missing:task"
+    path.write_text(json.dumps(cfg.to_dict()))
+    (problem,) = spare.warm(str(path))
+    assert "warm_probe_missing" in problem
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert spare.serve(lambda args: 1, str(path)) == 0
+    assert "not warmed: TaskError" in capsys.readouterr().err and "warm_probe_missing" not in sys.modules
+
+
 def test_spares_need_groups_of_one_rank(capsys):
     assert cli.main(["run", "--groups", "2", "--ranks-per-group", "2", "--spares", "1", "--steps", "10",
                      "--no-progress"]) == 2
