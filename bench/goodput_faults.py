@@ -314,6 +314,9 @@ def fault_section(args, pairs: list[dict]) -> dict:
     }
 
 
+_KIND_WORDS = {"kill": "kill", "stall": "freeze", "corrupt": "corrupted link"}
+
+
 def plot(section: dict, path: str) -> None:
     """A PNG of goodput against fault interval ("none" at the right, 100 %); says so and returns
     without one when matplotlib is missing."""
@@ -329,11 +332,13 @@ def plot(section: dict, path: str) -> None:
     nulls = [100 * p["goodput"] for p in section["pairs"] if p["interval_s"] is None]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     xs = [x for x, _ in pts]
-    ax.plot(xs, [y for _, y in pts], "o-", label="a kill every x s")
+    kinds = " or ".join(_KIND_WORDS.get(k, k) for k in str(section["settings"].get("kinds", "kill")).split(","))
+    ax.plot(xs, [y for _, y in pts], "o-", label=f"a {kinds} every x s")
     for p in section["pairs"]:
         if p["interval_s"] is not None:
-            ax.annotate(f"{p['fault_job']['kills']} kills", (p["interval_s"], 100 * p["goodput"]), fontsize=7,
-                        textcoords="offset points", xytext=(4, -10))
+            f = p["fault_job"]
+            ax.annotate(", ".join(f"{f[k]} {k}" for k in ("kills", "frozen", "corrupted") if f.get(k)),
+                        (p["interval_s"], 100 * p["goodput"]), fontsize=7, textcoords="offset points", xytext=(4, -10))
     far = 2 * max(xs) if xs else 60
     if nulls:
         ax.plot([far] * len(nulls), nulls, "s", color="grey", label="none: fault-free vs its twin")
@@ -341,7 +346,7 @@ def plot(section: dict, path: str) -> None:
     ax.set_xticks(xs + [far] * bool(nulls), [f"{x:g}" for x in xs] + ["none"] * bool(nulls))
     ax.set_xlabel("seconds between faults")
     ax.set_ylabel("goodput, % of fault-free")
-    ax.set_title(f"{section['settings']['groups']} groups, kill of a random group")
+    ax.set_title(f"{section['settings']['groups']} groups, a random group's {kinds}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
