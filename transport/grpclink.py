@@ -12,6 +12,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
@@ -33,6 +34,7 @@ METHOD = f"/{SERVICE}/Stream"
 _MAX_STREAMS = 512
 _EOF = object()
 GRACEFUL_CLOSE_S = 5.0  # how long a closing dialer waits for the peer to finish the call
+CANCEL_CHECK_S = 0.25  # how often a dial waiting for its channel checks whether it was cancelled
 #: Largest gRPC message, in bytes: writes are split into messages of at most this size, so the
 #: receive limit (and what gRPC buffers for a stream that has not authenticated) stays small.
 MESSAGE_BYTES = 1 << 20
@@ -282,7 +284,7 @@ class GrpcTransport(TransportBase):
         self._server.stop(grace=0.5)
 
     # -- dialing side ------------------------------------------------------------------------------
-    def _open(self, peer: str, timeout_s: float) -> Any:
+    def _open(self, peer: str, timeout_s: float, cancelled: Callable[[], str | None] | None = None) -> Any:
         host, port = split_address(peer)
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if self._tls_pem is not None:
@@ -291,11 +293,18 @@ class GrpcTransport(TransportBase):
             channel = grpc.secure_channel(target, creds, options=self._options)
         else:
             channel = grpc.insecure_channel(target, options=self._options)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            channel.close()
-            raise ConnectionRefusedError(f"gRPC channel to {peer} not ready within {timeout_s:.1f} s") from None
+        ready, end = grpc.channel_ready_future(channel), time.monotonic() + timeout_s
+        while True:  # in slices: the collective that dials may be aborted meanwhile
+            try:
+                ready.result(timeout=max(0.0, min(CANCEL_CHECK_S, end - time.monotonic())))
+                break
+            except grpc.FutureTimeoutError:
+                why = cancelled() if cancelled is not None else None
+                if why is not None or time.monotonic() >= end:
+                    ready.cancel()
+                    channel.close()
+                    raise ConnectionRefusedError(f"gRPC channel to {peer} not ready within {timeout_s:.1f} s"
+                                                 if why is None else f"gRPC channel to {peer}: {why}") from None
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         call = channel.stream_stream(METHOD)(_drain(outbox))
         sockets: list[StreamSocket] = []

@@ -21,7 +21,7 @@ import logging
 import ssl
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -113,8 +113,10 @@ class LinkEndpoint:
                                      on_tick=self._on_tick)
 
     # -- supplied by the link type ---------------------------------------------------------------
-    def _open(self, peer: str, timeout_s: float) -> Any:
-        """A connected socket-like stream to peer (TLS done, HMAC not yet). Raises OSError."""
+    def _open(self, peer: str, timeout_s: float, cancelled: Callable[[], str | None] | None = None) -> Any:
+        """A connected socket-like stream to peer (TLS done, HMAC not yet), within `timeout_s`
+        (a link type whose connecting waits may also stop once `cancelled()` gives a reason).
+        Raises OSError."""
         raise NotImplementedError
 
     def _stop_listening(self) -> None:
@@ -350,8 +352,10 @@ class LinkEndpoint:
             conns = self._incoming.get(peer, {})
             return len(conns) if group == "any" else sum(1 for g in conns.values() if g == group)
 
-    def _get_link(self, peer: str, deadline: float) -> Link:
-        """The live link to peer, dialing (with retries until `deadline`, monotonic s) if needed."""
+    def _get_link(self, peer: str, deadline: float, cancelled: Callable[[], str | None] | None = None) -> Link:
+        """The live link to peer, dialing (with retries until `deadline`, monotonic s) if needed.
+        `cancelled()`: a reason to stop retrying (the collective that needs the link was aborted),
+        or None to go on."""
         with self._lock:
             lock = self._dial_locks[peer]
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -368,7 +372,7 @@ class LinkEndpoint:
             conns: list[Connection] = []
             try:
                 for _ in range(self.connections_per_peer):
-                    conns.append(self._dial(peer, deadline))
+                    conns.append(self._dial(peer, deadline, cancelled))
             except BaseException:
                 for c in conns:
                     c.close(0.0)
@@ -388,16 +392,20 @@ class LinkEndpoint:
         finally:
             lock.release()
 
-    def _dial(self, peer: str, deadline: float) -> Connection:
-        """One authenticated connection to peer, retrying refused/reset attempts until deadline."""
+    def _dial(self, peer: str, deadline: float, cancelled: Callable[[], str | None] | None = None) -> Connection:
+        """One authenticated connection to peer, retrying refused/reset attempts until deadline
+        (or until `cancelled()` gives a reason)."""
         delay, last = 0.02, "no attempt"
         while True:
+            why = cancelled() if cancelled is not None else None
+            if why is not None:
+                raise TransportError(f"stopped connecting to {peer}: {why} (last error: {last})")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransportError(f"could not connect to {peer} before the deadline (last error: {last})")
             sock = None
             try:
-                sock = self._open(self.dial_overrides.get(peer, peer), min(remaining, 10.0))
+                sock = self._open(self.dial_overrides.get(peer, peer), min(remaining, 10.0), cancelled)
                 sock.settimeout(min(max(remaining, 0.5), self.handshake_timeout_s))
                 sent, peer_group = dial_handshake(sock, self._creds, self.address, peer, self._count_received)
                 self._count_sent(sent)

@@ -126,6 +126,7 @@ class RingAllReduce:
         self.timeout_s = timeout_s
         self.chunk_elems = chunk_elems
         self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self._abort_reason: str | None = None  # also read while it connects, before it reads events
         self.handle = Handle(tag)
         self.handle._op = self
         g = len(ring)
@@ -179,6 +180,7 @@ class RingAllReduce:
         self.events.put(event)
 
     def abort(self, reason: str) -> None:
+        self._abort_reason = reason
         self.events.put(("abort", reason))
 
     # -- the collective --------------------------------------------------------------------------
@@ -349,7 +351,7 @@ class RingAllReduce:
         finite=True, refuse a non-finite input of our own: the start of every ring collective."""
         deadline = time.monotonic() + self.timeout_s
         try:
-            self._link = self.core._get_link(self.right, deadline)
+            self._link = self.core._get_link(self.right, deadline, cancelled=lambda: self._abort_reason)
         except TransportError as e:
             raise _Abort(f"cannot reach right peer {self.right}: {e}") from e
         if self.right_group is not None and self._link.peer_group != self.right_group:

@@ -13,7 +13,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .conn import close_socket
 from .identity import Credentials
@@ -142,8 +142,8 @@ class TcpTransport(TransportBase):
             self._guard.close()  # the deadline thread started by TransportBase
             raise
 
-    def _open(self, peer: str, timeout_s: float) -> Any:
-        host, port = split_address(peer)
+    def _open(self, peer: str, timeout_s: float, cancelled: Callable[[], str | None] | None = None) -> Any:
+        host, port = split_address(peer)  # a refused connect returns at once: nothing to cancel
         sock = socket.create_connection((host, port), timeout=timeout_s)
         try:
             _tune(sock)

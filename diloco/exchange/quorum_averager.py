@@ -331,6 +331,9 @@ class QuorumAverager(StripedAverager):
         why = ""
         with self._rings_lock:
             self._running[resp.id] = [h for _, h in handles]
+            evicted = self._evicted  # a heartbeat refused since: it found no rings here to abort
+        if evicted is not None:
+            self._abort_rings(resp.id, evicted)
         try:
             for s, h in handles:
                 try:
@@ -383,7 +386,9 @@ class QuorumAverager(StripedAverager):
         """Heartbeats, every ``interval_s`` (every RING_CHECK_S at most while rings run). Each
         names the oldest quorum whose rings run here; when the coordinator says that quorum can
         no longer commit (a member failed or started again), its rings are aborted at once: this
-        rank votes no and retries in the next quorum instead of waiting for the rings' deadline."""
+        rank votes no and retries in the next quorum instead of waiting for the rings' deadline.
+        When it says this group was declared failed, every ring here is aborted and the group
+        leaves at its next call (``GroupEvicted``)."""
         wait = interval_s
         while not self._closed.wait(wait):
             with self._rings_lock:
@@ -394,8 +399,12 @@ class QuorumAverager(StripedAverager):
                 if lost:
                     self._abort_rings(quorum, lost)
             except CoordinatorError as e:
-                if e.code == "FAILED_PRECONDITION":
-                    self._evicted = str(e)
+                if e.code == "FAILED_PRECONDITION":  # declared failed (e.g. woken from a freeze): the
+                    self._evicted = str(e)  # others left its exchanges, so its rings would wait in vain
+                    with self._rings_lock:
+                        running = list(self._running)
+                    for q in running:
+                        self._abort_rings(q, str(e))
                 elif e.code == "NOT_FOUND":
                     try:
                         self.rejoin()

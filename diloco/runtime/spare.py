@@ -5,13 +5,14 @@ Starting a group is seconds of imports (torchrun's agent and the worker each loa
 constructor loads ``torch._dynamo``; the task's module its own packages, the demo its corpus's),
 longer on a host busy with the other groups; during them the group trains nothing, which is most
 of what a fault costs (``bench/pages/goodput.md``). A spare has paid that ahead: ``serve`` imports
-them (``warm``, from the job's config), then blocks reading one line from its stdin. The supervisor writes the assignment there (a JSON
-object: the worker's arguments, the group's own environment, its log file) and the spare points
-its stdout and stderr at that log, takes the environment and runs ``diloco worker`` in this
-process, as the group's only rank, without a torchrun agent (a single-rank group's process group
-needs no rendezvous). Its exit code is the worker's (0, 2, 75, ...), as the agent's would be. A
-spare whose stdin closes without an assignment exits 0. The supervisor then starts a new spare,
-whose imports no longer delay anyone's restart.
+them (``warm``, from the job's config), then blocks reading one line from its stdin. The
+supervisor writes the assignment there (a JSON object: the worker's arguments, the group's own
+environment, its log file) and the spare points its stdout and stderr at that log, takes the
+environment and runs ``diloco worker`` in this process, as the group's only rank, without a
+torchrun agent (a single-rank group's process group needs no rendezvous). Its exit code is the
+worker's (0, 2, 75, ...), as the agent's would be. A spare whose stdin closes without an
+assignment exits 0. The supervisor then starts a new spare, whose imports no longer delay
+anyone's restart.
 
 A spare dies with ``diloco run`` (``DILOCO_PARENT_PID``, as an agent does).
 """
@@ -115,8 +116,8 @@ def start(env: dict[str, str], log_path: Path, config_path: Path | None = None) 
     for the job of ``config_path``; its lines until then go to ``log_path``."""
     argv = [sys.executable, "-m", "diloco", "spare", *([str(config_path)] if config_path is not None else [])]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
     return Spare(proc, log_path)
 
 

@@ -222,6 +222,47 @@ def test_a_member_frozen_in_an_exchange_costs_the_others_its_heartbeat_timeout_n
     assert any(e["kind"] == "failure" and e["group"] == 2 for e in state["events"])
 
 
+def test_a_group_woken_after_it_was_declared_failed_leaves_at_once_not_at_its_rings_deadline(coordinator):
+    """A group frozen as it enters an exchange (SIGSTOP, a hung host) for longer than the
+    heartbeat timeout is declared failed; the others go on without it. When it wakes, its rings
+    wait for peers that left that exchange: its first heartbeat is refused, which aborts them, so
+    it leaves (to restart and heal) within a heartbeat, not at its rings' deadline (60 s here)."""
+    patient = dataclasses.replace(SETTINGS, timeout_s=60.0)
+    frozen, thawed = threading.Event(), []
+
+    def freeze_once_at_exchange_3(link) -> None:
+        averager, run_rings, heartbeat = link.averager, link.averager.run_rings, link.client.heartbeat
+
+        def stalled_heartbeat(*args, **kwargs):
+            while frozen.is_set():
+                time.sleep(0.01)
+            return heartbeat(*args, **kwargs)
+
+        def frozen_then_rings(src, resp, *args, **kwargs):
+            if resp.exchange >= 3 and not thawed:
+                frozen.set()
+                time.sleep(3 * HEARTBEAT_S)
+                frozen.clear()
+                thawed.append(time.monotonic())
+            return run_rings(src, resp, *args, **kwargs)
+
+        link.client.heartbeat = stalled_heartbeat
+        averager.run_rings = frozen_then_rings
+
+    groups = [Group(coordinator.address, g, settings=patient, on_connected=freeze_once_at_exchange_3 if g == 2 else None)
+              for g in range(3)]
+    for g in groups:
+        g.start()
+    groups[2].join()
+    left = time.monotonic()
+    finish(groups[:2])
+    assert thawed and isinstance(groups[2].error, GroupEvicted), groups[2].error
+    assert left - thawed[0] < 3 * HEARTBEAT_S, f"it left {left - thawed[0]:.1f}s after it woke"
+    assert groups[0].final_hash == groups[1].final_hash
+    state = coordinator.snapshot()["rounds_state"]
+    assert any(e["kind"] == "failure" and e["group"] == 2 for e in state["events"])
+
+
 def test_a_nan_contribution_is_refused_and_named_and_the_group_recovers(coordinator):
     groups = [Group(coordinator.address, g, poison_at=10 if g == 1 else None).start() for g in range(3)]
     finish(groups)

@@ -27,6 +27,26 @@ def test_peer_that_starts_late_is_dialed_until_it_listens(backend: str) -> None:
             late.close()
 
 
+def test_a_collective_still_dialing_its_peer_ends_when_aborted_not_at_its_deadline(backend: str) -> None:
+    """A ring member whose right peer does not listen keeps dialing until the deadline (60 s
+    here); aborting it (its group was declared failed, say) ends the dialing at once."""
+    from transport import CollectiveAborted
+
+    absent = closed_port_address()
+    with transports(backend=backend, g=1, timeout_s=60) as (t,):
+        handle = t.all_reduce(torch.ones(50), [t.address, absent], 0, tag="absent")
+        time.sleep(0.3)
+        assert not handle.done()
+        started = time.monotonic()
+        handle.abort("the group was declared failed")
+        try:
+            handle.wait(30)
+            raise AssertionError("an aborted collective returned a result")
+        except CollectiveAborted as e:
+            assert "declared failed" in str(e)
+        assert time.monotonic() - started < 2.0
+
+
 def test_several_connections_per_peer_spread_chunks(backend: str) -> None:
     gen = torch.Generator().manual_seed(3)
     xs = [torch.randn(10_000, generator=gen) for _ in range(3)]
