@@ -494,6 +494,10 @@ class Config:
                 need(tr.chunk_bytes % (4 * 4096) == 0,
                      f"--outer-optimizer sparseloco: --chunk-bytes must be a multiple of 16384 (whole tiles per frame), "
                      f"got {tr.chunk_bytes}")
+                need(self.topology.parallel != "fsdp",
+                     "--outer-optimizer sparseloco takes top-k per 64x64 tile of each whole tensor, which a sharded "
+                     "group (--parallel fsdp) does not hold: use --parallel ddp, or from the Python API "
+                     "diloco.sparseloco(tile=None) (top-k over chunks of each rank's flat shard)")
         except ValueError as e:
             problems.append(f"--codec {self.transport.codec}: {e}")
         need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")

@@ -127,7 +127,10 @@ def decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device:
                                     groups=cfg.topology.groups, codec=None if codec_auto else cfg.transport.codec,
                                     h=None if h_auto else cfg.sync.h)
     except ValueError as e:
-        raise ConfigError(f"--codec/--h auto: {e}") from None
+        dropped = len(auto_choice.load_table().entries) - len(table.entries)
+        raise ConfigError(f"--codec/--h auto: {e}" + (f" among the {len(table.entries)} this job's config can run "
+                          f"({dropped} fail its checks, e.g. SparseLoCo's tiles with --parallel fsdp)"
+                          if dropped else "")) from None
     chosen = auto_choice.apply_choice(cfg, choice.setting).validate()
     switch_codec(link, None, cfg, choice.setting)
     link.auto = {"step_s_per_group": {str(g): s for g, s in steps.items()},

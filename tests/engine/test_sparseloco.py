@@ -231,6 +231,9 @@ def test_the_configuration_names_what_sparseloco_needs():
     cfg.transport.codec = "topk"
     cfg.validate()
     assert (cfg.outer.outer_lr("blocking"), cfg.outer.outer_momentum("blocking")) == (1.0, 0.0)
+    cfg.topology.parallel = "fsdp"  # tiles of whole tensors: refused before any rank starts
+    with pytest.raises(ConfigError, match="does not hold: use --parallel ddp"):
+        cfg.validate()
     for section, name, value, message in [
         ("outer", "momentum", 0.9, "takes no --outer-momentum"), ("sync", "mode", "co2", "runs with --mode blocking"),
         ("transport", "codec_block", 1024, "--codec-block must be 4096"),
