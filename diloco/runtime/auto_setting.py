@@ -121,13 +121,14 @@ def decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device:
     own = measure_step_seconds(model, task, device)
     steps = agree_step_seconds(link, own, group=group, groups=cfg.topology.groups, device=device)
     version, bandwidth = slowest_link_now(link)
-    table = runnable_table(cfg, auto_choice.load_table())
+    study = auto_choice.load_table()
+    table = runnable_table(cfg, study)
     try:
         choice = auto_choice.choose(table, num_params=num_params, link_bytes_per_s=bandwidth, step_s=max(steps.values()),
                                     groups=cfg.topology.groups, codec=None if codec_auto else cfg.transport.codec,
                                     h=None if h_auto else cfg.sync.h)
     except ValueError as e:
-        dropped = len(auto_choice.load_table().entries) - len(table.entries)
+        dropped = len(study.entries) - len(table.entries)
         raise ConfigError(f"--codec/--h auto: {e}" + (f" among the {len(table.entries)} this job's config can run "
                           f"({dropped} fail its checks, e.g. SparseLoCo's tiles with --parallel fsdp)"
                           if dropped else "")) from None
