@@ -17,6 +17,13 @@ SPARSE_HS = (30, 50, 100)
 SPARSE_DENSITIES = (0.01, 64 / 4096, 0.03)
 INT2_HS = (30, 100, 200, 300)  # int2 with error feedback: 2.125 bits per value per sync
 SPARSE_OUTER_SWEEP = ((0.5, 0.95), (0.65, 0.95), (1.5, 0.95), (2.0, 0.95), (1.0, 0.9), (1.0, 0.99), (1.0, 1.0))
+#: int2 at H=300 (0.0071 bits/param/step per group) under outer steps other than H=30's tuned 0.7/0.7:
+#: 26 outer steps in 8,000 inner ones may want a longer outer stride (DiLoCo used 0.7/0.9 at H=500)
+INT2_H300_OUTERS = ((0.7, 0.9), (1.0, 0.7), (1.0, 0.9), (0.5, 0.9))
+
+
+def _int2_h300(outer: tuple[float, float]) -> str:
+    return f"m2-h300-int2-lr{outer[0]:g}-mom{outer[1]:g}"
 
 
 def _slo(h: int, density: float) -> str:
@@ -25,7 +32,8 @@ def _slo(h: int, density: float) -> str:
 
 SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "slo-sign1-h30", "slo-overlap-p2-tau5",
                    "slo-m4-h30", *(f"m2-h{h}-int2-outer" for h in INT2_HS),
-                   "slo-int2-h30", "slo-int2-h100", "m2-h200-outer", "m2-h300-outer")
+                   "slo-int2-h30", "slo-int2-h100", "m2-h200-outer", "m2-h300-outer",
+                   *(_int2_h300(o) for o in INT2_H300_OUTERS))
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,8 @@ def sparseloco_rows() -> list[Row]:
              for h in INT2_HS]
     rows += [Row(f"slo-int2-h{h}", h=h, codec="int2", rule="sparseloco", note="SparseLoCo's rule with int2 (error-fed)")
              for h in (30, 100)]
+    rows += [Row(_int2_h300(o), h=300, codec="int2", outer=o, note=f"int2 at H=300, outer lr {o[0]:g} momentum {o[1]:g}")
+             for o in INT2_H300_OUTERS]
     return rows
 
 

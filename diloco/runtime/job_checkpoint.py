@@ -391,10 +391,18 @@ class JobCheckpointer:
         self.last: Path | None = None  # the newest step folder written
 
     def catch_up(self, *, loss_ema: float | None) -> bool:
-        """For a group that healed into the job (``healed``): what the others do after
-        ``start_step`` (their donor served its state from inside that step's exchange, so they have
-        yet to write that step's checkpoint or stop at it). True if the worker stops now."""
-        return self.healed and self.after_step(self.start_step, loss_ema=loss_ema)
+        """Before the first inner step: a group that healed into the job (``healed``) does what
+        the others do after ``start_step`` (their donor served its state from inside that step's
+        exchange, so they have yet to write that step's checkpoint or stop at it); any other group
+        stops at ``start_step``, with a checkpoint there, if the job agreed to stop in the exchange
+        that started it (the initial-parameter agreement: a stop asked during start-up). True if
+        the worker stops now."""
+        if self.healed:
+            return self.after_step(self.start_step, loss_ema=loss_ema)
+        if not getattr(self.link, "stop_requested", False) or self.start_step >= self.steps:
+            return False
+        self.save(self.start_step, loss_ema=loss_ema)
+        return True
 
     def request_stop(self) -> None:
         """Stop at the next step where a checkpoint is written (``checkpoint_every`` or an agreed stop)."""

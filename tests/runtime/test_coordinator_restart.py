@@ -66,7 +66,7 @@ def test_workers_survive_a_coordinator_kill_and_restart(tmp_path):
         second = subprocess.Popen(coordinator, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         coordinators.append(second)
         codes = [w.wait(timeout=240) for w in workers]
-        assert codes == [0, 0], (tmp_path / "group-1.log").read_text()[-3000:]
+        assert codes == [0, 0], "\n".join(_log_tail(tmp_path / f"group-{g}.log") for g, c in enumerate(codes) if c)
         out = second.communicate(timeout=60)[0].decode()
     finally:
         for w in workers:  # torchrun and its worker: the whole session
@@ -82,3 +82,9 @@ def test_workers_survive_a_coordinator_kill_and_restart(tmp_path):
     logs = "".join((tmp_path / f"group-{g}.log").read_text() for g in range(2))
     # they did see it gone: a call failed while it was down, or the new one did not know them
     assert any(seen in logs for seen in ("coordinator did not answer", "report skipped", "rejoined the coordinator"))
+
+
+def _log_tail(path, chars: int = 3000) -> str:
+    """The end of a group's log without its per-exchange sample lines (they crowd out the error)."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if "data_positions" not in line]
+    return f"{path.name}:\n" + "\n".join(lines)[-chars:]

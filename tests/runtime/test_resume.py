@@ -347,6 +347,17 @@ def test_checkpointer_writes_periodically_stops_at_stop_after_on_agreement_and_a
     resumed = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
                                              inner=inner, task=None, link=link, start_step=4)
     assert resumed.catch_up(loss_ema=None) is False and resumed.last is None
+    # a stop agreed in the exchange that started the job (SIGTERM during start-up): stop before the
+    # first inner step, with a checkpoint there, not after step 1 (no exchange there)
+    link.stop_requested = True
+    cfg.train.checkpoint_dir = str(tmp_path / "early")
+    for start in (0, 4):
+        engine.inner_step = start
+        early = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+                                               inner=inner, task=None, link=link, start_step=start)
+        assert early.catch_up(loss_ema=None) is True
+        assert early.last == job_checkpoint.step_path(tmp_path / "early", start)
+    assert job_checkpoint.complete_steps(tmp_path / "early") == [0, 4]
 
 
 def test_batch_sampler_continues_from_its_state():

@@ -1,5 +1,6 @@
 """SIGTERM to `diloco run` with job checkpoints on: every group checkpoints at the same step (the
-coordinator freezes a stop into one quorum) and the run exits 0, ready for --resume."""
+coordinator freezes a stop into one quorum) and the run exits 0, ready for --resume. Also when
+the signal comes while the groups start: they stop at the exchange that starts the job (step 0)."""
 
 import json
 import signal
@@ -11,21 +12,29 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "8",
+        "--h", "10", "--groups", "2", "--ranks-per-group", "1", "--probe-bytes", "0", "--no-progress"]
 
-def test_sigterm_checkpoints_every_group_at_one_step_and_exits_cleanly(tmp_path):
-    out = tmp_path / "summary.json"
+
+def _ready(run_dir) -> bool:
+    logs = sorted(run_dir.glob("group-*.log"))
+    return len(logs) == 2 and all("ready to train" in p.read_text(errors="replace") for p in logs)
+
+
+@pytest.mark.parametrize("when", ["training", "starting"])
+def test_sigterm_checkpoints_every_group_at_one_step_and_exits_cleanly(tmp_path, when):
+    out, run_dir = tmp_path / "summary.json", tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco", "run", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-         "--block-size", "32", "--batch-size", "8", "--steps", "100000", "--h", "10", "--groups", "2",
-         "--ranks-per-group", "1", "--probe-bytes", "0", "--checkpoint-every", "1000000", "--no-progress",
-         "--run-dir", str(tmp_path / "run"), "--json", str(out)],
+        [sys.executable, "-m", "diloco", "run", *TINY, "--steps", "100000", "--checkpoint-every", "1000000",
+         "--run-dir", str(run_dir), "--json", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while not any((tmp_path / "run").glob("group-*.log")) or time.monotonic() < deadline - 110:
+        while not (_ready(run_dir) if when == "training" else any(run_dir.glob("group-*.log"))):
             assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
-        time.sleep(8)  # training under way
+            time.sleep(0.1)
+        if when == "training":
+            time.sleep(3)  # training under way
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=120)[0].decode()
     finally:
@@ -35,7 +44,18 @@ def test_sigterm_checkpoints_every_group_at_one_step_and_exits_cleanly(tmp_path)
     assert proc.returncode == 0, output[-3000:]
     s = json.loads(out.read_text())
     step = s["stopped_at_step"]
-    assert 0 < step < 100000 and step % 10 == 0  # at an exchange: a multiple of H
-    folder = tmp_path / "run" / "checkpoints" / f"step-{step:06d}"
+    assert 0 <= step < 100000 and step % 10 == 0, output[-3000:]  # at an exchange: a multiple of H
+    if when == "training":
+        assert step > 0
+    folder = run_dir / "checkpoints" / f"step-{step:06d}"
     assert sorted(p.name for p in folder.glob("group-*.json")) == ["group-0.json", "group-1.json"]
     assert s["params_identical"]
+    if when == "starting":  # the checkpoint resumes (step 0 when the signal beat the first exchange)
+        resumed = tmp_path / "resumed.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "diloco", "run", "--resume", str(run_dir / "checkpoints"), "--stop-after",
+             str(step + 10), "--no-progress", "--run-dir", str(tmp_path / "run2"), "--json", str(resumed)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+        assert done.returncode == 0, done.stdout.decode()[-3000:]
+        r = json.loads(resumed.read_text())
+        assert r["resumed_at_step"] == step and r["stopped_at_step"] == step + 10 and r["params_identical"]
