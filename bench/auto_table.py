@@ -3,7 +3,7 @@
 
 Only rows the study measured at its long size (``small-xlong``, 8,000 steps) go in, and of those
 only DiLoCo settings a job can run as one fixed configuration: not data parallel (``dp``), not
-QSR (its H changes every round) and not CO2 (its own outer knobs). Each entry is a full setting
+QSR (its H changes every round), not CO2 (its own outer knobs) and not a ``--final-codec`` row. Each entry is a full setting
 (codec, top-k density, outer rule with its lr/momentum and residual decay, H, mode, fragments,
 tau, groups) with its eval loss, its loss cost against fp32 DiLoCo (``m{G}-h30-outer``: H=30, the
 sweep's outer lr/momentum) paired by seed, and the bits all groups sent per parameter per inner step.
@@ -53,8 +53,8 @@ def build(records: list[dict], source_sha256: str = "") -> dict:
     for name, recs in sorted(by_row.items()):
         row = rows.get(name)
         first = recs[0]
-        if row is None or first["mode"] not in MODES or first["schedule"] != "fixed" or row.co2:
-            continue
+        if row is None or first["mode"] not in MODES or first["schedule"] != "fixed" or row.co2 or row.final_codec:
+            continue  # (a final codec: auto switches codecs itself and runs none)
         if not all(r.get("params_identical", True) for r in recs):
             continue
         base = {r["seed"]: r["eval_loss"] for r in by_row.get(f"m{first['groups']}-h30-outer", [])}

@@ -18,8 +18,14 @@ SPARSE_DENSITIES = (0.01, 64 / 4096, 0.03)
 INT2_HS = (30, 100, 200, 300)  # int2 with error feedback: 2.125 bits per value per sync
 SPARSE_OUTER_SWEEP = ((0.5, 0.95), (0.65, 0.95), (1.5, 0.95), (2.0, 0.95), (1.0, 0.9), (1.0, 0.99), (1.0, 1.0))
 #: int2 at H=300 (0.0071 bits/param/step per group) under outer steps other than H=30's tuned 0.7/0.7:
-#: 26 outer steps in 8,000 inner ones may want a longer outer stride (DiLoCo used 0.7/0.9 at H=500)
-INT2_H300_OUTERS = ((0.7, 0.9), (1.0, 0.7), (1.0, 0.9), (0.5, 0.9))
+#: 26 outer steps in 8,000 inner ones may want another outer stride (DiLoCo used 0.7/0.9 at H=500)
+#: sign1 (1.125 bits/value) with error feedback at H=120: 0.0094 bits/param/step per group, where
+#: fp32 itself is no worse than at H=30 (H=100: -0.9 %)
+SIGN1_HS = (120,)
+#: int2 under QSR with a long base: H starts at H_base and grows as the inner lr decays (at 8,000
+#: steps: 37 syncs for H_base 100, 34 for 110: 0.0098 / 0.0090 bits/param/step per group)
+QSR_INT2_BASES = (100, 110)
+INT2_H300_OUTERS = ((0.7, 0.9), (1.0, 0.7), (0.7, 0.5), (0.5, 0.7))
 
 
 def _int2_h300(outer: tuple[float, float]) -> str:
@@ -33,7 +39,9 @@ def _slo(h: int, density: float) -> str:
 SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "slo-sign1-h30", "slo-overlap-p2-tau5",
                    "slo-m4-h30", *(f"m2-h{h}-int2-outer" for h in INT2_HS),
                    "slo-int2-h30", "slo-int2-h100", "m2-h200-outer", "m2-h300-outer",
-                   *(_int2_h300(o) for o in INT2_H300_OUTERS))
+                   *(_int2_h300(o) for o in INT2_H300_OUTERS), *(f"m2-h{h}-sign1-outer" for h in SIGN1_HS),
+                   *(f"m2-qsr{h}-int2-outer" for h in QSR_INT2_BASES), "m2-qsr100-outer",
+                   "m2-h300-int2-int8final-outer", "m2-qsr120-int2-int8final-outer")
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class Row:
     rule: str = ""  # "sparseloco": SparseLoCo's outer rule (its lr 1, beta 0.95, 64x64 tiles) instead of Nesterov
     density: float = 0.0  # topk: fraction of each chunk kept (0: the codec's 64 of 4096)
     beta: float = 0.95  # sparseloco: the residual's decay
+    final_codec: str = ""  # the codec of the last exchange (--final-codec): the residuals go out with it
     seeded: bool = False  # run with every seed of the size (else the first only)
     note: str = ""
 
@@ -179,6 +188,17 @@ def sparseloco_rows() -> list[Row]:
              for h in (30, 100)]
     rows += [Row(_int2_h300(o), h=300, codec="int2", outer=o, note=f"int2 at H=300, outer lr {o[0]:g} momentum {o[1]:g}")
              for o in INT2_H300_OUTERS]
+    rows += [Row(f"m2-h{h}-sign1-outer", h=h, codec="sign1", outer_tuned=True,
+                 note="sign1 (1.125 bits/value) with error feedback under the tuned Nesterov outer step")
+             for h in SIGN1_HS]
+    rows += [Row(f"m2-qsr{h}-int2-outer", h=h, schedule="qsr", codec="int2", outer_tuned=True,
+                 note=f"int2 with error feedback under QSR from H_base={h}, tuned Nesterov outer step")
+             for h in QSR_INT2_BASES]
+    rows += [Row("m2-qsr100-outer", h=100, schedule="qsr", outer_tuned=True, note="fp32 under QSR from H_base=100")]
+    rows += [Row(f"m2-{sched}-int2-int8final-outer", h=h, schedule="qsr" if sched.startswith("qsr") else "fixed",
+                 codec="int2", final_codec="int8", outer_tuned=True,
+                 note="int2 with error feedback, the last exchange int8 with the residuals (--final-codec int8)")
+             for sched, h in (("h300", 300), ("qsr120", 120))]
     return rows
 
 

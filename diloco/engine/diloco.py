@@ -121,6 +121,12 @@ class DiLoCo:
     rank calls at every step with its own verdict (a bit mask of the fragments whose round ends)
     and which returns one verdict for all (rank 0's, broadcast), so every rank ends a round on
     the same step.
+
+    ``final_codec``: a codec for each fragment's last exchange (launched at the schedule's last
+    step, or in the last time round) in place of the averager's. With an error-fed codec before
+    it, the residuals go out with that exchange (``set_error_feedback``), so the final model holds
+    what the groups computed and the 2-bit/1-bit codecs held back. Needs an averager that switches
+    codecs (``set_codec``) and a schedule that knows its end.
     """
 
     def __init__(
@@ -140,6 +146,7 @@ class DiLoCo:
         initial_sync: InitialSync = "check",
         clock: Callable[[], float] = time.monotonic,
         round_vote: Callable[[int], int] | None = None,
+        final_codec: Any = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -224,6 +231,9 @@ class DiLoCo:
         self._flushing: Residuals | None = None  # residuals still to send once (set_error_feedback(False))
         #: SparseLoCo: each fragment laid out tile-major before the residual and the codec see it
         self.tiles = self._tile_layouts(getattr(rule, "tile", None) if decay is not None else None)
+        self.final_codec = final_codec
+        if final_codec is not None:
+            self._check_final_codec(final_codec)
         self.finished = False
         self.sync_seconds = 0.0  # time spent inside step()/close() on syncs
         self.last_events: list[SyncEvent] = []
@@ -477,8 +487,31 @@ class DiLoCo:
 
     def _sync(self, p: int) -> list[SyncEvent]:
         events, delta = self._before_launch(p)
+        if self.final_codec is not None and self._last_launch(p) and self.averager.codec is not self.final_codec:
+            self.averager.set_codec(self.final_codec)  # every group at the same launch: the same step or round
+            self.set_error_feedback(bool(getattr(self.final_codec, "requires_error_feedback", False)))
         events.append(self._launch(p, delta))
         return self._after_launch(p, events)
+
+    def _last_launch(self, p: int) -> bool:
+        """Whether fragment p's launch now is its last of the job."""
+        if self.time_rounds is not None:
+            return self.rounds[p] + 1 >= self.time_rounds.rounds
+        total = getattr(self.schedule, "total_steps", None)
+        return total is not None and self.inner_step >= total
+
+    def _check_final_codec(self, codec: Any) -> None:
+        if getattr(codec, "requires_error_feedback", False):
+            raise ValueError(f"the final codec {codec.name} keeps a residual itself: the last exchange would leave "
+                             "one behind; use one without error feedback (fp32, bf16, int8, int4, ...)")
+        if self.tiles is not None:
+            raise ValueError("SparseLoCo's outer rule needs error feedback to the end: no final codec with it")
+        if self.mode == "eager":
+            raise ValueError("mode 'eager' reconciles its last round exactly: no final codec with it")
+        if not callable(getattr(self.averager, "set_codec", None)) or not hasattr(self.averager, "codec"):
+            raise ValueError(f"{type(self.averager).__name__} cannot switch codecs: no final codec with it")
+        if self.time_rounds is None and getattr(self.schedule, "total_steps", None) is None:
+            raise ValueError("a final codec needs a schedule that knows its last step (total_steps)")
 
     def _before_launch(self, p: int) -> tuple[list[SyncEvent], torch.Tensor]:
         """What a fragment's sync does before its exchange starts: land what is due, and the

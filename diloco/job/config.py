@@ -261,6 +261,9 @@ class TransportConfig:
                            "(0 = the codec's default)", flag="--codec-block")
     topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
                               "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
+    final_codec: str = opt("", "codec of each fragment's last exchange (e.g. int8 after --codec int2 or sign1): the "
+                           "error-feedback residuals go out with it, so the final model keeps what the low-bit "
+                           "frames held back ('' = --codec to the end)", flag="--final-codec")
     codec_fast: bool = opt(False, "4-bit codecs: take each block's nearest scale instead of searching its "
                            "neighbours (2-5x faster encode, for links faster than a core encodes; a little "
                            "more error: bench/pages/codecs.md)",
@@ -284,6 +287,12 @@ class TransportConfig:
                                               flag="--max-unauthenticated-per-source")
     max_pending_bytes: int = opt(256 << 20, "bytes of frames kept for exchanges not yet started here (kept at most "
                                  "2 x --timeout)", flag="--max-pending-bytes")
+
+
+def make_final_codec(t: TransportConfig) -> Codec | None:
+    """The codec of the last exchange (``--final-codec``, at its own defaults), or None."""
+    return make_codec(dataclasses.replace(t, codec=t.final_codec, codec_block=0, topk_density=0.0, codec_fast=False)) \
+        if t.final_codec else None
 
 
 def make_codec(t: TransportConfig) -> Codec:
@@ -500,6 +509,18 @@ class Config:
                      "diloco.sparseloco(tile=None) (top-k over chunks of each rank's flat shard)")
         except ValueError as e:
             problems.append(f"--codec {self.transport.codec}: {e}")
+        if tr.final_codec:
+            try:
+                final = make_final_codec(tr)
+                need(not getattr(final, "requires_error_feedback", False),
+                     f"--final-codec {tr.final_codec} keeps a residual itself: the last exchange would leave one "
+                     "behind; use one without error feedback (fp32, bf16, int8, int4, ...)")
+            except ValueError as e:
+                problems.append(f"--final-codec {tr.final_codec}: {e}")
+            need(tr.codec != AUTO and s.h != AUTO_H, "--final-codec with --codec auto or --h auto: auto chooses the codecs")
+            need(o.optimizer != "sparseloco", "--final-codec: SparseLoCo's rule keeps its residuals to the end")
+            need(s.mode not in ("eager", "dp"), f"--final-codec applies to modes with an outer step on a mean of "
+                 f"pseudo-gradients (blocking, overlap, delayed, co2), not {s.mode}")
         need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")
         need(4096 <= tr.chunk_bytes <= 256 << 20, f"--chunk-bytes must be in [4096, 256 MiB], got {tr.chunk_bytes}")
         need(tr.probe_bytes >= 0, f"--probe-bytes must be >= 0, got {tr.probe_bytes}")

@@ -252,6 +252,15 @@ class GroupConnection:
         return self.averager.error_feedback
 
     @property
+    def codec(self):
+        """The codec of this group's next exchange."""
+        return self.averager.codec
+
+    def set_codec(self, codec) -> None:
+        """Run ``codec`` from the next exchange on (``--final-codec``: every group at the same launch)."""
+        self.averager.set_codec(codec)
+
+    @property
     def stop_requested(self) -> bool:
         """The job asked every group to checkpoint and stop: True from the step whose exchange said so."""
         return self.averager.stop_requested

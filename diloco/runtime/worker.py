@@ -39,7 +39,7 @@ from diloco.engine.outer import by_name, co2
 from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, TimeRounds
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job import auto_choice
-from diloco.job.config import Config, ConfigError
+from diloco.job.config import Config, ConfigError, make_final_codec
 from diloco.job.task import (
     DEMO_ENTRY,
     TaskContext,
@@ -121,6 +121,7 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
         overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
         outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
         initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote(), clock=clock,
+        final_codec=make_final_codec(cfg.transport),
     )
 
 

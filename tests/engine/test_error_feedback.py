@@ -334,3 +334,96 @@ def test_sparselocos_rule_refuses_to_stop_error_feedback():
         compress.get_codec("topk", chunk=4096, k=64)), sync_every=4, outer_optimizer=sparseloco())
     with pytest.raises(ValueError, match="SparseLoCo"):
         engine.set_error_feedback(False)
+
+
+@pytest.mark.parametrize("final", ["fp32", "int8", None])
+def test_a_final_codec_sends_the_residuals_with_the_last_exchange(final):
+    """--final-codec: the job's last exchange runs that codec, the residual goes with it, and what
+    the exchanges delivered adds up to the sum of the Δs (fp32 exactly; int8 up to its own error,
+    no residual of int2's left); without it the last residual stays behind."""
+    from diloco.engine.schedule import FixedSchedule
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    avg = _Switching(compress.get_codec("int2"))
+    codec = None if final is None else compress.get_codec(final)
+    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=avg,
+                    sync_every=FixedSchedule(4, total_steps=12), final_codec=codec)
+    deltas = []
+    delta_of = engine._delta
+    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    gen = torch.Generator().manual_seed(1)
+    owed = None
+    for t in range(12):
+        x = torch.randn(8, 16, generator=gen)
+        engine.inner_optimizer.zero_grad()
+        ((model(x) - x.flip(1)) ** 2).mean().backward()
+        engine.inner_optimizer.step()
+        if t == 10:
+            owed = engine.error_feedback.residual[0].clone()
+        engine.step()
+    engine.close()
+    assert len(deltas) == 3 and float(owed.abs().sum()) > 0
+    total = sum(d.double() for d in deltas)
+    delivered = sum(d.double() for d in avg.delivered)
+    if final is None:
+        assert avg.codec.name == "int2" and engine.error_feedback.residual[0] is not None
+        left = engine.error_feedback.residual[0].double()
+        torch.testing.assert_close(delivered + left, total, rtol=0, atol=1e-5)
+        assert float(left.norm()) > 1e-3 * float(total.norm())
+        return
+    assert avg.codec is codec and engine.error_feedback is None  # the last exchange ran the final codec
+    torch.testing.assert_close(avg.asked[2], deltas[2] + owed)  # Δ and the residual, in one frame
+    tol = 1e-5 if final == "fp32" else 2e-2 * float(total.abs().max())
+    torch.testing.assert_close(delivered, total, rtol=0, atol=tol)
+
+
+def test_a_final_codec_is_refused_where_it_cannot_do_its_job():
+    from diloco.engine.schedule import FixedSchedule
+    from diloco.job.config import Config, ConfigError
+
+    model = nn.Linear(64, 64)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="keeps a residual itself"):
+        DiLoCo(model, sgd, averager=_Switching(compress.get_codec("int2")), sync_every=FixedSchedule(4, total_steps=8),
+               final_codec=compress.get_codec("sign1"))
+    with pytest.raises(ValueError, match="knows its last step"):
+        DiLoCo(model, sgd, averager=_Switching(compress.get_codec("int2")), sync_every=4,
+               final_codec=compress.get_codec("fp32"))
+    with pytest.raises(ValueError, match="SparseLoCo"):
+        DiLoCo(model, sgd, averager=_Switching(compress.get_codec("topk", chunk=4096, k=64)),
+               sync_every=FixedSchedule(4, total_steps=8), outer_optimizer=sparseloco(),
+               final_codec=compress.get_codec("fp32"))
+    for change, message in ((dict(final_codec="int2"), "keeps a residual itself"),
+                            (dict(final_codec="nope"), "unknown codec"),
+                            (dict(final_codec="int8", codec="auto"), "auto chooses the codecs"),
+                            (dict(final_codec="int8", mode="eager", codec="int8"), "not eager")):
+        cfg = Config()
+        cfg.transport.codec = change.get("codec", "int2")
+        cfg.transport.final_codec = change["final_codec"]
+        cfg.sync.mode = change.get("mode", "blocking")
+        with pytest.raises(ConfigError, match=message):
+            cfg.validate()
+
+
+def test_a_final_codec_over_real_links_switches_every_group_at_once_and_keeps_them_identical():
+    """Two groups over TCP, sign1 (the gather path) then int8 for the last exchange (the ring):
+    every group switches at the same launch, the residuals go out, the groups end identical."""
+    from diloco.engine.schedule import FixedSchedule
+
+    final = compress.get_codec("int8")
+    ts = [TcpTransport("127.0.0.1", 0, secret=SECRET, timeout_s=20, chunk_bytes=4096) for _ in range(G)]
+    try:
+        ring = StaticRing([t.address for t in ts])
+        avgs = [StripedAverager(t, ring, group=g, rank=0, codec=compress.get_codec("sign1"), stripes_per_rank=3,
+                                timeout_s=20) for g, t in enumerate(ts)]
+        engines = build(avgs, "blocking", sync_every=FixedSchedule(6, total_steps=24), final_codec=final)
+        train(engines, 0, 23)
+        assert all(a.codec.name == "sign1" and e.error_feedback is not None for a, e in zip(avgs, engines))
+        train(engines, 23, 24, close=True)
+        assert all(a.codec is final and not a.error_feedback and e.error_feedback is None for a, e in zip(avgs, engines))
+        assert engines[0].global_hash() == engines[1].global_hash()
+        assert engines[0].rounds == engines[1].rounds
+    finally:
+        for t in ts:
+            t.close(flush_timeout_s=1.0)
