@@ -3,9 +3,9 @@
 
 Only rows the study measured at its long size (``small-xlong``, 8,000 steps) go in, and of those
 only DiLoCo settings a job can run as one fixed configuration: not data parallel (``dp``), not
-QSR (its H changes every round), not CO2 (its own outer knobs) and not a ``--final-codec`` row. Each entry is a full setting
-(codec, top-k density, outer rule with its lr/momentum and residual decay, H, mode, fragments,
-tau, groups) with its eval loss, its loss cost against fp32 DiLoCo (``m{G}-h30-outer``: H=30, the
+QSR (its H changes every round), not CO2 (its own outer knobs) and not a ``--final-codec`` row.
+Each entry is a full setting (codec, top-k density, outer rule with its lr/momentum and residual
+decay, H, mode, fragments, tau, groups) with its eval loss, its loss cost against fp32 DiLoCo (``m{G}-h30-outer``: H=30, the
 sweep's outer lr/momentum) paired by seed, and the bits all groups sent per parameter per inner step.
 
     python bench/auto_table.py            # rewrite the table

@@ -89,7 +89,7 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     cfg.train.log_every = max(1, size.steps // 10)  # loss-curve points
     t = cfg.transport
     t.codec, t.timeout_s, t.probe_bytes, t.reprobe_every = row.codec, 300.0, 0, 0
-    t.topk_density, t.final_codec = row.density, row.final_codec
+    t.topk_density, t.final_codec, t.codec_block = row.density, row.final_codec, row.codec_block
     return cfg.validate()
 
 

@@ -517,7 +517,8 @@ class Config:
                      "behind; use one without error feedback (fp32, bf16, int8, int4, ...)")
             except ValueError as e:
                 problems.append(f"--final-codec {tr.final_codec}: {e}")
-            need(tr.codec != AUTO and s.h != AUTO_H, "--final-codec with --codec auto or --h auto: auto chooses the codecs")
+            need(tr.codec != AUTO and s.h != AUTO_H,
+                 "--final-codec with --codec auto or --h auto: auto chooses the codecs")
             need(o.optimizer != "sparseloco", "--final-codec: SparseLoCo's rule keeps its residuals to the end")
             need(s.mode not in ("eager", "dp"), f"--final-codec applies to modes with an outer step on a mean of "
                  f"pseudo-gradients (blocking, overlap, delayed, co2), not {s.mode}")
