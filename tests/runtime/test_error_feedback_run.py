@@ -72,10 +72,11 @@ def test_sign1_stop_and_resume_equals_a_straight_run(tmp_path):
 
 def test_a_final_codec_sends_the_last_exchange_with_the_residuals_in_real_groups(tmp_path):
     """--codec int2 --final-codec int8, 2 groups of 2 ranks: the last of 3 exchanges runs int8 (the
-    ring: about 2 bytes per parameter over both groups, where the int2 all-gather sends about 0.54),
-    every rank of every group switches at once, the groups end identical."""
+    ring: about 2 bytes per parameter over both groups, where an int2 all-gather of this small model
+    sends about 0.7 with its headers), every rank of every group switches at once, the groups end
+    identical."""
     s = run(tmp_path, "final", *SMALL, "--codec", "int2", "--final-codec", "int8", "--steps", "30", "--h", "10",
             "--ranks-per-group", "2", "--backend", "gloo")
     assert s["params_identical"] and s["outer_rounds"] == 3 and s["eval_loss"] < s["initial_eval_loss"] - 0.5
-    # int2 for all three: ~1.6 bytes/param; two int2 and one int8: ~3.1
+    # measured: int2 for all three 2.06 bytes/param; two int2 and one int8 3.65
     assert 2.5 * s["num_parameters"] < s["bytes_sent"] < 4.0 * s["num_parameters"], s["bytes_sent"]
