@@ -263,7 +263,8 @@ class TransportConfig:
                               "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
     final_codec: str = opt("", "codec of each fragment's last exchange (e.g. int8 after --codec int2 or sign1): the "
                            "error-feedback residuals go out with it, so the final model keeps what the low-bit "
-                           "frames held back ('' = --codec to the end)", flag="--final-codec")
+                           "frames held back; at its own defaults (--codec-block, --topk-density and --codec-fast "
+                           "apply to --codec only; --zstd to both) ('' = --codec to the end)", flag="--final-codec")
     codec_fast: bool = opt(False, "4-bit codecs: take each block's nearest scale instead of searching its "
                            "neighbours (2-5x faster encode, for links faster than a core encodes; a little "
                            "more error: bench/pages/codecs.md)",
