@@ -171,7 +171,7 @@ def _config(args: argparse.Namespace, group: int | None = None) -> tuple[config_
     with the flags' operational settings (``job_checkpoint.resume_config``)."""
     if not args.resume:
         return config_parse.from_args(args), None
-    from diloco.runtime import job_checkpoint
+    from diloco.runtime import checkpoint_index as job_checkpoint  # torch-free: a bad path is refused at once
 
     point = job_checkpoint.find(args.resume, group=group)
     if group is None:  # diloco run: every file is checked before any process starts
@@ -187,11 +187,14 @@ def _config(args: argparse.Namespace, group: int | None = None) -> tuple[config_
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from diloco.runtime import launcher, preflight
-    from diloco.runtime import summary as summary_mod
+    from diloco.runtime import preflight
 
+    # before anything imports torch (seconds on a CUDA host): a wrong flag, path or port is refused at once
     cfg, point = _config(args)
     preflight.check_run_paths(cfg, run_dir=args.run_dir, json_path=args.json)
+    from diloco.runtime import launcher
+    from diloco.runtime import summary as summary_mod
+
     logs.setup(cfg.train.log_format, component="run")
     progress = not args.no_progress and cfg.train.log_format == "text"  # a bar is no log line
     # ranks per group the user did not name (flag or --config key) may be cut to the host's GPUs

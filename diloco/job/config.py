@@ -296,9 +296,15 @@ def make_final_codec(t: TransportConfig) -> Codec | None:
         if t.final_codec else None
 
 
+def _plain_fp32(t: TransportConfig) -> bool:
+    """fp32 without any codec option: nothing for ``make_codec`` to check."""
+    return t.codec == "fp32" and not (t.codec_block or t.topk_density or t.codec_fast or t.zstd)
+
+
 def make_codec(t: TransportConfig) -> Codec:
     """The ``compress`` codec the transport settings name (ValueError if it cannot be made); ``compress``
-    (torch) is imported on call, so ``Config.validate`` stays torch-free."""
+    (torch) is imported on call, so importing this module stays torch-free, and so does validating a
+    config of plain fp32 (the default)."""
     import compress
 
     if t.codec == AUTO:
@@ -488,7 +494,8 @@ class Config:
         need(0 <= tc.stop_after < tc.steps, f"--stop-after must be in [0, --steps ({tc.steps})), got {tc.stop_after}")
         problems += auto_problems(self)
         try:
-            codec = make_codec(self.transport) if self.transport.codec != AUTO else None
+            # plain fp32 (the default) needs no codec object: validating it imports no torch
+            codec = None if self.transport.codec == AUTO or _plain_fp32(self.transport) else make_codec(self.transport)
             need(not getattr(codec, "requires_error_feedback", False) or s.mode not in ("eager", "dp"),
                  f"--codec {self.transport.codec} needs error feedback, which --mode {s.mode} does not keep "
                  "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")

@@ -13,9 +13,13 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that write or read tensors: checksums and manifests need none,
+# so ``diloco run --resume`` refuses a bad path before torch loads (seconds on a CUDA host)
 
 
 class CheckpointError(ValueError):
@@ -70,6 +74,8 @@ def verify(path: str | os.PathLike[str]) -> str:
 
 def save(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
     """Write ``state`` (tensors, numbers, strings, lists, dicts) atomically; returns the path."""
+    import torch
+
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(target, lambda f: torch.save(state, f))
@@ -80,6 +86,8 @@ def save(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
 
 def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by ``save``; verifies its checksum; never unpickles objects."""
+    import torch
+
     target = Path(path)
     if not target.is_file():
         raise CheckpointError(f"checkpoint not found: {target}")
@@ -100,6 +108,8 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
 
 def load_global_model(path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Any]:
     """Load the global parameters of a checkpoint into ``model``; returns the checkpoint."""
+    import torch
+
     state = load(path)
     params = state.get("global")
     if not isinstance(params, dict):

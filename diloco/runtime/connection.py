@@ -211,6 +211,7 @@ class GroupConnection:
         self.periods: list[int] = []  # H of each round of fragment 0, as the engine set them
         self._rounds_counted = 0
         self._sync_seconds_seen = 0.0
+        self._final_codec_logged = False
         self._last_observe = self._start = time.perf_counter()
         self._last_progress = (0, self._start)
         #: rank 0 logs a progress line at a report at most every this many seconds (0 = never)
@@ -294,6 +295,7 @@ class GroupConnection:
             if not self.periods:
                 self.periods.append(engine.next_sync[0])
             self.periods.extend(e.next_period for e in events if e.kind == "launch" and e.fragment == 0 and e.next_period)
+        self._log_final_codec(engine, events)
         committed = any(e.kind == "commit" for e in events)
         if engine.finished:
             self._finished_engine = engine
@@ -312,6 +314,17 @@ class GroupConnection:
         if self.periods:
             self.metrics.sync_period.set(self.periods[-1])
         self._last_observe = time.perf_counter()
+
+    def _log_final_codec(self, engine, events: list) -> None:
+        """Once, when the last exchange launches with ``--final-codec``: which codec and round."""
+        final = getattr(engine, "final_codec", None)
+        if final is None or self._final_codec_logged or self.rank != 0 or self.averager.codec is not final:
+            return
+        launch = next((e for e in events if e.kind == "launch"), None)
+        if launch is not None:
+            self._final_codec_logged = True
+            log.info("group %d: the last exchange (fragment %d, round %d, step %d) runs %s with the residual "
+                     "(--final-codec)", self.group, launch.fragment, launch.round, launch.inner_step, final.name)
 
     def _count_faults(self) -> None:
         """Bring the fault-tolerance series up to this rank's FaultStats."""

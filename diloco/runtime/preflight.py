@@ -16,9 +16,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from diloco.demo import data as data_mod
 from diloco.job.config import Config, ConfigError
-from diloco.job.task import load_entry, parse_entry_args
 
 if TYPE_CHECKING:
     from diloco.demo.data import Corpus
@@ -126,7 +124,10 @@ def check_run_paths(cfg: Config, *, run_dir: str | None, json_path: str | None =
 
 def check_workload(cfg: Config) -> Corpus | None:
     """The configuration, and the demo's corpus (returned) or that a user's ``--entry`` imports and
-    is callable."""
+    is callable. (The only check here that imports torch, so the paths and ports are refused without it.)"""
+    from diloco.demo import data as data_mod
+    from diloco.job.task import load_entry, parse_entry_args
+
     cfg.validate()
     if cfg.train.entry:
         parse_entry_args(cfg.train.entry_args)

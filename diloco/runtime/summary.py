@@ -125,6 +125,7 @@ def format_summary(s: dict) -> str:
         f" (initial {s['initial_eval_loss']:.4f})",
         f"  trained                  : {s.get('entry', DEMO_ENTRY)}",
         f"  sync mode                : {s['mode']}, {s['fragments']} fragment(s)",
+        *([f"  codec between groups     : {_codec_line(s['config']['transport'])}"] if "config" in s else []),
         f"  outer rounds             : {s['outer_rounds']} (H per round: {_compact(s['periods'])})",
         f"  inner steps per rank     : {s['inner_steps']}",
         f"  groups (ranks each)      : {s['groups']} ({', '.join(map(str, s['ranks_per_group']))})",
@@ -166,6 +167,20 @@ def format_summary(s: dict) -> str:
         lines.insert(6, f"  stopped at step          : {s['stopped_at_step']} of {s['config']['train']['steps']}, "
                         f"checkpoint {s['job_checkpoint']} (continue: diloco run --resume {root})")
     return "\n".join(lines)
+
+
+def _codec_line(transport: dict) -> str:
+    """``--codec`` as the job ran it: its block or density, zstd, and the last exchange's codec."""
+    line = transport["codec"]
+    if transport.get("codec_block"):
+        line += f" (--codec-block {transport['codec_block']})"
+    if transport.get("topk_density"):
+        line += f" (density {transport['topk_density']:g})"
+    if transport.get("zstd"):
+        line += " + zstd"
+    if transport.get("final_codec"):
+        line += f", the last exchange {transport['final_codec']} (--final-codec)"
+    return line
 
 
 def _bits(x: float) -> str:

@@ -378,6 +378,37 @@ def test_a_final_codec_sends_the_residuals_with_the_last_exchange(final):
     torch.testing.assert_close(delivered, total, rtol=0, atol=tol)
 
 
+def test_a_final_codec_runs_the_last_round_by_time():
+    """Rounds by time (--round-seconds): the last of 3 rounds, however many steps it took, runs the
+    final codec with the residual, and what the exchanges delivered adds up to the Δs."""
+    from diloco.engine.schedule import TimeRounds
+
+    now = [0.0]
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    avg = _Switching(compress.get_codec("int2"))
+    final = compress.get_codec("fp32")
+    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=avg,
+                    sync_every=TimeRounds(4.0, 3), clock=lambda: now[0], final_codec=final)
+    deltas = []
+    delta_of = engine._delta
+    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    gen = torch.Generator().manual_seed(1)
+    codecs = []
+    while not engine.rounds_done:
+        x = torch.randn(8, 16, generator=gen)
+        engine.inner_optimizer.zero_grad()
+        ((model(x) - x.flip(1)) ** 2).mean().backward()
+        engine.inner_optimizer.step()
+        now[0] += 1.0
+        if any(e.kind == "launch" for e in engine.step()):
+            codecs.append(avg.codec.name)
+    engine.close()
+    assert codecs == ["int2", "int2", "fp32"] and engine.round_steps == [4, 4, 4]
+    total = sum(d.double() for d in deltas)
+    torch.testing.assert_close(sum(d.double() for d in avg.delivered), total, rtol=0, atol=1e-5)
+
+
 def test_a_final_codec_is_refused_where_it_cannot_do_its_job():
     from diloco.engine.schedule import FixedSchedule
     from diloco.job.config import Config, ConfigError

@@ -76,6 +76,25 @@ def test_every_bad_path_and_config_ends_in_seconds_with_code_2_and_nothing_start
         assert not run_dir.exists(), f"{args}: the run started (its folder was made)"
 
 
+def test_paths_flags_and_checkpoints_are_refused_before_torch_is_imported(tmp_path, a_file):
+    """A wrong path, TLS file or --resume checkpoint (and any flag of a plain fp32 job) is refused
+    without importing torch: at once, even on a host where importing torch (CUDA) takes seconds."""
+    (tmp_path / "step-000004").mkdir()  # a step folder no group finished
+    cases = [(["--resume", str(tmp_path / "none")], "no complete job checkpoint under"),
+             (["--resume", str(tmp_path / "step-000004")], "incomplete checkpoint (complete for groups [] of ?"),
+             (["--resume", str(a_file)], "no complete job checkpoint under"),
+             (["--checkpoint-dir", str(a_file / "ck")], f"{a_file} is a regular file"),
+             (["--json", str(a_file / "s.json")], f"{a_file} is a regular file"),
+             (["--tls-cert", str(tmp_path / "no.pem"), "--tls-key", str(tmp_path / "no.key")], "TLS file not found"),
+             (["--steps", "0"], "--steps")]
+    probe = ("import sys; from diloco import cli; code = cli.main(['run', *sys.argv[1:]]); "
+             "print('torch imported:', 'torch' in sys.modules); sys.exit(code)")
+    for args, message in cases:
+        proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stdout + proc.stderr)
+        assert "torch imported: False" in proc.stdout, (args, proc.stdout)
+
+
 @pytest.mark.timeout(60)
 def test_a_metrics_port_in_use_is_refused_before_anything_starts(tmp_path):
     with socket.socket() as taken:
