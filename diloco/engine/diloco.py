@@ -127,6 +127,11 @@ class DiLoCo:
     it, the residuals go out with that exchange (``set_error_feedback``), so the final model holds
     what the groups computed and the 2-bit/1-bit codecs held back. Needs an averager that switches
     codecs (``set_codec``) and a schedule that knows its end.
+
+    ``residual_decay``: β of the error feedback of a codec that keeps one (int2, sign1, topk):
+    each exchange sends ``Δ + β·e``. 1 (the default) keeps every error until it is sent; 0 drops
+    each exchange's error (the codec then runs biased, without feedback). SparseLoCo's rule sets
+    its own (``sparseloco(beta=...)``).
     """
 
     def __init__(
@@ -147,6 +152,7 @@ class DiLoCo:
         clock: Callable[[], float] = time.monotonic,
         round_vote: Callable[[int], int] | None = None,
         final_codec: Any = None,
+        residual_decay: float = 1.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -226,7 +232,12 @@ class DiLoCo:
         if decay is not None and not getattr(averager, "error_feedback", False):
             raise ValueError(f"{rule!r} needs an averager with error feedback: a codec that needs one (--codec topk, int2 "
                              "or sign1), whose residual stands in for outer momentum")
-        self.error_feedback = Residuals(len(self.fragments), 1.0 if decay is None else decay) \
+        if not 0.0 <= residual_decay <= 1.0:
+            raise ValueError(f"residual_decay must be in [0, 1], got {residual_decay}")
+        if decay is not None and residual_decay != 1.0:
+            raise ValueError(f"{rule!r} sets the residual's decay itself (its beta): no residual_decay with it")
+        self.residual_decay = residual_decay if decay is None else decay
+        self.error_feedback = Residuals(len(self.fragments), self.residual_decay) \
             if getattr(averager, "error_feedback", False) else None
         self._flushing: Residuals | None = None  # residuals still to send once (set_error_feedback(False))
         #: SparseLoCo: each fragment laid out tile-major before the residual and the codec see it
@@ -454,7 +465,7 @@ class DiLoCo:
         if on == (self.error_feedback is not None):
             return
         if on:  # residuals not yet flushed are still owed: keep them
-            self.error_feedback, self._flushing = self._flushing or Residuals(len(self.fragments), 1.0), None
+            self.error_feedback, self._flushing = self._flushing or Residuals(len(self.fragments), self.residual_decay), None
             return
         if self.tiles is not None:
             raise ValueError("SparseLoCo's outer rule needs error feedback: its codec must keep one")

@@ -3,7 +3,7 @@
 With a biased codec (``sign1``, ``topk``) every group keeps, per fragment, a residual ``e`` (fp32,
 the fragment's length, on the global copy's device) and sends ``y = Δ + e`` instead of Δ::
 
-    y = Δ + β·e;   send C(y);   e ← y − decode(C(y))      (β = 1; SparseLoCo's outer rule: 0.95)
+    y = Δ + β·e;   send C(y);   e ← y − decode(C(y))      (β = 1, or --residual-decay; SparseLoCo's rule: 0.95)
 
 so over any number of rounds everything the other groups decoded of this group, plus ``e``, is
 the sum of its Δs: nothing a round drops is lost, it is sent later (docs/algorithms.md §8.2). The
@@ -74,10 +74,11 @@ class Residuals:
         self.residual[p] = saved.detach().to(device).clone()
 
     def take(self, p: int) -> torch.Tensor | None:
-        """Fragment p's residual, which it no longer keeps (None: zero): error feedback stopped
-        (``DiLoCo.set_error_feedback``) and the residual is sent once, in its next Δ."""
+        """Fragment p's residual, which it no longer keeps (None: zero), as the next exchange would
+        have sent it (``decay · e``): error feedback stopped (``DiLoCo.set_error_feedback``) and
+        the residual is sent once, in its next Δ."""
         e, self.residual[p] = self.residual[p], None
-        return e
+        return e if e is None or self.decay == 1.0 else self.decay * e
 
     def reset(self) -> None:
         """Forget every residual (a group healed from another group's state)."""

@@ -108,6 +108,9 @@ class OuterConfig:
     co2_clip: float = opt(1.0, "CO2 element-wise outer-momentum clip (0 = off)", flag="--co2-clip")
     sparseloco_beta: float = opt(0.95, "sparseloco: decay of the error-feedback residual, y = delta + beta*e "
                                  "(Covenant-72B's 0.95)", flag="--sparseloco-beta")
+    residual_decay: float = opt(1.0, "codecs with error feedback (int2, sign1, topk) under an outer step other than "
+                                "sparseloco's: decay of the residual, y = delta + decay*e; 1 sends every error later, "
+                                "0 drops each exchange's error (the codec runs biased)", flag="--residual-decay")
 
     def outer_lr(self, mode: str) -> float:
         """The outer lr in force for a sync mode (not co2: --co2-lr; sparseloco: 1.0 by default)."""
@@ -435,6 +438,9 @@ class Config:
         need(0.0 <= o.co2_momentum < 1.0, f"--co2-momentum must be in [0, 1), got {o.co2_momentum}")
         need(o.co2_clip >= 0, f"--co2-clip must be >= 0, got {o.co2_clip}")
         need(0.0 <= o.sparseloco_beta <= 1.0, f"--sparseloco-beta must be in [0, 1], got {o.sparseloco_beta}")
+        need(0.0 <= o.residual_decay <= 1.0, f"--residual-decay must be in [0, 1], got {o.residual_decay}")
+        need(o.residual_decay == 1.0 or o.optimizer != "sparseloco",
+             "--residual-decay with --outer-optimizer sparseloco: its residual's decay is --sparseloco-beta")
         if o.optimizer == "sparseloco":
             need(o.momentum in (-1.0, 0.0), f"--outer-optimizer sparseloco takes no --outer-momentum (its residual "
                                              f"stands in for it), got {o.momentum}")
@@ -499,6 +505,9 @@ class Config:
             need(not getattr(codec, "requires_error_feedback", False) or s.mode not in ("eager", "dp"),
                  f"--codec {self.transport.codec} needs error feedback, which --mode {s.mode} does not keep "
                  "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
+            need(o.residual_decay == 1.0 or getattr(codec, "requires_error_feedback", False),
+                 f"--residual-decay applies to codecs with error feedback (int2, sign1, topk), not {self.transport.codec}"
+                 + (" (auto chooses the codec)" if self.transport.codec == AUTO else ""))
             need(self.transport.topk_density == 0.0 or self.transport.codec == "topk",
                  f"--topk-density applies to --codec topk only, not {self.transport.codec}")
             if o.optimizer == "sparseloco":

@@ -125,7 +125,7 @@ def format_summary(s: dict) -> str:
         f" (initial {s['initial_eval_loss']:.4f})",
         f"  trained                  : {s.get('entry', DEMO_ENTRY)}",
         f"  sync mode                : {s['mode']}, {s['fragments']} fragment(s)",
-        *([f"  codec between groups     : {_codec_line(s['config']['transport'])}"] if "config" in s else []),
+        *([f"  codec between groups     : {_codec_line(s['config'])}"] if "config" in s else []),
         f"  outer rounds             : {s['outer_rounds']} (H per round: {_compact(s['periods'])})",
         f"  inner steps per rank     : {s['inner_steps']}",
         f"  groups (ranks each)      : {s['groups']} ({', '.join(map(str, s['ranks_per_group']))})",
@@ -169,8 +169,10 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def _codec_line(transport: dict) -> str:
-    """``--codec`` as the job ran it: its block or density, zstd, and the last exchange's codec."""
+def _codec_line(config: dict) -> str:
+    """``--codec`` as the job ran it: its block or density, zstd, the residual's decay and the last
+    exchange's codec."""
+    transport = config["transport"]
     line = transport["codec"]
     if transport.get("codec_block"):
         line += f" (--codec-block {transport['codec_block']})"
@@ -178,6 +180,9 @@ def _codec_line(transport: dict) -> str:
         line += f" (density {transport['topk_density']:g})"
     if transport.get("zstd"):
         line += " + zstd"
+    decay = config.get("outer", {}).get("residual_decay", 1.0)
+    if decay != 1.0:
+        line += f", residual decay {decay:g} (--residual-decay)"
     if transport.get("final_codec"):
         line += f", the last exchange {transport['final_codec']} (--final-codec)"
     return line

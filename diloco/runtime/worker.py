@@ -121,7 +121,7 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
         overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
         outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
         initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote(), clock=clock,
-        final_codec=make_final_codec(cfg.transport),
+        final_codec=make_final_codec(cfg.transport), residual_decay=o.residual_decay,
     )
 
 

@@ -328,6 +328,58 @@ def test_switching_error_feedback_off_sends_the_residual_once_and_on_starts_from
     assert engine.error_feedback.residual[0] is not None
 
 
+@pytest.mark.parametrize("decay", [0.0, 0.5, 1.0])
+def test_residual_decay_sends_delta_plus_decay_times_the_residual(decay):
+    """--residual-decay β: each exchange asks to send Δ + β·e (e what the last one did not deliver),
+    and a final codec's exchange sends Δ + β·e once (0: int2 runs without error feedback)."""
+    from diloco.engine.schedule import FixedSchedule
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    avg = _Switching(compress.get_codec("int2"))
+    engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=avg, residual_decay=decay,
+                    sync_every=FixedSchedule(4, total_steps=12), final_codec=compress.get_codec("fp32"))
+    deltas = []
+    delta_of = engine._delta
+    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        x = torch.randn(8, 16, generator=gen)
+        engine.inner_optimizer.zero_grad()
+        ((model(x) - x.flip(1)) ** 2).mean().backward()
+        engine.inner_optimizer.step()
+        engine.step()
+    engine.close()
+    assert len(avg.asked) == 3
+    for r in (1, 2):  # round r sends its Δ and β times what round r-1 did not deliver
+        left = avg.asked[r - 1] - avg.delivered[r - 1]
+        assert float(left.norm()) > 0.1 * float(avg.asked[r - 1].norm())  # int2 leaves a real residual
+        torch.testing.assert_close(avg.asked[r], deltas[r] + decay * left, rtol=0, atol=1e-6)
+
+
+def test_residual_decay_is_refused_out_of_range_and_with_sparselocos_rule():
+    model = nn.Linear(64, 64)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"residual_decay must be in \[0, 1\]"):
+        DiLoCo(model, sgd, averager=_Switching(compress.get_codec("int2")), sync_every=4, residual_decay=1.5)
+    with pytest.raises(ValueError, match="sets the residual's decay itself"):
+        DiLoCo(model, sgd, averager=_Switching(compress.get_codec("topk", chunk=4096, k=64)), sync_every=4,
+               outer_optimizer=sparseloco(), residual_decay=0.5)
+    from diloco.job.config import Config, ConfigError
+
+    for codec, optimizer, decay, message in (("fp32", "nesterov", 0.5, "applies to codecs with error feedback"),
+                                             ("auto", "nesterov", 0.5, "auto chooses the codec"),
+                                             ("topk", "sparseloco", 0.5, "its residual's decay is --sparseloco-beta"),
+                                             ("int2", "nesterov", -0.1, r"must be in \[0, 1\]")):
+        cfg = Config()
+        cfg.transport.codec, cfg.outer.optimizer, cfg.outer.residual_decay = codec, optimizer, decay
+        with pytest.raises(ConfigError, match=message):
+            cfg.validate()
+    cfg = Config()
+    cfg.transport.codec, cfg.outer.residual_decay = "int2", 0.0
+    assert cfg.validate().outer.residual_decay == 0.0
+
+
 def test_sparselocos_rule_refuses_to_stop_error_feedback():
     model = nn.Linear(64, 64)
     engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=_Switching(

@@ -9,9 +9,10 @@ BASE = {"eval_loss": 2.0, "initial_eval_loss": 5.0, "mode": "blocking", "fragmen
         "param_hash_per_group": {"0": "a", "1": "a"}, "utilization": 1.0, "seconds": 1.0, "run_dir": "/x"}
 
 
-def codec_line(**transport) -> str:
+def codec_line(residual_decay: float = 1.0, **transport) -> str:
     config = Config().to_dict()
     config["transport"].update(transport)
+    config["outer"]["residual_decay"] = residual_decay
     lines = summary.format_summary({**BASE, "config": config}).splitlines()
     found = [x for x in lines if x.startswith("  codec between groups")]
     assert len(found) == 1 and lines.index(found[0]) == 1 + lines.index(
@@ -19,11 +20,13 @@ def codec_line(**transport) -> str:
     return found[0].split(": ", 1)[1]
 
 
-def test_the_codec_line_names_the_codec_its_block_zstd_and_the_last_exchange():
+def test_the_codec_line_names_the_codec_its_block_zstd_its_residual_decay_and_the_last_exchange():
     assert codec_line() == "fp32"
     assert codec_line(codec="int2", codec_block=1024, final_codec="int8") == \
         "int2 (--codec-block 1024), the last exchange int8 (--final-codec)"
     assert codec_line(codec="topk", topk_density=0.03, zstd=True) == "topk (density 0.03) + zstd"
+    assert codec_line(codec="int2", final_codec="int4", residual_decay=0.0) == \
+        "int2, residual decay 0 (--residual-decay), the last exchange int4 (--final-codec)"
 
 
 def test_a_summary_without_its_config_has_no_codec_line():
