@@ -53,8 +53,10 @@ def build(records: list[dict], source_sha256: str = "") -> dict:
     for name, recs in sorted(by_row.items()):
         row = rows.get(name)
         first = recs[0]
-        if row is None or first["mode"] not in MODES or first["schedule"] != "fixed" or row.co2 or row.final_codec:
-            continue  # (a final codec: auto switches codecs itself and runs none)
+        if row is None or first["mode"] not in MODES or first["schedule"] != "fixed" or row.co2 or row.final_codec \
+                or row.codec_block or row.residual_decay != 1.0:
+            continue  # (a final codec: auto switches codecs itself and runs none; a block size or a residual decay:
+            # the table has no field for them, and auto runs the codecs at their defaults)
         if not all(r.get("params_identical", True) for r in recs):
             continue
         base = {r["seed"]: r["eval_loss"] for r in by_row.get(f"m{first['groups']}-h30-outer", [])}

@@ -186,6 +186,15 @@ def seeds_for(size: Size, row: Row, first: int) -> list[int]:
     return [first + i for i in range(n)]
 
 
+def _with_file(path: Path, records: list[dict]) -> list[dict]:
+    """``records`` and those another run (of this script, at the same time) saved to ``path`` since
+    this one read it, so that two runs on one file keep each other's records."""
+    if not path.exists():
+        return records
+    mine = {_key(r) for r in records}
+    return records + [r for r in json.loads(path.read_text()) if _key(r) not in mine]
+
+
 def save(path: Path, records: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -221,7 +230,7 @@ def run_study(a: argparse.Namespace) -> list[dict]:
                     cfg.inner.lr = lrs.diloco_lr
                 t0 = time.perf_counter()
                 rec = make_record(size, row, seed, cfg, runner(cfg))
-                records = [r for r in records if _key(r) != _key(rec)] + [rec]
+                records = [r for r in _with_file(path, records) if _key(r) != _key(rec)] + [rec]
                 done.add(_key(rec))
                 save(path, records)
                 ref = dp_reference(records, size.name)

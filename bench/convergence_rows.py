@@ -26,6 +26,8 @@ QSR_INT2_BASES = (100, 110)
 #: int2 at H=300 (0.0073 bits/param/step per group) under outer steps other than H=30's tuned 0.7/0.7:
 #: 26 outer steps in 8,000 inner ones may want another outer stride (DiLoCo used 0.7/0.9 at H=500)
 INT2_H300_OUTERS = ((0.7, 0.9), (1.0, 0.7), (0.7, 0.5), (0.5, 0.7))
+#: an outer step without momentum (FedAvg: lr 1) for the long-H rows (H=230)
+OUTER_NO_MOMENTUM = ((1.0, 0.0),)
 
 
 def _int2_h300(outer: tuple[float, float]) -> str:
@@ -42,7 +44,10 @@ SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "
                    *(_int2_h300(o) for o in INT2_H300_OUTERS), *(f"m2-h{h}-sign1-outer" for h in SIGN1_HS),
                    *(f"m2-qsr{h}-int2-outer" for h in QSR_INT2_BASES), "m2-qsr100-outer",
                    "m2-h300-int2-int8final-outer", "m2-qsr120-int2-int8final-outer",
-                   "m2-h230-int2b1024-int4final-outer")
+                   "m2-h230-int2b1024-int4final-outer", "m2-h230-outer", "m2-h110-sign1b1024-int4final-outer",
+                   "m2-h230-int2b1024-int4final-decay0-outer", "m2-h115-sign1b1024-int4final-decay0-outer",
+                   *(f"m2-h230-{c}lr{o[0]:g}-mom{o[1]:g}" for c in ("", "int2b1024-int4final-")
+                     for o in OUTER_NO_MOMENTUM))
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,11 @@ SIZES = {
     # the medium model as long as the small one: the trend with model size at equal steps
     "medium-long": Size("medium-long", n_layer=4, n_embd=128, steps=1000, seeds=1, tuned_on="medium",
                         rows=("dp", "m2-h30-outer", "m4-h30-outer")),
+    # the medium model (7x the parameters) at the long size's 8,000 steps (about 20 tokens per parameter
+    # where small-xlong has 136): does the cost of a long H, fp32's and 2-bit's, shrink with model size?
+    "medium-xlong": Size("medium-xlong", n_layer=4, n_embd=128, steps=8000, seeds=1, tuned_on="medium",
+                         rows=("m2-h30-outer", "m2-h230-outer", "m2-h230-int2b1024-int4final-outer",
+                               "m2-h230-int2b1024-int4final-decay0-outer")),
 }
 QUICK_SIZE = replace(SIZES["small"], steps=400, seeds=1)
 
@@ -114,6 +124,7 @@ class Row:
     beta: float = 0.95  # sparseloco: the residual's decay
     final_codec: str = ""  # the codec of the last exchange (--final-codec): the residuals go out with it
     codec_block: int = 0  # --codec-block (0: the codec's default)
+    residual_decay: float = 1.0  # --residual-decay: error feedback's decay (0: none, the codec runs biased)
     seeded: bool = False  # run with every seed of the size (else the first only)
     note: str = ""
 
@@ -145,7 +156,7 @@ def study_rows() -> list[Row]:
     ]
     tuned = "best outer lr/momentum of the sweep"
     rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
-    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 50, 100, 200, 300)]
+    rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 50, 100, 200, 230, 300)]
     rows += [Row(f"m2-h30-{c}-outer", codec=c, outer_tuned=True, seeded=True, note=tuned)
              for c in CODECS if c != "fp32"]
     rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
@@ -205,6 +216,21 @@ def sparseloco_rows() -> list[Row]:
     # per group (measured), at an H where fp32 itself costs less than at 300
     rows += [Row("m2-h230-int2b1024-int4final-outer", h=230, codec="int2", codec_block=1024, final_codec="int4",
                  outer_tuned=True, note="int2 (1024-value blocks) at H=230, the last exchange int4")]
+    # the same without error feedback (--residual-decay 0: each exchange's 2-bit error is dropped, not sent a
+    # round late): at H=230 the residual is stale error, as large as a fresh delta (bench/residual_staleness.py)
+    rows += [Row(f"m2-h{h}-{c}b1024-int4final-decay0-outer", h=h, codec=c, codec_block=1024, final_codec="int4",
+                 residual_decay=0.0, outer_tuned=True, note=f"{c} at H={h} without error feedback, last exchange int4")
+             for c, h in (("int2", 230), ("sign1", 115))]
+    # the same under outer SGD without momentum (lr 1: plain averaging of the deltas): does momentum, which
+    # re-applies what a residual delivers a round late, make error feedback's stale residual worse?
+    rows += [Row(f"m2-h230-{c}lr{o[0]:g}-mom{o[1]:g}", h=230, outer=o,
+                 note=f"H=230, outer lr {o[0]:g} momentum {o[1]:g}",
+                 **(dict(codec="int2", codec_block=1024, final_codec="int4") if c else {}))
+             for c in ("", "int2b1024-int4final-") for o in OUTER_NO_MOMENTUM]
+    # sign1 with 1024-value blocks (1.03 bits) at H=110 and an int4 last exchange, at an H where fp32 is no worse
+    # than at 30: 0.0101 bits/param/step per group measured (1 % over the budget; H=115 below is under it)
+    rows += [Row("m2-h110-sign1b1024-int4final-outer", h=110, codec="sign1", codec_block=1024, final_codec="int4",
+                 outer_tuned=True, note="sign1 (1024-value blocks) at H=110, the last exchange int4")]
     return rows
 
 

@@ -81,6 +81,7 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     if row.rule:
         cfg.outer.optimizer = row.rule  # its own lr and momentum (sparseloco: 1, none) unless the row sets them
         cfg.outer.sparseloco_beta = row.beta
+    cfg.outer.residual_decay = row.residual_decay
     s = cfg.sync
     s.mode, s.h, s.fragments, s.schedule = row.mode, max(row.h, row.fragments), row.fragments, row.schedule
     s.overlap_steps = row.tau if row.mode == "overlap" else 1
