@@ -168,21 +168,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace, group: int | None = None) -> tuple[config_mod.Config, Any]:
     """``(config, resume point or None)``: from the flags, or with ``--resume`` from the checkpoint
-    with the flags' operational settings (``job_checkpoint.resume_config``)."""
+    with the flags' operational settings (``checkpoint_index.resume_config``)."""
     if not args.resume:
         return config_parse.from_args(args), None
-    from diloco.runtime import checkpoint_index as job_checkpoint  # torch-free: a bad path is refused at once
+    from diloco.runtime import checkpoint_index  # torch-free: a bad path is refused at once
 
-    point = job_checkpoint.find(args.resume, group=group)
+    point = checkpoint_index.find(args.resume, group=group)
     if group is None:  # diloco run: every file is checked before any process starts
         try:
-            job_checkpoint.verify_step(point.path)
-        except job_checkpoint.CheckpointError as e:
-            older = job_checkpoint.newest_intact_step(point.root, below=point.step)
+            checkpoint_index.verify_step(point.path)
+        except checkpoint_index.CheckpointError as e:
+            older = checkpoint_index.newest_intact_step(point.root, below=point.step)
             hint = (f"; the newest intact step before it is {older.name}: diloco run --resume {older}" if older
                     else "; no older step under it is intact")
-            raise job_checkpoint.CheckpointError(f"{e}{hint}") from None
-    cfg = job_checkpoint.resume_config(point.config, config_parse.explicit_settings(args), point.root, point.step)
+            raise checkpoint_index.CheckpointError(f"{e}{hint}") from None
+    cfg = checkpoint_index.resume_config(point.config, config_parse.explicit_settings(args), point.root, point.step)
     return cfg, point
 
 
