@@ -44,7 +44,10 @@ def test_corrupted_links_roll_exchanges_back_and_the_job_ends_identical(tmp_path
     assert code == 0
     s = json.loads(out.read_text())
     f = s["fault"]
-    assert f["corrupted"] == 2 and f["kills"] == f["restarts"] == f["failures"] == 0, f
+    # the drill spaces its faults 1-3 s apart and stops at 80 % of the steps: on a fast machine the second
+    # may not fit in this 10-second job (CI on a quiet machine: 1 of 2); each that fired rolled one back
+    assert 1 <= f["corrupted"] <= 2 and f["rolled_back"] >= f["corrupted"], f
+    assert f["kills"] == f["restarts"] == f["failures"] == 0, f
     bad = [e["reason"] for e in f["events"] if e["kind"] == "rolled_back"]
     assert bad and all("frame corrupted" in r or "checksum" in r or "authentic" in r for r in bad), bad
     assert s["params_identical"]
