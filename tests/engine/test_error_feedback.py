@@ -287,6 +287,22 @@ class _Switching:
         return _Pending(decoded, decoded)
 
 
+def _recorded_deltas(engine) -> list:
+    """The list every Δ the engine computes is appended to, in launch order."""
+    deltas = []
+    delta_of = engine._delta
+    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    return deltas
+
+
+def _inner_step(model, engine, gen) -> None:
+    """One inner step of the linear toy task (learn to reverse x) on a batch drawn from ``gen``."""
+    x = torch.randn(8, 16, generator=gen)
+    engine.inner_optimizer.zero_grad()
+    ((model(x) - x.flip(1)) ** 2).mean().backward()
+    engine.inner_optimizer.step()
+
+
 def test_switching_error_feedback_off_sends_the_residual_once_and_on_starts_from_zero():
     """int2 (error-fed) for three rounds, then an exact codec for two, then int2 again: what the
     exchanges delivered adds up to the sum of the Δs once the residual was flushed, and the
@@ -295,9 +311,7 @@ def test_switching_error_feedback_off_sends_the_residual_once_and_on_starts_from
     model = nn.Linear(16, 16)
     avg = _Switching(compress.get_codec("int2"))
     engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=avg, sync_every=4)
-    deltas = []
-    delta_of = engine._delta
-    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    deltas = _recorded_deltas(engine)
     gen = torch.Generator().manual_seed(1)
 
     def train(steps):
@@ -339,15 +353,10 @@ def test_residual_decay_sends_delta_plus_decay_times_the_residual(decay):
     avg = _Switching(compress.get_codec("int2"))
     engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=avg, residual_decay=decay,
                     sync_every=FixedSchedule(4, total_steps=12), final_codec=compress.get_codec("fp32"))
-    deltas = []
-    delta_of = engine._delta
-    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    deltas = _recorded_deltas(engine)
     gen = torch.Generator().manual_seed(1)
     for _ in range(12):
-        x = torch.randn(8, 16, generator=gen)
-        engine.inner_optimizer.zero_grad()
-        ((model(x) - x.flip(1)) ** 2).mean().backward()
-        engine.inner_optimizer.step()
+        _inner_step(model, engine, gen)
         engine.step()
     engine.close()
     assert len(avg.asked) == 3
@@ -401,16 +410,11 @@ def test_a_final_codec_sends_the_residuals_with_the_last_exchange(final):
     codec = None if final is None else compress.get_codec(final)
     engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=avg,
                     sync_every=FixedSchedule(4, total_steps=12), final_codec=codec)
-    deltas = []
-    delta_of = engine._delta
-    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    deltas = _recorded_deltas(engine)
     gen = torch.Generator().manual_seed(1)
     owed = None
     for t in range(12):
-        x = torch.randn(8, 16, generator=gen)
-        engine.inner_optimizer.zero_grad()
-        ((model(x) - x.flip(1)) ** 2).mean().backward()
-        engine.inner_optimizer.step()
+        _inner_step(model, engine, gen)
         if t == 10:
             owed = engine.error_feedback.residual[0].clone()
         engine.step()
@@ -442,16 +446,11 @@ def test_a_final_codec_runs_the_last_round_by_time():
     final = compress.get_codec("fp32")
     engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=avg,
                     sync_every=TimeRounds(4.0, 3), clock=lambda: now[0], final_codec=final)
-    deltas = []
-    delta_of = engine._delta
-    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+    deltas = _recorded_deltas(engine)
     gen = torch.Generator().manual_seed(1)
     codecs = []
     while not engine.rounds_done:
-        x = torch.randn(8, 16, generator=gen)
-        engine.inner_optimizer.zero_grad()
-        ((model(x) - x.flip(1)) ** 2).mean().backward()
-        engine.inner_optimizer.step()
+        _inner_step(model, engine, gen)
         now[0] += 1.0
         if any(e.kind == "launch" for e in engine.step()):
             codecs.append(avg.codec.name)
