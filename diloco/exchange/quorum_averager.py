@@ -154,6 +154,9 @@ class QuorumAverager(StripedAverager):
         self.setting = ""
         self.on_setting: Callable[[str], None] | None = None
         self._evicted: str | None = None
+        #: set once the coordinator told this group to leave (``evicted_reason`` says why): a wait that is
+        #: not an exchange (the first bandwidth probe) gives up on it
+        self.evicted = threading.Event()
         self.round_timeout_s = round_timeout_s
         self._retry = _Retry(self, round_timeout_s)
         self._rejoin_lock = threading.Lock()
@@ -285,7 +288,7 @@ class QuorumAverager(StripedAverager):
         if resp.stop and not req.retry:  # a first attempt is asked at the same step on every group
             self.stop_requested = True
         if resp.evicted:
-            self._evicted = resp.evicted
+            self._leave(resp.evicted)
             raise GroupEvicted(f"group {self.group}: {resp.evicted}")
         if not resp.finished:
             self.num_groups = len(resp.members)
@@ -372,8 +375,8 @@ class QuorumAverager(StripedAverager):
         coordinator as any group does (it heals from a live group, or, when the job was lost,
         resumes from its checkpoint)."""
         if self._needs_heal:
-            self._evicted = (f"group {self.group}: the coordinator restarted while this group was healing (it holds "
-                             "none of the job's state yet): restart it to join the job anew")
+            self._leave(f"group {self.group}: the coordinator restarted while this group was healing (it holds "
+                        "none of the job's state yet): restart it to join the job anew")
             raise GroupEvicted(self._evicted)
         with self._rejoin_lock:
             self.client.join(self.group, self.rank, self.group_size, self.transport.address,
@@ -400,7 +403,7 @@ class QuorumAverager(StripedAverager):
                     self._abort_rings(quorum, lost)
             except CoordinatorError as e:
                 if e.code == "FAILED_PRECONDITION":  # declared failed (e.g. woken from a freeze): the
-                    self._evicted = str(e)  # others left its exchanges, so its rings would wait in vain
+                    self._leave(str(e))  # others left its exchanges, so its rings would wait in vain
                     with self._rings_lock:
                         running = list(self._running)
                     for q in running:
@@ -414,6 +417,16 @@ class QuorumAverager(StripedAverager):
                         return
             except ValueError:  # the channel was closed under us: we are closing
                 return
+
+    @property
+    def evicted_reason(self) -> str | None:
+        """Why the coordinator told this group to leave; None while it has not."""
+        return self._evicted
+
+    def _leave(self, why: str) -> None:
+        """The coordinator told this group to leave: its next call raises GroupEvicted(why)."""
+        self._evicted = why
+        self.evicted.set()
 
     def _abort_rings(self, quorum: str, why: str) -> None:
         with self._rings_lock:

@@ -26,8 +26,10 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,8 +37,9 @@ import torch.distributed as dist
 import transport as transport_pkg
 from diloco.coordinator import CoordinatorClient, CoordinatorError
 from diloco.coordinator.credentials import for_group
+from diloco.coordinator.waiting import waiting
 from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
-from diloco.exchange.quorum_averager import QuorumAverager
+from diloco.exchange.quorum_averager import GroupEvicted, QuorumAverager
 from diloco.job.config import ConfigError, TransportConfig, make_codec
 from diloco.runtime.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
 from transport import TcpTransport, TlsConfig
@@ -44,6 +47,7 @@ from transport.identity import GroupKeys
 from transport.tcp import is_loopback
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SECRET_ENV = "DILOCO_SECRET"
 TOKEN_ENV = "DILOCO_TOKEN"
@@ -170,9 +174,44 @@ def make_averager(t: TransportConfig, transport, membership, client, group: int,
     def measure() -> dict[int, float]:
         return measure_rates(transport, addresses, group, rank, t.probe_bytes)
 
-    client.report_bandwidth(group, rank, measure())
+    peers = ", ".join(f"group {g}" for g in sorted(addresses) if g != group)
+    try:
+        with waiting(log, f"the bandwidth probe of {peers} (--probe-bytes {t.probe_bytes:,})"):
+            rates = unless_evicted(measure, averager)
+        client.report_bandwidth(group, rank, rates)
+    except BaseException:
+        averager.close()
+        raise
     monitor = BandwidthMonitor(measure, lambda rates: client.report_bandwidth(group, rank, rates))
     return averager, _Reprobe(monitor, averager, t.reprobe_every)
+
+
+#: seconds between looks at whether the coordinator told this group to leave, while it probes
+EVICTION_POLL_S = 0.1
+
+
+def unless_evicted(work: Callable[[], T], averager: QuorumAverager) -> T:
+    """``work()``, run in a thread and given up (GroupEvicted) once the coordinator tells this group
+    to leave. A peer lost while this rank probes it never answers, and the probe would wait for it
+    until its deadline (``--timeout``), deaf to a coordinator that restarted meanwhile and no longer
+    knows this group; the thread left behind ends with the transport this rank then closes."""
+    done, result = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            result["value"] = work()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            result["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"{getattr(work, '__name__', 'work')}-unless-evicted", daemon=True).start()
+    while not done.wait(EVICTION_POLL_S):
+        if averager.evicted.is_set():
+            raise GroupEvicted(averager.evicted_reason or "the coordinator told this group to leave")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def _group_rank(process_group) -> tuple[int, int]:
@@ -323,8 +362,11 @@ class GroupConnection:
         launch = next((e for e in events if e.kind == "launch"), None)
         if launch is not None:
             self._final_codec_logged = True
-            log.info("group %d: the last exchange (fragment %d, round %d, step %d) runs %s with the residual "
-                     "(--final-codec)", self.group, launch.fragment, launch.round, launch.inner_step, final.name)
+            decay = getattr(engine, "residual_decay", 1.0)
+            carries = ("with the residual" if decay == 1.0 else "without a residual (--residual-decay 0)" if decay == 0
+                       else f"with {decay:g} x the residual (--residual-decay)")
+            log.info("group %d: the last exchange (fragment %d, round %d, step %d) runs %s %s (--final-codec)",
+                     self.group, launch.fragment, launch.round, launch.inner_step, final.name, carries)
 
     def _count_faults(self) -> None:
         """Bring the fault-tolerance series up to this rank's FaultStats."""
@@ -508,7 +550,6 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
         opened.append(transport)
         tls = coordinator_tls(t, coordinator)
         if tls is not None:  # a certificate either side refuses is named at once, not after the client's deadline
-            from diloco.coordinator.waiting import waiting
             from diloco.runtime.tls_check import check_coordinator
 
             with waiting(log, f"the coordinator at {coordinator} to accept connections (TLS)"):

@@ -78,5 +78,9 @@ def test_a_final_codec_sends_the_last_exchange_with_the_residuals_in_real_groups
     s = run(tmp_path, "final", *SMALL, "--codec", "int2", "--final-codec", "int8", "--steps", "30", "--h", "10",
             "--ranks-per-group", "2", "--backend", "gloo")
     assert s["params_identical"] and s["outer_rounds"] == 3 and s["eval_loss"] < s["initial_eval_loss"] - 0.5
+    for g in range(2):
+        said = [line for line in (tmp_path / "final" / f"group-{g}.log").read_text().splitlines()
+                if "the last exchange" in line]
+        assert len(said) == 1 and "round 2, step 30) runs int8 with the residual (--final-codec)" in said[0], said
     # measured: int2 for all three 2.06 bytes/param; two int2 and one int8 3.65
     assert 2.5 * s["num_parameters"] < s["bytes_sent"] < 4.0 * s["num_parameters"], s["bytes_sent"]

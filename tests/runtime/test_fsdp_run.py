@@ -58,11 +58,12 @@ def test_sharded_groups_stop_resume_and_save_like_a_straight_run(tmp_path):
 
 
 def test_sharded_groups_send_the_last_exchange_with_the_final_codec(tmp_path):
-    """--codec int2 --final-codec int8 with a sharded group: every rank of both groups switches at
-    the last of 3 exchanges (the log says so once per group), the groups end identical, and the
-    bytes are those of two int2 rounds and one int8 one."""
+    """--codec int2 --final-codec int8 --residual-decay 0 with a sharded group: every rank of both
+    groups switches at the last of 3 exchanges (the log says so once per group, and that no residual
+    goes with it), the groups end identical, and the bytes are those of two int2 rounds and one int8
+    one."""
     out = tmp_path / "final.json"
-    args = [*SMALL, "--h", "5", "--steps", "15", "--codec", "int2", "--final-codec", "int8"]
+    args = [*SMALL, "--h", "5", "--steps", "15", "--codec", "int2", "--final-codec", "int8", "--residual-decay", "0"]
     assert cli.main(["run", *args, "--run-dir", str(tmp_path / "final"), "--json", str(out)]) == 0, \
         (tmp_path / "final" / "group-0.log").read_text()[-3000:]
     s = json.loads(out.read_text())
@@ -70,6 +71,6 @@ def test_sharded_groups_send_the_last_exchange_with_the_final_codec(tmp_path):
     for g in range(2):
         said = [line for line in (tmp_path / "final" / f"group-{g}.log").read_text().splitlines()
                 if "the last exchange" in line]
-        assert len(said) == 1 and "round 2, step 15) runs int8" in said[0], said
+        assert len(said) == 1 and "round 2, step 15) runs int8 without a residual (--residual-decay 0)" in said[0], said
     # measured: 3.44 bytes/param over both groups (int2 for all three rounds: 1.89)
     assert 2.5 * s["num_parameters"] < s["bytes_sent"] < 4.0 * s["num_parameters"], s["bytes_sent"]
