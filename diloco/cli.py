@@ -14,7 +14,7 @@ from typing import Any
 
 from diloco.job import config as config_mod
 from diloco.job import config_parse
-from diloco.runtime import exit_codes, logs
+from diloco.runtime import exit_codes, logs, stack_dumps
 
 DESCRIPTION = """\
 Low-bandwidth local-update training (DiLoCo) across worker groups.
@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "worker":
         _die_with_agent()
+    if args.command != "status":
+        stack_dumps.install()  # kill -USR1: every thread's stack to the log
     handler = {"run": _cmd_run, "worker": _cmd_worker, "coordinator": _cmd_coordinator,
                "status": _cmd_status}[args.command]
     try:

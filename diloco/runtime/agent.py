@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from diloco.runtime import exit_codes
+from diloco.runtime import exit_codes, stack_dumps
 
 PARENT_ENV = "DILOCO_PARENT_PID"
 
@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
     if parent is not None:
         die_with_parent(int(parent))
     os.environ[PARENT_ENV] = str(os.getpid())  # the workers', whose parent this process is
+    stack_dumps.forward_to_children()  # kill -USR1 (PID 1 of a pod): the workers dump their threads' stacks
     fmt, group = _flag(argv, "--log-format"), _flag(argv, "--group-id")
     if fmt == "json":  # the agent's own lines (torchrun's, the C++ store's) are records like its workers'
         from diloco.runtime import logs

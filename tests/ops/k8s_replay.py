@@ -1038,7 +1038,17 @@ class Replay:
             if predicate():
                 return
             time.sleep(0.2)
+        self.dump_stacks()
         raise AssertionError(f"replay: timed out after {timeout_s:g}s waiting for {what}\n{self.report()}")
+
+    def dump_stacks(self, settle_s: float = 2.0) -> None:
+        """SIGUSR1 to every running pod's container: each diloco process writes its threads' stacks to
+        its log (``diloco.runtime.stack_dumps``; a worker pod's agent passes it on to its workers)."""
+        running = self.running()
+        for pod in running:
+            self.kill(pod, signal.SIGUSR1)
+        if running:
+            time.sleep(settle_s)
 
     def exec_in(self, dc: str, *cmd: str, timeout_s: float = 20.0) -> subprocess.CompletedProcess:
         """Run a command as root in datacenter dc's monitoring pod's network namespace."""
@@ -1055,11 +1065,14 @@ class Replay:
         self._spawned.append(proc)
         return proc
 
-    def report(self, tail: int = 25) -> str:
+    def report(self, tail: int = 25, running_tail: int = 150) -> str:
+        """Events, then each pod's last ``tail`` log lines (``running_tail`` for a running pod: its
+        stack dump, when ``dump_stacks`` asked for one)."""
         lines = ["events:", *self.events[-60:], "pods:"]
         for pod in self.pods:
             lines.append(f"  {pod.dc} {pod.name} {pod.phase} exit={pod.exit_code} restarts={pod.restarts} ip={pod.ip}")
-            lines += [f"    | {line}" for line in pod.log_text().splitlines()[-tail:]]
+            keep = running_tail if pod.phase == "Running" else tail
+            lines += [f"    | {line}" for line in pod.log_text().splitlines()[-keep:]]
         return "\n".join(lines)
 
     # -- teardown ------------------------------------------------------------------------------------------
