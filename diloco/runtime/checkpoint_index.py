@@ -54,7 +54,8 @@ def _step_of(folder: Path) -> int | None:
     return int(m.group(1)) if m and folder.is_dir() else None
 
 
-def _step_folders(root: Path) -> list[tuple[int, Path]]:
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every step folder under ``root``, oldest first; [] when it is not a folder."""
     if not root.is_dir():
         return []
     found = ((_step_of(d), d) for d in root.iterdir())
@@ -107,7 +108,7 @@ def _is_complete(folder: Path, group: int | None) -> bool:
 
 
 def _complete_folders(root: Path, group: int | None) -> list[tuple[int, Path]]:
-    return [(s, d) for s, d in _step_folders(root) if _is_complete(d, group)]
+    return [(s, d) for s, d in step_folders(root) if _is_complete(d, group)]
 
 
 def complete_steps(root: str | Path, group: int | None = None) -> list[int]:

@@ -32,10 +32,11 @@ from diloco.job.config import Config, ConfigError
 from diloco.job.config_parse import from_dict
 from diloco.runtime import checkpoint, rank_state
 from diloco.runtime.checkpoint import CheckpointError
-from diloco.runtime.checkpoint_index import (FORMAT, OPERATIONAL, VERSION, ResumePoint, _step_folders,  # noqa: F401
+from diloco.runtime.checkpoint_index import (FORMAT, OPERATIONAL, VERSION, ResumePoint,  # noqa: F401
                                              complete_groups, complete_steps, find, latest_complete_step,
                                              manifest_file, math_differences, newest_intact_step, rank_file,
-                                             read_manifest, resume_config, step_path, verify_step)
+                                             read_manifest, resume_config, step_folders, step_path,
+                                             verify_step)
 
 # the index's names (checkpoint_index, torch-free) are re-exported: callers find every name here
 
@@ -61,7 +62,7 @@ def prune(root: str | Path, group: int, keep: int) -> list[int]:
     groups' files are left alone. Returns the steps touched."""
     if keep <= 0:
         return []
-    folders = _step_folders(Path(root))
+    folders = step_folders(Path(root))
     mine = [s for s, d in folders if (d / manifest_file(group)).is_file()]
     if len(mine) <= keep:
         return []

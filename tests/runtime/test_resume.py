@@ -282,7 +282,7 @@ def test_prune_goes_on_when_another_group_removes_a_folder_it_listed(tmp_path, m
     for step in (2, 4, 6):
         write_step(tmp_path, step)
     job_checkpoint.prune(tmp_path, 0, keep=2)  # step 2 now holds only group 1's files
-    listed = job_checkpoint._step_folders
+    listed = job_checkpoint.step_folders
 
     def listed_then_removed(root):
         folders = listed(root)
@@ -290,7 +290,7 @@ def test_prune_goes_on_when_another_group_removes_a_folder_it_listed(tmp_path, m
         return folders
 
     write_step(tmp_path, 8)
-    monkeypatch.setattr(job_checkpoint, "_step_folders", listed_then_removed)
+    monkeypatch.setattr(job_checkpoint, "step_folders", listed_then_removed)
     assert job_checkpoint.prune(tmp_path, 0, keep=2) == [4]
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000006", "step-000008"]
