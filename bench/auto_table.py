@@ -54,8 +54,8 @@ def build(records: list[dict], source_sha256: str = "") -> dict:
         row = rows.get(name)
         first = recs[0]
         if row is None or first["mode"] not in MODES or first["schedule"] != "fixed" or row.co2 or row.final_codec \
-                or row.codec_block or row.residual_decay != 1.0:
-            continue  # (a final codec: auto switches codecs itself and runs none; a block size or a residual decay:
+                or row.codec_block or row.residual_decay != 1.0 or row.zstd:
+            continue  # (a final codec: auto switches codecs itself and runs none; a block size, a residual decay or zstd:
             # the table has no field for them, and auto runs the codecs at their defaults)
         if not all(r.get("params_identical", True) for r in recs):
             continue

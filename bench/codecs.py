@@ -57,7 +57,10 @@ CODECS = [
     ("fp4-e2m1", "fp4-e2m1", {}),
     ("fp4-e3m0", "fp4-e3m0", {}),
     ("lloyd4", "lloyd4", {}),
+    ("int2", "int2", {}),
+    ("int2 block 1024", "int2", {"block_size": 1024}),
     ("sign1", "sign1", {}),
+    ("sign1 block 1024", "sign1", {"block_size": 1024}),
     ("topk (1.5%)", "topk", {"density": 0.015}),
 ]
 # 4-bit variants measured before choosing: (label, name, params, search window or None)

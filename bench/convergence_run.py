@@ -91,6 +91,7 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     t = cfg.transport
     t.codec, t.timeout_s, t.probe_bytes, t.reprobe_every = row.codec, 300.0, 0, 0
     t.topk_density, t.final_codec, t.codec_block = row.density, row.final_codec, row.codec_block
+    t.zstd = row.zstd
     return cfg.validate()
 
 
