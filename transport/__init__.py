@@ -15,18 +15,28 @@ chunks), outputs (checks on out= buffers), shaping (token bucket), plan (stripes
 faultproxy (a fault-injecting TCP relay for tests and benchmarks).
 """
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import CollectiveAborted, PeerAuthError, PeerDisconnected, TransportError, WireError
 from .faultproxy import FaultProxy
 from .identity import GroupKeys
 from .plan import Stripe, StripePlan, stripe_plan
-from .process import ProcessHandle, ProcessTransport
 from .probe import ring_order
-from .ring import Handle
 from .shaping import TokenBucket
-from .tcp import TcpTransport
 from .tls import TlsConfig
+
+if TYPE_CHECKING:
+    from .grpclink import GrpcTransport
+    from .process import ProcessHandle, ProcessTransport
+    from .ring import Handle
+    from .tcp import TcpTransport
+
+#: the names whose modules load on first use: the links and collectives import torch (seconds on a
+#: CUDA host), which the coordinator and `diloco status` (errors, TLS settings) do without; gRPC is
+#: heavy and does not like fork()
+_LAZY = {"GrpcTransport": ".grpclink", "ProcessHandle": ".process", "ProcessTransport": ".process",
+         "Handle": ".ring", "TcpTransport": ".tcp"}
 
 __all__ = [
     "CollectiveAborted",
@@ -51,9 +61,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # gRPC is imported only when asked for: it is heavy and does not like fork().
-    if name == "GrpcTransport":
-        from .grpclink import GrpcTransport
-
-        return GrpcTransport
-    raise AttributeError(f"module 'transport' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transport' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

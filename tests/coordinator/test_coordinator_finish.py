@@ -96,10 +96,10 @@ def test_wait_finished_rejects_negative_timeout():
 class Coordinator:
     """A ``diloco coordinator --port 0`` subprocess; ``address`` is read from its first line."""
 
-    def __init__(self, *args: str, groups: int = 2) -> None:
+    def __init__(self, *args: str, groups: int = 2, python: tuple[str, ...] = ("-m", "diloco")) -> None:
         env = {k: v for k, v in os.environ.items() if k != "DILOCO_TOKEN"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco", "coordinator", "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, *python, "coordinator", "--host", "127.0.0.1", "--port", "0",
              "--groups", str(groups), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self._watchdog = threading.Timer(WATCHDOG_S, self.proc.kill)
@@ -156,6 +156,22 @@ def test_exits_with_the_job_summary_once_every_group_reported(tmp_path):
     assert job["ok"] is True and job["params_identical"] is True and job["groups"] == 2
     assert job["eval_loss"] == 2.5 and job["eval_loss_per_group"] == {"0": 2.5, "1": 2.75}
     assert job["bytes_sent"] == 2000 and job["seconds"] == 11.0
+
+
+def test_a_whole_job_runs_through_the_coordinator_without_importing_torch():
+    """The coordinator (its TLS settings and the transport's errors included) never loads torch:
+    a restarted coordinator serves at once, not after the seconds torch takes on a CUDA host."""
+    said = ("import sys; from diloco import cli; code = cli.main(sys.argv[1:]); "
+            "print('torch imported:', 'torch' in sys.modules, file=sys.stderr); sys.exit(code)")
+    coord = Coordinator(python=("-c", said))
+    try:
+        join_groups(coord.address, 2)
+        report(coord.address, {0: group_summary(0), 1: group_summary(1)})
+        code, out, err = coord.finish()
+    finally:
+        coord.kill()
+    assert code == 0 and "diloco job summary" in out, err
+    assert "torch imported: False" in err, err
 
 
 def test_diverged_parameters_exit_1_after_printing():
