@@ -16,7 +16,6 @@ import faulthandler
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -25,9 +24,14 @@ log = logging.getLogger(__name__)
 DUMP_SIGNAL = signal.SIGUSR1
 
 
+#: where the dump goes: the process's fd 2 (its log), whatever ``sys.stderr`` is at the time (a
+#: caller's replacement, such as pytest's capture, may have no file descriptor at all)
+STDERR_FD = 2
+
+
 def install() -> None:
     """On ``DUMP_SIGNAL``, write every thread's stack to fd 2 (this process goes on)."""
-    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    faulthandler.register(DUMP_SIGNAL, file=STDERR_FD, all_threads=True, chain=False)
 
 
 def child_pids(pid: int | None = None) -> list[int]:

@@ -47,6 +47,20 @@ def _stop(proc: subprocess.Popen) -> int:
 COORDINATOR = ["coordinator", "--host", "127.0.0.1", "--port", "0", "--groups", "1"]
 
 
+def test_install_takes_fd_2_whatever_sys_stderr_is(capsys):
+    """``diloco.cli.main`` installs the dump in-process too (tests, a user's script), where
+    sys.stderr may be an object without a file descriptor (capsys's): the dump goes to fd 2."""
+    import faulthandler
+
+    with pytest.raises(OSError):  # io.UnsupportedOperation: what faulthandler met before
+        sys.stderr.fileno()
+    try:
+        stack_dumps.install()
+        os.kill(os.getpid(), stack_dumps.DUMP_SIGNAL)  # written to fd 2; this process goes on
+    finally:
+        faulthandler.unregister(stack_dumps.DUMP_SIGNAL)
+
+
 def test_sigusr1_dumps_every_thread_of_a_coordinator_which_runs_on(tmp_path):
     log = tmp_path / "coordinator.log"
     proc = _start(COORDINATOR, log)
