@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from .tcp import TcpTransport
 
 #: the names whose modules load on first use: the links and collectives import torch (seconds on a
-#: CUDA host), which the coordinator and `diloco status` (errors, TLS settings) do without; gRPC is
-#: heavy and does not like fork()
+#: CUDA host), which the coordinator (errors, TLS settings) does without; gRPC is heavy and does not
+#: like fork()
 _LAZY = {"GrpcTransport": ".grpclink", "ProcessHandle": ".process", "ProcessTransport": ".process",
          "Handle": ".ring", "TcpTransport": ".tcp"}
 

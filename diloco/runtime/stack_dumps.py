@@ -22,8 +22,6 @@ log = logging.getLogger(__name__)
 
 #: the signal that asks for the dump
 DUMP_SIGNAL = signal.SIGUSR1
-
-
 #: where the dump goes: the process's fd 2 (its log), whatever ``sys.stderr`` is at the time (a
 #: caller's replacement, such as pytest's capture, may have no file descriptor at all)
 STDERR_FD = 2
