@@ -16,6 +16,7 @@ sendall, settimeout, shutdown, close.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import ssl
@@ -49,6 +50,17 @@ class _Unanswered(TransportError):
 
 class _GaveWay(TransportError):
     """The peer probes this end too, and this end gives way (``transport.probe_turns``)."""
+
+
+@dataclasses.dataclass
+class _PendingProbe:
+    """A probe sent and not yet answered: ``done`` is set by its answer (``answered``), or when
+    every connection from ``peer`` closed (``lost``: the answer would come over one of them)."""
+
+    peer: str
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    answered: bool = False
+    lost: str = ""
 
 # Free chunk buffers kept for reuse (see wire.BufferPool): enough for the chunks in flight of a
 # 64 MiB all-reduce, so steady-state collectives allocate nothing per chunk.
@@ -100,7 +112,7 @@ class LinkEndpoint:
         self._incoming: dict[str, dict[int, int | None]] = collections.defaultdict(dict)
         self._conn_ids = itertools.count()
         self._incoming_socks: set[Any] = set()
-        self._probes: dict[int, threading.Event] = {}
+        self._probes: dict[int, _PendingProbe] = {}
         self._probe_ids = itertools.count()
         self._probe_turns = ProbeTurns()  # the peers probing this end now
         if pin_memory is None:
@@ -274,11 +286,14 @@ class LinkEndpoint:
         measured round trips wait for their answer until the deadline: once the warm-up was answered
         the way back is good, and on a slow link a big probe, or a tiny one queued behind the peer's
         own big probe, takes longer than PROBE_RESEND_S by itself (at 2 Mbit/s 512 KiB take 2.1 s):
-        sending it again would flood the link it measures and start the measurement over."""
+        sending it again would flood the link it measures and start the measurement over. A probe
+        whose peer closed every connection to this end meanwhile (its process ended) gets no answer
+        either: _Unanswered at once, and the caller's next warm-up, sent over the link to the process
+        that ended, fails within its resend interval (TransportError) instead of at the deadline."""
         with self._lock:
             pid = next(self._probe_ids)
-            done = threading.Event()
-            self._probes[pid] = done
+            pending = self._probes[pid] = _PendingProbe(link.peer)
+            done = pending.done
         try:
             head = pack_header(MsgType.PROBE, b"", pid, chunk, 0, nbytes)
             failed: list[str] = []
@@ -293,7 +308,7 @@ class LinkEndpoint:
                 link.send([head, bytes(nbytes)], lambda reason: (failed.append(reason), done.set()))
             if failed:
                 raise TransportError(f"probe to {link.peer} failed: {failed[0]}")
-            if resent:
+            if resent or not pending.answered:  # resent, or every connection from the peer closed
                 raise _Unanswered(link.peer)
             return time.perf_counter() - start
         finally:
@@ -303,9 +318,11 @@ class LinkEndpoint:
     def _on_probe(self, peer: str, msg, group: int | None = None) -> None:
         if msg.type == MsgType.PROBE_ACK:
             with self._lock:
-                done = self._probes.get(msg.seg)
-            if done is not None:
-                done.set()
+                pending = self._probes.get(msg.seg)
+                if pending is not None:
+                    pending.answered = True
+            if pending is not None:
+                pending.done.set()
             return
         self._probe_turns.heard(peer, msg.chunk)
 
@@ -505,6 +522,10 @@ class LinkEndpoint:
             if not still_open:
                 del self._incoming[peer]
                 self._probe_turns.gone(peer)
+                for pending in self._probes.values():  # their answers would have come over these
+                    if pending.peer == peer and not pending.answered:
+                        pending.lost = reason
+                        pending.done.set()
             listeners = self._loss_listeners()
         for op in listeners:
             op.deliver(("lost", peer, conn_id, clean, reason, group, still_open))

@@ -188,3 +188,33 @@ def test_a_probe_gives_way_only_to_a_peer_that_is_probing_it_and_never_waits_for
     turns.heard("p:1", BEGIN)
     turns.gone("p:1")  # its connections closed mid-probe
     assert not turns.probing("p:1")
+
+
+
+def test_a_peer_that_exits_during_the_measurement_ends_the_probe_in_seconds_not_at_its_deadline() -> None:
+    """The peer answered the warm-up, then its process ended while a measured probe waited for its
+    answer, which would have come over one of the connections that closed with it. The probe stops
+    waiting at once and fails naming the peer (a rank restarts and joins again; a background
+    re-probe is tried later), where it waited for its whole deadline (here 60 s) before."""
+    import time
+
+    from transport import TransportError
+    from transport.probe_turns import MEASURE
+
+    with transports(g=2, timeout_s=60.0) as (a, b):
+        answer, exited = b._on_probe, threading.Event()
+
+        def exits_at_the_first_measured_probe(peer, msg, group=None):
+            if msg.chunk == MEASURE and not exited.is_set():  # the process ends, this probe unanswered
+                exited.set()
+                threading.Thread(target=b.close, kwargs={"flush_timeout_s": 0.0}, daemon=True).start()
+                return
+            answer(peer, msg, group)
+
+        b._on_probe = exits_at_the_first_measured_probe
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=b.address):
+            a.probe(b.address, nbytes=1 << 16)
+        took = time.monotonic() - t0
+    assert exited.is_set(), "the peer never exited: the test measured nothing"
+    assert took < 20, f"the probe waited {took:.1f} s for an answer over a connection that had closed"
