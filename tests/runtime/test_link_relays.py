@@ -44,3 +44,20 @@ def test_members_reach_each_other_through_the_relays_and_a_flipped_bit_is_refuse
         finally:
             for t in ts:
                 t.close(flush_timeout_s=1.0)
+
+
+def test_the_groups_ports_come_from_below_the_kernels_ephemeral_range_and_are_free():
+    """A group binds its port seconds after the drill picked it; a port from the ephemeral range
+    could be handed meanwhile to any outgoing connection (CI once: 'Address already in use')."""
+    import socket
+
+    from diloco.runtime.link_relays import PORTS_BELOW_EPHEMERAL, ephemeral_ports
+
+    low, high = ephemeral_ports()
+    assert 1024 <= low < high <= 65535
+    with CorruptingRelays(3) as relays:
+        ports = [int(relays.args(g)[1]) for g in range(3)]
+        assert len(set(ports)) == 3 and all(low - PORTS_BELOW_EPHEMERAL <= p < low for p in ports), (ports, low)
+        for p in ports:  # free: the group can bind it
+            with socket.create_server(("127.0.0.1", p)):
+                pass
