@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -62,6 +63,9 @@ def pump(read_fd: int, out, level: str, logger: str, context: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # SIGUSR1 asks a diloco process for its stacks (diloco.runtime.stack_dumps), whose default action
+    # would end this pump and cut its process's log: not for the pump
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     out_fd, err_fd, context = int(argv[0]), int(argv[1]), json.loads(argv[2])
     threads = [threading.Thread(target=pump, args=(out_fd, sys.stdout, "INFO", "diloco.stdout", context)),
                threading.Thread(target=pump, args=(err_fd, sys.stderr, "ERROR", "diloco.stderr", context))]

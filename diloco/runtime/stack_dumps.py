@@ -45,11 +45,20 @@ def child_pids(pid: int | None = None) -> list[int]:
     return sorted(found)
 
 
+def _is_log_pump(pid: int) -> bool:
+    """Whether ``pid`` is a log pump (``diloco.runtime.logpump``: it has no stacks to dump)."""
+    try:
+        return b"logpump.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def forward_to_children() -> None:
-    """On ``DUMP_SIGNAL``, send it on to this process's children (torchrun's workers) and log that."""
+    """On ``DUMP_SIGNAL``, send it on to this process's children (torchrun's workers, not its log
+    pump) and log that."""
 
     def forward(signum: int, _frame) -> None:
-        children = child_pids()
+        children = [pid for pid in child_pids() if not _is_log_pump(pid)]
         for child in children:
             try:
                 os.kill(child, signum)

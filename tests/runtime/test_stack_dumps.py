@@ -77,19 +77,27 @@ def test_sigusr1_dumps_every_thread_of_a_coordinator_which_runs_on(tmp_path):
     assert code == 0, log.read_text()[-3000:]
 
 
-def test_the_torchrun_agent_passes_sigusr1_on_to_its_workers(tmp_path):
+def test_the_torchrun_agent_passes_sigusr1_on_to_its_workers_and_not_to_its_log_pump(tmp_path):
     """The agent's own threads are torchrun's; what an operator wants is its workers' stacks (here
-    a coordinator run as the agent's one worker, which listens as a worker would)."""
+    a coordinator run as the agent's one worker, which listens as a worker would). In JSON logs the
+    agent and the worker each have a log pump, which must neither get the signal nor die of it: the
+    log stays whole, one record per line, to the end."""
+    import json
+
     log = tmp_path / "agent.log"
     proc = _start(["torchrun", "--nnodes=1", "--nproc-per-node=1", "--max-restarts=0", "--master-port=0",
-                   "-m", "diloco", *COORDINATOR], log)
+                   "-m", "diloco", *COORDINATOR, "--log-format", "json"], log)
     try:
         _wait_for(log, "diloco coordinator listening on", proc, timeout_s=120.0)
-        workers = stack_dumps.child_pids(proc.pid)
-        assert workers, "torchrun started its worker"
+        children = stack_dumps.child_pids(proc.pid)
+        workers = [pid for pid in children if not stack_dumps._is_log_pump(pid)]
+        assert len(workers) == 1 and len(children) == 2, f"torchrun's worker and the agent's log pump: {children}"
         proc.send_signal(stack_dumps.DUMP_SIGNAL)
         text = _wait_for(log, "wait_for_job", proc)
-        assert "asked the workers (PIDs" in text and str(workers[0]) in text, text[-3000:]
-        assert proc.poll() is None and stack_dumps.child_pids(proc.pid) == workers, "agent and worker run on"
+        assert f"asked the workers (PIDs [{workers[0]}])" in text, text[-3000:]
+        assert proc.poll() is None and stack_dumps.child_pids(proc.pid) == children, "agent, worker and pump run on"
     finally:
-        _stop(proc)
+        code = _stop(proc)
+    lines = log.read_text().splitlines()
+    assert all(json.loads(line)["msg"] is not None for line in lines if line.strip()), "a line that is not a record"
+    assert code == 0 or any("SIGTERM" in line for line in lines[-5:]), lines[-5:]
