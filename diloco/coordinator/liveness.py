@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.25  # how often a waiting call re-checks liveness and whether its caller is still there
 MAX_EVENTS_KEPT = 1024  # failures, rejections, rollbacks kept for snapshots, oldest dropped first
+#: after a coordinator restart, the least time given to every member to rejoin before a quorum forms
+#: without one (seconds): a rank's channel redials within client.MAX_RECONNECT_BACKOFF_MS and then
+#: heartbeats (NOT_FOUND: rejoin) within a fifth of the heartbeat timeout
+MIN_REJOIN_GRACE_S = 5.0
 
 
 class Liveness:
@@ -109,7 +113,7 @@ class Liveness:
                 self._start_running()  # our predecessor's job goes on: members rejoin us
                 # every member rejoins within a heartbeat or so: no quorum forms before they could,
                 # else the first to rejoin would run an exchange the others then find committed
-                self._rejoin_grace_until = self._clock() + self.heartbeat_timeout_s
+                self._rejoin_grace_until = self._clock() + max(self.heartbeat_timeout_s, MIN_REJOIN_GRACE_S)
             if self._started:
                 return self._join_running(req, deadline, active)
             if self._incarnations.get(req.group, req.incarnation) != req.incarnation:

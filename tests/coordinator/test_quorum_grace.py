@@ -250,3 +250,40 @@ def test_a_quorum_that_lost_a_member_is_reported_to_the_members_running_its_ring
     q = got[0].id
     state.commit(CommitRequest(1, 0, "", q, 0, (0, 1), False, "its ring broke"), deadline=1e9)
     assert state.quorum_lost(q, 0) == f"quorum {q} was rolled back: group 1 rank 0: its ring broke"
+
+
+def test_a_restarted_coordinator_waits_for_every_member_to_rejoin_even_with_a_short_heartbeat_timeout():
+    """CI once, --heartbeat-timeout 2: the first group to rejoin a restarted coordinator ran exchange
+    11 alone, and the other, whose channel redialed 2.3 s after it, found the exchange committed
+    without it and left the job. No quorum forms without a member before MIN_REJOIN_GRACE_S."""
+    from diloco.coordinator.liveness import MIN_REJOIN_GRACE_S
+
+    def rejoin(state, group: int) -> None:
+        state.join(JoinRequest(group, 0, 1, f"10.0.{group}.0:7000", incarnation=f"i{group}", exchange=11),
+                   deadline=1e9)
+
+    def wait(state, clock, seconds: float) -> None:  # group 0 heartbeats every 0.5 s meanwhile
+        for _ in range(int(seconds / 0.5)):
+            clock.now += 0.5
+            state.heartbeat(HeartbeatRequest(0, 0, 11, "i0"))
+        time.sleep(1.0)  # a waiting call looks at the clock every 0.25 s
+
+    state = CoordinatorState(2, clock=(clock := FakeClock()), heartbeat_timeout_s=2.0)
+    rejoin(state, 0)
+    got: dict = {}
+    first = ask_in_thread(state, 0, 11, got)
+    wait(state, clock, 2.5)  # past the heartbeat timeout, within the rejoin grace
+    assert got == {}, "a quorum formed without the member that had not rejoined yet"
+    rejoin(state, 1)
+    second = ask_in_thread(state, 1, 11, got)
+    for t in (first, second):
+        t.join(timeout=10)
+    assert sorted(got[0].members) == sorted(got[1].members) == [0, 1] and got[0].id == got[1].id, got
+
+    state = CoordinatorState(2, clock=(clock := FakeClock()), heartbeat_timeout_s=2.0)  # one that never rejoins
+    rejoin(state, 0)
+    got = {}
+    alone = ask_in_thread(state, 0, 11, got)
+    wait(state, clock, MIN_REJOIN_GRACE_S + 0.5)
+    alone.join(timeout=10)
+    assert sorted(got[0].members) == [0] and not got[0].evicted, got
