@@ -26,12 +26,22 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
-def descendants(pid: int) -> list[int]:
-    """PIDs of every process below ``pid`` (Linux /proc), children first found first."""
+def _children_by_parent() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (fields := _stat_fields(entry.name)) is not None:
             children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def children(pid: int) -> list[int]:
+    """PIDs of ``pid``'s own children (Linux /proc; [] without it), sorted."""
+    return sorted(_children_by_parent().get(pid, []))
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every process below ``pid`` (Linux /proc), children first found first."""
+    children = _children_by_parent()
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

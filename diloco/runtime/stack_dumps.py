@@ -18,6 +18,8 @@ import os
 import signal
 from pathlib import Path
 
+from diloco.runtime import processes
+
 log = logging.getLogger(__name__)
 
 #: the signal that asks for the dump
@@ -33,16 +35,8 @@ def install() -> None:
 
 
 def child_pids(pid: int | None = None) -> list[int]:
-    """The PIDs of ``pid``'s children (default: this process), started by any of its threads, from
-    /proc ([] where /proc lacks them)."""
-    pid = os.getpid() if pid is None else pid
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:  # the thread ended meanwhile, or no /proc here
-            continue
-    return sorted(found)
+    """The PIDs of ``pid``'s children (default: this process), sorted ([] where /proc lacks them)."""
+    return processes.children(os.getpid() if pid is None else pid)
 
 
 def _is_log_pump(pid: int) -> bool:
