@@ -192,6 +192,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # before anything imports torch (seconds on a CUDA host): a wrong flag, path or port is refused at once
     cfg, point = _config(args)
     preflight.check_run_paths(cfg, run_dir=args.run_dir, json_path=args.json)
+    if args.stop_timeout is not None and args.stop_timeout <= 0:
+        raise config_mod.ConfigError(f"--stop-timeout must be > 0 seconds, got {args.stop_timeout}")
     from diloco.runtime import launcher
     from diloco.runtime import summary as summary_mod
 
@@ -199,8 +201,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     progress = not args.no_progress and cfg.train.log_format == "text"  # a bar is no log line
     # ranks per group the user did not name (flag or --config key) may be cut to the host's GPUs
     named = config_parse.explicit_settings(args).keys() & {("topology", "ranks_per_group"), ("topology", "group_sizes")}
-    if args.stop_timeout is not None and args.stop_timeout <= 0:
-        raise config_mod.ConfigError(f"--stop-timeout must be > 0 seconds, got {args.stop_timeout}")
     try:
         summary = launcher.run(cfg, run_dir=args.run_dir, progress=progress, timeout_s=args.run_timeout,
                                resume=point, fit_ranks=point is None and not named, stop_timeout_s=args.stop_timeout)
@@ -215,7 +215,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from diloco.runtime import job_checkpoint, worker
+    # torch-free until the paths are checked: a wrong one is refused at once, even on a CUDA host
+    from diloco.runtime import checkpoint_index, preflight
 
     auto = args.resume == "auto"
     if auto:  # the newest step of --checkpoint-dir this group completed, if any: used unless the group heals
@@ -225,9 +226,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         if not checkpoint_dir:
             raise config_mod.ConfigError("--resume auto needs --checkpoint-dir (where this group's checkpoints are)")
         root = Path(checkpoint_dir)
-        done = root.is_dir() and any(root.glob(f"step-*/{job_checkpoint.manifest_file(args.group_id)}"))
+        done = root.is_dir() and any(root.glob(f"step-*/{checkpoint_index.manifest_file(args.group_id)}"))
         args.resume = str(root) if done else None
     cfg, point = _config(args, group=args.group_id)
+    rank = int(os.environ.get("RANK", "0"))
+    preflight.check_worker_paths(cfg, group=args.group_id, rank=rank,
+                                 local_rank=int(os.environ.get("LOCAL_RANK", rank)), json_path=args.json)
+    from diloco.runtime import worker
+
     return worker.main(cfg, args.group_id, args.coordinator, json_path=args.json,
                        resume=point.path if point is not None else None, resume_unless_healing=auto)
 

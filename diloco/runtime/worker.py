@@ -54,7 +54,6 @@ from diloco.runtime import (
     group_parallel,
     job_checkpoint,
     kernels,
-    preflight,
     rank_state,
     train_loop,
 )
@@ -311,7 +310,8 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
          resume: str | Path | None = None, resume_unless_healing: bool = False) -> int:
     """Entry point of ``diloco worker``; returns the process exit code (0 also when it stopped
     early with a job checkpoint). Prints this rank's summary line; rank 0 writes the group's
-    summary to ``json_path`` if given. ``resume``: a job checkpoint to continue from."""
+    summary to ``json_path`` if given. ``resume``: a job checkpoint to continue from. What it will
+    write and bind was checked before (``diloco.cli``: ``preflight.check_worker_paths``)."""
     from diloco.runtime import logs
     from diloco.runtime import metrics as metrics_mod
 
@@ -320,8 +320,6 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
     metrics_mod.describe_process(codec=t.codec, codec_block=t.codec_block, link=t.link, zstd=t.zstd,
                                  chunk_bytes=t.chunk_bytes)
     try:
-        rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-        preflight.check_worker_paths(cfg, group=group, rank=rank, local_rank=local_rank, json_path=json_path)
         summary = run_worker(cfg, group, coordinator, resume, resume_unless_healing=resume_unless_healing)
     except GroupEvicted as e:  # the job goes on without this group: restart it and it heals
         print(f"diloco worker (group {group}, rank {os.environ.get('RANK', '?')}): left the job: {e}; "

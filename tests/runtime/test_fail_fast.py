@@ -86,7 +86,7 @@ def test_paths_flags_and_checkpoints_are_refused_before_torch_is_imported(tmp_pa
              (["--checkpoint-dir", str(a_file / "ck")], f"{a_file} is a regular file"),
              (["--json", str(a_file / "s.json")], f"{a_file} is a regular file"),
              (["--tls-cert", str(tmp_path / "no.pem"), "--tls-key", str(tmp_path / "no.key")], "TLS file not found"),
-             (["--steps", "0"], "--steps")]
+             (["--steps", "0"], "--steps"), (["--stop-timeout", "0"], "--stop-timeout must be > 0")]
     probe = ("import sys; from diloco import cli; code = cli.main(['run', *sys.argv[1:]]); "
              "print('torch imported:', 'torch' in sys.modules); sys.exit(code)")
     for args, message in cases:
@@ -114,6 +114,13 @@ def test_a_worker_checks_what_it_will_write_before_it_joins(tmp_path, a_file):
                                    str(a_file / "m.pt"), env={"DILOCO_SECRET": "ab" * 32, "RANK": "0"})
     assert code == 2 and f"--save {a_file}/m.pt: {a_file} is a regular file" in output, output[-2000:]
     assert seconds < 5.0, (seconds, output[-2000:])
+    probe = ("import sys; from diloco import cli; code = cli.main(['worker', *sys.argv[1:]]); "
+             "print('torch imported:', 'torch' in sys.modules); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", probe, "--coordinator", "127.0.0.1:9", "--group-id", "0",
+                           "--json", str(a_file / "s.json")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DILOCO_SECRET": "ab" * 32, "RANK": "0"})
+    assert proc.returncode == 2 and f"--json {a_file}/s.json: {a_file} is a regular file" in proc.stderr, proc.stderr
+    assert "torch imported: False" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
