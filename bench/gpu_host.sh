@@ -11,7 +11,8 @@
 #                   (editable, builds compress/_native); every other stage runs it first, once per host
 #       cuda        the CUDA tests: transport, codecs and the fingerprint on CUDA tensors, the outer
 #                   step on the device, GPU placement, and `diloco run` as the README gives it
-#       tests       the whole suite (python -m pytest -q -n 12 --timeout 240; GPU_HOST_WORKERS=N to change)
+#       tests       the whole suite (python -m pytest -q -n 12 --timeout 240; GPU_HOST_WORKERS=N to change;
+#                   OMP_NUM_THREADS=2 unless set)
 #       bench       python bench/gpu.py --json DIR/gpu.json (make the PNG with bench/gpu.py --from-json)
 #       bench-quick the same with --placements shared --codecs int8 (the blocking-int8 and overlap targets),
 #                   and bench/fingerprint.py (the per-round parameter hash on the GPU against on the host)
@@ -66,7 +67,9 @@ stage() {
                   tests/transport/test_transport_process.py tests/compress/test_fingerprint.py ;;
         # 12 workers and a per-test limit, so that the run ends by itself and prints its report (a
         # run killed from outside loses it); timing-bound tests can fail under that load: rerun them alone
-        tests) python -m pytest -q -n "${GPU_HOST_WORKERS:-12}" --timeout 240 -rfEs -p no:cacheprovider ;;
+        # (and CI's two torch threads per test process, not one per core in each of them)
+        tests) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} python -m pytest -q -n "${GPU_HOST_WORKERS:-12}" --timeout 240 \
+                   -rfEs -p no:cacheprovider ;;
         bench) python bench/gpu.py --json "$out/gpu.json" ;;
         bench-quick) python bench/fingerprint.py --json "$out/fingerprint.json"
                      local rc=$?
