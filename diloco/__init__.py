@@ -15,6 +15,7 @@ _EXPORTS = {
     "connect": "diloco.runtime.connection", "GroupConnection": "diloco.runtime.connection", "ConnectError": "diloco.runtime.connection",
     "Task": "diloco.job.task", "TaskContext": "diloco.job.task", "DataSource": "diloco.job.data_source",
     "FixedSchedule": "diloco.engine.schedule", "QSRSchedule": "diloco.engine.schedule",
+    "PacedSchedule": "diloco.engine.schedule",
     "fixed_period": "diloco.engine.schedule", "qsr_period": "diloco.engine.schedule",
     "nesterov": "diloco.engine.outer", "sgd": "diloco.engine.outer", "co2": "diloco.engine.outer", "CO2Outer": "diloco.engine.outer",
     "sparseloco": "diloco.engine.outer", "SparseLoCo": "diloco.engine.outer",

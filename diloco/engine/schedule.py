@@ -7,13 +7,17 @@ agree on when to sync without exchanging a message.
 * QSR (Gu et al., ICLR 2024): ``H = max(H_base, floor((alpha / lr) ** gamma))``, with
   ``H = H_base`` during lr warmup (as in the reference code), recomputed after every sync from the
   current inner lr. ``alpha = 0`` gives constant ``H_base``.
+* Paced: as many syncs as fixed H makes (the same bits), planned before the run so that H grows as
+  the lr decays, ``H ~ (peak / lr) ** gamma``: short periods early, long ones late.
 
-Both are capped by the steps that remain (so the last sync lands on the last step) and by
-``h_max`` when given.
+All are capped by the steps that remain (so the last sync lands on the last step); fixed and QSR
+also by ``h_max`` when given.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -95,6 +99,58 @@ class QSRSchedule:
             step, lr, h_base=self.h_base, alpha=self.alpha, gamma=self.gamma,
             warmup_steps=self.warmup_steps, total_steps=self.total_steps, h_max=self.h_max,
         )
+
+
+@functools.lru_cache(maxsize=8)
+def paced_sync_steps(total_steps: int, syncs: int, gamma: float, lr_schedule: str = "cosine",
+                     min_ratio: float = 0.1) -> tuple[int, ...]:
+    """The inner-step counts after which a paced run syncs: ``syncs`` of them, the last one
+    ``total_steps``, placed so that the density of syncs follows ``lr ** gamma`` along the inner lr's
+    decay, i.e. H proportional to ``(peak / lr) ** gamma`` (gamma 0: every ``total_steps / syncs``
+    steps, as fixed H; a negative gamma shortens the periods as the lr decays). Only the decay's
+    shape counts (peak 1, no warmup: a near-zero lr during the warmup would push every sync out of
+    it), so every group plans the same steps. Syncs that would share a step are spread one step
+    apart."""
+    if not 1 <= syncs <= total_steps:
+        raise ValueError(f"syncs must be in [1, total_steps={total_steps}], got {syncs}")
+    if not math.isfinite(gamma):
+        raise ValueError(f"gamma must be finite, got {gamma}")
+    # the lr before each step, > 0 even at a min ratio of 0 (the cosine reaches it after the last step)
+    density = [inner_lr(t, peak=1.0, warmup_steps=0, total_steps=total_steps, schedule=lr_schedule,
+                        min_ratio=min_ratio) ** gamma for t in range(total_steps)]
+    scale, reached, ideal = syncs / math.fsum(density), 0.0, []
+    for t, d in enumerate(density):
+        reached += d * scale
+        while len(ideal) < syncs - 1 and reached >= len(ideal) + 1 - 1e-9:
+            ideal.append(t + 1)
+    points: list[int] = []
+    for k, p in enumerate(ideal, 1):  # the k-th sync after the one before it, leaving a step for each after it
+        points.append(min(max(p, points[-1] + 1 if points else 1), total_steps - (syncs - k)))
+    return (*points, total_steps)
+
+
+@dataclass(frozen=True)
+class PacedSchedule:
+    """``ceil(total_steps / h)`` syncs, as fixed ``h`` makes, at ``paced_sync_steps``. A round that
+    starts inside a planned period (a fragment staggered off the plan) lasts that period, so the
+    fragments keep their stagger while the periods grow."""
+
+    h: int
+    total_steps: int
+    gamma: float = 0.5
+    lr_schedule: str = "cosine"
+    min_ratio: float = 0.1
+
+    @property
+    def points(self) -> tuple[int, ...]:
+        return paced_sync_steps(self.total_steps, -(-self.total_steps // self.h), self.gamma, self.lr_schedule,
+                                self.min_ratio)
+
+    def period(self, step: int, lr: float) -> int:
+        points = self.points
+        i = bisect.bisect_right(points, step)  # the first planned sync after step
+        start = points[i - 1] if i else 0
+        return _cap(points[i] - start if i < len(points) else 1, step, self.total_steps, None)
 
 
 def sync_steps(schedule: SyncSchedule, lrs: list[float]) -> list[int]:

@@ -36,7 +36,7 @@ import torch.nn as nn
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.outer import by_name, co2
-from diloco.engine.schedule import FixedSchedule, QSRSchedule, SyncSchedule, TimeRounds
+from diloco.engine.schedule import FixedSchedule, PacedSchedule, QSRSchedule, SyncSchedule, TimeRounds
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, make_final_codec
@@ -82,6 +82,9 @@ def make_schedule(cfg: Config) -> SyncSchedule:
             h_base=s.h, alpha=s.qsr_alpha_for(cfg.inner.lr), gamma=s.qsr_gamma,
             warmup_steps=cfg.inner.warmup_steps, total_steps=cfg.train.steps, h_max=h_max,
         )
+    if s.schedule == "paced":
+        return PacedSchedule(s.h, cfg.train.steps, gamma=s.paced_gamma, lr_schedule=cfg.inner.lr_schedule,
+                             min_ratio=cfg.inner.min_lr_ratio)
     return FixedSchedule(s.h, total_steps=cfg.train.steps, h_max=h_max)
 
 

@@ -4,9 +4,11 @@ import pytest
 
 from diloco.engine.schedule import (
     FixedSchedule,
+    PacedSchedule,
     QSRSchedule,
     fixed_period,
     inner_lr,
+    paced_sync_steps,
     qsr_period,
     sync_steps,
 )
@@ -94,3 +96,63 @@ def test_qsr_default_alpha_scales_with_the_peak_lr():
     # the ViT recipe of the paper (peak 0.008, H_base 4) chose alpha 0.0175; the default gives 0.016
     assert SyncConfig(schedule="qsr", h=4).qsr_alpha_for(0.008) == pytest.approx(0.016)
     assert SyncConfig(schedule="qsr", h=4, qsr_alpha=0.0175).qsr_alpha_for(0.008) == 0.0175
+
+
+def test_paced_gamma_zero_is_fixed_h_and_a_constant_lr_paces_nothing():
+    assert paced_sync_steps(5, 3, 0.0) == (2, 4, 5)  # what fixed H=2 syncs after
+    assert paced_sync_steps(8000, 40, 0.0) == tuple(range(200, 8001, 200))
+    assert paced_sync_steps(600, 20, 0.5, lr_schedule="constant") == tuple(range(30, 601, 30))
+
+
+def test_paced_hand_computed_cosine():
+    # lr over 4 steps (cosine to 0.1, no warmup): 1, 0.8682, 0.55, 0.2318 (sum 2.65); two syncs
+    # split that mass: the first where half of it is reached, after step 2 (1.868 of 2.65)
+    assert paced_sync_steps(4, 2, 1.0) == (2, 4)
+    # 1/lr: 1, 1.152, 1.818, 4.314 (sum 8.284): half is reached only in the last step, and the
+    # first sync takes the step before it
+    assert paced_sync_steps(4, 2, -1.0) == (3, 4)
+    assert paced_sync_steps(4, 4, -3.0) == (1, 2, 3, 4)  # every step: syncs spread one step apart
+
+
+def test_paced_periods_grow_as_the_lr_decays_and_keep_the_fixed_budget():
+    schedule = PacedSchedule(h=200, total_steps=8000, gamma=0.5)
+    points = sync_steps(schedule, [0.0] * 8000)
+    periods = [b - a for a, b in zip([0, *points], points)]
+    assert len(points) == 40 and points[-1] == 8000  # the syncs fixed H=200 makes
+    assert periods[0] == 141 and max(periods) == 439  # from 200 / sqrt(2) ... to ~ 200 x sqrt(10) / 1.4
+    assert all(b >= a - 1 for a, b in zip(periods, periods[1:-1]))  # non-decreasing up to rounding
+    steeper = sync_steps(PacedSchedule(h=200, total_steps=8000, gamma=1.0), [0.0] * 8000)
+    assert steeper[0] < points[0] and len(steeper) == 40
+
+
+def test_paced_round_started_off_the_plan_lasts_its_planned_period():
+    schedule = PacedSchedule(h=200, total_steps=8000, gamma=0.5)
+    points = schedule.points
+    assert schedule.period(0, 1.0) == points[0]
+    assert schedule.period(points[0], 1.0) == points[1] - points[0]
+    # a fragment staggered by half a period keeps its offset: its round lasts the period it starts in
+    assert schedule.period(points[0] + 50, 1.0) == points[1] - points[0]
+    assert schedule.period(7990, 1.0) == 10  # capped by the steps that remain
+
+
+@pytest.mark.parametrize("bad", [dict(syncs=0), dict(syncs=9), dict(gamma=math.inf), dict(gamma=math.nan)])
+def test_paced_refuses_what_cannot_be_planned(bad):
+    args = dict(total_steps=8, syncs=2, gamma=0.5, lr_schedule="cosine", min_ratio=0.1) | bad
+    with pytest.raises(ValueError):
+        paced_sync_steps(**args)
+
+
+def test_paced_fragments_keep_their_stagger_and_the_fixed_h_count():
+    from diloco.engine.diloco import first_syncs
+
+    schedule = PacedSchedule(h=200, total_steps=8000, gamma=0.5)
+    due, syncs = first_syncs(2, schedule.period(0, 1.0)), [[], []]
+    for step in range(1, 8001):  # what the engine does: each fragment's next sync is its round's period away
+        for p in (0, 1):
+            if step >= due[p]:
+                syncs[p].append(step)
+                due[p] = step + schedule.period(step, 1.0) if step < 8000 else 10**9
+    assert syncs[1] == list(schedule.points)  # the last fragment runs the plan
+    assert len(syncs[0]) == 41 and syncs[0][-1] == 8000  # as under fixed H: one early half-round, one capped
+    # fragment 0 syncs halfway between fragment 1's, by the period it is in, to the end
+    assert all(a < b < c for a, b, c in zip(syncs[1], syncs[0][1:], syncs[1][1:]))
