@@ -50,6 +50,8 @@ SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "
                    "m2-h230-int2b1024-int4final-decay0-outer", "m2-h115-sign1b1024-int4final-decay0-outer",
                    "m2-qsr110-int2b1024-int4final-decay0-outer",
                    *(f"m2-h{h}-int2b1024-int4final-decay0-zstd-outer" for h in INT2_ZSTD_HS),
+                   "m2-qsr150-g0.5-int2b1024-int4final-decay0-zstd-outer", "m2-paced200-outer",
+                   "m2-paced200-int2b1024-int4final-decay0-zstd-outer",
                    *(f"m2-h230-{c}lr{o[0]:g}-mom{o[1]:g}" for c in ("", "int2b1024-int4final-")
                      for o in OUTER_NO_MOMENTUM))
 
@@ -118,6 +120,8 @@ class Row:
     fragments: int = 1
     tau: int = 0
     schedule: str = "fixed"
+    qsr_gamma: float = 2.0  # schedule qsr: H = H_base x (peak lr / lr)^gamma (--qsr-gamma)
+    paced_gamma: float = 0.5  # schedule paced: ceil(steps / H) syncs, H ~ (peak lr / lr)^gamma (--paced-gamma)
     stage: str = "study"  # sweep or study
     inner_lr: float | None = None  # None: the family's (sweep winner or flag)
     outer: tuple[float, float] | None = None  # outer (lr, momentum); None: the default (0.7, 0.9)
@@ -237,6 +241,17 @@ def sparseloco_rows() -> list[Row]:
     rows += [Row("m2-qsr110-int2b1024-int4final-decay0-outer", h=110, schedule="qsr", codec="int2", codec_block=1024,
                  final_codec="int4", residual_decay=0.0, outer_tuned=True,
                  note="int2 under QSR from H_base=110 without error feedback, last exchange int4")]
+    # where the same 40 syncs go (bench/sync_plans.py): --schedule paced, H from 141 to 439 as the lr decays
+    # tenfold (gamma 0.5), against fixed H=200; and QSR with gamma 0.5 from H_base=150 (39 syncs), the nearest
+    # QSR: H = 150 through the warmup, then recomputed from the lr after each sync
+    int2_zstd = dict(codec="int2", codec_block=1024, final_codec="int4", residual_decay=0.0, zstd=True)
+    rows += [Row(f"m2-paced200-{c}outer", h=200, schedule="paced", paced_gamma=0.5, outer_tuned=True,
+                 note=f"{'int2 without error feedback, zstd, last exchange int4, ' if c else ''}40 syncs paced "
+                 "by gamma 0.5", **(int2_zstd if c else {}))
+             for c in ("", "int2b1024-int4final-decay0-zstd-")]
+    rows += [Row("m2-qsr150-g0.5-int2b1024-int4final-decay0-zstd-outer", h=150, schedule="qsr", qsr_gamma=0.5,
+                 outer_tuned=True, note="int2 without error feedback, zstd, last exchange int4, under QSR with "
+                 "gamma 0.5 from H_base=150", **int2_zstd)]
     # the same under outer SGD without momentum (lr 1: plain averaging of the deltas): does momentum, which
     # re-applies what a residual delivers a round late, make error feedback's stale residual worse?
     rows += [Row(f"m2-h230-{c}lr{o[0]:g}-mom{o[1]:g}", h=230, outer=o,

@@ -84,6 +84,7 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     cfg.outer.residual_decay = row.residual_decay
     s = cfg.sync
     s.mode, s.h, s.fragments, s.schedule = row.mode, max(row.h, row.fragments), row.fragments, row.schedule
+    s.qsr_gamma, s.paced_gamma = row.qsr_gamma, row.paced_gamma
     s.overlap_steps = row.tau if row.mode == "overlap" else 1
     cfg.topology.groups, cfg.topology.ranks_per_group, cfg.topology.threads_per_rank = row.groups, 1, 1
     cfg.train.steps, cfg.train.seed, cfg.train.entry = size.steps, seed, ENTRY
@@ -283,6 +284,8 @@ def make_record(size: Size, row: Row, seed: int, cfg: Config, result: dict) -> d
     return {
         "row": row.name, "stage": row.stage, "size": size.name, "mode": row.mode, "codec": row.codec,
         "groups": row.groups, "h": 1 if row.mode == "dp" else row.h, "schedule": row.schedule,
+        **({"qsr_gamma": row.qsr_gamma} if row.schedule == "qsr" else {}),
+        **({"paced_gamma": row.paced_gamma} if row.schedule == "paced" else {}),
         "fragments": row.fragments, "overlap_steps": row.tau if row.mode == "overlap" else 0, "seed": seed,
         "outer_rule": cfg.outer.optimizer, "topk_density": row.density,
         "steps": steps, "batch_per_group": cfg.data.batch_size, "block_size": cfg.model.block_size,
