@@ -22,11 +22,13 @@ import json
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from diloco.job import config_parse  # noqa: E402
 from diloco.job.config import Config  # noqa: E402
 from diloco.runtime import launcher  # noqa: E402
 from transport.netns import EmulatedWan, available  # noqa: E402
@@ -38,6 +40,23 @@ MODES = {
     "overlap": dict(mode="overlap", codec="CODEC", fragments="P"),
     "eager": dict(mode="eager", codec="fp32", fragments="P"),
 }
+
+
+def settings(items: list[str]) -> dict[str, dict[str, object]]:
+    """``--set SECTION.KEY=VALUE`` items as a config table (VALUE read as TOML, e.g. 0.5, true, 1024;
+    else taken as a string, e.g. paced)."""
+    out: dict[str, dict[str, object]] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not (sep and dot and section and name):
+            raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE (a key of a diloco config file)")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        out.setdefault(section, {})[name] = value
+    return out
 
 
 def make_config(args: argparse.Namespace, mode: str, steps: int) -> Config:
@@ -59,6 +78,8 @@ def make_config(args: argparse.Namespace, mode: str, steps: int) -> Config:
         cfg.transport.codec = args.blocking_codec
     if args.outer_optimizer and mode in ("blocking", "overlap"):
         cfg.outer.optimizer = args.outer_optimizer
+    if args.set and mode in ("blocking", "overlap"):
+        config_parse.from_dict(settings(args.set), base=cfg)
     cfg.transport.plaintext = True  # private namespaces made by this script
     cfg.transport.timeout_s = 300.0
     return cfg.validate()
@@ -77,6 +98,7 @@ def run_one(args, mode: str, link_mbit: float | None, steps: int) -> dict:
         "mode": mode, "sync_mode": cfg.sync.mode, "codec": cfg.transport.codec,
         "outer_optimizer": cfg.outer.optimizer, "fragments": cfg.sync.fragments, "tau": cfg.sync.overlap_steps if cfg.sync.mode == "overlap" else 0,
         "h": cfg.sync.h if mode != "dp" else 1, "round_seconds": cfg.sync.round_seconds,
+        **({"settings": settings(args.set)} if args.set and mode in ("blocking", "overlap") else {}),
         "inner_steps_group_0": s["inner_steps"], "tokens": s["tokens"],
         "utilization_per_group": s["utilization_per_group"], "groups": args.groups, "link_mbit": link_mbit,
         "link_mbit_per_group": rates, "steps": steps, "utilization": s["utilization"],
@@ -140,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-group", action="store_true", help="last group's link at a quarter of the others'")
     p.add_argument("--round-seconds", type=float, default=0.0, help="modes blocking and overlap: rounds by time of "
                    "this many seconds (ceil(steps / H) of them) instead of H steps")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="modes blocking and overlap: any other setting, as a config file's key (repeatable), e.g. "
+                   "--set sync.schedule=paced --set transport.zstd=true --set outer.residual_decay=0")
     p.add_argument("--run-timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH")
