@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench.convergence import DEFAULT_JSON, settings_from  # noqa: E402
 from bench.convergence_rows import SIZES, study_rows  # noqa: E402
 from bench.convergence_run import make_config, make_record, run_in_process  # noqa: E402
-from diloco.engine.schedule import paced_sync_steps  # noqa: E402
+from diloco.engine.schedule import paced_sync_steps, planned_period  # noqa: E402
 from diloco.runtime import worker  # noqa: E402
 
 
@@ -48,7 +48,7 @@ class PlannedSyncs:
         self.total_steps = points[-1]  # what a final codec needs to know its last exchange
 
     def period(self, step: int, lr: float) -> int:
-        return next(p for p in self.points if p > step) - step
+        return planned_period(self.points, step)
 
 
 def plan_points(plan: str, *, steps: int, syncs: int, lr_schedule: str = "cosine", min_ratio: float = 0.1) -> list[int]:

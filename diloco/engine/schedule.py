@@ -147,10 +147,16 @@ class PacedSchedule:
                                 self.min_ratio)
 
     def period(self, step: int, lr: float) -> int:
-        points = self.points
-        i = bisect.bisect_right(points, step)  # the first planned sync after step
-        start = points[i - 1] if i else 0
-        return _cap(points[i] - start if i < len(points) else 1, step, self.total_steps, None)
+        return planned_period(self.points, step)
+
+
+def planned_period(points: tuple[int, ...] | list[int], step: int) -> int:
+    """H of a round starting after ``step`` inner steps under a plan of sync steps ``points``
+    (ascending, the last one the run's last step): the planned period it starts in, capped by the
+    steps that remain. A round starting on a planned sync lasts until the next one."""
+    i = bisect.bisect_right(points, step)  # the first planned sync after step
+    start = points[i - 1] if i else 0
+    return _cap(points[i] - start if i < len(points) else 1, step, points[-1], None)
 
 
 def sync_steps(schedule: SyncSchedule, lrs: list[float]) -> list[int]:
