@@ -2,11 +2,13 @@
 (``diloco.job.auto_choice``), from the convergence study's records (``bench/results/convergence.json``).
 
 Only rows the study measured at its long size (``small-xlong``, 8,000 steps) go in, and of those
-only DiLoCo settings a job can run as one fixed configuration: not data parallel (``dp``), not
-QSR (its H changes every round), not CO2 (its own outer knobs) and not a ``--final-codec`` row.
-Each entry is a full setting (codec, top-k density, outer rule with its lr/momentum and residual
-decay, H, mode, fragments, tau, groups) with its eval loss, its loss cost against fp32 DiLoCo (``m{G}-h30-outer``: H=30, the
-sweep's outer lr/momentum) paired by seed, and the bits all groups sent per parameter per inner step.
+only DiLoCo settings a job can run as one configuration planned before it starts: not data
+parallel (``dp``), not QSR (its H follows the lr as it runs), not CO2 (its own outer knobs).
+Each entry is a full setting (codec with its block size, top-k density and zstd stage, the last
+exchange's codec, outer rule with its lr/momentum, SparseLoCo's beta or the residual's decay, H
+and its schedule, fixed or paced with its gamma, mode, fragments, tau, groups) with its eval loss,
+its loss cost against fp32 DiLoCo (``m{G}-h30-outer``: H=30, the sweep's outer lr/momentum) paired
+by seed, and the bits all groups sent per parameter per inner step.
 
     python bench/auto_table.py            # rewrite the table
     python bench/auto_table.py --check    # exit 1 if the shipped table differs from a fresh one
@@ -31,7 +33,8 @@ from bench.convergence_rows import study_rows
 RESULTS = ROOT / "bench" / "results" / "convergence.json"
 TABLE = ROOT / "diloco" / "job" / "auto_table.json"
 SIZE = "small-xlong"
-MODES = ("blocking", "overlap", "eager", "delayed")  # settings a job runs as one fixed configuration
+MODES = ("blocking", "overlap", "eager", "delayed")  # settings a job runs as one configuration
+SCHEDULES = ("fixed", "paced")  # planned before the job starts (QSR's H follows the lr as it runs)
 COMMAND = "python bench/auto_table.py"
 
 
@@ -53,10 +56,8 @@ def build(records: list[dict], source_sha256: str = "") -> dict:
     for name, recs in sorted(by_row.items()):
         row = rows.get(name)
         first = recs[0]
-        if row is None or first["mode"] not in MODES or first["schedule"] != "fixed" or row.co2 or row.final_codec \
-                or row.codec_block or row.residual_decay != 1.0 or row.zstd:
-            continue  # (a final codec: auto switches codecs itself and runs none; a block size, a residual decay or zstd:
-            # the table has no field for them, and auto runs the codecs at their defaults)
+        if row is None or first["mode"] not in MODES or first["schedule"] not in SCHEDULES or row.co2:
+            continue
         if not all(r.get("params_identical", True) for r in recs):
             continue
         base = {r["seed"]: r["eval_loss"] for r in by_row.get(f"m{first['groups']}-h30-outer", [])}
@@ -80,6 +81,12 @@ def build(records: list[dict], source_sha256: str = "") -> dict:
             "eval_loss": round(sum(r["eval_loss"] for r in recs) / len(recs), 5),
             "loss_cost": round(sum(costs) / len(costs), 5),
             "bits_per_param_per_step": round(sum(r["bits_per_param_per_step"] for r in recs) / len(recs), 6),
+            "schedule": first["schedule"],
+            "paced_gamma": row.paced_gamma,
+            "codec_block": row.codec_block,
+            "zstd": row.zstd,
+            "residual_decay": row.residual_decay,
+            "final_codec": row.final_codec,
         })
     dates = sorted({r["date"] for recs in by_row.values() for r in recs})
     return {

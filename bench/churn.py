@@ -140,8 +140,12 @@ def run(a: argparse.Namespace) -> dict:
     }
 
 
-def check(r: dict, a: argparse.Namespace) -> list[str]:
-    """The targets; returns what missed them."""
+HEAL_ROUNDS_TARGET = 2  # committed rounds from a restarted group's join to its heal
+
+
+def check(r: dict, a: argparse.Namespace, heal_rounds_target: int = HEAL_ROUNDS_TARGET) -> list[str]:
+    """The targets; returns what missed them. ``heal_rounds_target``: the most committed rounds a
+    restarted group may take to be back."""
     problems = []
     if "error" in r:
         return [f"the run failed: {r['error'][-2000:]}"]
@@ -157,8 +161,9 @@ def check(r: dict, a: argparse.Namespace) -> list[str]:
     bound = a.heartbeat_timeout + a.collective_timeout + 2.0  # + restart/scheduling slack on a busy host
     if r["stall_s_max"] > bound:
         problems.append(f"a survivor stalled {r['stall_s_max']:.1f}s > heartbeat + collective deadline ({bound:.1f}s)")
-    if r["heal_rounds_max"] is not None and r["heal_rounds_max"] > 2:
-        problems.append(f"a restarted group took {r['heal_rounds_max']} committed rounds to be back (target <= 2)")
+    if r["heal_rounds_max"] is not None and r["heal_rounds_max"] > heal_rounds_target:
+        problems.append(f"a restarted group took {r['heal_rounds_max']} committed rounds to be back "
+                        f"(target <= {heal_rounds_target})")
     return problems
 
 

@@ -40,6 +40,7 @@ def _slo(h: int, density: float) -> str:
     return f"slo-h{h}-d{100 * density:.3g}"
 
 
+PACED_OVERLAP = "m2-paced200-int2b1024-int4final-decay0-zstd-p2-tau15-outer"
 SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "slo-sign1-h30", "slo-overlap-p2-tau5",
                    "slo-m4-h30", *(f"m2-h{h}-int2-outer" for h in INT2_HS),
                    "slo-int2-h30", "slo-int2-h100", "m2-h200-outer", "m2-h300-outer",
@@ -51,7 +52,8 @@ SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "
                    "m2-qsr110-int2b1024-int4final-decay0-outer",
                    *(f"m2-h{h}-int2b1024-int4final-decay0-zstd-outer" for h in INT2_ZSTD_HS),
                    "m2-qsr150-g0.5-int2b1024-int4final-decay0-zstd-outer", "m2-paced200-outer",
-                   "m2-paced200-int2b1024-int4final-decay0-zstd-outer",
+                   "m2-paced200-int2b1024-int4final-decay0-zstd-outer", PACED_OVERLAP,
+                   "m2-paced300-int2b1024-int4final-decay0-zstd-outer",
                    *(f"m2-h230-{c}lr{o[0]:g}-mom{o[1]:g}" for c in ("", "int2b1024-int4final-")
                      for o in OUTER_NO_MOMENTUM))
 
@@ -249,6 +251,16 @@ def sparseloco_rows() -> list[Row]:
                  note=f"{'int2 without error feedback, zstd, last exchange int4, ' if c else ''}40 syncs paced "
                  "by gamma 0.5", **(int2_zstd if c else {}))
              for c in ("", "int2b1024-int4final-decay0-zstd-")]
+    # 27 syncs instead of 40 (0.0064 bits/param/step per group): an exchange of int2 every 300 steps on average is
+    # 5 % of a round's compute at 2 Mbit/s for the 19M GPT on this CPU (bench/utilization.py), blocking
+    rows += [Row("m2-paced300-int2b1024-int4final-decay0-zstd-outer", h=300, schedule="paced", paced_gamma=0.5,
+                 outer_tuned=True, note="int2 without error feedback, zstd, last exchange int4, 27 syncs paced by "
+                 "gamma 0.5", **int2_zstd)]
+    # the same with Streaming DiLoCo's overlap (2 fragments, each exchange beside 15 inner steps): the setting
+    # bench/utilization.py runs at 2 Mbit/s (19M parameters), whose loss cost is measured here
+    rows += [Row(PACED_OVERLAP, mode="overlap", fragments=2, tau=15, h=200, schedule="paced", paced_gamma=0.5,
+                 outer_tuned=True, note="int2 without error feedback, zstd, last exchange int4, 40 syncs paced by "
+                 "gamma 0.5, 2 fragments overlapped by 15 steps", **int2_zstd)]
     rows += [Row("m2-qsr150-g0.5-int2b1024-int4final-decay0-zstd-outer", h=150, schedule="qsr", qsr_gamma=0.5,
                  outer_tuned=True, note="int2 without error feedback, zstd, last exchange int4, under QSR with "
                  "gamma 0.5 from H_base=150", **int2_zstd)]

@@ -3,8 +3,11 @@ measured inner step, among the settings the convergence study measured (issue 31
 
 The table (``auto_table.json`` beside this file, written by ``python bench/auto_table.py`` from
 ``bench/results/convergence.json``) holds only settings the study ran at its long size, each a
-full setting (codec, top-k density, outer rule and its lr/momentum, H, mode, fragments, tau) with
-its loss cost against fp32 DiLoCo and the bits all groups sent per parameter per inner step.
+full setting (codec with its block size, top-k density and zstd stage, the last exchange's codec,
+outer rule with its lr/momentum and residual decay, H and its schedule, fixed or paced, mode,
+fragments, tau) with its loss cost against fp32 DiLoCo and the bits all groups sent per parameter
+per inner step. Under ``paced`` H is the mean period (the same syncs as fixed H, so the same bytes
+per exchange and the same share of a round's compute on average).
 
 The rule (``choose``, pure): an exchange *fits* when its time on the slowest group-to-group link
 is at most the compute it runs beside: a whole round of H inner steps where the exchange overlaps
@@ -39,7 +42,9 @@ _CHOSEN = (("sync", "mode", "blocking", "--mode"), ("sync", "fragments", 1, "--f
            ("sync", "h_max", 0, "--h-max"), ("outer", "optimizer", "nesterov", "--outer-optimizer"),
            ("outer", "lr", -1.0, "--outer-lr"), ("outer", "momentum", -1.0, "--outer-momentum"),
            ("outer", "sparseloco_beta", 0.95, "--sparseloco-beta"), ("transport", "topk_density", 0.0, "--topk-density"),
-           ("transport", "codec_block", 0, "--codec-block"), ("sync", "round_seconds", 0.0, "--round-seconds"))
+           ("transport", "codec_block", 0, "--codec-block"), ("sync", "round_seconds", 0.0, "--round-seconds"),
+           ("sync", "paced_gamma", 0.5, "--paced-gamma"), ("outer", "residual_decay", 1.0, "--residual-decay"),
+           ("transport", "zstd", False, "--zstd"), ("transport", "final_codec", "", "--final-codec"))
 
 
 @dataclass(frozen=True)
@@ -62,15 +67,33 @@ class Setting:
     eval_loss: float
     loss_cost: float  # eval loss / fp32 DiLoCo's at H=30 - 1 (the study's, paired by seed)
     bits_per_param_per_step: float  # all groups together
+    # (defaults: what a table written before these fields were measured ran)
+    schedule: str = "fixed"  # or "paced": h is then the mean period
+    paced_gamma: float = 0.5
+    codec_block: int = 0  # 0: the codec's default
+    zstd: bool = False
+    residual_decay: float = 1.0
+    final_codec: str = ""  # '': the codec to the end
+
+    @property
+    def codec_options(self) -> tuple[str, float, int, bool]:
+        """What its codec is built from: name, top-k density, block size, zstd."""
+        return self.codec, self.topk_density, self.codec_block, self.zstd
 
     @property
     def label(self) -> str:
-        """``topk 1.56 % sparseloco H=30``, ``int4 H=200``, ``fp32 overlap P=2 tau=5 H=30`` ..."""
+        """``topk 1.56 % sparseloco H=30``, ``int4 H=200``, ``fp32 overlap P=2 tau=5 H=30``,
+        ``int2 b1024 zstd decay 0 then int4 paced 0.5 H=200`` ..."""
         parts = [self.codec + (f" {100 * self.topk_density:.3g} %" if self.codec == "topk" else "")]
+        parts += [f"b{self.codec_block}"] if self.codec_block else []
+        parts += ["zstd"] if self.zstd else []
+        parts += [f"decay {self.residual_decay:g}"] if self.residual_decay != 1.0 else []
+        parts += [f"then {self.final_codec}"] if self.final_codec else []
         if self.outer_optimizer != "nesterov":
             parts.append(self.outer_optimizer)
         if self.mode != "blocking":
             parts.append(self.mode + (f" P={self.fragments} tau={self.overlap_steps}" if self.mode == "overlap" else ""))
+        parts += [f"paced {self.paced_gamma:g}"] if self.schedule == "paced" else []
         return " ".join(parts + [f"H={self.h}"])
 
 
@@ -206,21 +229,24 @@ def slowest_link(table: Mapping[int, Mapping[int, Mapping[int, float]]], sizes: 
     return min(rates)
 
 
-#: what a running job keeps when it follows its link: the outer rule and its state, the sync mode
-#: and its fragments (codec, top-k density and H may change between two launches)
+#: what a running job keeps when it follows its link: the outer rule and its state, the sync mode,
+#: its fragments and schedule, the last exchange's codec (the codec with its options and H may
+#: change between two launches)
 _RULE = ("outer_optimizer", "outer_lr", "outer_momentum", "sparseloco_beta", "mode", "fragments", "overlap_steps",
-         "groups")
+         "groups", "schedule", "paced_gamma", "residual_decay", "final_codec")
 
 
 def same_rule(a: Setting, b: Setting) -> bool:
     """Whether a running job can switch between ``a`` and ``b``: the same outer rule (and lr,
-    momentum, residual decay), mode, fragments and tau; codec, density and H may differ."""
+    momentum, residual decay), mode, fragments, tau, schedule and last exchange's codec (the
+    engine holds them from its start); codec, its block and zstd, density and H may differ."""
     return all(getattr(a, k) == getattr(b, k) for k in _RULE)
 
 
 def same_but_h(a: Setting, b: Setting) -> bool:
-    """Whether ``a`` and ``b`` are one setting at two values of H (codec and density kept too)."""
-    return same_rule(a, b) and a.codec == b.codec and a.topk_density == b.topk_density
+    """Whether ``a`` and ``b`` are one setting at two values of H (codec, block, zstd and density
+    kept too)."""
+    return same_rule(a, b) and a.codec_options == b.codec_options
 
 
 def choose_relink(table: AutoTable, current: Setting, *, num_params: int, link_bytes_per_s: float, step_s: float,
@@ -230,7 +256,7 @@ def choose_relink(table: AutoTable, current: Setting, *, num_params: int, link_b
     changed (``same_rule``), keeping the codec and density (``codec_fixed``: a fixed ``--codec``)
     or H (``h_fixed``: a fixed ``--h``) where the user fixed them."""
     pool = tuple(e for e in table.entries if same_rule(e, current)
-                 and (not codec_fixed or (e.codec, e.topk_density) == (current.codec, current.topk_density))
+                 and (not codec_fixed or e.codec_options == current.codec_options)
                  and (not h_fixed or e.h == current.h))
     sub = AutoTable(table.size, table.study_dates, table.commit, table.regenerate, pool)
     return choose(sub, num_params=num_params, link_bytes_per_s=link_bytes_per_s, step_s=step_s, groups=groups,
@@ -306,8 +332,10 @@ def apply_choice(cfg: Any, s: Setting) -> Any:
     out = copy.deepcopy(cfg)
     t, o, y = out.transport, out.outer, out.sync
     t.codec, t.topk_density = s.codec, (s.topk_density if s.codec == "topk" else 0.0)
-    o.optimizer, o.lr, o.momentum = s.outer_optimizer, s.outer_lr, s.outer_momentum
+    t.codec_block, t.zstd, t.final_codec = s.codec_block, s.zstd, s.final_codec
+    o.optimizer, o.lr, o.momentum, o.residual_decay = s.outer_optimizer, s.outer_lr, s.outer_momentum, s.residual_decay
     if s.sparseloco_beta is not None:
         o.sparseloco_beta = s.sparseloco_beta
     y.h, y.mode, y.fragments, y.overlap_steps = s.h, s.mode, s.fragments, s.overlap_steps
+    y.schedule, y.paced_gamma = s.schedule, s.paced_gamma
     return out

@@ -503,8 +503,11 @@ class Config:
                  "--round-seconds does not take --checkpoint-every or --stop-after yet: job checkpoints are taken "
                  "at an inner step every group reaches together, and with rounds by time groups run at their own step")
         if s.mode == "overlap":
-            need(s.overlap_steps < s.h // s.fragments,
-                 f"--overlap-steps ({s.overlap_steps}) must be < H/P ({s.h // max(s.fragments, 1)})")
+            # the engine staggers the fragments over the first round, which the run's steps cap
+            first = s.h if s.round_seconds > 0 else min(s.h, max(self.train.steps, 1))
+            need(s.overlap_steps < first // s.fragments,
+                 f"--overlap-steps ({s.overlap_steps}) must be < H/P ({first // max(s.fragments, 1)})"
+                 + (f", with H capped at {first} by --steps" if first < s.h else ""))
             if paced and shortest:
                 need(s.overlap_steps < shortest // s.fragments,
                      f"--overlap-steps ({s.overlap_steps}) must be < the shortest paced period / P "

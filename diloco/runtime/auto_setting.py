@@ -18,9 +18,10 @@ While the job runs (``AutoSchedule``), what was left to auto is re-decided: at e
 after the averager fetched the bandwidth table the coordinator pinned for that exchange (the same
 table on every rank of every group), a slowest link that moved by more than ``RELINK_THRESHOLD``
 from the one last decided on (hysteresis) re-runs the rule among the study's settings a running
-job can switch to (``auto_choice.choose_relink``: the same outer rule, mode and fragments; the
-codec and top-k density where ``--codec auto``, H where ``--h auto``). The next exchange runs the
-new codec and the next round the new H, on every group alike. Outer momentum carries over; an
+job can switch to (``auto_choice.choose_relink``: the same outer rule, mode, fragments, schedule
+and last exchange's codec; the codec, its block size, zstd and top-k density where ``--codec
+auto``, H where ``--h auto``). The next exchange runs the new codec and the next round the new H
+(under ``paced``, the plan of the new mean H from that step on), on every group alike. Outer momentum carries over; an
 error-feedback residual carries over between codecs that keep one, starts at zero when one
 starts keeping it, and is sent once, in the next Δ, when the new codec keeps none
 (``DiLoCo.set_error_feedback``). An exchange already started keeps its codec, retries included.
@@ -28,6 +29,7 @@ starts keeping it, and is sent once, in the next Δ, when the new codec keeps no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.engine.schedule import fixed_period
+from diloco.engine.schedule import PacedSchedule, fixed_period
 from diloco.job import auto_choice
 from diloco.job.auto_choice import Choice
 from diloco.job.config import Config, ConfigError, make_codec
@@ -215,6 +217,7 @@ class AutoSchedule:
         self.codec_changes: list[tuple[int, str, float]] = []  # (inner step, new setting's label, link bytes/s)
         self._seen_version: int | None = None
         self._waiting = waiting
+        self._plan: PacedSchedule | None = None
 
     @property
     def h(self) -> int:
@@ -260,7 +263,17 @@ class AutoSchedule:
 
     def period(self, step: int, lr: float) -> int:
         self._redecide(step)
+        if self.choice.setting.schedule == "paced":
+            return self._paced(self.h).period(step, lr)
         return fixed_period(step, h=self.h, total_steps=self.total_steps, h_max=self.h_max)
+
+    def _paced(self, h: int) -> PacedSchedule:
+        """The run's paced plan at mean period ``h`` (the base's, or the base's at another H)."""
+        if not isinstance(self.base, PacedSchedule):
+            raise TypeError(f"a paced setting needs the run's paced schedule; this run's is {type(self.base).__name__}")
+        if self._plan is None or self._plan.h != h:
+            self._plan = self.base if self.base.h == h else dataclasses.replace(self.base, h=h)
+        return self._plan
 
     def _redecide(self, step: int) -> None:
         current = getattr(self.link.averager, "_table", None)  # (block, version, table) of the exchange just launched
@@ -283,7 +296,7 @@ class AutoSchedule:
         new = choice.setting
         self.link.averager.setting = new.row  # what the next exchanges ask their quorums with
         link_text = f"the slowest link moved to {8 * now / 1e6:.3g} Mbit/s (plan version {current[1]})"
-        if (new.codec, new.topk_density) != (old.codec, old.topk_density):
+        if new.codec_options != old.codec_options:
             switch_codec(self.link, self.engine, self.cfg, new)
             self.codec_changes.append((step, new.label, now))
             log.warning("auto: %s: %s -> %s from the next exchange (step %d): %s", link_text, old.label, new.label,

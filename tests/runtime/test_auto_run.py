@@ -39,6 +39,26 @@ def test_two_groups_choose_the_same_sparse_setting_and_stay_bit_identical(tmp_pa
     assert "auto (--codec/--h auto)  : topk 3 % sparseloco H=30" in summary.format_summary(s)
 
 
+@pytest.mark.slow
+def test_a_paced_int2_choice_runs_its_plan_its_codec_options_and_its_last_codec(tmp_path):
+    """--codec int2 --h auto on loopback: the lowest measured loss among the study's int2 settings is
+    int2 in 1024-value blocks, zstd, no error feedback, 40 paced syncs and an int4 last exchange; the
+    job runs all of it: the paced plan's periods, the int4 switch, groups bit-identical."""
+    from diloco.engine.schedule import paced_sync_steps
+
+    out, run = tmp_path / "summary.json", tmp_path / "run"
+    code = cli.main(["run", *SMALL, "--steps", "400", "--groups", "2", "--ranks-per-group", "1", "--codec", "int2",
+                     "--h", "auto", "--json", str(out), "--run-dir", str(run), "--probe-bytes", "4096"])
+    assert code == 0
+    s = json.loads(out.read_text())
+    assert s["auto"]["row"] == "m2-paced200-int2b1024-int4final-decay0-zstd-outer" and s["params_identical"]
+    plan = paced_sync_steps(400, 2, 0.5)
+    assert s["periods"] == [plan[0], plan[1] - plan[0]] and plan[0] < 200
+    log0 = (run / "group-0.log").read_text()
+    assert "the last exchange (fragment 0, round 1, step 400) runs int4 without a residual" in log0
+    assert "auto (--codec/--h auto)  : int2 b1024 zstd decay 0 then int4 paced 0.5 H=200" in summary.format_summary(s)
+
+
 def test_status_and_metrics_show_the_choice():
     doc = {"groups": [{"group": 0, "joined": 1, "size": 1, "progress": {"step": 5, "auto": "int4 H=200: 41 s wire"}},
                       {"group": 1, "joined": 1, "size": 1, "progress": {"step": 5}}], "expected_groups": 2}
@@ -100,6 +120,43 @@ def test_h_follows_the_link_with_hysteresis_and_keeps_the_codec():
     link.pin(3, 1e9)
     assert h.period(260, 1e-3) == 30 and [c[1] for c in h.changes] == [100, 30]
     assert h.period(9_990, 1e-3) == 10  # capped by the steps that remain, as the fixed schedule is
+
+
+def test_a_paced_setting_runs_its_plan_and_a_new_h_the_plan_of_that_h():
+    """A paced setting syncs where ``PacedSchedule`` plans (not every H steps); when the link moves
+    it to the same setting at another mean H, the rounds from then on follow that H's plan."""
+    from dataclasses import replace
+
+    from diloco.engine.schedule import (
+        FixedSchedule,
+        PacedSchedule,
+        paced_sync_steps,
+        planned_period,
+        sync_steps,
+    )
+    from diloco.job import auto_choice as ac
+    from diloco.runtime.auto_setting import AutoSchedule
+
+    study = ac.load_table()
+    paced = study.named("m2-paced200-int2b1024-int4final-decay0-zstd-outer")
+    fewer = replace(paced, row="paced400", h=400, bits_per_param_per_step=paced.bits_per_param_per_step / 2,
+                    loss_cost=paced.loss_cost + 0.01)  # the same bytes per exchange, half the syncs
+    table = ac.AutoTable(study.size, study.study_dates, study.commit, study.regenerate, (paced, fewer))
+    n, step = 19_000_000, 1.0
+    start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=step, groups=2)
+    assert start.setting is paced
+    link = _Link()
+    s = AutoSchedule(PacedSchedule(200, 8000), link, start, table, num_params=n, step_s=step, groups=2)
+    plan200, plan400 = paced_sync_steps(8000, 40, 0.5), paced_sync_steps(8000, 20, 0.5)
+    assert sync_steps(s, [1e-3] * 8000) == list(plan200) and plan200[0] < 200 < plan200[-1] - plan200[-2]
+    at = plan200[9]
+    link.pin(2, 1e5)  # 0.8 Mbit/s: neither fits; the fewest bits per step is H=400
+    assert s.period(at, 1e-3) == planned_period(plan400, at) and s.changes == [(at, 400, 1e5)]
+    assert link.auto["row"] == "paced400"
+    fixed = AutoSchedule(FixedSchedule(200, total_steps=8000), _Link(), start, table, num_params=n, step_s=step,
+                         groups=2)
+    with pytest.raises(TypeError, match="needs the run's paced schedule"):
+        fixed.period(0, 1e-3)
 
 
 class _Scripted:
