@@ -54,6 +54,7 @@ SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "
                    "m2-qsr150-g0.5-int2b1024-int4final-decay0-zstd-outer", "m2-paced200-outer",
                    "m2-paced200-int2b1024-int4final-decay0-zstd-outer", PACED_OVERLAP,
                    "m2-paced300-int2b1024-int4final-decay0-zstd-outer",
+                   *(f"{PACED_OVERLAP.removesuffix('-outer')}-a{a:g}-outer" for a in (0.0, 0.25)),
                    *(f"m2-h230-{c}lr{o[0]:g}-mom{o[1]:g}" for c in ("", "int2b1024-int4final-")
                      for o in OUTER_NO_MOMENTUM))
 
@@ -136,6 +137,7 @@ class Row:
     codec_block: int = 0  # --codec-block (0: the codec's default)
     residual_decay: float = 1.0  # --residual-decay: error feedback's decay (0: none, the codec runs biased)
     zstd: bool = False  # --zstd: the frames' payloads zstd-compressed (int2's codes: 1.7-1.9 bits per value)
+    merge_alpha: float = -1.0  # --merge-alpha: overlap's merge, local = a*local + (1-a)*global (-1: the mode's, 0.5)
     seeded: bool = False  # run with every seed of the size (else the first only)
     note: str = ""
 
@@ -261,6 +263,11 @@ def sparseloco_rows() -> list[Row]:
     rows += [Row(PACED_OVERLAP, mode="overlap", fragments=2, tau=15, h=200, schedule="paced", paced_gamma=0.5,
                  outer_tuned=True, note="int2 without error feedback, zstd, last exchange int4, 40 syncs paced by "
                  "gamma 0.5, 2 fragments overlapped by 15 steps", **int2_zstd)]
+    # ... with another merge: alpha 0 takes the fragment's new global values whole (the tau steps' local work on it
+    # is dropped), 0.25 keeps a quarter of the local (the default 0.5 keeps half: a fragment half-synced)
+    rows += [Row(f"{PACED_OVERLAP.removesuffix('-outer')}-a{a:g}-outer", mode="overlap", fragments=2, tau=15, h=200,
+                 schedule="paced", paced_gamma=0.5, merge_alpha=a, outer_tuned=True,
+                 note=f"the paced int2 overlap row with merge alpha {a:g}", **int2_zstd) for a in (0.0, 0.25)]
     rows += [Row("m2-qsr150-g0.5-int2b1024-int4final-decay0-zstd-outer", h=150, schedule="qsr", qsr_gamma=0.5,
                  outer_tuned=True, note="int2 without error feedback, zstd, last exchange int4, under QSR with "
                  "gamma 0.5 from H_base=150", **int2_zstd)]

@@ -81,7 +81,7 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     if row.rule:
         cfg.outer.optimizer = row.rule  # its own lr and momentum (sparseloco: 1, none) unless the row sets them
         cfg.outer.sparseloco_beta = row.beta
-    cfg.outer.residual_decay = row.residual_decay
+    cfg.outer.residual_decay, cfg.outer.alpha = row.residual_decay, row.merge_alpha
     s = cfg.sync
     s.mode, s.h, s.fragments, s.schedule = row.mode, max(row.h, row.fragments), row.fragments, row.schedule
     s.qsr_gamma, s.paced_gamma = row.qsr_gamma, row.paced_gamma
@@ -287,6 +287,7 @@ def make_record(size: Size, row: Row, seed: int, cfg: Config, result: dict) -> d
         **({"qsr_gamma": row.qsr_gamma} if row.schedule == "qsr" else {}),
         **({"paced_gamma": row.paced_gamma} if row.schedule == "paced" else {}),
         "fragments": row.fragments, "overlap_steps": row.tau if row.mode == "overlap" else 0, "seed": seed,
+        **({"merge_alpha": cfg.outer.merge_alpha(row.mode)} if row.mode == "overlap" else {}),
         "outer_rule": cfg.outer.optimizer, "topk_density": row.density,
         "steps": steps, "batch_per_group": cfg.data.batch_size, "block_size": cfg.model.block_size,
         "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,

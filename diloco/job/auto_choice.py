@@ -5,7 +5,7 @@ The table (``auto_table.json`` beside this file, written by ``python bench/auto_
 ``bench/results/convergence.json``) holds only settings the study ran at its long size, each a
 full setting (codec with its block size, top-k density and zstd stage, the last exchange's codec,
 outer rule with its lr/momentum and residual decay, H and its schedule, fixed or paced, mode,
-fragments, tau) with its loss cost against fp32 DiLoCo and the bits all groups sent per parameter
+fragments, tau, overlap's merge alpha) with its loss cost against fp32 DiLoCo and the bits all groups sent per parameter
 per inner step. Under ``paced`` H is the mean period (the same syncs as fixed H, so the same bytes
 per exchange and the same share of a round's compute on average).
 
@@ -44,7 +44,8 @@ _CHOSEN = (("sync", "mode", "blocking", "--mode"), ("sync", "fragments", 1, "--f
            ("outer", "sparseloco_beta", 0.95, "--sparseloco-beta"), ("transport", "topk_density", 0.0, "--topk-density"),
            ("transport", "codec_block", 0, "--codec-block"), ("sync", "round_seconds", 0.0, "--round-seconds"),
            ("sync", "paced_gamma", 0.5, "--paced-gamma"), ("outer", "residual_decay", 1.0, "--residual-decay"),
-           ("transport", "zstd", False, "--zstd"), ("transport", "final_codec", "", "--final-codec"))
+           ("transport", "zstd", False, "--zstd"), ("transport", "final_codec", "", "--final-codec"),
+           ("outer", "alpha", -1.0, "--merge-alpha"))
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Setting:
     zstd: bool = False
     residual_decay: float = 1.0
     final_codec: str = ""  # '': the codec to the end
+    merge_alpha: float = -1.0  # -1: the mode's (0.5 in overlap)
 
     @property
     def codec_options(self) -> tuple[str, float, int, bool]:
@@ -93,6 +95,7 @@ class Setting:
             parts.append(self.outer_optimizer)
         if self.mode != "blocking":
             parts.append(self.mode + (f" P={self.fragments} tau={self.overlap_steps}" if self.mode == "overlap" else ""))
+        parts += [f"alpha {self.merge_alpha:g}"] if self.merge_alpha >= 0 else []
         parts += [f"paced {self.paced_gamma:g}"] if self.schedule == "paced" else []
         return " ".join(parts + [f"H={self.h}"])
 
@@ -233,7 +236,7 @@ def slowest_link(table: Mapping[int, Mapping[int, Mapping[int, float]]], sizes: 
 #: its fragments and schedule, the last exchange's codec (the codec with its options and H may
 #: change between two launches)
 _RULE = ("outer_optimizer", "outer_lr", "outer_momentum", "sparseloco_beta", "mode", "fragments", "overlap_steps",
-         "groups", "schedule", "paced_gamma", "residual_decay", "final_codec")
+         "groups", "schedule", "paced_gamma", "residual_decay", "final_codec", "merge_alpha")
 
 
 def same_rule(a: Setting, b: Setting) -> bool:
@@ -334,6 +337,7 @@ def apply_choice(cfg: Any, s: Setting) -> Any:
     t.codec, t.topk_density = s.codec, (s.topk_density if s.codec == "topk" else 0.0)
     t.codec_block, t.zstd, t.final_codec = s.codec_block, s.zstd, s.final_codec
     o.optimizer, o.lr, o.momentum, o.residual_decay = s.outer_optimizer, s.outer_lr, s.outer_momentum, s.residual_decay
+    o.alpha = s.merge_alpha
     if s.sparseloco_beta is not None:
         o.sparseloco_beta = s.sparseloco_beta
     y.h, y.mode, y.fragments, y.overlap_steps = s.h, s.mode, s.fragments, s.overlap_steps

@@ -21,10 +21,10 @@ from the one last decided on (hysteresis) re-runs the rule among the study's set
 job can switch to (``auto_choice.choose_relink``: the same outer rule, mode, fragments, schedule
 and last exchange's codec; the codec, its block size, zstd and top-k density where ``--codec
 auto``, H where ``--h auto``). The next exchange runs the new codec and the next round the new H
-(under ``paced``, the plan of the new mean H from that step on), on every group alike. Outer momentum carries over; an
-error-feedback residual carries over between codecs that keep one, starts at zero when one
-starts keeping it, and is sent once, in the next Δ, when the new codec keeps none
-(``DiLoCo.set_error_feedback``). An exchange already started keeps its codec, retries included.
+(under ``paced``, the plan of the new mean H from that step on), on every group alike. Outer
+momentum carries over; an error-feedback residual carries over between codecs that keep one,
+starts at zero when one starts keeping it, and is sent once, in the next Δ, when the new codec
+keeps none (``DiLoCo.set_error_feedback``). An exchange already started keeps its codec, retries included.
 """
 
 from __future__ import annotations
