@@ -6,10 +6,9 @@ only DiLoCo settings a job can run as one configuration planned before it starts
 parallel (``dp``), not QSR (its H follows the lr as it runs), not CO2 (its own outer knobs).
 Each entry is a full setting (codec with its block size, top-k density and zstd stage, the last
 exchange's codec, outer rule with its lr/momentum, SparseLoCo's beta or the residual's decay, H
-and its schedule, fixed or paced with its gamma, mode, fragments, tau, overlap's merge alpha, groups)
-with its eval loss,
-its loss cost against fp32 DiLoCo (``m{G}-h30-outer``: H=30, the sweep's outer lr/momentum) paired
-by seed, and the bits all groups sent per parameter per inner step.
+and its schedule, fixed or paced with its gamma, mode, fragments, tau, overlap's merge alpha,
+groups) with its eval loss, its loss cost against fp32 DiLoCo (``m{G}-h30-outer``: H=30, the
+sweep's outer lr/momentum) paired by seed, and the bits all groups sent per parameter per inner step.
 
     python bench/auto_table.py            # rewrite the table
     python bench/auto_table.py --check    # exit 1 if the shipped table differs from a fresh one

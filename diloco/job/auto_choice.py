@@ -5,9 +5,9 @@ The table (``auto_table.json`` beside this file, written by ``python bench/auto_
 ``bench/results/convergence.json``) holds only settings the study ran at its long size, each a
 full setting (codec with its block size, top-k density and zstd stage, the last exchange's codec,
 outer rule with its lr/momentum and residual decay, H and its schedule, fixed or paced, mode,
-fragments, tau, overlap's merge alpha) with its loss cost against fp32 DiLoCo and the bits all groups sent per parameter
-per inner step. Under ``paced`` H is the mean period (the same syncs as fixed H, so the same bytes
-per exchange and the same share of a round's compute on average).
+fragments, tau, overlap's merge alpha) with its loss cost against fp32 DiLoCo and the bits all
+groups sent per parameter per inner step. Under ``paced`` H is the mean period (the same syncs as
+fixed H, so the same bytes per exchange and the same share of a round's compute on average).
 
 The rule (``choose``, pure): an exchange *fits* when its time on the slowest group-to-group link
 is at most the compute it runs beside: a whole round of H inner steps where the exchange overlaps
