@@ -46,7 +46,7 @@ from bench.convergence_run import (
     study_task,
 )
 from diloco.engine.averaging import InProcessGroups
-from diloco.job.config import make_codec
+from diloco.job.codec_config import make_codec
 from diloco.job.task import TaskContext
 from diloco.runtime.train_loop import train
 from diloco.runtime.worker import make_engine, make_inner_optimizer

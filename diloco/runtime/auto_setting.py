@@ -42,7 +42,8 @@ import torch.distributed as dist
 from diloco.engine.schedule import PacedSchedule, fixed_period
 from diloco.job import auto_choice
 from diloco.job.auto_choice import Choice
-from diloco.job.config import Config, ConfigError, make_codec
+from diloco.job.codec_config import make_codec
+from diloco.job.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,6 @@ class AutoSchedule:
         self.codec_changes: list[tuple[int, str, float]] = []  # (inner step, new setting's label, link bytes/s)
         self._seen_version: int | None = None
         self._waiting = waiting
-        self._plan: PacedSchedule | None = None
 
     @property
     def h(self) -> int:
@@ -271,9 +271,7 @@ class AutoSchedule:
         """The run's paced plan at mean period ``h`` (the base's, or the base's at another H)."""
         if not isinstance(self.base, PacedSchedule):
             raise TypeError(f"a paced setting needs the run's paced schedule; this run's is {type(self.base).__name__}")
-        if self._plan is None or self._plan.h != h:
-            self._plan = self.base if self.base.h == h else dataclasses.replace(self.base, h=h)
-        return self._plan
+        return self.base if self.base.h == h else dataclasses.replace(self.base, h=h)
 
     def _redecide(self, step: int) -> None:
         current = getattr(self.link.averager, "_table", None)  # (block, version, table) of the exchange just launched

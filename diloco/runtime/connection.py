@@ -40,7 +40,8 @@ from diloco.coordinator.credentials import for_group
 from diloco.coordinator.waiting import waiting
 from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
 from diloco.exchange.quorum_averager import GroupEvicted, QuorumAverager
-from diloco.job.config import ConfigError, TransportConfig, make_codec
+from diloco.job.codec_config import make_codec
+from diloco.job.config import ConfigError, TransportConfig
 from diloco.runtime.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
 from transport import TcpTransport, TlsConfig
 from transport.identity import GroupKeys

@@ -39,7 +39,8 @@ from diloco.engine.outer import by_name, co2
 from diloco.engine.schedule import FixedSchedule, PacedSchedule, QSRSchedule, SyncSchedule, TimeRounds
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job import auto_choice
-from diloco.job.config import Config, ConfigError, make_final_codec
+from diloco.job.codec_config import make_final_codec
+from diloco.job.config import Config, ConfigError
 from diloco.job.task import (
     DEMO_ENTRY,
     TaskContext,

@@ -241,7 +241,8 @@ def test_striped_averager_over_real_links_keeps_groups_identical():
 
 
 def test_config_takes_sign1_and_topk_and_refuses_the_modes_that_keep_no_residual():
-    from diloco.job.config import Config, ConfigError, make_codec
+    from diloco.job.codec_config import make_codec
+    from diloco.job.config import Config, ConfigError
 
     cfg = Config()
     cfg.transport.codec = "sign1"

@@ -208,7 +208,7 @@ def test_h_auto_on_the_command_line_and_in_files():
 
 
 def test_make_codec_refuses_auto_itself():
-    from diloco.job.config import make_codec
+    from diloco.job.codec_config import make_codec
 
     cfg = Config()
     with pytest.raises(ValueError, match="auto is not a codec"):

@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from diloco.job.config import Config, make_codec
+from diloco.job.codec_config import make_codec
+from diloco.job.config import Config
 
 
 @pytest.mark.parametrize("name", ["int4", "fp4-e2m1", "fp4-e3m0", "lloyd4"])
