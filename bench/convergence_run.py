@@ -33,7 +33,7 @@ from diloco.job.config import (
 )
 from diloco.demo import gpt_task  # noqa: E402
 from diloco.job.task import Task, TaskContext  # noqa: E402
-from diloco.runtime.connection import group_keys, make_transport  # noqa: E402
+from diloco.runtime.endpoint import group_keys, make_transport  # noqa: E402
 from diloco.runtime.summary import bits_per_param_per_step  # noqa: E402
 from diloco.runtime.train_loop import evaluate, train
 from diloco.runtime.worker import make_engine, make_inner_optimizer  # noqa: E402

@@ -36,16 +36,21 @@ RELINK_THRESHOLD = 0.3
 #: the share of a round's compute a blocking exchange may add to it and still count as hidden
 BLOCKING_SHARE = 0.05
 
-# the options a table entry sets: they must be left at their defaults when auto decides
-_CHOSEN = (("sync", "mode", "blocking", "--mode"), ("sync", "fragments", 1, "--fragments"),
-           ("sync", "overlap_steps", 1, "--overlap-steps"), ("sync", "schedule", "fixed", "--schedule"),
-           ("sync", "h_max", 0, "--h-max"), ("outer", "optimizer", "nesterov", "--outer-optimizer"),
-           ("outer", "lr", -1.0, "--outer-lr"), ("outer", "momentum", -1.0, "--outer-momentum"),
-           ("outer", "sparseloco_beta", 0.95, "--sparseloco-beta"), ("transport", "topk_density", 0.0, "--topk-density"),
-           ("transport", "codec_block", 0, "--codec-block"), ("sync", "round_seconds", 0.0, "--round-seconds"),
-           ("sync", "paced_gamma", 0.5, "--paced-gamma"), ("outer", "residual_decay", 1.0, "--residual-decay"),
-           ("transport", "zstd", False, "--zstd"), ("transport", "final_codec", "", "--final-codec"),
-           ("outer", "alpha", -1.0, "--merge-alpha"))
+# the options a table entry sets: (config section, key, default, flag, the Setting field it comes from);
+# they must be left at their defaults when auto decides; ``None``: auto leaves it at its default
+_CHOSEN = (("sync", "mode", "blocking", "--mode", "mode"), ("sync", "fragments", 1, "--fragments", "fragments"),
+           ("sync", "overlap_steps", 1, "--overlap-steps", "overlap_steps"),
+           ("sync", "schedule", "fixed", "--schedule", "schedule"), ("sync", "h_max", 0, "--h-max", None),
+           ("outer", "optimizer", "nesterov", "--outer-optimizer", "outer_optimizer"),
+           ("outer", "lr", -1.0, "--outer-lr", "outer_lr"), ("outer", "momentum", -1.0, "--outer-momentum", "outer_momentum"),
+           ("outer", "sparseloco_beta", 0.95, "--sparseloco-beta", "sparseloco_beta"),
+           ("transport", "topk_density", 0.0, "--topk-density", "topk_density"),
+           ("transport", "codec_block", 0, "--codec-block", "codec_block"),
+           ("sync", "round_seconds", 0.0, "--round-seconds", None),
+           ("sync", "paced_gamma", 0.5, "--paced-gamma", "paced_gamma"),
+           ("outer", "residual_decay", 1.0, "--residual-decay", "residual_decay"),
+           ("transport", "zstd", False, "--zstd", "zstd"), ("transport", "final_codec", "", "--final-codec", "final_codec"),
+           ("outer", "alpha", -1.0, "--merge-alpha", "merge_alpha"))
 
 
 @dataclass(frozen=True)
@@ -298,7 +303,7 @@ def auto_problems(cfg: Any, table: AutoTable | None = None) -> list[str]:
         problems.append(f"{asked} decides from the measured link: --probe-bytes must be > 0")
     if cfg.topology.groups < 2:
         problems.append(f"{asked} decides from the link between groups: --groups must be >= 2")
-    given = [f"{flag} {getattr(getattr(cfg, sec), name)}" for sec, name, default, flag in _CHOSEN
+    given = [f"{flag} {getattr(getattr(cfg, sec), name)}" for sec, name, default, flag, _ in _CHOSEN
              if getattr(getattr(cfg, sec), name, default) != default]
     if given:
         problems.append(f"{asked} takes mode, fragments, tau, outer rule and top-k density from the study's setting; "
@@ -321,7 +326,7 @@ def unchoose(cfg: Any, *, codec: bool, h: bool) -> Any:
     (``codec``) and/or ``--h auto`` (``h``) asked again and the options a setting sets at their
     defaults: what the job's flags were."""
     out = copy.deepcopy(cfg)
-    for section, name, default, _ in _CHOSEN:
+    for section, name, default, _, _ in _CHOSEN:
         setattr(getattr(out, section), name, default)
     if codec:
         out.transport.codec = AUTO
@@ -333,13 +338,11 @@ def unchoose(cfg: Any, *, codec: bool, h: bool) -> Any:
 def apply_choice(cfg: Any, s: Setting) -> Any:
     """A copy of ``cfg`` (a ``Config``) that runs setting ``s``."""
     out = copy.deepcopy(cfg)
-    t, o, y = out.transport, out.outer, out.sync
-    t.codec, t.topk_density = s.codec, (s.topk_density if s.codec == "topk" else 0.0)
-    t.codec_block, t.zstd, t.final_codec = s.codec_block, s.zstd, s.final_codec
-    o.optimizer, o.lr, o.momentum, o.residual_decay = s.outer_optimizer, s.outer_lr, s.outer_momentum, s.residual_decay
-    o.alpha = s.merge_alpha
-    if s.sparseloco_beta is not None:
-        o.sparseloco_beta = s.sparseloco_beta
-    y.h, y.mode, y.fragments, y.overlap_steps = s.h, s.mode, s.fragments, s.overlap_steps
-    y.schedule, y.paced_gamma = s.schedule, s.paced_gamma
+    for section, name, _, _, field in _CHOSEN:
+        value = None if field is None else getattr(s, field)
+        if value is not None:  # a table without a beta: the config's
+            setattr(getattr(out, section), name, value)
+    out.transport.codec, out.sync.h = s.codec, s.h
+    if s.codec != "topk":
+        out.transport.topk_density = 0.0
     return out

@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-import transport as transport_pkg
 from diloco.coordinator import CoordinatorClient, CoordinatorError
 from diloco.coordinator.credentials import for_group
 from diloco.coordinator.waiting import waiting
@@ -42,98 +41,19 @@ from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
 from diloco.exchange.quorum_averager import GroupEvicted, QuorumAverager
 from diloco.job.codec_config import make_codec
 from diloco.job.config import ConfigError, TransportConfig
+from diloco.runtime.endpoint import (
+    TOKEN_ENV,
+    ConnectError,
+    coordinator_tls,
+    group_keys,
+    make_transport,
+    read_secret,
+)
 from diloco.runtime.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
-from transport import TcpTransport, TlsConfig
 from transport.identity import GroupKeys
-from transport.tcp import is_loopback
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-SECRET_ENV = "DILOCO_SECRET"
-TOKEN_ENV = "DILOCO_TOKEN"
-
-
-class ConnectError(RuntimeError):
-    """This rank cannot join the job; the message says why."""
-
-
-def read_secret(value: bytes | str | GroupKeys | None = None) -> bytes | GroupKeys:
-    """The data plane's job secret: ``value`` (bytes, or hex text) or ``$DILOCO_SECRET`` (hex); or
-    one group's keyring (``GroupKeys``, or its ``to_text()`` form), which lets a rank be only
-    that group (see ``transport.identity``)."""
-    if isinstance(value, GroupKeys):
-        return value
-    if isinstance(value, bytes):
-        secret = value
-    else:
-        text = value if value is not None else os.environ.get(SECRET_ENV, "")
-        if not text:
-            raise ConnectError(f"no secret: pass secret= or set {SECRET_ENV} (hex, 16+ bytes)")
-        if GroupKeys.is_text(text):
-            try:
-                return GroupKeys.from_text(text)
-            except ValueError as e:
-                raise ConnectError(str(e)) from None
-        try:
-            secret = bytes.fromhex(text)
-        except ValueError as e:
-            raise ConnectError("the secret must be hex text (or bytes)") from e
-    if len(secret) < 16:
-        raise ConnectError("the secret must hold at least 16 bytes (32 hex digits)")
-    return secret
-
-
-def group_keys(secret: bytes | GroupKeys, group: int) -> GroupKeys:
-    """Group ``group``'s data-plane credentials: derived from the job secret, or the keyring given
-    (which must be that group's). Its handshakes then prove the group to every peer."""
-    if isinstance(secret, GroupKeys):
-        if secret.group != group:
-            raise ConnectError(f"the data-plane keyring is group {secret.group}'s, not group {group}'s")
-        return secret
-    return GroupKeys.derive(secret, group)
-
-
-def advertised_address(t: TransportConfig, local_rank: int) -> str | None:
-    """What this rank tells the other groups to dial (``--advertise-address``, its port + the local
-    rank when it names one, else ``--data-port`` + the local rank), or None: the address listened on."""
-    if not t.advertise_address:
-        return None
-    if not t.data_port:
-        raise ConfigError("--advertise-address needs --data-port: whatever is in front of the rank (a load "
-                          "balancer, a NodePort, a NAT) forwards a port it knows")
-    host, sep, port = t.advertise_address.rpartition(":")
-    if not sep or "]" in port:
-        host, port = t.advertise_address, ""
-    host = host if host.startswith("[") or ":" not in host else f"[{host}]"
-    return f"{host}:{(int(port) if port else t.data_port) + local_rank}"
-
-
-def make_transport(t: TransportConfig, secret: bytes | GroupKeys, local_rank: int = 0):
-    """This rank's data-plane endpoint (tcp or grpc), listening on ``t.host`` (port ``--data-port`` +
-    ``local_rank``, or one the kernel picks) and advertising ``advertised_address``, as configured."""
-    tls = TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None
-    port = t.data_port + local_rank if t.data_port else 0
-    options = dict(host=t.host, port=port, advertise=advertised_address(t, local_rank), secret=secret,
-                   timeout_s=t.timeout_s, tls=tls,
-                   allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes,
-                   handshake_timeout_s=t.handshake_timeout, max_unauthenticated=t.max_unauthenticated,
-                   max_unauthenticated_per_source=t.max_unauthenticated_per_source,
-                   max_pending_bytes=t.max_pending_bytes)
-    if t.data_plane == "process":  # its codecs and sums get as many threads as this rank's own ops
-        return transport_pkg.ProcessTransport(t.link, threads=torch.get_num_threads(), **options)
-    link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
-    return link(**options)
-
-
-def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:
-    """The TLS files this rank dials the coordinator ``host:port`` with: the data plane's own
-    (``--tls-cert/--tls-key/--tls-ca``), so one PKI covers both; none without them, or when the
-    coordinator is on a loopback address (``diloco run`` serves it there in plain text)."""
-    if not t.tls_cert or is_loopback(coordinator.rsplit(":", 1)[0]):
-        return None
-    return TlsConfig(t.tls_cert, t.tls_key, t.tls_ca)
-
 
 #: seconds close() gives a background re-probe to end once the links are closed
 REPROBE_CLOSE_S = 1.0

@@ -29,7 +29,7 @@ from diloco.job.config import Config
 from diloco.runtime import exit_codes, job_checkpoint, preflight, spare
 from diloco.runtime.agent import PARENT_ENV
 from diloco.runtime.chaos import ChaosMonkey
-from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV, coordinator_tls
+from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV, coordinator_tls
 from diloco.runtime.device_placement import DEVICE_MAP_ENV, DevicePlan, place_ranks
 from diloco.runtime.job_checkpoint import ResumePoint
 from diloco.runtime.link_relays import CorruptingRelays

@@ -58,13 +58,8 @@ from diloco.runtime import (
     rank_state,
     train_loop,
 )
-from diloco.runtime.connection import (
-    SECRET_ENV,
-    TOKEN_ENV,
-    GroupConnection,
-    connect,
-    read_secret,
-)
+from diloco.runtime.connection import GroupConnection, connect
+from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV, read_secret
 from diloco.runtime.train_loop import WorkerError
 
 __all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]

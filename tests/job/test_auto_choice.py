@@ -2,6 +2,7 @@
 the lowest measured loss cost among the study's settings whose exchange hides under compute."""
 
 import argparse
+import dataclasses
 import math
 import random
 from dataclasses import replace
@@ -171,6 +172,12 @@ def test_every_setting_of_the_table_is_a_valid_config_of_the_demo():
         assert (out.sync.schedule, out.sync.paced_gamma, out.outer.alpha) == (e.schedule, e.paced_gamma, e.merge_alpha)
         assert out.outer.outer_lr(out.sync.mode) == e.outer_lr and out.outer.outer_momentum(out.sync.mode) == e.outer_momentum
     assert cfg.transport.codec == "auto"  # apply_choice copies
+
+
+def test_every_field_of_a_setting_that_a_job_runs_is_applied_and_must_be_left_unset():
+    measured = {"row", "groups", "seeds", "eval_loss", "loss_cost", "bits_per_param_per_step"}
+    applied = {field for *_, field in ac._CHOSEN if field is not None} | {"codec", "h"}
+    assert applied == {f.name for f in dataclasses.fields(ac.Setting)} - measured
 
 
 def test_config_refuses_what_auto_cannot_decide():

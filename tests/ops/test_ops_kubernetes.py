@@ -21,7 +21,7 @@ from ops_helpers import ADDRESSES, DEPLOY, OVERLAYS
 from diloco.job import config as config_mod
 from diloco.job import config_parse
 from diloco.runtime import exit_codes
-from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV
+from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV
 
 KUBERNETES = DEPLOY / "kubernetes"
 

@@ -17,7 +17,7 @@ from diloco_helpers import write_small_job
 
 from diloco.coordinator import CoordinatorServer
 from diloco.runtime import job_checkpoint
-from diloco.runtime.connection import SECRET_ENV, TOKEN_ENV
+from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV
 from diloco.runtime.processes import processes_mentioning
 
 pytestmark = pytest.mark.slow
