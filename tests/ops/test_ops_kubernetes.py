@@ -148,18 +148,18 @@ def test_jobs_tell_done_restart_me_and_configuration_errors_apart(rendered):
 
 
 def test_budgets_hold_running_pods_only_and_never_block_a_drain_after_completion(rendered):
-    import k8s_replay as kr
+    import k8s_semantics as ks
 
     for name, objects in rendered.items():
         budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
         for workload in (o for o in objects if o["kind"] == "Job"):
             labels = workload["spec"]["template"]["metadata"]["labels"]
-            mine = [b for b in budgets if kr.selects(b["spec"]["selector"], labels)]
+            mine = [b for b in budgets if ks.selects(b["spec"]["selector"], labels)]
             assert len(mine) == 1, f"{name}: {workload['metadata']['name']} needs exactly one budget"
             assert mine[0]["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow"
-            assert kr.may_evict(labels, "Running", mine, [labels])[0] is False, "a running rank is held"
-            assert kr.may_evict(labels, "Succeeded", mine, [])[0], "a finished one is not"
-            assert kr.may_evict(labels, "Pending", mine, [])[0], "nor one that never ran"
+            assert ks.may_evict(labels, "Running", mine, [labels])[0] is False, "a running rank is held"
+            assert ks.may_evict(labels, "Succeeded", mine, [])[0], "a finished one is not"
+            assert ks.may_evict(labels, "Pending", mine, [])[0], "nor one that never ran"
 
 
 def test_rendered_objects_validate_strictly_against_current_kubernetes(rendered):
@@ -338,7 +338,7 @@ def test_network_policies_and_node_firewalls_follow_each_datacenters_network_mod
     """A routed pod network: a NetworkPolicy admits the other datacenters from where their ranks
     send (their pod block, or their node block when they use the host network). The host network:
     NetworkPolicies would do nothing, so none is made and the overlay ships a node firewall."""
-    import k8s_replay as kr
+    import k8s_semantics as ks
 
     others = {name: [(o, _senders(rendered[o], o)) for o in rendered if o != name] for name in rendered}
     for name, objects in rendered.items():
@@ -349,7 +349,7 @@ def test_network_policies_and_node_firewalls_follow_each_datacenters_network_mod
         assert data > 0, f"{name}: a fixed data-plane port, so a policy, firewall or load balancer can name it"
         labels = job["spec"]["template"]["metadata"]["labels"]
         policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
-        mine = [p for p in policies if kr.selects(p["spec"]["podSelector"], labels)]
+        mine = [p for p in policies if ks.selects(p["spec"]["podSelector"], labels)]
         sysctls = {s["name"]: s["value"] for s in pod.get("securityContext", {}).get("sysctls", [])}
         if pod.get("hostNetwork"):
             assert not mine, f"{name}: a NetworkPolicy does nothing for host-network pods"
@@ -374,7 +374,7 @@ def test_network_policies_and_node_firewalls_follow_each_datacenters_network_mod
         rules = _admitted(mine[0])
         own = [s for s, ports in rules if (low, high) in ports and any(p <= data and data + ranks - 1 <= (e or p)
                                                                        for p, e in ports)
-               and any(kr.selects(p.get("podSelector"), labels) and "namespaceSelector" not in p for p in s)]
+               and any(ks.selects(p.get("podSelector"), labels) and "namespaceSelector" not in p for p in s)]
         assert own, f"{name}: the group's own pods (Gloo, the data plane) are not admitted"
         for p in (p for s, _ in rules for p in s if "podSelector" in p):
             assert p["podSelector"]["matchLabels"].get("diloco.dev/group") == labels["diloco.dev/group"], \

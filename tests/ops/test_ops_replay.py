@@ -31,6 +31,8 @@ import pytest
 from ops_helpers import DEPLOY, OVERLAYS, ROOT
 
 import k8s_replay as kr
+from k8s_network import Datacenter, run
+from k8s_semantics import read_image
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -114,8 +116,8 @@ def _node_setup(ns: str) -> None:
     for line in (DEPLOY / "kubernetes" / "overlays" / "dc-b" / "node-sysctl.conf").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             key, value = (x.strip() for x in line.split("=", 1))
-            kr.run("ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}")
-    kr.run("ip", "netns", "exec", ns, "nft", "-f", str(DEPLOY / "kubernetes" / "overlays" / "dc-b" / "node-firewall.nft"))
+            run("ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}")
+    run("ip", "netns", "exec", ns, "nft", "-f", str(DEPLOY / "kubernetes" / "overlays" / "dc-b" / "node-firewall.nft"))
 
 
 def _step_done(replay: kr.Replay, dc: str, claim: str, group: int, step: int) -> bool:
@@ -220,10 +222,10 @@ def _make_replay(tmp_path: Path, rendered: dict[str, list[dict]], plans: dict[st
     _need_replay()
     workdir = tmp_path / "replay"
     workdir.mkdir()
-    datacenters = {name: kr.Datacenter(name, **plan) for name, plan in plans.items()}
+    datacenters = {name: Datacenter(name, **plan) for name, plan in plans.items()}
     assert set(datacenters) == {o.name for o in OVERLAYS}, "the replay's address plan names every overlay"
     return kr.Replay(workdir, datacenters, _scaled(rendered), secrets=_secrets(tmp_path),
-                     image=kr.read_image(ROOT / "Dockerfile", "cpu"), repo=ROOT, monitoring=MONITORING,
+                     image=read_image(ROOT / "Dockerfile", "cpu"), repo=ROOT, monitoring=MONITORING,
                      node_setup=node_setup)
 
 
