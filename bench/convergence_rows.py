@@ -41,6 +41,8 @@ def _slo(h: int, density: float) -> str:
 
 
 PACED_OVERLAP = "m2-paced200-int2b1024-int4final-decay0-zstd-p2-tau15-outer"
+#: the paced int2 overlap row at other merge alphas (overlap's default is 0.5), by alpha
+PACED_OVERLAP_ALPHAS = {a: f"{PACED_OVERLAP.removesuffix('-outer')}-a{a:g}-outer" for a in (0.0, 0.25)}
 SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "slo-sign1-h30", "slo-overlap-p2-tau5",
                    "slo-m4-h30", *(f"m2-h{h}-int2-outer" for h in INT2_HS),
                    "slo-int2-h30", "slo-int2-h100", "m2-h200-outer", "m2-h300-outer",
@@ -54,7 +56,7 @@ SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "
                    "m2-qsr150-g0.5-int2b1024-int4final-decay0-zstd-outer", "m2-paced200-outer",
                    "m2-paced200-int2b1024-int4final-decay0-zstd-outer", PACED_OVERLAP,
                    "m2-paced300-int2b1024-int4final-decay0-zstd-outer",
-                   *(f"{PACED_OVERLAP.removesuffix('-outer')}-a{a:g}-outer" for a in (0.0, 0.25)),
+                   *PACED_OVERLAP_ALPHAS.values(),
                    *(f"m2-h230-{c}lr{o[0]:g}-mom{o[1]:g}" for c in ("", "int2b1024-int4final-")
                      for o in OUTER_NO_MOMENTUM))
 
@@ -265,9 +267,9 @@ def sparseloco_rows() -> list[Row]:
                  "gamma 0.5, 2 fragments overlapped by 15 steps", **int2_zstd)]
     # ... with another merge: alpha 0 takes the fragment's new global values whole (the tau steps' local work on it
     # is dropped), 0.25 keeps a quarter of the local (the default 0.5 keeps half: a fragment half-synced)
-    rows += [Row(f"{PACED_OVERLAP.removesuffix('-outer')}-a{a:g}-outer", mode="overlap", fragments=2, tau=15, h=200,
-                 schedule="paced", paced_gamma=0.5, merge_alpha=a, outer_tuned=True,
-                 note=f"the paced int2 overlap row with merge alpha {a:g}", **int2_zstd) for a in (0.0, 0.25)]
+    rows += [Row(name, mode="overlap", fragments=2, tau=15, h=200, schedule="paced", paced_gamma=0.5, merge_alpha=a,
+                 outer_tuned=True, note=f"the paced int2 overlap row with merge alpha {a:g}", **int2_zstd)
+             for a, name in PACED_OVERLAP_ALPHAS.items()]
     rows += [Row("m2-qsr150-g0.5-int2b1024-int4final-decay0-zstd-outer", h=150, schedule="qsr", qsr_gamma=0.5,
                  outer_tuned=True, note="int2 without error feedback, zstd, last exchange int4, under QSR with "
                  "gamma 0.5 from H_base=150", **int2_zstd)]
