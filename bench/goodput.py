@@ -34,6 +34,10 @@ faults: G groups (default 8), a random group's process tree SIGKILLed every N s,
 job without faults run at the same time (bench/goodput_faults.py)::
 
     python bench/goodput.py --cases faults --intervals 30 --faults 20 --json bench/results/goodput.json
+
+with ``--repeats N`` each interval's pair is run N times. Its numerator is the committed-sample
+ledger, each range once (``goodput_faults.commits_from_logs``), and the bench stops with an error if a
+window holds more tokens than its job committed.
 """
 
 from __future__ import annotations
@@ -247,8 +251,9 @@ def case_slow_group(args) -> dict:
     """One group at 1/factor speed: fixed H (blocking) and rounds by time against the sum of the
     groups' solo rates, and loss per token against equal-speed groups (module doc)."""
     repeats = []
-    for r in range(args.repeats):
-        print(f"slow-group, repeat {r + 1} of {args.repeats}", flush=True)
+    n = args.repeats or 2
+    for r in range(n):
+        print(f"slow-group, repeat {r + 1} of {n}", flush=True)
         # both solo jobs at once: each group alone in its job, on a machine as busy as in the 2-group jobs
         solo = run_jobs(args, {"solo-fast": {"groups": 1, "slow_group": -1}, "solo-slow": {"groups": 1, "slow_group": 0}})
         fast, slow = solo["solo-fast"], solo["solo-slow"]
@@ -286,7 +291,7 @@ def _section(args, repeats: list[dict]) -> dict:
     keys = ("fixed_h_ratio", "time_rounds_ratio", "fixed_h_ratio_in_job", "time_rounds_ratio_in_job",
             "loss_vs_equal_speed", "tokens_vs_equal_speed")
     return {
-        "settings": {"steps": args.steps, "h": args.h, "factor": args.factor, "repeats": args.repeats,
+        "settings": {"steps": args.steps, "h": args.h, "factor": args.factor, "repeats": args.repeats or 2,
                      "mode": args.mode, "fragments": args.fragments,
                      "overlap_steps": args.overlap_steps if args.mode == "overlap" else 0,
                      "ranks_per_group": 1, "threads_per_rank": 1, "entry": ENTRY},
@@ -313,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="inner steps per group of the fixed-H jobs")
     p.add_argument("--h", type=int, default=20, help="H of the fixed-H jobs (rounds: steps / H)")
     p.add_argument("--factor", type=float, default=2.0, help="the slowed group runs at 1/factor of its speed")
-    p.add_argument("--repeats", type=int, default=2, help="runs of the whole sequence (their spread: the noise)")
+    p.add_argument("--repeats", type=int, help="slow-group case: runs of the whole sequence [2]; faults case: pairs "
+                   "run per interval, one after the other, the same settings and drill seed [1] (their spread: the noise)")
     p.add_argument("--mode", default="blocking", choices=("blocking", "overlap"),
                    help="slow-group case: the sync mode of every job (overlap: Streaming DiLoCo's)")
     p.add_argument("--fragments", type=int, default=1, help="slow-group case: fragments of every job")
@@ -353,10 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", metavar="DIR", help="keep every job's folder (group logs, step traces, summaries) under "
                    "DIR instead of deleting it [default: deleted]")
     p.add_argument("--json", help="write (merge) the sections here, e.g. bench/results/goodput.json")
+    p.add_argument("--recount", nargs="+", metavar="JSON", help="print what the faults records of these files "
+                   "(a folder: its goodput*.json), written before the numerator counted each committed range once, "
+                   "still tell, and exit")
     p.add_argument("--child", nargs=3, metavar=("CONFIG", "SUMMARY", "RUN_DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return _child(*args.child)
+    if args.recount:
+        from bench.goodput_faults import recount_files
+
+        recount_files(args.recount)
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_jobs' finally stops the jobs
     if args.factor < 1 or not math.isfinite(args.factor):
         p.error(f"--factor must be >= 1, got {args.factor}")
@@ -367,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     if "stall" in kinds and not args.stall_seconds > args.heartbeat_timeout:
         p.error(f"--stall-seconds ({args.stall_seconds:g}) must exceed --heartbeat-timeout "
                 f"({args.heartbeat_timeout:g}): a shorter stall is never declared a failure, only waited for")
+    if args.repeats is not None and args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.groups < 2 or args.faults < 0:
         p.error(f"--groups must be >= 2 and --faults >= 0, got {args.groups} and {args.faults}")
     try:

@@ -10,9 +10,11 @@ commits to the earlier of their last), else over each job's own window (first to
 
 Goodput = tokens committed to the global model per second (a group's samples count when the
 exchange carrying them commits: the committed-sample ledger each group's rank 0 logs,
-``diloco.exchange.data_positions``, timed by its log line) over the fault-free twin's. The same
-ledger, checked over every incarnation of every group (``check_ledger``), counts samples
-committed twice or left out. Eval loss: both jobs train the same steps per group, so the faulty
+``diloco.exchange.data_positions``, each range once as the ledger counts it, a healer's re-logged
+rounds included once, timed by its first log line) over the fault-free twin's; the bench stops
+(``CountError``) if the numerator and the ledger disagree or a window holds more than its job
+committed. The same ledger, checked over every incarnation of every group (``check_ledger``),
+counts samples committed twice or left out. Eval loss: both jobs train the same steps per group, so the faulty
 job ends with fewer committed tokens (a killed group's uncommitted work is lost and it rejoins at
 the job's step); its loss against the twin's is then an upper bound of the ratio at equal tokens
 (the twin's loss at fewer tokens is no lower); ``--equal-tokens`` runs a fault-free job of the
@@ -39,6 +41,7 @@ The functions here are pure (records in, numbers out) except ``case_faults``, wh
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 import statistics
@@ -48,33 +51,106 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from diloco.exchange.data_positions import check_ledger
+from diloco.exchange.data_positions import _ledger_record, _within, check_ledger, ledger_from_logs
 from diloco.job.config import Config
 
 BATCH = 8  # sequences per group per step (one rank)
-_COMMIT = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z \S+ \S+ \[worker group (\d+) rank 0\] "
-                     r"group (\d+) committed data (samples|steps) \[(\d+), (\d+)\)")
+_TEXT_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z ")
+
+Commit = tuple[float, int, int, int]  # (unix time s, group, first, end)
 
 
-def commits_from_logs(lines: Iterable[str]) -> list[tuple[float, int, int, int]]:
-    """Every committed-data record of rank 0 in text worker logs: (unix time s, group, first, end),
-    sorted by time; ``first``/``end`` in samples of the group's stream (half-open)."""
-    out = []
-    for line in lines:
-        m = _COMMIT.match(line)
-        if m is None:
+class CountError(ValueError):
+    """The goodput numerator does not agree with the job's committed-sample ledger (a commit
+    counted twice, or one the ledger has and the numerator lacks)."""
+
+
+def _line_time(line: str) -> float:
+    """The unix time of a worker log line (text: its leading UTC stamp; JSON: its ``ts``)."""
+    if line.lstrip().startswith("{"):
+        stamp = str(json.loads(line).get("ts", ""))
+    else:
+        m = _TEXT_TIME.match(line)
+        stamp = m.group(1) + "Z" if m else ""
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        raise CountError(f"a committed-data log line without a readable time: {line[:200]!r}") from None
+
+
+def timed_ledger(lines: Iterable[str]) -> dict[int, list[tuple[float, int, int]]]:
+    """``ledger_from_logs``'s ranges, each with the time of the line that first logged it:
+    ``{group: [(unix time s, first, end), ...]}`` in the ledger's order. The same records
+    (``data_positions._ledger_record``: rank 0's lines, text or JSON) under the same rule: a range
+    logged again for the same exchange (a healer's ``log_inherited``, the group's last
+    ``ADVANCES_KEPT`` advances) counts once, at its first line; a resume drops the ranges its group
+    logged for rounds after the checkpoint's. ``commits_from_logs`` checks the two agree."""
+    out: dict[int, dict[tuple, float]] = {}  # per group, key (as ledger_from_logs keys it) -> first time
+    for n, line in enumerate(lines):
+        record = _ledger_record(line)
+        if record is None:
             continue
-        t = datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
-        out.append((t, int(m.group(3)), int(m.group(5)), int(m.group(6))))
-    return sorted(out)
+        group, first, end, tag, resume = record
+        ranges = out.setdefault(group, {})
+        if resume is not None:
+            out[group] = {k: t for k, t in ranges.items() if k[2] is None or _within(k[2], resume)}
+        else:
+            key = (first, end, tag) if tag else (first, end, None, n)
+            if key not in ranges:
+                ranges[key] = _line_time(line)
+    return {g: [(t, k[0], k[1]) for k, t in ranges.items()] for g, ranges in out.items()}
 
 
-def committed_between(commits: list[tuple[float, int, int, int]], t0: float, t1: float) -> int:
+def commits_from_logs(lines: Iterable[str]) -> list[Commit]:
+    """Every range the job committed, once, with its time: (unix time s, group, first, end) sorted
+    by time, ``first``/``end`` in samples of the group's stream (half-open), from the worker log
+    lines of every incarnation of every group (each group's lines in the order written). The
+    ranges are exactly ``ledger_from_logs``' (``CountError`` if not): a range a healer logs again
+    counts once, at the time it was first logged (if the process that saw it commit died before
+    logging it, the healer's line is the first: the commit then counts from the heal)."""
+    lines = list(lines)
+    timed = timed_ledger(lines)
+    ledger = ledger_from_logs(lines)
+    for g in sorted(set(timed) | set(ledger)):
+        mine = [(a, b) for _, a, b in timed.get(g, [])]
+        if mine != [tuple(r) for r in ledger.get(g, [])]:
+            raise CountError(f"group {g}: the timed ranges ({len(mine)}) are not the ledger's "
+                             f"({len(ledger.get(g, []))}): ledger_from_logs' rule changed and timed_ledger "
+                             "no longer follows it")
+    return sorted((t, g, a, b) for g, ranges in timed.items() for t, a, b in ranges)
+
+
+def check_numerator(commits: list[Commit], ranges: dict[int, list[tuple[int, int]]]) -> None:
+    """``CountError`` unless, per group, the samples ``commits`` sum to are the ledger's
+    (``ranges``: ``ledger_from_logs``; the samples ``check_ledger`` counts)."""
+    summed: dict[int, int] = {}
+    for _, g, a, b in commits:
+        summed[g] = summed.get(g, 0) + (b - a)
+    ledger = {g: c.counted for g, c in check_ledger(ranges).items()}
+    bad = {g: (summed.get(g, 0), ledger.get(g, 0)) for g in set(summed) | set(ledger)
+           if summed.get(g, 0) != ledger.get(g, 0)}
+    if bad:
+        raise CountError("the goodput numerator and the ledger disagree, group: (numerator, ledger) samples "
+                         + ", ".join(f"{g}: {v}" for g, v in sorted(bad.items())))
+
+
+def check_in_window(name: str, commits: list[Commit], window: tuple[float, float], committed_tokens: int,
+                    tokens_per_sample: int) -> int:
+    """The tokens ``commits`` hold in ``window``; ``CountError`` if more than the ``committed_tokens``
+    of the whole job (the ledger's): a window cannot hold more than everything committed."""
+    tokens = committed_between(commits, *window) * tokens_per_sample
+    if tokens > committed_tokens:
+        raise CountError(f"{name} job: {tokens:,} tokens committed in the window ({window[1] - window[0]:.1f} s) "
+                         f"exceed the {committed_tokens:,} the job committed in all: some commit is counted twice")
+    return tokens
+
+
+def committed_between(commits: list[Commit], t0: float, t1: float) -> int:
     """Samples committed in ``(t0, t1]`` (every group, every incarnation)."""
     return sum(end - first for t, _, first, end in commits if t0 < t <= t1)
 
 
-def common_window(jobs: dict[str, list[tuple[float, int, int, int]]]) -> tuple[float, float]:
+def common_window(jobs: dict[str, list[Commit]]) -> tuple[float, float]:
     """The window every job was committing in: from the latest first commit to the earliest last
     commit (seconds, unix). ValueError when a job committed nothing or the windows do not overlap."""
     if not jobs or any(not c for c in jobs.values()):
@@ -83,12 +159,6 @@ def common_window(jobs: dict[str, list[tuple[float, int, int, int]]]) -> tuple[f
     if t1 <= t0:
         raise ValueError(f"the jobs' commit windows do not overlap ({t0:.1f} .. {t1:.1f})")
     return t0, t1
-
-
-def rate(commits: list[tuple[float, int, int, int]], window: tuple[float, float], tokens_per_sample: int) -> float:
-    """Committed tokens per second in ``window``: samples committed in it x tokens per sample / its length."""
-    t0, t1 = window
-    return committed_between(commits, t0, t1) * tokens_per_sample / (t1 - t0)
 
 
 def downtimes(kills: list[tuple[float, int]], traces: dict[int, list[float]], settle_s: float = 0.5) -> list[float]:
@@ -116,17 +186,17 @@ def ledger_counts(ranges: dict[int, list[tuple[int, int]]]) -> dict[str, int]:
 
 def pair_result(fault: dict, free: dict, *, together: bool, tokens_per_sample: int) -> dict:
     """Goodput of a faulty job against its fault-free twin. ``fault``/``free``: records with
-    ``commits`` (``commits_from_logs``), ``eval_loss`` and ``committed_tokens``."""
+    ``commits`` (``commits_from_logs``), ``eval_loss`` and ``committed_tokens`` (the ledger's);
+    ``CountError`` if a job's window holds more tokens than the job committed."""
     if together:
-        window = common_window({"fault": fault["commits"], "free": free["commits"]})
-        r_fault = rate(fault["commits"], window, tokens_per_sample)
-        r_free = rate(free["commits"], window, tokens_per_sample)
-        span = window[1] - window[0]
+        wf = wr = common_window({"fault": fault["commits"], "free": free["commits"]})
     else:
         wf, wr = common_window({"f": fault["commits"]}), common_window({"f": free["commits"]})
-        r_fault, r_free = rate(fault["commits"], wf, tokens_per_sample), rate(free["commits"], wr, tokens_per_sample)
-        span = wf[1] - wf[0]
-    return {"goodput": r_fault / r_free, "tokens_per_s": r_fault, "free_tokens_per_s": r_free, "window_s": span,
+    in_fault = check_in_window("the faulty", fault["commits"], wf, fault["committed_tokens"], tokens_per_sample)
+    in_free = check_in_window("the fault-free", free["commits"], wr, free["committed_tokens"], tokens_per_sample)
+    r_fault, r_free = in_fault / (wf[1] - wf[0]), in_free / (wr[1] - wr[0])
+    return {"goodput": r_fault / r_free, "tokens_per_s": r_fault, "free_tokens_per_s": r_free, "window_s": wf[1] - wf[0],
+            "tokens_in_window": in_fault, "free_tokens_in_window": in_free,
             "eval_loss_vs_free_at_equal_steps": fault["eval_loss"] / free["eval_loss"] - 1,
             "tokens_vs_free": fault["committed_tokens"] / free["committed_tokens"] - 1}
 
@@ -170,13 +240,11 @@ def fault_config(args, *, trace: Path, steps: int | None = None, unpaced: bool =
 
 def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
     """One job's record from its summary and its folder (run logs, step traces, kill times)."""
-    import json
-
-    from diloco.exchange.data_positions import ledger_from_logs
-
     lines = [line for p in sorted((d / "run").glob("group-*.log")) for line in p.read_text(errors="replace").splitlines()]
     commits = commits_from_logs(lines)
-    counts = ledger_counts(ledger_from_logs(lines))
+    ranges = ledger_from_logs(lines)
+    check_numerator(commits, ranges)
+    counts = ledger_counts(ranges)
     tokens_per_sample = cfg.model.block_size
     kills = [tuple(k) for k in json.loads((d / "kills.json").read_text())] if (d / "kills.json").exists() else []
     traces = {int(p.name.split("-")[1]): sorted(float(x) for x in p.read_text().split())
@@ -201,6 +269,8 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
         "initial_eval_loss": s["initial_eval_loss"], "params_identical": s["params_identical"],
         "divergent_rounds": len(s["divergence"]), "wall_s": s["seconds"],
         "commits": commits, "tokens_per_sample": tokens_per_sample,
+        # rank 0's committed-range lines, a healer's again-logged ones included (commits: each range once)
+        "commit_lines": sum(1 for line in lines if (r := _ledger_record(line)) is not None and r[4] is None),
         # the median time between a group's step starts (the pace, if the machine kept it)
         "step_interval_median_s": statistics.median(b - a for t in traces.values() for a, b in itertools.pairwise(t))
         if any(len(t) > 1 for t in traces.values()) else None,
@@ -234,12 +304,15 @@ def _label(interval: float | None) -> str:
 
 
 def case_faults(args, run_jobs: Callable) -> dict:
-    """Each interval's faulty job against its fault-free twin (module doc); returns the JSON section.
-    Interval ``none``: a fault-free job against its twin (the measurement's noise floor). Pairs of
-    other intervals from an earlier run (``args.previous``) are kept, each with its own settings."""
+    """Each interval's faulty job against its fault-free twin (module doc), ``--repeats`` times
+    (default once; each repeat a new pair with the same settings and drill seed: their spread is
+    the noise); returns the JSON section. Interval ``none``: a fault-free job against its twin (the
+    measurement's noise floor). Pairs of other intervals from an earlier run (``args.previous``)
+    are kept, each with its own settings."""
     asked = {_label(i) for i in parse_intervals(args.intervals)}
     kept = [p for p in ((getattr(args, "previous", None) or {}).get("pairs") or []) if _label(p["interval_s"]) not in asked]
     pairs: list[dict] = []
+    repeats = getattr(args, "repeats", None) or 1
 
     def chaos(interval: float) -> dict:  # a fault every interval s (a kill restarted 0.5 s later, or a stall of
         # --stall-seconds), none in the last 5 %
@@ -250,39 +323,45 @@ def case_faults(args, run_jobs: Callable) -> dict:
         return run_jobs(args, jobs, configure=fault_config, record=fault_record, timeout_s=args.job_timeout)
 
     for interval in parse_intervals(args.intervals):
-        label = _label(interval)
-        print(f"faults: every {label}, {args.groups} groups, up to {args.faults} faults", flush=True)
-        steps = job_steps(args, interval)
-        jobs = {f"every-{label}": {"interval": interval, "steps": steps,
-                                   **({"chaos": chaos(interval)} if interval else {})},
-                f"twin-{label}": {"steps": steps}}
-        got = run(jobs) if args.together else {k: v for name, kw in jobs.items() for k, v in run({name: kw}).items()}
-        fault, free = got[f"every-{label}"], got[f"twin-{label}"]
-        pair = {"interval_s": interval, **pair_result(fault, free, together=args.together,
-                                                       tokens_per_sample=fault["tokens_per_sample"])}
-        # group-time the faulty job's groups spent down (kill to first step after it) over its groups' window
-        pair["downtime_share"] = sum(fault["downtime_s_per_kill"]) / (args.groups * pair["window_s"])
-        # the exchanges a failure disturbed, first request to commit, over the window: every group waited
-        pair["stall_share"] = fault["stall_s_sum"] / pair["window_s"]
-        if args.equal_tokens and interval is not None:
-            steps = max(args.fault_h, round(fault["committed_tokens"] / (fault["tokens_per_sample"] * BATCH * args.groups)
-                                            / args.fault_h) * args.fault_h)
-            eq = run({f"equal-{label}": {"steps": steps, "unpaced": True}})[f"equal-{label}"]
-            pair["equal_tokens_job"] = {k: eq[k] for k in ("steps", "committed_tokens", "eval_loss")}
-            pair["eval_loss_vs_free_at_equal_tokens"] = fault["eval_loss"] / eq["eval_loss"] - 1
-        print(f"  -> goodput {100 * pair['goodput']:.1f} % of the fault-free twin over {pair['window_s']:.0f} s; "
-              f"eval loss {100 * pair['eval_loss_vs_free_at_equal_steps']:+.2f} % at equal steps "
-              f"({100 * pair['tokens_vs_free']:+.1f} % tokens); restarts kept groups down "
-              f"{100 * pair['downtime_share']:.1f} % of the group-time, stalls "
-              f"{100 * pair['stall_share']:.1f} % of the window", flush=True)
-        for rec in (fault, free):
-            rec["commits"] = len(rec["commits"])  # the count in the JSON; the times were used above
-        pairs.append({**pair, "settings": settings(args), "fault_job": fault, "free_job": free})
-        args.save(fault_section(args, kept + pairs))
+        for repeat in range(1, repeats + 1):
+            pairs.append(run_pair(args, interval, run, chaos, repeat, repeats))
+            args.save(fault_section(args, kept + pairs))
     section = fault_section(args, kept + pairs)
     if args.plot:
         plot(section, args.plot)
     return section
+
+
+def run_pair(args, interval: float | None, run: Callable, chaos: Callable, repeat: int, repeats: int) -> dict:
+    """One faulty job and its twin (at the same time with ``--together``): the pair's record."""
+    label = _label(interval)
+    print(f"faults: every {label}, {args.groups} groups, up to {args.faults} faults"
+          f"{f', repeat {repeat} of {repeats}' if repeats > 1 else ''}", flush=True)
+    steps = job_steps(args, interval)
+    jobs = {f"every-{label}": {"interval": interval, "steps": steps, **({"chaos": chaos(interval)} if interval else {})},
+            f"twin-{label}": {"steps": steps}}
+    got = run(jobs) if args.together else {k: v for name, kw in jobs.items() for k, v in run({name: kw}).items()}
+    fault, free = got[f"every-{label}"], got[f"twin-{label}"]
+    pair = {"interval_s": interval, "repeat": repeat, **pair_result(fault, free, together=args.together,
+                                                                     tokens_per_sample=fault["tokens_per_sample"])}
+    # group-time the faulty job's groups spent down (kill to first step after it) over its groups' window
+    pair["downtime_share"] = sum(fault["downtime_s_per_kill"]) / (args.groups * pair["window_s"])
+    # the exchanges a failure disturbed, first request to commit, over the window: every group waited
+    pair["stall_share"] = fault["stall_s_sum"] / pair["window_s"]
+    if args.equal_tokens and interval is not None:
+        steps = max(args.fault_h, round(fault["committed_tokens"] / (fault["tokens_per_sample"] * BATCH * args.groups)
+                                        / args.fault_h) * args.fault_h)
+        eq = run({f"equal-{label}": {"steps": steps, "unpaced": True}})[f"equal-{label}"]
+        pair["equal_tokens_job"] = {k: eq[k] for k in ("steps", "committed_tokens", "eval_loss")}
+        pair["eval_loss_vs_free_at_equal_tokens"] = fault["eval_loss"] / eq["eval_loss"] - 1
+    print(f"  -> goodput {100 * pair['goodput']:.1f} % of the fault-free twin over {pair['window_s']:.0f} s; "
+          f"eval loss {100 * pair['eval_loss_vs_free_at_equal_steps']:+.2f} % at equal steps "
+          f"({100 * pair['tokens_vs_free']:+.1f} % tokens); restarts kept groups down "
+          f"{100 * pair['downtime_share']:.1f} % of the group-time, stalls "
+          f"{100 * pair['stall_share']:.1f} % of the window", flush=True)
+    for rec in (fault, free):
+        rec["commits"] = len(rec["commits"])  # the count in the JSON; the times were used above
+    return {**pair, "settings": settings(args), "fault_job": fault, "free_job": free}
 
 
 def settings(args) -> dict:
@@ -297,21 +376,86 @@ def settings(args) -> dict:
 
 
 def fault_section(args, pairs: list[dict]) -> dict:
-    """The JSON section: the latest run's settings, a summary per interval, every pair's records
-    (each with the settings it ran with)."""
-    return {
-        "settings": settings(args),
-        "summary": {_label(p["interval_s"]): {"goodput": p["goodput"],
-                                              "faults": p["fault_job"]["kills"] + p["fault_job"].get("frozen", 0),
-                                              "downtime_share": p["downtime_share"],
-                                              "stall_share": p["stall_share"],
-                                              "eval_loss_vs_free": p["eval_loss_vs_free_at_equal_steps"],
-                                              "samples_twice": p["fault_job"]["samples_twice"],
-                                              "samples_left_out": p["fault_job"]["samples_left_out"]}
-                    for p in pairs},
-        "pairs": pairs,
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    """The JSON section: the latest run's settings, a summary per interval (over its repeats),
+    every pair's records (each with the settings it ran with)."""
+    return {"settings": settings(args), "summary": fault_summary(pairs), "pairs": pairs,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def fault_summary(pairs: list[dict]) -> dict:
+    """Per interval, over its pairs (repeats): goodput's mean, least, greatest and each; the
+    shares' and the loss's means; samples twice and left out summed."""
+    out = {}
+    for label in dict.fromkeys(_label(p["interval_s"]) for p in pairs):
+        ps = [p for p in pairs if _label(p["interval_s"]) == label]
+        goodput = [p["goodput"] for p in ps]
+        out[label] = {"repeats": len(ps), "goodput": statistics.mean(goodput), "goodput_min": min(goodput),
+                      "goodput_max": max(goodput), "goodput_per_repeat": goodput,
+                      "faults_per_repeat": [p["fault_job"]["kills"] + p["fault_job"].get("frozen", 0) for p in ps],
+                      **{k: statistics.mean(p[src] for p in ps) for k, src in
+                         (("downtime_share", "downtime_share"), ("stall_share", "stall_share"),
+                          ("eval_loss_vs_free", "eval_loss_vs_free_at_equal_steps"))},
+                      "samples_twice": sum(p["fault_job"]["samples_twice"] for p in ps),
+                      "samples_left_out": sum(p["fault_job"]["samples_left_out"] for p in ps)}
+    return out
+
+
+# --- records written before the numerator was the ledger (issue 46, point 5) --------------------------------
+
+#: when a healer began to log its group's last advances again (commit 2994ed6, ``log_inherited``); a
+#: job's numerator counted those lines again from then on, while its ledger (``committed_samples``)
+#: counted them once. Before it the ledger counted every line as the numerator did.
+RELOGS_SINCE = "2026-11-26 05:13 UTC"
+
+
+def recount_pair(pair: dict) -> dict:
+    """What a pair's record (as ``case_faults`` wrote it before ``commits_from_logs`` kept each range
+    once) still tells. Records kept only totals (``commits`` became a count), so an affected goodput
+    cannot be recomputed; returns ``status``: ``exact`` (neither job can hold a re-logged range: it ran
+    before re-logging existed, or had no heal: the figure stands), ``bound`` (only the faulty job
+    can: the goodput is withdrawn and at most ``bound``, its ledger's every committed sample over the
+    twin's in the window) or ``withdrawn`` (the twin healed too: no bound). ``*_in_window``: samples
+    the old numerator counted in the window; ``*_committed``: the ledger's total."""
+    date = pair["settings"]["date"]
+    out = {"interval_s": pair["interval_s"], "repeat": pair.get("repeat", 1), "date": date, "goodput": pair["goodput"]}
+    tps = pair["fault_job"]["tokens_per_sample"]
+    affected = {}
+    for side, key, rate_key in (("fault", "fault_job", "tokens_per_s"), ("free", "free_job", "free_tokens_per_s")):
+        job = pair[key]
+        out[f"{side}_in_window"] = round(pair[rate_key] * pair["window_s"] / tps)
+        out[f"{side}_committed"] = job["committed_samples"]
+        out[f"{side}_heals"] = job["heals"]
+        affected[side] = date >= RELOGS_SINCE and job["heals"] > 0
+    if not affected["fault"] and not affected["free"]:
+        out["status"] = "exact"
+    elif not affected["free"]:
+        out["status"] = "bound"
+        out["bound"] = min(pair["goodput"], out["fault_committed"] / out["free_in_window"])
+    else:
+        out["status"] = "withdrawn"
+    return out
+
+
+def recount_files(paths: Iterable[str]) -> list[dict]:
+    """``recount_pair`` of every pair of every file's ``faults`` section (a folder: its
+    ``goodput*.json``), printed as a table."""
+    rows = []
+    print("file | interval | date | goodput recorded | faulty: in window / committed (heals) | "
+          "twin: in window / committed (heals) | status")
+    files = [f for p in map(Path, paths) for f in (sorted(p.glob("goodput*.json")) if p.is_dir() else [p])]
+    for path in files:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: not a bench/goodput.py record (a JSON object of sections)")
+        for pair in record.get("faults", {}).get("pairs", []):
+            r = {"file": Path(path).name, **recount_pair(pair)}
+            rows.append(r)
+            verdict = {"exact": "stands", "withdrawn": "withdrawn, no bound (the twin healed too)",
+                       "bound": f"withdrawn, at most {100 * r.get('bound', 0):.2f} %"}[r["status"]]
+            print(f"{r['file']} | {_label(r['interval_s'])} | {r['date']} | {100 * r['goodput']:.2f} % | "
+                  f"{r['fault_in_window'] / r['fault_committed']:.4f} ({r['fault_heals']}) | "
+                  f"{r['free_in_window'] / r['free_committed']:.4f} ({r['free_heals']}) | {verdict}")
+    return rows
 
 
 _KIND_WORDS = {"kill": "kill", "stall": "freeze", "corrupt": "corrupted link"}
@@ -331,9 +475,11 @@ def plot(section: dict, path: str) -> None:
     pts = sorted((p["interval_s"], 100 * p["goodput"]) for p in section["pairs"] if p["interval_s"] is not None)
     nulls = [100 * p["goodput"] for p in section["pairs"] if p["interval_s"] is None]
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    xs = [x for x, _ in pts]
+    xs = sorted({x for x, _ in pts})
     kinds = " or ".join(_KIND_WORDS.get(k, k) for k in str(section["settings"].get("kinds", "kill")).split(","))
-    ax.plot(xs, [y for _, y in pts], "o-", label=f"a {kinds} every x s")
+    # a line through each interval's mean, a point per repeat
+    ax.plot(xs, [statistics.mean(y for x2, y in pts if x2 == x) for x in xs], "-", color="C0")
+    ax.plot([x for x, _ in pts], [y for _, y in pts], "o", color="C0", label=f"a {kinds} every x s")
     for p in section["pairs"]:
         if p["interval_s"] is not None:
             f = p["fault_job"]
