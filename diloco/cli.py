@@ -1,5 +1,5 @@
 """The ``diloco`` command: ``run`` (embedded default), ``worker`` (under torchrun), ``torchrun``,
-``coordinator``, ``status``. Exit codes: ``diloco.runtime.exit_codes`` (0 done, 1 error, 2
+``coordinator``, ``status``, ``credentials``. Exit codes: ``diloco.runtime.exit_codes`` (0 done, 1 error, 2
 configuration, 75 restart me, 130 interrupted)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ Low-bandwidth local-update training (DiLoCo) across worker groups.
   diloco worker        one rank of one group; start it under torchrun
   diloco torchrun      torchrun (its own arguments) whose exit code says why the group stopped
   diloco status        ask a running coordinator (its --metrics-port) how the job is doing
+  diloco credentials   write each group's own credentials, from the job's token and secret
 
 Exit codes: 0 done, 1 error, 2 configuration error (nothing was started, or a restart would
 repeat it), 75 restart me (a fault: the group heals when restarted), 130 interrupted.
@@ -156,13 +157,32 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser(
         "status", help="show a running job: membership, rounds, progress, bandwidth, ring order",
         description="Read the /status document a coordinator serves on its --metrics-port (diloco run: "
-        "--metrics-port + the number of ranks) and print it. Sends $DILOCO_TOKEN if set.",
+        "--metrics-port + the number of ranks) and print it. The document names every member's address: a "
+        "coordinator with a token answers only the job token, from --token-file or $DILOCO_TOKEN (diloco run "
+        "always has one, in RUN_DIR/coordinator-token while it runs; its log names the file).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     status.add_argument("--address", default="127.0.0.1:9400", metavar="HOST:PORT",
                         help="the coordinator's metrics address (or an http:// URL)")
+    status.add_argument("--token-file", metavar="PATH", default=None,
+                        help="file holding the job token (diloco run: RUN_DIR/coordinator-token) [default: "
+                        "$DILOCO_TOKEN]")
     status.add_argument("--json", action="store_true", help="print the status document as JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+
+    creds = sub.add_parser(
+        "credentials", help="write each group's own credentials (one Secret per group) from the job's",
+        description="Read the job token ($DILOCO_TOKEN, the coordinator's) and the data-plane secret "
+        "($DILOCO_SECRET, hex) and write, for each group G of --groups, OUT/group-G/data-plane-keys (its "
+        "pair key with every group: DILOCO_SECRET for its ranks) and OUT/group-G/coordinator-credential "
+        "(DILOCO_TOKEN for its ranks), files of mode 0600 in folders of mode 0700. A group's ranks given only "
+        "these can prove they are group G and nobody else: they cannot act for another group, stop the job "
+        "or read /status, and the job token and secret stay with the operator and the coordinator. One "
+        "Kubernetes Secret per group: kubectl create secret generic diloco-credentials-G --from-file=OUT/group-G "
+        "(deploy/README.md). Existing files are not overwritten.",
+    )
+    creds.add_argument("--groups", type=int, required=True, help="the job's number of groups ([topology] groups)")
+    creds.add_argument("--out", metavar="DIR", required=True, help="folder to write group-0/, group-1/, ... into")
     return parser
 
 
@@ -291,7 +311,45 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from diloco.runtime import status
 
-    return status.main(args.address, as_json=args.json, timeout_s=args.timeout)
+    return status.main(args.address, as_json=args.json, timeout_s=args.timeout, token_file=args.token_file)
+
+
+def _cmd_credentials(args: argparse.Namespace) -> int:
+    """``diloco credentials``: every group's own credentials as files (see its --help). Torch-free."""
+    from pathlib import Path
+
+    from diloco.runtime import endpoint
+
+    token = os.environ.get(endpoint.TOKEN_ENV, "")
+    if not token:
+        raise config_mod.ConfigError(f"set {endpoint.TOKEN_ENV} to the job token (the coordinator's)")
+    if not os.environ.get(endpoint.SECRET_ENV):
+        raise config_mod.ConfigError(f"set {endpoint.SECRET_ENV} to the job's data-plane secret (hex, 32+ digits)")
+    try:
+        secret = endpoint.read_secret()
+    except endpoint.ConnectError as e:
+        raise config_mod.ConfigError(f"{endpoint.SECRET_ENV}: {e}") from None
+    if not isinstance(secret, bytes):
+        raise config_mod.ConfigError(f"{endpoint.SECRET_ENV} holds one group's keyring, not the job's "
+                                     "data-plane secret")
+    if args.groups < 1:
+        raise config_mod.ConfigError(f"--groups must be >= 1, got {args.groups}")
+    out = Path(args.out)
+    folders = [out / f"group-{g}" for g in range(args.groups)]
+    taken = [str(f / name) for f in folders for name in endpoint.CREDENTIAL_FILES.values() if (f / name).exists()]
+    if taken:
+        raise config_mod.ConfigError(f"not overwriting existing credentials: {', '.join(taken)}")
+    minted = [endpoint.group_credentials(token, secret, g, args.groups) for g in range(args.groups)]  # checks first
+    out.mkdir(parents=True, exist_ok=True)
+    for folder, own in zip(folders, minted):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        folder.chmod(0o700)
+        for var, value in own.items():
+            endpoint.write_secret_file(folder / endpoint.CREDENTIAL_FILES[var], value)
+        print(f"{folder.name}: {folder}/ ({', '.join(endpoint.CREDENTIAL_FILES.values())})")
+    print(f"each group's ranks get only their own folder, e.g. kubectl -n diloco create secret generic "
+          f"diloco-credentials-G --from-file={out}/group-G; the job token goes only to the coordinator")
+    return 0
 
 
 def _die_with_agent() -> None:
@@ -319,10 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "worker":
         _die_with_agent()
-    if args.command != "status":
+    if args.command not in ("status", "credentials"):
         stack_dumps.install()  # kill -USR1: every thread's stack to the log
     handler = {"run": _cmd_run, "worker": _cmd_worker, "coordinator": _cmd_coordinator,
-               "status": _cmd_status}[args.command]
+               "status": _cmd_status, "credentials": _cmd_credentials}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

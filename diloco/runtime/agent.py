@@ -11,16 +11,32 @@ drain) stops the workers as torchrun does and exits 128 + the signal's number.
 ``diloco run`` that is killed outright leaves no group behind; the agent hands its own PID on
 the same way, so each worker dies with its agent in turn (``diloco worker`` asks for it first
 thing, before it loads torch).
+
+Where it listens: torch's TCPStore servers (the rendezvous store, and the store the workers share)
+listen on every interface, and nothing authenticates their clients. Here each one listens only on
+the address its clients are told to dial, the store's host name resolved: ``--rdzv-endpoint``'s or
+``--master-addr``'s host, ``--local-addr`` for the workers' store (``bind_stores``). With
+``--local-addr`` the workers' Gloo and NCCL also use the interface that holds that address
+(``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, unless set), not whatever the host name resolves
+to. ``diloco run`` starts each group with ``--local-addr`` and the rendezvous at its ``--host``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import ipaddress
 import os
+import socket
 import sys
+from datetime import timedelta
+from typing import Any
 
 from diloco.runtime import exit_codes, stack_dumps
 
 PARENT_ENV = "DILOCO_PARENT_PID"
+#: what the workers' in-group backends are told to use, from ``--local-addr``
+IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:
@@ -47,6 +63,123 @@ def _flag(argv: list[str], name: str) -> str | None:
     return None
 
 
+class _Sockaddr(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_ushort), ("data", ctypes.c_ubyte * 26)]
+
+
+class _Ifaddrs(ctypes.Structure):
+    pass
+
+
+_Ifaddrs._fields_ = [("next", ctypes.POINTER(_Ifaddrs)), ("name", ctypes.c_char_p), ("flags", ctypes.c_uint),
+                     ("addr", ctypes.POINTER(_Sockaddr)), ("netmask", ctypes.POINTER(_Sockaddr)),
+                     ("ifu", ctypes.c_void_p), ("data", ctypes.c_void_p)]
+_IFF_LOOPBACK = 0x8
+
+
+def interface_addresses() -> list[tuple[str, str, bool]]:
+    """Every IPv4 and IPv6 address of this host's interfaces: ``(interface, address, loopback)``
+    (Linux ``getifaddrs``)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    head = ctypes.POINTER(_Ifaddrs)()
+    if libc.getifaddrs(ctypes.byref(head)) != 0:
+        raise OSError(ctypes.get_errno(), "getifaddrs failed")
+    out = []
+    try:
+        node = head
+        while node:
+            entry = node.contents
+            if entry.addr and entry.addr.contents.family in (socket.AF_INET, socket.AF_INET6):
+                family, raw = entry.addr.contents.family, bytes(entry.addr.contents.data)
+                # sockaddr_in: port, 4 address bytes; sockaddr_in6: port, flow info, 16 address bytes
+                packed = raw[2:6] if family == socket.AF_INET else raw[6:22]
+                out.append((entry.name.decode(), socket.inet_ntop(family, packed), bool(entry.flags & _IFF_LOOPBACK)))
+            node = entry.next
+    finally:
+        libc.freeifaddrs(head)
+    return out
+
+
+def interface_of(address: str) -> str | None:
+    """The interface that holds ``address`` (an IP address or a name, resolved), or None for a
+    wildcard address (0.0.0.0, ::: every interface, as asked). RuntimeError where no interface does."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0][4][0])
+        except socket.gaierror as e:
+            raise RuntimeError(f"--local-addr {address} does not resolve: {e}") from None
+    if ip.is_unspecified:
+        return None
+    found = interface_addresses()
+    for name, held, _ in found:
+        if ipaddress.ip_address(held.split("%")[0]) == ip:
+            return name
+    if ip.is_loopback:  # 127.0.0.2 and the rest of 127/8 belong to the loopback interface
+        loopback = [name for name, _, is_loopback in found if is_loopback]
+        if loopback:
+            return loopback[0]
+    raise RuntimeError(f"no interface of this host holds --local-addr {address} ({ip}); its interfaces hold "
+                       f"{sorted({held for _, held, _ in found})}")
+
+
+def store_listener(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host`` (resolved: its first address) and ``port`` (0: the kernel picks),
+    for a TCPStore server to listen on. torch's DistNetworkError (a RuntimeError, what TCPStore
+    raises itself) where it cannot be bound."""
+    import torch.distributed as dist
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise dist.DistNetworkError(f"the store's host {host!r} does not resolve: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise dist.DistNetworkError(f"a TCPStore server cannot listen on {host}:{port} ({address[0]}): {e} "
+                                    "(diloco torchrun binds it to the address its clients dial, which must "
+                                    "be one of this host's)") from None
+    return sock
+
+
+def bound_tcp_store(host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                    timeout: timedelta = timedelta(seconds=300), wait_for_workers: bool = True,
+                    multi_tenant: bool = False, master_listen_fd: int | None = None, use_libuv: bool = True) -> Any:
+    """``torch.distributed.TCPStore`` with its arguments, whose server (``is_master``) listens only
+    on ``host_name`` (``store_listener``) instead of every interface."""
+    from torch.distributed import TCPStore
+
+    if is_master and master_listen_fd is None:
+        sock = store_listener(host_name, port)
+        port = sock.getsockname()[1]
+        master_listen_fd = sock.detach()  # the store owns the descriptor from here (and closes it)
+    return TCPStore(host_name, port, world_size, is_master, timeout, wait_for_workers, multi_tenant,
+                    master_listen_fd, use_libuv)
+
+
+def bind_stores() -> None:
+    """Make torchrun's elastic agent, in this process, create its TCPStore servers with
+    ``bound_tcp_store``: the c10d and static rendezvous stores, and the store its workers share.
+    RuntimeError if this torch's agent creates them elsewhere (then nothing here would bind them)."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous, static_tcp_rendezvous
+
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    if not (hasattr(c10d_rendezvous_backend, "TCPStore") and hasattr(static_tcp_rendezvous, "TCPStore")
+            and hasattr(handler, "_create_tcp_store_server")):
+        import torch
+
+        raise RuntimeError(f"torch {torch.__version__}: its elastic agent no longer creates its stores where diloco "
+                           "torchrun binds them to one address (diloco/runtime/agent.py, bind_stores)")
+    c10d_rendezvous_backend.TCPStore = bound_tcp_store
+    static_tcp_rendezvous.TCPStore = bound_tcp_store
+    handler._create_tcp_store_server = lambda self, master_addr, master_port: bound_tcp_store(
+        master_addr, master_port, is_master=True, multi_tenant=True)
+
+
 def main(argv: list[str]) -> int:
     """Run torchrun with ``argv``; returns the group's exit code (see the module doc). With
     ``--log-format json`` among the workers' arguments, this process logs JSON too."""
@@ -64,6 +197,13 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    local_addr = torchrun.parse_args(argv).local_addr
+    if local_addr:  # the workers' Gloo and NCCL listen on this node's address, not the host name's
+        ifname = interface_of(local_addr)
+        for name in IFNAME_ENVS:
+            if ifname is not None and not os.environ.get(name):
+                os.environ[name] = ifname
+    bind_stores()
     try:
         torchrun.main(argv)
     except ChildFailedError as e:

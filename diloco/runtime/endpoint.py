@@ -1,21 +1,24 @@
 """This rank's data-plane endpoint and its credentials: the job secret or a group's keyring, the
 group's keys, the address the other groups dial, the tcp/grpc transport listening there, and the
-TLS files the coordinator is dialled with."""
+TLS files the coordinator is dialled with. Also what one group's ranks are given and nothing more
+(``group_credentials``: what ``diloco run`` hands each group and ``diloco credentials`` writes for
+an operator's per-group Secrets). Torch-free until a transport is made."""
 
 from __future__ import annotations
 
 import os
-
-import torch
+from pathlib import Path
 
 import transport as transport_pkg
+from diloco.coordinator.credentials import group_token, parse_group_token
 from diloco.job.config import ConfigError, TransportConfig
-from transport import TcpTransport, TlsConfig
 from transport.identity import GroupKeys
-from transport.tcp import is_loopback
+from transport.tls import TlsConfig
 
 SECRET_ENV = "DILOCO_SECRET"
 TOKEN_ENV = "DILOCO_TOKEN"
+#: the files ``diloco credentials`` writes per group (the keys of its Secret), by the variable they fill
+CREDENTIAL_FILES = {SECRET_ENV: "data-plane-keys", TOKEN_ENV: "coordinator-credential"}
 
 
 class ConnectError(RuntimeError):
@@ -58,6 +61,32 @@ def group_keys(secret: bytes | GroupKeys, group: int) -> GroupKeys:
     return GroupKeys.derive(secret, group)
 
 
+def group_credentials(job_token: str, job_secret: bytes, group: int, groups: int) -> dict[str, str]:
+    """What group ``group`` of a job of ``groups`` groups is given, as its ranks' environment, and
+    nothing more: ``DILOCO_SECRET``, its data-plane keyring (its pair key with each group, the job
+    secret not kept: ``GroupKeys.to_text``), and ``DILOCO_TOKEN``, its coordinator credential
+    (``credentials.group_token``). With them a rank proves it is group ``group`` and can be no other
+    group; it cannot stop the job, read ``/status`` or derive anything else."""
+    if not job_token or parse_group_token(job_token) is not None:
+        raise ValueError("the job token must be the coordinator's own token, not a group's credential")
+    if isinstance(group, bool) or not (isinstance(group, int) and isinstance(groups, int) and 0 <= group < groups):
+        raise ValueError(f"group must be in 0..{groups - 1}, got {group!r}")
+    keys = GroupKeys.derive(job_secret, group, peers=range(groups))
+    return {SECRET_ENV: keys.to_text(), TOKEN_ENV: group_token(job_token, group)}
+
+
+def write_secret_file(path: Path, text: str) -> None:
+    """Write ``text`` to a new file ``path`` readable by its owner only (mode 0600; an existing file
+    is replaced, never written through, and a symbolic link there is an error)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OSError(f"{path} is a symbolic link: not writing a secret through it")
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def advertised_address(t: TransportConfig, local_rank: int) -> str | None:
     """What this rank tells the other groups to dial (``--advertise-address``, its port + the local
     rank when it names one, else ``--data-port`` + the local rank), or None: the address listened on."""
@@ -85,8 +114,10 @@ def make_transport(t: TransportConfig, secret: bytes | GroupKeys, local_rank: in
                    max_unauthenticated_per_source=t.max_unauthenticated_per_source,
                    max_pending_bytes=t.max_pending_bytes)
     if t.data_plane == "process":  # its codecs and sums get as many threads as this rank's own ops
+        import torch
+
         return transport_pkg.ProcessTransport(t.link, threads=torch.get_num_threads(), **options)
-    link = TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
+    link = transport_pkg.TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
     return link(**options)
 
 
@@ -94,6 +125,8 @@ def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:
     """The TLS files this rank dials the coordinator ``host:port`` with: the data plane's own
     (``--tls-cert/--tls-key/--tls-ca``), so one PKI covers both; none without them, or when the
     coordinator is on a loopback address (``diloco run`` serves it there in plain text)."""
+    from transport.tcp import is_loopback
+
     if not t.tls_cert or is_loopback(coordinator.rsplit(":", 1)[0]):
         return None
     return TlsConfig(t.tls_cert, t.tls_key, t.tls_ca)

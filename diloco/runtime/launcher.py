@@ -3,6 +3,13 @@
 Starts a coordinator in this process and one ``torchrun`` job per worker group on loopback,
 shows progress, stops every process it started if anything fails, and prints a summary.
 On Kubernetes the same pieces run separately (``diloco coordinator``, ``diloco worker``).
+
+Credentials: the job token and data-plane secret stay in this process. Each group gets only its
+own (``endpoint.group_credentials``), so a group can be no other group, cannot stop the job and
+cannot read ``/status``; the coordinator's ``/status`` asks for the job token, which the user
+finds in ``RUN_DIR/coordinator-token`` (mode 0600, while the run lasts). Everything a group
+starts listens on its ``--host``: its torchrun agent's rendezvous store and the workers' store
+(``agent.bind_stores``), their Gloo, data plane and metrics.
 """
 
 from __future__ import annotations
@@ -19,28 +26,28 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from diloco.coordinator import CoordinatorServer
-from diloco.coordinator.credentials import group_token
 from diloco.job.config import Config
 from diloco.runtime import exit_codes, job_checkpoint, preflight, spare
 from diloco.runtime.agent import PARENT_ENV
 from diloco.runtime.chaos import ChaosMonkey
-from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV, coordinator_tls
+from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV, coordinator_tls, group_credentials, write_secret_file
 from diloco.runtime.device_placement import DEVICE_MAP_ENV, DevicePlan, place_ranks
 from diloco.runtime.job_checkpoint import ResumePoint
 from diloco.runtime.link_relays import CorruptingRelays
 from diloco.runtime.processes import RUN_ID_ENV, end_trees
 from diloco.runtime.summary import fault_summary, human_bytes, summarize
 from diloco.runtime.supervise import GroupFailed, Supervisor
-from transport.identity import GroupKeys
 
 
 STOP_GRACE_S = 3.0  # a hard stop: SIGTERM, then SIGKILL what is left after this long
 STOP_TIMEOUT_BOUNDS_S = (30.0, 300.0)  # the automatic graceful-stop deadline: 3 rounds, within these
+STATUS_TOKEN_FILE = "coordinator-token"  # in the run dir: what diloco status --token-file reads
 
 
 class LaunchError(RuntimeError):
@@ -107,7 +114,8 @@ def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env:
                  extra_args: list[str] | None = None) -> GroupProcess:
     log_path = _group_log(run_dir, group, attempt)
     cmd = [
-        *placement.prefix(group), sys.executable, "-m", "diloco", "torchrun", "--standalone",
+        *placement.prefix(group), sys.executable, "-m", "diloco", "torchrun",
+        *_rendezvous_args(placement.host(group) or cfg.transport.host),
         f"--nproc-per-node={cfg.topology.sizes()[group]}", "--monitor-interval=0.5",
         "--max-restarts=0",  # the supervisor restarts the whole group (see diloco/runtime/supervise.py)
         "-m", "diloco", "worker", *_worker_args(cfg_path, cfg, group, coordinator, placement, resume, extra_args),
@@ -117,6 +125,16 @@ def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
     return GroupProcess(group, proc, log_path)
+
+
+def _rendezvous_args(host: str) -> list[str]:
+    """torchrun's rendezvous for one group of ``diloco run``: this node alone, a new id each start,
+    the rendezvous store and the workers' store at ``host`` (where ``diloco torchrun`` binds them:
+    ``agent.bind_stores``; its workers' Gloo then uses ``host``'s interface), not every interface
+    as ``--standalone``'s would."""
+    endpoint = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}:0", f"--rdzv-id={uuid.uuid4().hex}",
+            "--rdzv-conf=is_host=1", f"--local-addr={host}"]
 
 
 def _group_log(run_dir: Path, group: int, attempt: int) -> Path:
@@ -222,7 +240,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     relays = _relays(cfg, chaos, placement)
     address = server.start()
     try:
-        http = _serve_coordinator_http(cfg, server, placement)
+        http = _serve_coordinator_http(cfg, server, placement, token, out_dir / STATUS_TOKEN_FILE)
     except BaseException:
         server.stop()
         if relays is not None:
@@ -235,8 +253,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
 
     def group_env(g: int) -> dict[str, str]:
         # each group gets only its own credentials: it can prove it is group g, and be nobody else
-        own = {**env, SECRET_ENV: GroupKeys.derive(job_secret, g, peers=range(cfg.topology.groups)).to_text(),
-               TOKEN_ENV: group_token(token, g)}
+        own = {**env, **group_credentials(token, job_secret, g, cfg.topology.groups)}
         own.pop(DEVICE_MAP_ENV, None)
         if devices.device_map(g) is not None:
             own[DEVICE_MAP_ENV] = devices.device_map(g)
@@ -301,6 +318,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         server.stop()
         if http is not None:
             http.close()
+            (out_dir / STATUS_TOKEN_FILE).unlink(missing_ok=True)  # the token opens nothing now
         if relays is not None:
             relays.close()
         stop.restore()
@@ -401,15 +419,24 @@ def _job_progress(snapshot: dict, steps: int) -> float:
     return min(done) / steps if done and steps else 0.0
 
 
-def _serve_coordinator_http(cfg: Config, server: CoordinatorServer, placement: Placement):
+def _serve_coordinator_http(cfg: Config, server: CoordinatorServer, placement: Placement, token: str,
+                            token_file: Path):
     """With ``--metrics-port N``: the coordinator's /metrics, /status and /healthz on the port after
-    the ranks' (N + every rank); else None."""
+    the ranks' (N + every rank), ``/status`` only with the job ``token``, which goes to
+    ``token_file`` (mode 0600) for ``diloco status --token-file``; else None."""
     if not cfg.train.metrics_port:
         return None
     from diloco.coordinator import metrics as coordinator_metrics
 
     host = placement.coordinator_host or cfg.transport.host
-    http = coordinator_metrics.serve(server, host=host, port=cfg.train.metrics_port + sum(cfg.topology.sizes()))
+    write_secret_file(token_file, token)
+    try:
+        http = coordinator_metrics.serve(server, host=host, port=cfg.train.metrics_port + sum(cfg.topology.sizes()),
+                                         token=token)
+    except BaseException:
+        token_file.unlink(missing_ok=True)
+        raise
     logging.getLogger("diloco.run").info("coordinator metrics on http://%s:%d/metrics, status: "
-                                         "diloco status --address %s:%d", host, http.port, host, http.port)
+                                         "diloco status --address %s:%d --token-file %s", host, http.port, host,
+                                         http.port, token_file)
     return http

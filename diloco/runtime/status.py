@@ -1,11 +1,13 @@
 """``diloco status``: what a running coordinator knows, for people (a table) or tools (``--json``).
 
-    diloco status --address coord.example:9400          # the coordinator's --metrics-port
-    diloco status --address 127.0.0.1:9304 --json       # diloco run: --metrics-port + every rank
+    DILOCO_TOKEN=... diloco status --address coord.example:9400     # the coordinator's --metrics-port
+    diloco status --address 127.0.0.1:9304 --token-file RUN_DIR/coordinator-token --json   # diloco run
 
 It reads the coordinator's ``/status`` JSON document over HTTP (``diloco.coordinator.metrics``),
 next to its Prometheus ``/metrics``: membership, the current round, per-group progress and rates,
-the latest bandwidth table and ring order, failed members and diverged rounds. Torch-free.
+the latest bandwidth table and ring order, failed members and diverged rounds. ``/status`` names
+every member's address, so a coordinator with a token (``diloco run``'s always has one) answers it
+only with the job token: ``--token-file`` or ``$DILOCO_TOKEN``. Torch-free.
 """
 
 from __future__ import annotations
@@ -23,18 +25,37 @@ class StatusError(RuntimeError):
     """The coordinator could not be asked; the message says why."""
 
 
-def fetch(address: str, *, token: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+def read_token_file(path: str) -> str:
+    """The token in file ``path`` (surrounding white space removed); StatusError if it cannot be read
+    or is empty."""
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise StatusError(f"cannot read the token file {path}: {e.strerror or e}") from None
+    if not token:
+        raise StatusError(f"the token file {path} is empty")
+    return token
+
+
+def fetch(address: str, *, token: str | None = None, token_file: str | None = None,
+          timeout_s: float = 5.0) -> dict[str, Any]:
     """The ``/status`` document of the coordinator whose metrics port is at ``address``
-    (``host:port`` or a URL). ``token``: the coordinator's (default ``$DILOCO_TOKEN``)."""
+    (``host:port`` or a URL). The job token it sends: ``token``, else the one in ``token_file``
+    (``diloco run``'s ``RUN_DIR/coordinator-token``), else ``$DILOCO_TOKEN``, else none."""
     url = address if "://" in address else f"http://{address}"
     url = url.rstrip("/") + "/status"
+    if token is None and token_file is not None:
+        token = read_token_file(token_file)
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             return json.loads(reply.read())
     except urllib.error.HTTPError as e:
-        why = "wrong or missing token (set DILOCO_TOKEN)" if e.code == 401 else f"HTTP {e.code}"
+        why = ("wrong or missing token: the coordinator's job token, from --token-file (diloco run: "
+               "RUN_DIR/coordinator-token) or DILOCO_TOKEN (a group's credential is not enough)"
+               if e.code == 401 else f"HTTP {e.code}")
         raise StatusError(f"{url}: {why}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
@@ -126,8 +147,8 @@ def format_status(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(address: str, *, as_json: bool = False, timeout_s: float = 5.0) -> int:
+def main(address: str, *, as_json: bool = False, timeout_s: float = 5.0, token_file: str | None = None) -> int:
     """Entry point of ``diloco status``; prints the status, returns the exit code."""
-    doc = fetch(address, timeout_s=timeout_s)
+    doc = fetch(address, token_file=token_file, timeout_s=timeout_s)
     print(json.dumps(doc, indent=2) if as_json else format_status(doc), flush=True)
     return 0

@@ -148,7 +148,8 @@ def test_prometheus_scrapes_a_diloco_run_and_answers_queries(tmp_path: Path):
                 from diloco.runtime.status import fetch
 
                 try:
-                    status_doc = fetch(f"127.0.0.1:{metrics + 2}")
+                    status_doc = fetch(f"127.0.0.1:{metrics + 2}",  # diloco run's /status asks for the job token
+                                       token_file=str(tmp_path / "run" / "coordinator-token"))
                 except RuntimeError:
                     pass
             if len(stepped) == 2 and joined and status_doc is not None and status_doc["complete"]:

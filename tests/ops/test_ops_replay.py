@@ -96,19 +96,29 @@ def _toml(doc: dict) -> str:
 
 
 def _secrets(tmp: Path) -> dict[str, dict[str, dict[str, bytes]]]:
-    """The Secrets deploy/README.md says to create, in each datacenter."""
+    """The Secrets deploy/README.md says to create, in each datacenter: its group's own credentials
+    (``diloco credentials``, as the README runs it), its certificate, and in datacenter A the job
+    token for the coordinator (nowhere else) and the coordinator's certificate."""
     pki = tmp / "pki"
     subprocess.run([sys.executable, "-m", "transport.certs", str(pki), "--name", "dc-a", "--name", "dc-b",
                     "--name", "coordinator", "--san", "diloco-coordinator", "--san", "coordinator.dc-a.example.net"],
                    check=True, capture_output=True, timeout=60)
-    shared = {"data-plane-secret": os.urandom(32).hex().encode(), "coordinator-token": os.urandom(16).hex().encode()}
+    token, secret = os.urandom(16).hex(), os.urandom(32).hex()
+    creds = tmp / "credentials"
+    subprocess.run([sys.executable, "-m", "diloco", "credentials", "--groups", "2", "--out", str(creds)],
+                   env={**os.environ, "DILOCO_TOKEN": token, "DILOCO_SECRET": secret}, check=True,
+                   capture_output=True, timeout=60)
+
+    def group(g: int) -> dict[str, bytes]:  # kubectl create secret generic ... --from-file=creds/group-G
+        return {f.name: f.read_bytes() for f in (creds / f"group-{g}").iterdir()}
 
     def tls(name: str) -> dict[str, bytes]:
         return {"tls.crt": (pki / f"{name}.pem").read_bytes(), "tls.key": (pki / f"{name}.key").read_bytes(),
                 "ca.crt": (pki / "ca.pem").read_bytes()}
 
-    return {"dc-a": {"diloco-secrets": shared, "diloco-tls": tls("dc-a"), "diloco-coordinator-tls": tls("coordinator")},
-            "dc-b": {"diloco-secrets": shared, "diloco-tls": tls("dc-b")}}
+    return {"dc-a": {"diloco-coordinator-token": {"token": token.encode()}, "diloco-credentials-0": group(0),
+                     "diloco-tls": tls("dc-a"), "diloco-coordinator-tls": tls("coordinator")},
+            "dc-b": {"diloco-credentials-1": group(1), "diloco-tls": tls("dc-b")}}
 
 
 def _node_setup(ns: str) -> None:
@@ -149,6 +159,33 @@ def _fetch(replay: kr.Replay, dc: str, url: str, timeout_s: float = 10.0) -> int
     if out.stderr.strip():
         print(f"fetch {url} from {dc}: {out.stderr.strip()[-500:]}")
     return int(out.stdout.strip() or 0)
+
+
+def _assert_own_credentials(r: kr.Replay) -> None:
+    """Every running worker pod's process holds its own group's credential and keys, and neither the
+    job token nor another group's credential; the coordinator's holds the job token."""
+    from diloco.coordinator.credentials import group_token
+    from transport.identity import GroupKeys
+
+    token = r.secrets["dc-a"]["diloco-coordinator-token"]["token"].decode()
+    checked = set()
+    for pod in r.running():
+        pid = pod.container_pid()
+        if pid is None:
+            continue
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+        if pod.owner.name == "diloco-coordinator":
+            assert env["DILOCO_TOKEN"] == token
+            checked.add("coordinator")
+            continue
+        g = int(env["DILOCO_GROUP_ID"])
+        assert token not in raw, f"worker pod {pod.name} holds the job token"
+        assert env["DILOCO_TOKEN"] == group_token(token, g), pod.name
+        keys = GroupKeys.from_text(env["DILOCO_SECRET"])
+        assert keys.group == g and keys.peers == [0, 1], pod.name
+        checked.add(g)
+    assert checked == {"coordinator", 0, 1}, checked
 
 
 def _meta(name: str) -> str:
@@ -277,10 +314,11 @@ def test_replayed_ranks_behind_per_rank_load_balancers_train(replay_per_rank_lb)
                lambda: all(_step_done(r, *claims[g], g, EVERY) for g in groups)
                or coordinator.status == "Failed" or any(w.status == "Failed" for w in groups.values()), 150)
     assert coordinator.status == "Running" and all(w.status == "Running" for w in groups.values()), r.report()
+    _assert_own_credentials(r)
     b_pod = groups[1].pods[0]
     # B's pod itself is not reachable from A (only through its balancer)
     assert _fetch(r, "dc-a", f"http://{b_pod.ip}:9300/metrics", 3) == 0, "dc-b's pods must not be routed to A"
-    token = r.secrets["dc-a"]["diloco-secrets"]["coordinator-token"].decode()
+    token = r.secrets["dc-a"]["diloco-coordinator-token"]["token"].decode()
     code = ("import json, sys, urllib.request\n"
             "req = urllib.request.Request(sys.argv[1], headers={'Authorization': 'Bearer ' + sys.argv[2]})\n"
             "print(urllib.request.urlopen(req, timeout=10).read().decode())")
@@ -305,6 +343,7 @@ def test_replayed_job_trains_survives_a_killed_pod_and_the_loss_of_every_group_a
                lambda: all(_step_done(r, *claims[g], g, EVERY) for g in groups)
                or coordinator.status == "Failed" or any(w.status == "Failed" for w in groups.values()), 150)
     assert coordinator.status == "Running" and all(w.status == "Running" for w in groups.values()), r.report()
+    _assert_own_credentials(r)  # each pod as the kubelet started it: its own group's Secret, no job token
 
     # every local rank's metrics port answers the monitoring namespace; the other datacenter gets nothing
     for g, w in groups.items():

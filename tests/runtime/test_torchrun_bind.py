@@ -1,0 +1,110 @@
+"""``diloco torchrun``'s stores listen on one address, not every interface (diloco/runtime/agent.py).
+
+torch's TCPStore servers (torchrun's rendezvous store, the store its workers share) listen on
+every interface and authenticate nobody; ``diloco torchrun`` binds each to the address its
+clients dial. A store bound to 127.0.0.1 refuses a connection to 127.0.0.2 (the same loopback
+interface): that is how these tests tell a bound store from one on every interface. The live
+``diloco run`` check (every listening socket of the run) is in test_credentials_live_run.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import pytest
+
+from diloco.runtime import agent
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_a_bound_store_listens_only_on_its_host():
+    store = agent.bound_tcp_store("127.0.0.1", 0, None, True, timedelta(seconds=10), multi_tenant=True)
+    client = agent.bound_tcp_store("127.0.0.1", store.port, None, False, timedelta(seconds=10))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    assert _accepts("127.0.0.1", store.port)
+    assert not _accepts("127.0.0.2", store.port), "the store listens beyond 127.0.0.1"
+    legacy = agent.bound_tcp_store("127.0.0.1", 0, is_master=True, use_libuv=False)  # the other server backend
+    assert _accepts("127.0.0.1", legacy.port) and not _accepts("127.0.0.2", legacy.port)
+
+
+def test_a_store_is_not_bound_to_an_address_of_another_host():
+    import torch.distributed as dist
+
+    with pytest.raises(dist.DistNetworkError, match="must be one of this host's"):
+        agent.store_listener("203.0.113.7", 0)  # TEST-NET-3: no interface here holds it
+
+
+def test_the_interface_of_an_address():
+    assert agent.interface_of("127.0.0.1") == agent.interface_of("127.0.0.2") == agent.interface_of("localhost")
+    assert agent.interface_of("127.0.0.1") in {name for name, _, loopback in agent.interface_addresses() if loopback}
+    assert agent.interface_of("0.0.0.0") is None and agent.interface_of("::") is None  # every interface, as asked
+    with pytest.raises(RuntimeError, match="no interface of this host holds --local-addr 203.0.113.7"):
+        agent.interface_of("203.0.113.7")
+
+
+WORKER = textwrap.dedent("""
+    import json, os, socket
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    port = int(os.environ["MASTER_PORT"])
+    def accepts(host):
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return True
+        except OSError:
+            return False
+    seen = {"rank": dist.get_rank(), "master": os.environ["MASTER_ADDR"], "loopback": accepts("127.0.0.1"),
+            "other": accepts("127.0.0.2"), "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "nccl": os.environ.get("NCCL_SOCKET_IFNAME")}
+    print("SEEN " + json.dumps(seen), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_diloco_torchrun_binds_its_stores_and_the_workers_gloo_to_the_local_address(tmp_path, rendezvous):
+    """The rendezvous the Kubernetes manifests use (static: --master-addr/--master-port, pod 0
+    hosts the store) and the one ``diloco run`` uses (c10d at --host, the workers' own store at
+    --local-addr): the store the workers were told of answers on 127.0.0.1 and not on 127.0.0.2,
+    and Gloo/NCCL use the loopback interface."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    if rendezvous == "static":
+        how = ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
+    else:
+        how = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=bind-test",
+               "--rdzv-conf=is_host=1"]
+    env = {k: v for k, v in __import__("os").environ.items() if k not in agent.IFNAME_ENVS}
+    proc = subprocess.run([sys.executable, "-m", "diloco", "torchrun", *how, "--local-addr=127.0.0.1",
+                           "--nproc-per-node=2", "--max-restarts=0", "--monitor-interval=0.2", str(script)],
+                          capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    seen = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("SEEN ")]
+    assert sorted(s["rank"] for s in seen) == [0, 1], proc.stdout
+    loopback = agent.interface_of("127.0.0.1")
+    for s in seen:
+        assert s["master"] == "127.0.0.1" and s["loopback"], s
+        assert not s["other"], f"the workers' store listens beyond 127.0.0.1: {s}"
+        assert s["gloo"] == s["nccl"] == loopback, s
