@@ -75,7 +75,10 @@ class Run:
 
     def step(self) -> int:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port + 2}/status", timeout=2) as r:
+            token = (self.run_dir / "coordinator-token").read_text()  # diloco run's /status asks for the job token
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port + 2}/status",
+                                             headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=2) as r:
                 groups = json.load(r)["groups"]
         except OSError:
             return 0
