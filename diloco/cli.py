@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         "coordinator", help="run the membership/quorum service",
         description="Serve the coordinator until every group has reported its summary, print the job's "
         "summary and exit: code 0, or 1 if the groups' global parameters diverged (or a group sent no "
-        "parameter hash, or reported failure). SIGTERM or Ctrl-C stop it earlier, printing nothing, with "
+        "parameter hash, or reported failure); 75 once every group was lost (restart it and the groups resume), "
+        "2 once the job halted (its groups differed with no majority, twice: the message names them). SIGTERM or Ctrl-C stop it earlier, printing nothing, with "
         "code 0. Reads the token every call must carry from DILOCO_TOKEN. On a non-loopback --host it "
         "refuses to start without both the token and mutual TLS (--tls-cert/--tls-key/--tls-ca, the same "
         "kind of certificates as the workers' data plane), unless --insecure-coordinator is given.",
@@ -299,6 +300,10 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             print(f"diloco coordinator: {server.state_lost}; exit {exit_codes.describe(exit_codes.RESTART)}",
                   file=sys.stderr, flush=True)
             code = exit_codes.RESTART
+        elif server.halted:  # the groups were told (exit 2 each): serve their last calls, then stop
+            print(f"diloco coordinator: the job halted: {server.halted}; exit "
+                  f"{exit_codes.describe(exit_codes.CONFIGURATION)}", file=sys.stderr, flush=True)
+            code = exit_codes.CONFIGURATION
     except KeyboardInterrupt:  # Ctrl-C is how a foreground coordinator is stopped
         pass
     finally:  # calls in flight (the last summary's Ack) get up to FINISH_GRACE_S to finish

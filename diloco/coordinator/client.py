@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from .credentials import GROUP_FIELDS, GROUP_HEADER, group_token, parse_group_token
-from .errors import CoordinatorError
+from .errors import HALTED_TRAILER, CoordinatorError
 from .membership import Membership
 from .messages import (
     RPCS,
@@ -284,8 +284,10 @@ class CoordinatorClient:
                     time.sleep(delay)  # the coordinator is busy (its call caps): back off and retry
                     delay = min(2 * delay, 1.0)
                     continue
+                trailer = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+                halted = any(key == HALTED_TRAILER for key, _ in trailer or ())
                 raise CoordinatorError(f"coordinator {self.address}: {name} failed: "
-                                       f"{code_name}: {details}", code_name) from None
+                                       f"{code_name}: {details}", code_name, halted=halted) from None
             except ValueError as exc:  # grpc raises ValueError on a closed channel
                 raise CoordinatorError(f"coordinator {self.address}: {name}: {exc}") from None
         try:

@@ -213,7 +213,7 @@ class PlanResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., table: _Optional[_Mapping[int, GroupRates]] = ...) -> None: ...
 
 class QuorumRequest(_message.Message):
-    __slots__ = ("group", "rank", "incarnation", "exchange", "tag", "numel", "weight", "state_hash", "delta_norm", "retry", "healable", "setting")
+    __slots__ = ("group", "rank", "incarnation", "exchange", "tag", "numel", "weight", "state_hash", "delta_norm", "retry", "healable", "setting", "weight_cap")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class QuorumRequest(_message.Message):
     RETRY_FIELD_NUMBER: _ClassVar[int]
     HEALABLE_FIELD_NUMBER: _ClassVar[int]
     SETTING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CAP_FIELD_NUMBER: _ClassVar[int]
     group: int
     rank: int
     incarnation: str
@@ -238,10 +239,11 @@ class QuorumRequest(_message.Message):
     retry: bool
     healable: bool
     setting: str
-    def __init__(self, group: _Optional[int] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., exchange: _Optional[int] = ..., tag: _Optional[str] = ..., numel: _Optional[int] = ..., weight: _Optional[float] = ..., state_hash: _Optional[str] = ..., delta_norm: _Optional[float] = ..., retry: _Optional[bool] = ..., healable: _Optional[bool] = ..., setting: _Optional[str] = ...) -> None: ...
+    weight_cap: float
+    def __init__(self, group: _Optional[int] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., exchange: _Optional[int] = ..., tag: _Optional[str] = ..., numel: _Optional[int] = ..., weight: _Optional[float] = ..., state_hash: _Optional[str] = ..., delta_norm: _Optional[float] = ..., retry: _Optional[bool] = ..., healable: _Optional[bool] = ..., setting: _Optional[str] = ..., weight_cap: _Optional[float] = ...) -> None: ...
 
 class QuorumResponse(_message.Message):
-    __slots__ = ("id", "exchange", "attempt", "tag", "numel", "members", "weights", "healers", "donor", "rejected", "state_hash", "evicted", "stop", "finished", "setting")
+    __slots__ = ("id", "exchange", "attempt", "tag", "numel", "members", "weights", "healers", "donor", "rejected", "state_hash", "evicted", "stop", "finished", "setting", "left_out", "catch_up", "disagreement", "halted")
     class MembersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +265,13 @@ class QuorumResponse(_message.Message):
         key: int
         value: str
         def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class LeftOutEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: RankAddresses
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[RankAddresses, _Mapping]] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +287,10 @@ class QuorumResponse(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SETTING_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_FIELD_NUMBER: _ClassVar[int]
+    DISAGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    HALTED_FIELD_NUMBER: _ClassVar[int]
     id: str
     exchange: int
     attempt: int
@@ -293,7 +306,11 @@ class QuorumResponse(_message.Message):
     stop: bool
     finished: bool
     setting: str
-    def __init__(self, id: _Optional[str] = ..., exchange: _Optional[int] = ..., attempt: _Optional[int] = ..., tag: _Optional[str] = ..., numel: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., weights: _Optional[_Mapping[int, float]] = ..., healers: _Optional[_Iterable[int]] = ..., donor: _Optional[int] = ..., rejected: _Optional[_Mapping[int, str]] = ..., state_hash: _Optional[str] = ..., evicted: _Optional[str] = ..., stop: _Optional[bool] = ..., finished: _Optional[bool] = ..., setting: _Optional[str] = ...) -> None: ...
+    left_out: _containers.MessageMap[int, RankAddresses]
+    catch_up: bool
+    disagreement: str
+    halted: str
+    def __init__(self, id: _Optional[str] = ..., exchange: _Optional[int] = ..., attempt: _Optional[int] = ..., tag: _Optional[str] = ..., numel: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., weights: _Optional[_Mapping[int, float]] = ..., healers: _Optional[_Iterable[int]] = ..., donor: _Optional[int] = ..., rejected: _Optional[_Mapping[int, str]] = ..., state_hash: _Optional[str] = ..., evicted: _Optional[str] = ..., stop: _Optional[bool] = ..., finished: _Optional[bool] = ..., setting: _Optional[str] = ..., left_out: _Optional[_Mapping[int, RankAddresses]] = ..., catch_up: _Optional[bool] = ..., disagreement: _Optional[str] = ..., halted: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("group", "rank", "incarnation", "quorum_id", "exchange", "groups", "ok", "reason")

@@ -48,6 +48,10 @@ class Liveness:
     job_lost: str | None = None
     #: the newest checkpoint the coordinator knows of, named in ``job_lost`` ("" = none)
     checkpoint_hint: str = ""
+    #: set once the job cannot go on without an operator (``round_state``: members that disagree
+    #: with no majority, again): every later call of a member is refused with it, and the
+    #: ``diloco-halted`` trailer says that no restart mends it (exit 2, not 75)
+    halted: str | None = None
 
     def __init__(self, expected_groups: int, *, join_timeout_s: float, heartbeat_timeout_s: float,
                  max_group_size: int, clock: Callable[[], float]) -> None:
@@ -82,7 +86,7 @@ class Liveness:
         #: its engine with it before it asks to heal); "" before one, or without auto
         self.latest_setting = ""
         self._counts = {"committed": 0, "committed_training": 0, "rolled_back": 0, "heals": 0, "failures": 0, "rejected": 0,
-                        "evicted": 0}
+                        "evicted": 0, "caught_up": 0}
         self._events: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._event_seq = 0
         self._started_at = clock()
@@ -109,6 +113,7 @@ class Liveness:
                 raise quorum.QuorumError("UNAVAILABLE", f"the coordinator restarts: {self.state_lost}")
             if self.job_lost is not None:
                 raise quorum.QuorumError("FAILED_PRECONDITION", f"group {req.group}: {self.job_lost}")
+            self._check_halted(req.group)
             if not self._started and req.exchange >= 0:
                 self._start_running()  # our predecessor's job goes on: members rejoin us
                 # every member rejoins within a heartbeat or so: no quorum forms before they could,
@@ -262,8 +267,15 @@ class Liveness:
         if self.restart_when_state_lost:
             self.state_lost = self.job_lost
 
+    def _check_halted(self, group: int) -> None:
+        """Refuse every call of a halted job (lock held), saying why."""
+        if self.halted is not None:
+            raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: the job halted: {self.halted}",
+                                     halted=True)
+
     def _known(self, group: int, rank: int) -> tuple[int, int]:
         key = (group, rank)
+        self._check_halted(group)
         if self.state_lost is not None or self.job_lost is not None:  # tell each process that calls
             raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: {self.state_lost or self.job_lost}")
         if rank not in self._members.get(group, {}):
@@ -273,6 +285,7 @@ class Liveness:
     def _check_member(self, group: int, rank: int, incarnation: str) -> tuple[int, int]:
         """Refuse calls from failed, stale or unknown members (lock held); returns the key."""
         key = (group, rank)
+        self._check_halted(group)
         if self.state_lost is not None or self.job_lost is not None:  # tell each process that calls
             raise quorum.QuorumError("FAILED_PRECONDITION", f"group {group}: {self.state_lost or self.job_lost}")
         known = self._incarnations.get(group)

@@ -402,13 +402,15 @@ class QuorumRequest(Message):
     retry: bool = False
     healable: bool = True  # healers may join this exchange (not a control exchange)
     setting: str = ""
+    weight_cap: float = 0.0  # the most tokens one rank can contribute to one exchange (0: none said)
 
     FIELDS: ClassVar[tuple[str, ...]] = ("group", "rank", "incarnation", "exchange", "tag", "numel",
-                                         "weight", "state_hash", "delta_norm", "retry", "healable", "setting")
+                                         "weight", "state_hash", "delta_norm", "retry", "healable", "setting",
+                                         "weight_cap")
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> QuorumRequest:
-        _check_fields(obj, "QuorumRequest", cls.FIELDS[:-1], ("setting",))
+        _check_fields(obj, "QuorumRequest", cls.FIELDS[:-2], ("setting", "weight_cap"))
         return cls(group=_int(obj["group"], "group", 0, MAX_GROUPS - 1),
                    rank=_int(obj["rank"], "rank", 0, MAX_GROUP_SIZE - 1),
                    incarnation=_incarnation(obj["incarnation"]),
@@ -419,7 +421,8 @@ class QuorumRequest(Message):
                    state_hash=_opt_str(obj["state_hash"], "state_hash", MAX_HASH_CHARS, _HASH_RE),
                    delta_norm=_float(obj["delta_norm"], "delta_norm", finite=False),
                    retry=_bool(obj["retry"], "retry"), healable=_bool(obj["healable"], "healable"),
-                   setting=_setting(obj.get("setting", "")))
+                   setting=_setting(obj.get("setting", "")),
+                   weight_cap=_float(obj.get("weight_cap", 0.0), "weight_cap", lo=0.0))
 
     def to_obj(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.FIELDS}
@@ -431,7 +434,11 @@ class QuorumResponse(Message):
     the members' data-plane addresses. ``evicted``: why the caller's group must stop and heal ("" if
     not). ``stop``: the job asked every group to checkpoint and stop after this exchange.
     ``finished``: nothing to heal into, the job's groups have finished. ``setting``: the auto
-    setting the members asked with ("" without auto)."""
+    setting the members asked with ("" without auto). ``left_out``: live groups the grace window
+    left out, with their addresses (the donor serves each the committed mean). ``catch_up``: the
+    caller's group was left out of this quorum, which committed: it fetches the mean from
+    ``donor`` and applies it at weight 0. ``disagreement``: the members differ with no majority
+    (why): nothing formed, ask again. ``halted``: the job halted (why): stop, no restart mends it."""
 
     PB: ClassVar[type[pb_message.Message]] = pb.QuorumResponse
     LIMIT: ClassVar[int] = MAX_SUMMARY_BYTES
@@ -451,16 +458,22 @@ class QuorumResponse(Message):
     stop: bool = False
     finished: bool = False
     setting: str = ""
+    left_out: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    catch_up: bool = False
+    disagreement: str = ""
+    halted: str = ""
 
     FIELDS: ClassVar[tuple[str, ...]] = ("id", "exchange", "attempt", "tag", "numel", "members", "weights",
                                          "healers", "donor", "rejected", "state_hash", "evicted", "stop",
-                                         "finished", "setting")
+                                         "finished", "setting", "left_out", "catch_up", "disagreement", "halted")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("setting", "left_out", "catch_up", "disagreement", "halted")
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> QuorumResponse:
-        _check_fields(obj, "QuorumResponse", cls.FIELDS[:-1], ("setting",))
+        _check_fields(obj, "QuorumResponse", tuple(f for f in cls.FIELDS if f not in cls.OPTIONAL), cls.OPTIONAL)
         finished = _bool(obj["finished"], "finished")
-        members = {} if finished and obj["members"] == {} else _members(obj["members"], "members")
+        no_quorum = finished or bool(obj.get("disagreement")) or bool(obj.get("halted"))  # nothing formed
+        members = {} if no_quorum and obj["members"] == {} else _members(obj["members"], "members")
         weights = _by_group(obj["weights"], "weights", lambda v, w: _float(v, w, lo=0.0))
         if set(weights) != set(members):
             raise MessageError(f"weights for groups {sorted(weights)}, members are {sorted(members)}")
@@ -468,6 +481,10 @@ class QuorumResponse(Message):
         donor = _int(obj["donor"], "donor", -1, MAX_GROUPS - 1)
         if not set(healers) <= set(members) or (healers and donor not in members):
             raise MessageError("healers and donor must be members")
+        left_out = _members(obj["left_out"], "left_out") if obj.get("left_out") else {}
+        catch_up = _bool(obj.get("catch_up", False), "catch_up")
+        if set(left_out) & set(members) or ((left_out or catch_up) and donor not in members):
+            raise MessageError("left-out groups are not members, and they (or a catching-up group) need a member donor")
         return cls(id=_opt_str(obj["id"], "id", MAX_TAG_CHARS, _HASH_RE),
                    exchange=_int(obj["exchange"], "exchange", -1, MAX_INT64),
                    attempt=_int(obj["attempt"], "attempt", 0, MAX_INT64),
@@ -476,7 +493,10 @@ class QuorumResponse(Message):
                    healers=healers, donor=donor, rejected=_by_group(obj["rejected"], "rejected", _reason),
                    state_hash=_opt_str(obj["state_hash"], "state_hash", MAX_HASH_CHARS, _HASH_RE),
                    evicted=_reason(obj["evicted"], "evicted"), stop=_bool(obj["stop"], "stop"),
-                   finished=finished, setting=_setting(obj.get("setting", "")))
+                   finished=finished, setting=_setting(obj.get("setting", "")),
+                   left_out=left_out, catch_up=catch_up,
+                   disagreement=_reason(obj.get("disagreement", ""), "disagreement"),
+                   halted=_reason(obj.get("halted", ""), "halted"))
 
     def to_obj(self) -> dict[str, Any]:
         return {"id": self.id, "exchange": self.exchange, "attempt": self.attempt, "tag": self.tag,
@@ -484,7 +504,9 @@ class QuorumResponse(Message):
                 "weights": {str(g): w for g, w in sorted(self.weights.items())}, "healers": list(self.healers),
                 "donor": self.donor, "rejected": {str(g): r for g, r in sorted(self.rejected.items())},
                 "state_hash": self.state_hash, "evicted": self.evicted, "stop": self.stop,
-                "finished": self.finished, "setting": self.setting}
+                "finished": self.finished, "setting": self.setting,
+                "left_out": {str(g): list(a) for g, a in sorted(self.left_out.items())}, "catch_up": self.catch_up,
+                "disagreement": self.disagreement, "halted": self.halted}
 
 
 @dataclass(frozen=True)

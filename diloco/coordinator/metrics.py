@@ -55,12 +55,14 @@ COORDINATOR_SERIES: dict[str, str] = {
     "diloco_coordinator_live_groups": "gauge",
     "diloco_coordinator_healing_groups": "gauge",
     "diloco_coordinator_job_lost": "gauge",
+    "diloco_coordinator_job_halted": "gauge",
     "diloco_coordinator_rounds_committed_total": "counter",
     "diloco_coordinator_rounds_rolled_back_total": "counter",
     "diloco_coordinator_heals_total": "counter",
     "diloco_coordinator_group_failures_total": "counter",
     "diloco_coordinator_rejected_contributions_total": "counter",
     "diloco_coordinator_evictions_total": "counter",
+    "diloco_coordinator_catch_ups_total": "counter",
     # the coordinator's own TLS files: when each certificate stops being valid
     "diloco_coordinator_tls_certificate_expiry_timestamp_seconds": "gauge",
 }
@@ -73,6 +75,7 @@ _ROUND_COUNTS = (
     ("failures", "group_failures", "Groups declared failed"),
     ("rejected", "rejected_contributions", "Contributions rejected (non-finite or outlier norm)"),
     ("evicted", "evictions", "Members evicted from the membership"),
+    ("caught_up", "catch_ups", "Exchanges a live group the grace window left out took at weight 0 (no restart)"),
 )
 
 # progress key -> (metric suffix, help); values are what rank 0 of a group last reported
@@ -156,6 +159,8 @@ class CoordinatorCollector:
                             len(rounds_state.get("healing_groups", [])))
             yield job_gauge("job_lost", "1 once every group failed at once: no group holds the job's state; "
                             "resume from checkpoint", int(bool(rounds_state.get("job_lost"))))
+            yield job_gauge("job_halted", "1 once the members differed with no majority again: the job stopped, "
+                            "no restart mends it (diloco status says why)", int(bool(rounds_state.get("halted"))))
             for key, name, doc in _ROUND_COUNTS:
                 value = _number(rounds_state.get(key))
                 if value is not None:

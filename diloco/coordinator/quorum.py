@@ -14,11 +14,13 @@ K = TypeVar("K", bound=Hashable)
 
 
 class QuorumError(Exception):
-    """A request the quorum rules refuse; ``code`` is a gRPC status name."""
+    """A request the quorum rules refuse; ``code`` is a gRPC status name. ``halted``: the job is
+    halted (an error no restart mends: the server says so in the ``diloco-halted`` trailer)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, halted: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.halted = halted
 
 
 class Admission(enum.Enum):

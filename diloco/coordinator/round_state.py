@@ -1,6 +1,7 @@
-"""The state of the rounds: every exchange asks for a quorum (``quorum``), every rank votes on it
-(``commit``), healers wait for their donor's state offer (``offer``/``wait_offer``), and a stop
-request reaches every group through the quorums (``request_stop``).
+"""The state of the rounds: every exchange asks for a quorum (``quorum``), which forms, rolls back
+on a disagreement, or halts the job; a group the grace window left out catches up when it asks; a
+stop request reaches every group through the quorums (``request_stop``). The votes on a quorum and
+what a commit changes are ``vote_state.py``'s.
 
 ``rounds.py`` holds the rules; this class keeps the asks, quorums, votes, decisions and offers
 and applies the rules under the lock of :class:`~diloco.coordinator.liveness.Liveness`, whose
@@ -9,13 +10,17 @@ membership and liveness it builds on (a failed group's waiting requests are answ
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import OrderedDict
 from typing import Any, Callable
 
 from . import quorum, rounds
+from .ask_book import Answer, AskBook
 from .liveness import _POLL_S, Liveness
-from .messages import CommitRequest, CommitResponse, OfferQuery, QuorumRequest, QuorumResponse, StateOffer
+from .messages import QuorumRequest, QuorumResponse, StateOffer
+
+log = logging.getLogger(__name__)
 
 MAX_ROUNDS_KEPT = 1024  # quorums, round hashes and divergences kept, oldest dropped first
 NORM_HISTORY = 8  # accepted contribution norms kept per group for the outlier screen
@@ -23,10 +28,14 @@ NORM_HISTORY = 8  # accepted contribution norms kept per group for the outlier s
 # honest group has at most a few exchanges in flight; without a bound, a group could push the
 # other groups' live quorums out of memory with votes on made-up quorum ids
 MAX_ORPHANS_PER_GROUP = 16
+#: exchanges a live group may be behind (left out of by the grace window, committed without it) and
+#: still catch up in place; one further behind is out of step: it restarts and heals
+MAX_BEHIND = 8
 
 
 class RoundState(Liveness):
-    """Quorums, votes and state offers of the job's exchanges, on top of its membership."""
+    """The asks and quorums of the job's exchanges, on top of its membership; the state their votes
+    and offers use too (``VoteState`` adds the methods)."""
 
     def __init__(self, expected_groups: int, *, join_timeout_s: float, heartbeat_timeout_s: float,
                  max_group_size: int, min_groups: int, outlier_factor: float,
@@ -42,15 +51,16 @@ class RoundState(Liveness):
         self.min_groups = min_groups
         self.outlier_factor = outlier_factor
         # with it > 0, an exchange's quorum forms this long after its first ask with the groups that
-        # asked by then (rounds.decide); the live groups left out are failed when it commits
+        # asked by then, if they are a majority of those heard from (rounds.decide); the live groups
+        # left out catch up when they ask, or are failed once silent (vote_state._left_behind)
         self.quorum_grace_s = quorum_grace_s
         self.boot = secrets.token_hex(4)  # names this coordinator's quorums apart from a predecessor's
         # a backstop: a member alive (heartbeating) but silent this long after a quorum's first vote
         # is stuck, and the round rolls back (members' rings end together; a healer's state transfer
-        # runs after its vote, so no vote waits for it)
+        # runs after its vote, so no vote waits for it); a live group that has not asked for an
+        # exchange this long after the first group did is stuck too, and is failed
         self.vote_timeout_s = join_timeout_s
-        self._asks: dict[int, dict[int, dict[int, QuorumRequest]]] = {}  # exchange -> group -> rank
-        self._answers: dict[tuple[int, int, int], tuple[str, Any]] = {}  # (group, rank, exchange asked) -> answer
+        self._book = AskBook()  # the waiting quorum requests and their answers
         self._quorums: OrderedDict[str, tuple[rounds.Quorum, dict[str, Any]]] = OrderedDict()
         self._orphans_by_group: dict[int, int] = {}  # group -> orphan quorums it made us remember
         self._latest: OrderedDict[int, str] = OrderedDict()  # exchange -> id of its latest quorum
@@ -64,15 +74,26 @@ class RoundState(Liveness):
         self._healed_at: dict[int, int] = {}  # group -> exchange it healed in, until it asks for a later one
         self._last_members = 0  # groups of the last committed quorum, healers included
         self._stop_reason: str | None = None
+        #: the job's committed position: its lowest exchange not yet committed (None after a restart,
+        #: until an exchange commits here); asks beyond it + rounds.MAX_EXCHANGES_AHEAD are refused
+        self.frontier: int | None = None
+        self._committed_above: set[int] = set()  # committed exchanges above the frontier
+        self._disagreements: dict[int, int] = {}  # exchange -> ties in a row (rounds.Disagreement)
+        self._vetoes: dict[int, int] = {}  # group -> attempts in a row its votes alone rolled back
+        #: group -> {exchange: id of the quorum that committed it without the group}: a live group
+        #: the grace window left out, which takes that exchange's mean at weight 0 when it asks (catches up)
+        self._behind: dict[int, dict[int, str]] = {}
+        self._last_ask: dict[int, tuple[str, int]] = {}  # group -> (incarnation, latest exchange any rank asked for)
 
-    # --- rounds: quorum per exchange, commit vote, healing ----------------------------------
+    # --- rounds: quorum per exchange, healing, catching up ------------------------------------
 
     def quorum(self, req: QuorumRequest, *, deadline: float,
                active: Callable[[], bool] = lambda: True) -> QuorumResponse:
         """Wait until the quorum this rank's exchange runs in is decided (see ``rounds.decide``);
         a healer (exchange -1) waits for the next quorum that forms. Raises QuorumError:
         DEADLINE_EXCEEDED naming the groups still awaited (the caller asks again),
-        FAILED_PRECONDITION for a failed or stale member."""
+        FAILED_PRECONDITION for a failed or stale member, INVALID_ARGUMENT for an exchange beyond
+        the job's reach or a second, different request for the same rank and exchange."""
         key = (req.group, req.rank, req.exchange)  # a rank may ask for several exchanges at once
         with self._cond:
             self._check_open()
@@ -84,31 +105,21 @@ class RoundState(Liveness):
             if req.group in self._healing and req.exchange != rounds.HEAL:
                 raise quorum.QuorumError("FAILED_PRECONDITION",
                                          f"group {req.group} joined while the job ran: it must heal first")
+            self._check_in_step(req)
             if req.exchange == rounds.HEAL and req.group not in self._healing:
                 # a member asks to heal again (its state transfer failed after its healing exchange
                 # committed): it holds no state, so no quorum waits for it as a member
                 self._healing.add(req.group)
+                self._behind.pop(req.group, None)
                 self._event("joined", group=req.group, committed=self._counts["committed"], again=True)
                 self._note_job_lost()
-            self._asks.setdefault(req.exchange, {}).setdefault(req.group, {})[req.rank] = req
-            if req.rank == 0 and req.exchange >= 0:
-                self._asked_exchange[req.group] = req.exchange
-                if self._healed_at.get(req.group, req.exchange) < req.exchange:
-                    del self._healed_at[req.group]
-                self._first_ask.setdefault(req.exchange, self._clock())
-                while len(self._first_ask) > MAX_ROUNDS_KEPT:
-                    del self._first_ask[next(iter(self._first_ask))]
-            latest = self._latest.get(req.exchange)
-            if req.exchange >= 0 and (latest is None or latest in self._decisions):
-                # the grace window of the attempt to be formed starts at its first ask (a late
-                # ask during an attempt's vote does not start the next attempt's window)
-                self._grace_from.setdefault(req.exchange, self._clock())
-                while len(self._grace_from) > MAX_ROUNDS_KEPT:
-                    del self._grace_from[next(iter(self._grace_from))]
-            self._answers.pop(key, None)
-            self._decide_quorums()
+            generation, new = self._book.register(req)
+            if new:
+                self._note_ask(req)
+                self._decide_quorums()
+            self._book.enter(key)
             try:
-                while key not in self._answers:
+                while (answer := self._book.answered(key, generation)) is None:
                     self._check_open()
                     remaining = deadline - self._clock()
                     if remaining <= 0 or not active():
@@ -119,10 +130,72 @@ class RoundState(Liveness):
                     self._cond.wait(min(remaining, _POLL_S, self._grace_left(req.exchange)))
                     self._sweep()
                     self._decide_quorums()
-            except quorum.QuorumError:
-                self._asks.get(req.exchange, {}).get(req.group, {}).pop(req.rank, None)
-                raise
-            return self._response(req.group, self._answers.pop(key))
+            finally:
+                self._book.leave(key, generation)
+            return self._response(req.group, answer)
+
+    def _check_in_step(self, req: QuorumRequest) -> None:
+        """Refuse an ask no honest member makes (lock held): an exchange more than
+        ``rounds.MAX_EXCHANGES_AHEAD`` past the job's committed position, or one that skips
+        exchanges after this incarnation's last ask (a group asks for its exchanges in order; a
+        heal starts it afresh). Its group is out of step: it is failed (restart and heal), so no
+        other group waits for it."""
+        if req.exchange < 0 or self.frontier is None or req.exchange <= self.frontier:
+            return
+        why = None
+        if req.exchange > self.frontier + rounds.MAX_EXCHANGES_AHEAD:
+            why = (f"asked for exchange {req.exchange}, more than {rounds.MAX_EXCHANGES_AHEAD} past the job's next "
+                   f"exchange {self.frontier}")
+        last = self._last_ask.get(req.group)
+        incarnation = self._incarnations.get(req.group, "")  # the group's, whatever the caller says
+        if why is None and last is not None and last[0] == incarnation and req.exchange > last[1] + 1:
+            why = f"asked for exchange {req.exchange} after exchange {last[1]}: it skipped exchanges"
+        if why is not None:
+            self._event("out_of_step", group=req.group, rank=req.rank, exchange=req.exchange, reason=why)
+            self._fail_group(req.group, f"out of step: {why}")
+            raise quorum.QuorumError("FAILED_PRECONDITION", f"group {req.group} rank {req.rank} {why}: "
+                                     "out of step, it restarts and heals")
+
+    def _note_ask(self, req: QuorumRequest) -> None:
+        """A new ask: when its exchange was first asked for, and when its grace window started."""
+        if req.exchange == rounds.HEAL:
+            self._last_ask.pop(req.group, None)  # a heal starts its exchanges afresh
+        if req.exchange >= 0:
+            last, incarnation = self._last_ask.get(req.group), self._incarnations.get(req.group, "")
+            if last is None or last[0] != incarnation or last[1] < req.exchange:
+                self._last_ask[req.group] = (incarnation, req.exchange)
+        if req.rank == 0 and req.exchange >= 0:
+            self._asked_exchange[req.group] = req.exchange
+            if self._healed_at.get(req.group, req.exchange) < req.exchange:
+                del self._healed_at[req.group]
+            self._first_ask.setdefault(req.exchange, self._clock())
+            while len(self._first_ask) > MAX_ROUNDS_KEPT:
+                del self._first_ask[next(iter(self._first_ask))]
+        latest = self._latest.get(req.exchange)
+        if req.exchange >= 0 and (latest is None or latest in self._decisions):
+            # the grace window of the attempt to be formed starts at its first ask (a late
+            # ask during an attempt's vote does not start the next attempt's window)
+            self._grace_from.setdefault(req.exchange, self._clock())
+            while len(self._grace_from) > MAX_ROUNDS_KEPT:
+                del self._grace_from[next(iter(self._grace_from))]
+
+    def _form(self) -> None:
+        super()._form()
+        self.frontier = 0  # a job that starts here starts at its first exchange
+
+    def _sweep(self) -> None:
+        """Besides the heartbeat timeout: a group the grace window left out that has been silent for
+        two heartbeat intervals since is failed now (lock held). It was late and went quiet: dead,
+        most likely, and every exchange that waits a window for it costs the others that window."""
+        super()._sweep()
+        if not self._behind:
+            return
+        heard, silence = self._heard(), self._silence()
+        for g in [g for g, behind in self._behind.items() if behind and g not in heard]:
+            self._fail_group(g, f"missed exchange {min(self._behind[g])}: its quorum formed without this group once "
+                                f"the {self.quorum_grace_s:g}s grace window (--quorum-grace) ended, and it has been "
+                                f"silent for {silence.get(g, 0.0):.1f}s since (two heartbeat intervals: "
+                                f"{2 * self.heartbeat_timeout_s / 5:g}s); it heals into a later exchange")
 
     def _silence(self) -> dict[int, float]:
         """Group -> seconds since its most silent rank was last heard from (lock held)."""
@@ -140,40 +213,47 @@ class RoundState(Liveness):
         return max(start + self.quorum_grace_s - self._clock(), 0.001)
 
     def _awaited(self, exchange: int) -> str:
-        asked = set(self._asks.get(exchange, {}))
+        asked = set(self._book.asks.get(exchange, {}))
         live = sorted(g for g in self._live() if g not in asked)
         if live:
             return f"groups {live} to ask"
-        return f"at least {self.min_groups} groups (min_groups)"
+        return f"at least {self.min_groups} groups (min_groups), a majority of the live ones"
 
     def _live(self) -> set[int]:
         """Groups that count in quorums: joined, not failed, not healing, not finished."""
         return {g for g in self._members if self._complete(g) and g not in self._group_failed
                 and g not in self._healing and g not in self._summaries}
 
+    def _heard(self) -> set[int]:
+        """Groups every rank of which was heard from within two heartbeat intervals (lock held)."""
+        limit = 2 * self.heartbeat_timeout_s / 5
+        return {g for g, silent in self._silence().items() if silent <= limit}
+
     def _group_asks(self, exchange: int) -> dict[int, rounds.Ask]:
         """Groups every rank of which asked for ``exchange``, as rank 0 put it."""
         out = {}
-        for g, by_rank in self._asks.get(exchange, {}).items():
+        for g, by_rank in self._book.asks.get(exchange, {}).items():
             if self._complete(g) and len(by_rank) == self._sizes[g] and 0 in by_rank:
                 a = by_rank[0]
                 out[g] = rounds.Ask(a.exchange, a.tag, a.numel, a.weight, a.state_hash, a.delta_norm, a.healable,
-                                    a.setting)
+                                    a.setting, a.weight_cap, self._sizes[g])
         return out
 
     def _decide_quorums(self) -> None:
         """Hand out every quorum that can be decided now (lock held)."""
+        if self.halted is not None:
+            return
         heal_asks = self._group_asks(rounds.HEAL)
         if self.job_lost is not None:  # no donor will ever come: healers learn so at once
             for g in heal_asks:
-                self._answer(g, self._asks[rounds.HEAL].pop(g), rounds.HEAL, ("evicted", self.job_lost))
+                self._answer(g, rounds.HEAL, ("evicted", self.job_lost))
             return
         live = self._live()
         if len(live) < self.expected_groups and self._clock() < self._rejoin_grace_until:
             return
         if heal_asks and self._summaries and not live:  # the others finished: nobody trains on
             for g in heal_asks:
-                self._answer(g, self._asks[rounds.HEAL].pop(g), rounds.HEAL, ("finished", None))
+                self._answer(g, rounds.HEAL, ("finished", None))
             return
         if heal_asks and not live and self.restart_when_state_lost:  # no donor will ever come
             self.state_lost = (f"every group was lost (groups {sorted(heal_asks)} restarted and none holds the "
@@ -182,7 +262,7 @@ class RoundState(Liveness):
             for g in list(heal_asks):
                 self._evict(g, rounds.HEAL, self.state_lost)
             return
-        for exchange in sorted(x for x in self._asks if x >= 0):
+        for exchange in [x for x in self._book.exchanges() if x >= 0]:
             asks = self._group_asks(exchange)
             if not asks:
                 continue
@@ -193,9 +273,17 @@ class RoundState(Liveness):
                     continue  # its last attempt is still being voted on
                 if decided[0]:
                     for g in asks:
-                        self._evict(g, exchange, f"exchange {exchange} was already committed without it")
+                        self._after_commit(g, exchange, latest, asks[g])
                     self._grace_from.pop(exchange, None)
                     continue
+                self._assess_votes(*self._quorums[latest])  # before its next attempt forms
+                asks = self._group_asks(exchange)  # without a member just evicted for its votes
+                if not asks:
+                    continue
+            elif self.frontier is not None and exchange < self.frontier:
+                for g in asks:
+                    self._evict(g, exchange, f"exchange {exchange} was committed long ago")
+                continue
             attempt = sum(1 for q, _ in self._quorums.values() if q.exchange == exchange)
             if latest is None:
                 # a healer in an earlier exchange still being voted on joins this one if that commits
@@ -205,49 +293,110 @@ class RoundState(Liveness):
             else:
                 awaited = live & set(self._quorums[latest][0].groups)
                 extra = {}
+            start = self._grace_from.get(exchange)
+            patient = rounds.patient_groups(self._healed_at, exchange, self._silence(), 2 * self.heartbeat_timeout_s / 5)
+            if start is not None and self._clock() - start > self.vote_timeout_s:
+                for g in sorted(g for g in awaited & live if g not in asks and g not in patient):
+                    self._fail_group(g, f"stuck: heard from, but it did not ask for exchange {exchange} within "
+                                        f"{self.vote_timeout_s:g}s of the first group's ask")
+                awaited, live = awaited - set(self._group_failed), self._live()
             rejected = {g: why for g, a in asks.items()
                         if (why := rounds.screen(a.delta_norm, self._norms.get(g, []), self.outlier_factor))}
-            start = self._grace_from.get(exchange)
+            # no window before the job's first training commit: start-up skew is not a fault
+            grace = self.quorum_grace_s if self._counts["committed_training"] > 0 else 0.0
             q = rounds.decide({**asks, **extra}, awaited, next_exchange=exchange, min_groups=self.min_groups,
                               attempt=attempt, quorum_id=f"{self.boot}-{exchange}-{attempt}", rejected=rejected,
-                              waited_s=None if start is None else self._clock() - start,
-                              grace_s=self.quorum_grace_s,
-                              patient=rounds.patient_groups(self._healed_at, exchange, self._silence(),
-                                                            2 * self.heartbeat_timeout_s / 5))
+                              waited_s=None if start is None else self._clock() - start, grace_s=grace,
+                              patient=patient, heartbeating=self._heard())
             if q is None:
                 continue
             self._grace_from.pop(exchange, None)
-            if q.left_out:
-                self._event("left_out", exchange=exchange, groups=list(q.left_out), quorum=q.id,
-                            waited_s=round(self._clock() - start, 4) if start is not None else None)
-            members = {g: tuple(self._members[g][r] for r in range(self._sizes[g])) for g in q.groups}
-            if q.setting:
-                self.latest_setting = q.setting
-            meta = {"setting": q.setting, "members": members, "sizes": {g: self._sizes[g] for g in q.groups},
-                    "incarnations": {g: self._incarnations[g] for g in q.groups},
-                    "norms": {g: asks[g].delta_norm for g in q.groups if g in asks}, "orphan": False,
-                    "decided_at": self._clock(), "stop": self._stop_reason is not None,
-                    "training": all(a.healable for g, a in asks.items() if g in q.groups),
-                    "left_out": {g: self._incarnations.get(g) for g in q.left_out}}
-            self._remember_quorum(q, meta)
-            for g in q.groups:
-                source = rounds.HEAL if g in q.healers else exchange
-                self._answer(g, self._asks[source].pop(g), source, ("quorum", q.id))
-            for g, why in q.rejected.items():
-                self._counts["rejected"] += 1
-                self._event("rejected", group=g, exchange=exchange, reason=why)
-            for g, why in q.evicted.items():
-                self._evict(g, exchange, why)
+            if isinstance(q, rounds.Disagreement):
+                self._disagreed(q, asks)
+                continue
+            self._form_quorum(q, asks, exchange, start)
             heal_asks = {g: a for g, a in heal_asks.items() if g not in q.healers}
 
-    def _answer(self, g: int, by_rank: dict[int, QuorumRequest], exchange: int, answer: tuple[str, Any]) -> None:
-        for r in by_rank:
-            self._answers[(g, r, exchange)] = answer
+    def _form_quorum(self, q: rounds.Quorum, asks: dict[int, rounds.Ask], exchange: int, start: float | None) -> None:
+        """Hand out quorum ``q`` of ``exchange`` to its members (lock held)."""
+        if q.left_out:
+            self._event("left_out", exchange=exchange, groups=list(q.left_out), quorum=q.id,
+                        waited_s=round(self._clock() - start, 4) if start is not None else None)
+        members = {g: tuple(self._members[g][r] for r in range(self._sizes[g])) for g in q.groups}
+        if q.setting:
+            self.latest_setting = q.setting
+        meta = {"setting": q.setting, "members": members, "sizes": {g: self._sizes[g] for g in q.groups},
+                "incarnations": {g: self._incarnations[g] for g in q.groups},
+                "norms": {g: asks[g].delta_norm for g in q.groups if g in asks}, "orphan": False,
+                "decided_at": self._clock(), "stop": self._stop_reason is not None,
+                "training": all(a.healable for g, a in asks.items() if g in q.groups),
+                "left_out": {g: self._incarnations.get(g) for g in q.left_out},
+                "left_out_members": {g: tuple(self._members[g][r] for r in range(self._sizes[g])) for g in q.left_out}}
+        self._remember_quorum(q, meta)
+        for g in q.groups:
+            self._answer(g, rounds.HEAL if g in q.healers else exchange, ("quorum", q.id))
+        for g, why in q.rejected.items():
+            self._counts["rejected"] += 1
+            self._event("rejected", group=g, exchange=exchange, reason=why)
+        for g, why in q.evicted.items():
+            self._evict(g, exchange, why)
+
+    def _disagreed(self, d: rounds.Disagreement, asks: dict[int, rounds.Ask]) -> None:
+        """Members that differ with no majority: every asker asks again; the second tie in a row
+        on one exchange halts the job (lock held)."""
+        count = self._disagreements[d.exchange] = self._disagreements.get(d.exchange, 0) + 1
+        while len(self._disagreements) > MAX_ROUNDS_KEPT:
+            del self._disagreements[next(iter(self._disagreements))]
+        self._event("disagreement", exchange=d.exchange, what=d.what, values=dict(d.values), count=count)
+        if count >= rounds.DISAGREEMENT_LIMIT:
+            self._halt(f"{d.message()}, {count} attempts in a row; the coordinator cannot tell which group is "
+                       "right from their word alone: compare the groups' configurations, versions and logs, then "
+                       "resume from a checkpoint")
+            return
+        log.warning("exchange %d: %s; every group asks again", d.exchange, d.message())
+        for g in asks:
+            self._answer(g, d.exchange, ("disagreement", d.message()))
+
+    def _halt(self, reason: str) -> None:
+        """Stop the job for good (lock held): every waiting call and every later one is refused with
+        ``reason`` (``Liveness.halted``)."""
+        if self.halted is not None:
+            return
+        self.halted = reason
+        self._event("halted", reason=reason)
+        log.error("the job halted: %s", reason)
+        for exchange in self._book.exchanges():
+            for g in list(self._book.asks.get(exchange, {})):
+                self._answer(g, exchange, ("halted", reason))
+        self._cond.notify_all()
+
+    def _after_commit(self, g: int, exchange: int, quorum_id: str, ask: rounds.Ask) -> None:
+        """Group ``g`` asks for ``exchange``, which committed (lock held): a live group the grace
+        window left out of it catches up (takes its mean at weight 0); any other is out of step."""
+        q, _ = self._quorums[quorum_id]
+        if self._behind.get(g, {}).get(exchange) != quorum_id:
+            self._evict(g, exchange, f"exchange {exchange} was already committed without it")
+            return
+        del self._behind[g][exchange]
+        if q.state_hash and ask.state_hash and ask.state_hash != q.state_hash:
+            self._evict(g, exchange, f"its global state hash {ask.state_hash} differs from the one exchange "
+                                     f"{exchange} started from ({q.state_hash}), so it cannot catch up")
+            return
+        self._counts["caught_up"] += 1
+        self._event("catch_up", group=g, exchange=exchange, quorum=quorum_id, donor=q.donor)
+        self._answer(g, exchange, ("catch_up", quorum_id))
+
+    def _assess_votes(self, q: rounds.Quorum, meta: dict[str, Any]) -> None:
+        """Before a rolled-back quorum's exchange forms again: judge its votes (``VoteState``)."""
+        raise NotImplementedError
+
+    def _answer(self, g: int, exchange: int, answer: Answer) -> None:
+        """Answer the waiting asks of group ``g`` for ``exchange`` (lock held)."""
+        self._book.answer(g, self._book.take(exchange, g), exchange, answer)
         self._cond.notify_all()
 
     def _evict(self, g: int, exchange: int, why: str) -> None:
-        by_rank = self._asks.get(exchange, {}).pop(g, {})
-        self._answer(g, by_rank, exchange, ("evicted", why))
+        self._answer(g, exchange, ("evicted", why))
         self._counts["evicted"] += 1
         self._event("evicted", group=g, exchange=exchange, reason=why)
         self._fail_group(g, f"evicted: {why}")
@@ -265,177 +414,21 @@ class RoundState(Liveness):
         while len(self._latest) > MAX_ROUNDS_KEPT:
             self._latest.popitem(last=False)
 
-    def _response(self, g: int, answer: tuple[str, Any]) -> QuorumResponse:
+    def _response(self, g: int, answer: Answer) -> QuorumResponse:
         kind, value = answer
         stop = self._stop_reason is not None
-        if kind == "evicted":
-            return QuorumResponse(id="", exchange=-1, attempt=0, tag="", numel=0, members={}, weights={},
-                                  evicted=value, stop=stop, finished=True)
-        if kind == "finished":
-            return QuorumResponse(id="", exchange=-1, attempt=0, tag="", numel=0, members={}, weights={},
-                                  stop=stop, finished=True)
+        if kind in ("evicted", "finished", "disagreement", "halted"):
+            return QuorumResponse(id="", exchange=-1, attempt=0, tag="", numel=0, members={}, weights={}, stop=stop,
+                                  evicted=value if kind == "evicted" else "", finished=kind in ("evicted", "finished"),
+                                  disagreement=value if kind == "disagreement" else "",
+                                  halted=value if kind == "halted" else "")
         q, meta = self._quorums[value]  # stop is frozen when the quorum forms: every member stops at it
         return QuorumResponse(id=q.id, exchange=q.exchange, attempt=q.attempt, tag=q.tag, numel=q.numel,
                               members=dict(meta["members"]), weights=dict(q.weights), healers=q.healers,
                               donor=q.donor, rejected=dict(q.rejected), state_hash=q.state_hash,
-                              stop=meta.get("stop", False), setting=meta.get("setting", ""))
-
-    def commit(self, req: CommitRequest, *, deadline: float,
-               active: Callable[[], bool] = lambda: True) -> CommitResponse:
-        """Record this rank's vote and wait for the quorum's decision (``rounds.commit_outcome``).
-        A vote on a quorum of a previous coordinator (it restarted) is decided from the votes and
-        from what the members ask for next."""
-        with self._cond:
-            self._check_open()
-            self._sweep()
-            key = self._check_member(req.group, req.rank, req.incarnation)
-            self._last_heard[key] = self._clock()
-            if req.quorum_id not in self._quorums:
-                if req.quorum_id.startswith(f"{self.boot}-"):
-                    raise quorum.QuorumError("NOT_FOUND", f"quorum {req.quorum_id} is unknown or too old")
-                if req.group not in req.groups:
-                    raise quorum.QuorumError("INVALID_ARGUMENT", f"group {req.group} votes on quorum "
-                                             f"{req.quorum_id} of groups {sorted(req.groups)} without being in it")
-                made = self._orphans_by_group.get(req.group, 0)
-                if made >= MAX_ORPHANS_PER_GROUP:
-                    raise quorum.QuorumError("FAILED_PRECONDITION", f"group {req.group} already voted on "
-                                             f"{made} quorums of a previous coordinator; refusing {req.quorum_id}")
-                self._orphans_by_group[req.group] = made + 1
-                q = rounds.Quorum(id=req.quorum_id, exchange=req.exchange, attempt=0, tag="", numel=0,
-                                  groups=tuple(sorted(req.groups)), weights={g: 1.0 for g in req.groups})
-                self._remember_quorum(q, {"members": {}, "sizes": {}, "incarnations": {}, "norms": {},
-                                          "orphan": True, "decided_at": self._clock()})
-            q, meta = self._quorums[req.quorum_id]
-            if req.group not in q.groups:
-                raise quorum.QuorumError("INVALID_ARGUMENT", f"group {req.group} is not in quorum {q.id}")
-            self._votes.setdefault(q.id, {})[key] = (req.ok, req.reason)
-            while q.id not in self._decisions:
-                self._decide_vote(q, meta)
-                if q.id in self._decisions:
-                    break
-                remaining = deadline - self._clock()
-                if remaining <= 0 or not active():
-                    raise quorum.QuorumError("DEADLINE_EXCEEDED" if remaining <= 0 else "CANCELLED",
-                                             f"vote on {q.id}: not every member has voted yet")
-                self._cond.wait(min(remaining, _POLL_S))
-                self._check_open()
-                self._sweep()
-            committed, why = self._decisions[q.id]
-            return CommitResponse(committed=committed, reason=why)
-
-    def quorum_lost(self, quorum_id: str, group: int) -> str:
-        """Why quorum ``quorum_id`` of member ``group`` can no longer commit: a member failed or
-        started again since it formed, or it was rolled back; "" while it can (or when it is
-        unknown here, or ``group`` is not its member). A member running its rings learns this
-        with its heartbeat and aborts them at once, instead of waiting for data from a group that
-        is gone until the rings' deadline."""
-        with self._cond:
-            known = self._quorums.get(quorum_id) if quorum_id else None
-            if known is None or group not in known[0].groups:
-                return ""
-            q, meta = known
-            decided = self._decisions.get(q.id)
-            if decided is not None:
-                return "" if decided[0] else f"quorum {q.id} was rolled back: {decided[1]}"
-            failed = self._failed_members(q, meta)
-            return "; ".join(f"group {g} of quorum {q.id} failed: {why}" for g, why in sorted(failed.items()))
-
-    def _failed_members(self, q: rounds.Quorum, meta: dict[str, Any]) -> dict[int, str]:
-        """The members of ``q`` that failed since it formed, and why (lock held)."""
-        failed = {}
-        for g in q.groups:
-            if g in self._group_failed:
-                failed[g] = self._group_failed[g]
-            elif meta["incarnations"].get(g, self._incarnations.get(g)) != self._incarnations.get(g):
-                failed[g] = "it started again"
-            elif meta["orphan"] and not self._complete(g) and \
-                    self._clock() - self._complete_at > self.heartbeat_timeout_s:
-                failed[g] = "it did not rejoin after the coordinator restarted"
-        return failed
-
-    def _decide_vote(self, q: rounds.Quorum, meta: dict[str, Any]) -> None:
-        failed = self._failed_members(q, meta)
-        sizes = meta["sizes"] or {g: self._sizes.get(g, 1) for g in q.groups}
-        since = {g: self._asked_exchange[g] for g in q.groups if g in self._asked_exchange} if meta["orphan"] else None
-        votes = self._votes.get(q.id, {})
-        outcome = rounds.commit_outcome(q, sizes, votes, failed, since)
-        first_vote = meta.setdefault("first_vote", self._clock())
-        if outcome is None and self._clock() - first_vote > self.vote_timeout_s:
-            silent = sorted({g for g in q.groups for r in range(sizes[g]) if (g, r) not in votes})
-            outcome = (False, f"groups {silent} did not vote within {self.vote_timeout_s:g}s of the first vote")
-        if outcome is None:
-            return
-        committed, why = outcome
-        self._decisions[q.id] = outcome
-        if committed:
-            self._counts["committed"] += 1
-            self._counts["committed_training"] += bool(meta.get("training", True))
-            members = len(q.groups)  # healers too (the workers' FaultStats count alike): a group lost
-            asked = self._first_ask.pop(q.exchange, None)  # just after it healed disturbs the next one
-            if asked is not None and (q.attempt > 0 or members < self._last_members):
-                # an exchange a failure disturbed: retried, or run by fewer groups than the last one
-                self._event("stall", exchange=q.exchange, seconds=round(self._clock() - asked, 4),
-                            attempts=q.attempt + 1, groups=len(q.groups))
-            self._last_members = members
-            for g, incarnation in meta.get("left_out", {}).items():  # out of step now: it lost this round's
-                if self._incarnations.get(g) != incarnation or g in self._healing:  # work, and heals
-                    continue  # it started again meanwhile: that start heals already
-                self._fail_group(g, f"missed exchange {q.exchange}: its quorum formed without this group once "
-                                    f"the {self.quorum_grace_s:g}s grace window (--quorum-grace) ended; it "
-                                    "heals into a later exchange")
-            for g in q.healers:
-                if g in self._healing:
-                    self._healing.discard(g)
-                    self._healed_at[g] = q.exchange
-                    self._counts["heals"] += 1
-                    self._event("healed", group=g, exchange=q.exchange, quorum=q.id,
-                                committed=self._counts["committed"])
-            for g, norm in meta["norms"].items():
-                if g not in q.rejected and q.weights.get(g, 0) > 0:
-                    history = self._norms.setdefault(g, [])
-                    history.append(norm)
-                    del history[:-NORM_HISTORY]
-        else:
-            self._counts["rolled_back"] += 1
-            self._event("rolled_back", exchange=q.exchange, quorum=q.id, reason=why)
-        self._cond.notify_all()
-
-    def offer(self, req: StateOffer) -> int:
-        """A donor rank announces the state it serves to one healer rank; returns the epoch."""
-        with self._cond:
-            self._check_open()
-            if req.quorum_id not in self._quorums:
-                raise quorum.QuorumError("NOT_FOUND", f"quorum {req.quorum_id} is unknown or too old")
-            q, _ = self._quorums[req.quorum_id]
-            if req.donor_group != q.donor or req.healer_group not in q.healers:
-                raise quorum.QuorumError("INVALID_ARGUMENT",
-                                         f"quorum {q.id}: donor is group {q.donor}, healers {list(q.healers)}")
-            self._offers[(req.quorum_id, req.healer_group, req.healer_rank)] = req
-            self._cond.notify_all()
-            return self._epoch_locked()
-
-    def wait_offer(self, req: OfferQuery, *, deadline: float,
-                   active: Callable[[], bool] = lambda: True) -> StateOffer:
-        """Wait for the donor's offer to this healer rank; ABORTED if the quorum was rolled back or
-        its donor failed first (heal again with the next quorum)."""
-        key = (req.quorum_id, req.healer_group, req.healer_rank)
-        with self._cond:
-            while key not in self._offers:
-                self._check_open()
-                self._sweep()
-                entry = self._quorums.get(req.quorum_id)
-                if entry is None:
-                    raise quorum.QuorumError("NOT_FOUND", f"quorum {req.quorum_id} is unknown or too old")
-                q, _ = entry
-                decided = self._decisions.get(q.id)
-                if q.donor in self._group_failed or (decided is not None and not decided[0]):
-                    raise quorum.QuorumError("ABORTED", f"quorum {q.id} failed before its donor offered: "
-                                             f"{self._group_failed.get(q.donor) or decided[1]}")  # type: ignore[index]
-                remaining = deadline - self._clock()
-                if remaining <= 0 or not active():
-                    raise quorum.QuorumError("DEADLINE_EXCEEDED", f"no state offer for quorum {q.id} yet")
-                self._cond.wait(min(remaining, _POLL_S))
-            return self._offers[key]
+                              stop=meta.get("stop", False), setting=meta.get("setting", ""),
+                              left_out={} if kind == "catch_up" else dict(meta.get("left_out_members", {})),
+                              catch_up=kind == "catch_up")
 
     def request_stop(self, reason: str) -> None:
         """Ask every group to checkpoint and stop after its next exchange (quorums say ``stop``)."""
@@ -447,6 +440,7 @@ class RoundState(Liveness):
 
     def _release_asks(self, g: int, reason: str) -> None:
         self._healed_at.pop(g, None)
-        for exchange, asks in self._asks.items():
-            for r in asks.pop(g, {}):
-                self._answers[(g, r, exchange)] = ("evicted", reason)
+        self._behind.pop(g, None)
+        self._vetoes.pop(g, None)
+        for exchange in self._book.exchanges():
+            self._book.answer(g, self._book.take(exchange, g), exchange, ("evicted", reason))

@@ -5,28 +5,42 @@ among a *quorum* the coordinator hands out. These functions decide, from what th
 voted, who is in it, with which weights, and whether its result may be applied. Nothing here
 keeps state, takes locks or reads a clock, so every rule is tested without processes.
 
-Rules (docs/fault_tolerance.md):
+Rules (docs/fault_tolerance.md §2-3). They hold whatever one member says: every input from a
+member (its exchange, hash, setting, size, weight, vote) is one member's word, so no rule lets one
+group's word decide for the others, and no rule breaks a tie by group id.
 
 * a quorum for exchange E forms once every live group (joined, not failed, not healing) has asked
   for a quorum, and at least ``min_groups`` groups are in it; groups that asked to heal join the
-  next quorum that forms. E is the job's next exchange; a group that asks for another one is out
-  of step and is sent to heal;
+  next quorum that forms. E must lie within ``MAX_EXCHANGES_AHEAD`` of the job's committed position
+  (the caller refuses asks beyond it);
 * with a grace window (``grace_s`` > 0), the quorum also forms once ``grace_s`` seconds passed
-  since the first group asked for this attempt of E, with the groups that asked by then (still at
-  least ``min_groups``): the live groups that had not asked are *left out* (``Quorum.left_out``);
-  once E commits without them they are out of step, lose their round's work and heal. A group
-  that healed in an earlier exchange and has not asked for a later one yet is waited for past the
-  window while it is heard from (``patient_groups``): it trains its first round only once its
-  state transfer ended, and cutting it would only send it to heal again;
+  since the first group asked for this attempt of E, with the groups that asked by then, but only
+  if they are a strict majority of the live groups still heard from (``heartbeating``: a group
+  silent for two heartbeat intervals is not counted), so one group never forms a quorum while
+  another live group heartbeats, and a member asking far ahead waits alone. The live groups that
+  had not asked are *left out* (``Quorum.left_out``): they stay members, and once E commits they
+  take its committed mean at weight 0 (they *catch up*; the caller decides this). Control
+  exchanges (``healable`` False: the initial agreement, a final reconcile) wait for every live
+  group, and the caller applies no window before the job's first training commit. A group that
+  healed in an earlier exchange and has not asked for a later one yet is waited for past the
+  window while it is heard from (``patient_groups``);
 * the non-healing members must agree on the exchange's tag and size, on the hash of the global
-  state they start from and (``--codec/--h auto``) on the setting they run: a member in the
-  minority is *evicted* (stopped and healed), never averaged;
+  state they start from, on the setting they run (``--codec/--h auto``) and on the weight cap of
+  their schedule. The value most members hold wins when no other value is held by as many: a
+  member holding another is *evicted* (stopped and healed), never averaged. A tie (two groups
+  that differ, or two values held by as many groups) evicts nobody: it is a ``Disagreement``,
+  the attempt is rolled back, and ``DISAGREEMENT_LIMIT`` of them in a row halt the job with an
+  error naming the groups and what differs;
 * weights: a member's weight is what it contributed since its last exchange (tokens, or inner
-  steps x ranks); healers and rejected contributions weigh 0. The mean is the weighted mean;
+  steps x ranks); healers and rejected contributions weigh 0. The mean is the weighted mean. A
+  weight above what the group can have trained in one exchange (the agreed weight cap per rank,
+  times its ranks) is refused;
 * a contribution is *rejected* if its norm is NaN/Inf, or larger than ``factor`` times the median
   of the group's last accepted norms (once ``min_history`` are known; ``factor`` 0 turns this off);
 * a quorum's result is applied (committed) only if every rank of every member voted that its
   collective finished; any failed vote, or a member declared failed, rolls it back on everyone.
+  A member whose no (or missing) vote alone rolled back ``VETO_LIMIT`` attempts in a row, while
+  at least as many members voted yes, is evicted (``blamed``).
 """
 
 from __future__ import annotations
@@ -38,6 +52,19 @@ from dataclasses import dataclass, field
 from typing import Collection, Mapping, Sequence
 
 HEAL = -1  # the exchange a group asks for when it needs the job's state first
+#: how far past the job's committed position (its lowest exchange not yet committed) an exchange may
+#: be asked for: an honest group has at most one exchange in flight per fragment, plus a control
+#: exchange, and an engine has at most ``diloco.engine.fragments.MAX_FRAGMENTS`` (32) fragments
+MAX_EXCHANGES_AHEAD = 64
+#: attempts in a row whose roll-back one member alone caused (a no vote, or no vote at all, while at
+#: least as many members voted yes) before it is evicted. One is an ordinary fault (a corrupt frame,
+#: a neighbour lost before the coordinator said so), two happen while a fault outlives one retry;
+#: three is a member whose rings always fail (a broken link or build) or that vetoes on purpose, and
+#: evicting it (a restart and a heal) is what its own ranks would do after ``max_attempts``, sooner
+VETO_LIMIT = 3
+#: ties on one exchange in a row (``Disagreement``) before the job halts: honest members never
+#: differ in hash, shape, setting or weight cap, so a second one is not a transient
+DISAGREEMENT_LIMIT = 2
 
 
 @dataclass(frozen=True)
@@ -52,6 +79,25 @@ class Ask:
     delta_norm: float = 0.0  # L2 norm of its contribution (NaN/Inf = non-finite)
     healable: bool = True  # healers may join this exchange
     setting: str = ""  # --codec/--h auto: the setting (a row of the study's table) it runs; "" none
+    #: the most tokens one rank of it can contribute to one exchange under its schedule (0: none said)
+    weight_cap: float = 0.0
+    size: int = 1  # its ranks (from the membership, not from its word)
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """Members of one exchange that differ in ``what`` with no value held by more groups than any
+    other (two groups that differ, or two values held by as many): nobody can be evicted on one
+    member's word, so the attempt is rolled back (and repeated, the job halts: ``message``)."""
+
+    exchange: int
+    what: str  # "exchange tag and size", "global state hash", "auto setting", "weight cap"
+    values: Mapping[int, str]  # group -> the value it asked with
+
+    def message(self) -> str:
+        """One line naming every group and what it said."""
+        said = "; ".join(f"group {g}: {v}" for g, v in sorted(self.values.items()))
+        return f"the members of exchange {self.exchange} differ in their {self.what} and no value has a majority ({said})"
 
 
 @dataclass(frozen=True)
@@ -92,11 +138,35 @@ def screen(norm: float, history: Sequence[float], factor: float, min_history: in
     return None
 
 
-def _majority(values: Mapping[int, object]) -> object:
-    """The most common value; ties go to the value of the lowest group id."""
-    counts = Counter(values.values())
-    best = max(counts.values())
-    return next(values[g] for g in sorted(values) if counts[values[g]] == best)
+def winner(values: Mapping[int, object]) -> object | None:
+    """The value more groups hold than any other value, or None on a tie (no group id decides)."""
+    counts = Counter(values.values()).most_common()
+    if len(counts) > 1 and counts[0][1] == counts[1][1]:
+        return None
+    return counts[0][0]
+
+
+def _agree(current: Mapping[int, Ask], evicted: dict[int, str], exchange: int
+           ) -> tuple[dict[str, object], Disagreement | None]:
+    """The values the members agree on (shape, hash, setting, weight cap), each member that holds
+    another evicted into ``evicted``; or the first Disagreement (a tie)."""
+    rules = (("exchange tag and size", lambda a: (a.tag, a.numel), lambda v: f"{v[0]!r} of {v[1]} elements"),
+             ("global state hash", lambda a: a.state_hash, lambda v: v or "(none)"),
+             ("auto setting", lambda a: a.setting, repr),
+             ("weight cap", lambda a: a.weight_cap, lambda v: f"{v:g} tokens per rank"))
+    agreed: dict[str, object] = {}
+    for what, key, show in rules:  # "" and 0 are values too: honest members of one exchange all say them or none
+        values = {g: key(a) for g, a in current.items() if g not in evicted}
+        if not values:
+            continue
+        best = winner(values)
+        if best is None:
+            return agreed, Disagreement(exchange, what, {g: show(v) for g, v in values.items()})
+        agreed[what] = best
+        for g, v in values.items():
+            if v != best:
+                evicted[g] = f"its {what} {show(v)} differs from the other members' {show(best)}"
+    return agreed, None
 
 
 def grace_over(waited_s: float | None, grace_s: float) -> bool:
@@ -120,14 +190,17 @@ def patient_groups(healed_at: Mapping[int, int], exchange: int, silent_s: Mappin
 def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None, min_groups: int,
            attempt: int, quorum_id: str, rejected: Mapping[int, str] | None = None,
            waited_s: float | None = None, grace_s: float = 0.0,
-           patient: Collection[int] = ()) -> Quorum | None:
-    """The quorum to hand out now, or None while it must wait.
+           patient: Collection[int] = (), heartbeating: Collection[int] | None = None
+           ) -> Quorum | Disagreement | None:
+    """The quorum to hand out now, a Disagreement (roll the attempt back), or None while it must wait.
 
     ``asks``: the groups every rank of which asked (HEAL for healers). ``live``: the groups that
     count as members (joined, not failed, not healing) — a live group that has not asked is waited
     for, until the grace window ends (``grace_over(waited_s, grace_s)``; ``waited_s``: seconds
     since the first group asked for this attempt); it is then left out (``Quorum.left_out``),
-    unless it is ``patient`` (waited for regardless of the window).
+    unless it is ``patient`` (waited for regardless of the window), the exchange is a control
+    exchange, or the groups that asked are not a strict majority of the live groups that asked or
+    are ``heartbeating`` (None: every live group counts).
     ``next_exchange``: the job's next exchange (None after a coordinator restart: the one most
     groups ask for, the latest on a tie). ``attempt``: how many quorums this exchange had before.
     ``rejected``: contributions the caller's screen refused (group -> reason).
@@ -147,33 +220,36 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
     current = {g: a for g, a in regular.items() if g not in evicted}
     if not current:
         return None  # only groups out of step asked; the job's current members have not yet
-    shape = _majority({g: (a.tag, a.numel) for g, a in current.items()})
-    for g, a in current.items():
-        if (a.tag, a.numel) != shape:
-            evicted[g] = f"asked for {a.tag!r} of {a.numel} elements, the others for {shape[0]!r} of {shape[1]}"
-    hashes = {g: a.state_hash for g, a in current.items() if g not in evicted and a.state_hash}
-    agreed = str(_majority(hashes)) if hashes else ""
-    for g, h in hashes.items():
-        if h != agreed:
-            evicted[g] = f"global state hash {h} differs from the quorum's {agreed}"
-    settings = {g: a.setting for g, a in current.items() if g not in evicted and a.setting}
-    setting = str(_majority(settings)) if settings else ""
-    for g, s in settings.items():
-        if s != setting:
-            evicted[g] = f"runs the auto setting {s!r}, the quorum {setting!r}"
+    if missing and not all(a.healable for a in current.values()):
+        return None  # a control exchange waits for every live group
+    agreed, disagreement = _agree(current, evicted, exchange)
+    if disagreement is not None:
+        return disagreement
     members = sorted(g for g in current if g not in evicted)
+    if missing:  # the window ended: only a strict majority of the groups still heard from goes on
+        heard = set(live) if heartbeating is None else set(heartbeating)
+        counted = set(members) | {g for g in missing if g in heard}
+        if 2 * len(members) <= len(counted):
+            return None
     healable = all(current[g].healable for g in members)
     healers = sorted(g for g, a in asks.items() if a.exchange == HEAL) if healable else []
     if not members or len(members) + len(healers) < min_groups:
         return None
     refused = {g: r for g, r in (rejected or {}).items() if g in members}
+    cap = float(agreed.get("weight cap", 0.0))  # type: ignore[arg-type]
+    for g in members:
+        w = current[g].weight
+        if g not in refused and cap > 0 and w > cap * current[g].size:
+            refused[g] = (f"weight {w:g} is more than group {g} can have trained in one exchange "
+                          f"({cap:g} tokens per rank x {current[g].size} ranks)")
     weights = {g: (0.0 if g in refused else float(current[g].weight)) for g in members}
     weights.update({g: 0.0 for g in healers})
-    tag, numel = shape  # type: ignore[misc]
+    tag, numel = agreed.get("exchange tag and size", ("", 0))  # type: ignore[misc]
     return Quorum(id=quorum_id, exchange=exchange, attempt=attempt, tag=str(tag), numel=int(numel),
                   groups=tuple(sorted(members + healers)), weights=weights, healers=tuple(healers),
-                  donor=members[0] if healers else -1, rejected=refused, evicted=evicted,
-                  state_hash=agreed, left_out=tuple(missing), setting=setting)
+                  donor=members[0] if healers or missing else -1, rejected=refused, evicted=evicted,
+                  state_hash=str(agreed.get("global state hash", "")), left_out=tuple(missing),
+                  setting=str(agreed.get("auto setting", "")))
 
 
 def commit_outcome(quorum: Quorum, sizes: Mapping[int, int], votes: Mapping[tuple[int, int], tuple[bool, str]],
@@ -201,26 +277,49 @@ def commit_outcome(quorum: Quorum, sizes: Mapping[int, int], votes: Mapping[tupl
     return None
 
 
+def blamed(quorum: Quorum, sizes: Mapping[int, int], votes: Mapping[tuple[int, int], tuple[bool, str]],
+           failed: Collection[int] = ()) -> set[int]:
+    """The members whose votes alone rolled ``quorum`` back. A member said yes when every one of
+    its ranks voted yes; any no, or a rank that did not vote, is its no. Members declared failed
+    are left aside (they are out already). The no members are blamed when some member said yes
+    and the yes members are at least as many: a failure every member saw (a broken ring) blames
+    nobody, and so does one most members saw (a lone yes proves nothing against them)."""
+    said = {g: all(votes.get((g, r), (False, ""))[0] for r in range(sizes.get(g, 1)))
+            for g in quorum.groups if g not in failed}
+    yes = [g for g, ok in said.items() if ok]
+    no = {g for g, ok in said.items() if not ok}
+    return no if yes and len(yes) >= len(no) else set()
+
+
+def _shares(weights: Mapping[int, float]) -> dict[int, float]:
+    """Each group's ``w_g / sum(w)``, computed without overflow (weights up to the largest
+    float sum to infinity); empty when no weight is positive."""
+    top = max(weights.values(), default=0.0)
+    if not top > 0 or not math.isfinite(top):
+        if top == math.inf:
+            raise ValueError("a contribution weight is infinite")
+        return {}
+    scaled = {g: w / top for g, w in weights.items()}
+    total = math.fsum(scaled.values())
+    return {g: w / total for g, w in scaled.items()}
+
+
 def own_share(weights: Mapping[int, float], group: int) -> float:
     """The part of the weighted mean that is this group's contribution: ``w_g / sum(w)``; 0 for a
     healer, a refused contribution, a group not in the quorum, or no weight at all."""
-    total = sum(weights.values())
-    if total <= 0 or group not in weights:
-        return 0.0
-    return weights[group] / total
+    return _shares(weights).get(group, 0.0)
 
 
 def weighted_scale(weights: Mapping[int, float], group: int) -> float:
     """The factor this group multiplies its contribution by, so that the ring's plain mean
     ``sum(x_g) / G`` is the weighted mean ``sum(w_g Δ_g) / sum(w_g)``: ``G · w_g / sum(w)``.
     1.0 exactly when all weights are equal (the unweighted mean, bit for bit); 0 when none."""
-    total = sum(weights.values())
-    if total <= 0:
+    shares = _shares(weights)
+    if not shares:
         return 0.0
-    values = set(weights.values())
-    if len(values) == 1:
+    if len(set(weights.values())) == 1:
         return 1.0
-    return len(weights) * weights[group] / total
+    return len(weights) * shares.get(group, 0.0)
 
 
 def job_lost(groups: set[int], failed: set[int], healing: set[int], finished: set[int]) -> bool:

@@ -31,7 +31,7 @@ import grpc
 
 from . import credentials
 from .credentials import ADMIN_ONLY, GROUP_FIELDS, GROUP_HEADER, Caller
-from .errors import CoordinatorError
+from .errors import HALTED_TRAILER, CoordinatorError
 from .limits import (BLOCKING, DEFAULT_MAX_QUICK_CALLS, DEFAULT_MAX_QUICK_PER_CALLER, DEFAULT_REQUEST_TIMEOUT_S,
                      QUEUED_CALLS, SPARE_THREADS, CallLimits, Deadlines)
 from .messages import (RPCS, SERVICE, Ack, HeartbeatResponse, JoinRequest, JoinResponse, Message, MessageError,
@@ -246,6 +246,12 @@ class CoordinatorServer:
         return self._state.state_lost
 
     @property
+    def halted(self) -> str | None:
+        """Why the job halted (its members differed with no majority, again: no restart mends it);
+        None while it runs."""
+        return self._state.halted
+
+    @property
     def job_lost(self) -> str | None:
         """"job lost: every group failed; resume from checkpoint (...)" once no group holds the
         job's state (set at once, from heartbeats and restarts); None while one does."""
@@ -385,6 +391,8 @@ class CoordinatorServer:
                 try:
                     reply = fn(req, context)
                 except QuorumError as exc:
+                    if exc.halted:  # no restart mends it: the caller stops (exit 2), not restarts (75)
+                        context.set_trailing_metadata(((HALTED_TRAILER, "1"),))
                     context.abort(grpc.StatusCode[exc.code], f"{name}: {exc}")
                 if not isinstance(reply, reply_type):
                     raise TypeError(f"{name} answered {type(reply).__name__}, not {reply_type.__name__}")

@@ -1,8 +1,9 @@
-"""The coordinator's state: membership and liveness (``liveness.py``), the rounds (``round_state.py``),
-and what groups report besides (progress, round hashes, bandwidth plans), with the views
-observers read (``snapshot``, waiting for the groups' summaries).
+"""The coordinator's state: membership and liveness (``liveness.py``), the rounds (``round_state.py``:
+asks and quorums; ``vote_state.py``: votes, commits and state offers), and what groups report
+besides (progress, round hashes, bandwidth plans), with the views observers read (``snapshot``,
+waiting for the groups' summaries).
 
-Thread-safe (one condition variable, shared by all three parts), independent of gRPC: handlers
+Thread-safe (one condition variable, shared by all four parts), independent of gRPC: handlers
 call these methods and turn :class:`~diloco.coordinator.quorum.QuorumError` into a status code.
 """
 
@@ -15,12 +16,13 @@ from typing import Any, Callable
 
 from . import quorum
 from .messages import BandwidthRequest, ProgressRequest, RoundRequest
-from .round_state import MAX_ROUNDS_KEPT, RoundState
+from .round_state import MAX_ROUNDS_KEPT
+from .vote_state import VoteState
 
 MAX_PINS_KEPT = 4096  # exchange -> plan version pins kept, oldest dropped first
 
 
-class CoordinatorState(RoundState):
+class CoordinatorState(VoteState):
     """Everything the coordinator knows; all times are ``clock()`` seconds (monotonic)."""
 
     def __init__(self, expected_groups: int, *, join_timeout_s: float = 120.0,
@@ -173,7 +175,8 @@ class CoordinatorState(RoundState):
                 "rounds_state": {
                     "boot": self.boot, "started": self._started, "min_groups": self.min_groups,
                     "heartbeat_timeout_s": self.heartbeat_timeout_s, "quorum_grace_s": self.quorum_grace_s,
-                    "job_lost": self.job_lost, **self._counts,
+                    "job_lost": self.job_lost, "halted": self.halted, "frontier": self.frontier,
+                    "behind": {g: sorted(b) for g, b in sorted(self._behind.items()) if b}, **self._counts,
                     "live_groups": sorted(self._live()), "healing_groups": sorted(self._healing),
                     "failed_groups": dict(sorted(self._group_failed.items())),
                     "incarnations": dict(sorted(self._incarnations.items())),

@@ -55,11 +55,11 @@ from diloco.engine.averaging import Averager, Done, PendingMean
 from diloco.engine.error_feedback import Residuals
 from diloco.engine.tiles import FromTiles, TileLayout
 from diloco.engine.initial import agree
-from diloco.engine.modes import MODES, InitialSync, Mode
+from diloco.engine.modes import MAX_FRAGMENTS, MODES, InitialSync, Mode
 from diloco.engine.outer import OuterOptimizerFactory, by_mode
 from diloco.engine.outer_state import OuterFragment, global_weights_loaded, params_hash
 from diloco.engine.round_clock import RoundClock
-from diloco.engine.schedule import FixedSchedule, SyncSchedule, TimeRounds
+from diloco.engine.schedule import FixedSchedule, SyncSchedule, TimeRounds, longest_round
 from diloco.engine.sharded import ShardedState
 
 STATE_VERSION = 1
@@ -185,6 +185,9 @@ class DiLoCo:
         if not named:
             raise ValueError("the model has no trainable parameters")
         groups = self._fragment_names(model, named, fragments)
+        if len(groups) > MAX_FRAGMENTS:
+            raise ValueError(f"{len(groups)} fragments: at most {MAX_FRAGMENTS} (each keeps an exchange in flight, and "
+                             "the coordinator refuses exchanges asked too far ahead of the job)")
         self.time_rounds = self.schedule if isinstance(self.schedule, TimeRounds) else None
         if self.time_rounds is not None and mode not in ("blocking", "overlap"):
             raise ValueError(f"rounds by time run with mode 'blocking' or 'overlap', not {mode!r}")
@@ -332,6 +335,12 @@ class DiLoCo:
             return self.step()
         finally:
             self._skipping = False
+
+    @property
+    def max_round_steps(self) -> int | None:
+        """The most inner steps one fragment's exchange can carry under the schedule (the bound of
+        a contribution's weight, ``schedule.longest_round``); None when nothing bounds a round."""
+        return longest_round(self.schedule)
 
     def progress(self) -> float:
         """The job's progress in [0, 1]: with time rounds, rounds committed and this round's time

@@ -20,7 +20,7 @@ import bisect
 import functools
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class SyncSchedule(Protocol):
@@ -148,6 +148,19 @@ class PacedSchedule:
 
     def period(self, step: int, lr: float) -> int:
         return planned_period(self.points, step)
+
+
+def longest_round(schedule: Any) -> int | None:
+    """The most inner steps one fragment's exchange can carry under ``schedule`` (its largest H,
+    never more than its ``total_steps``), or None when nothing bounds it (rounds by time, QSR
+    without ``h_max`` or ``total_steps``, a schedule of the user's own without either)."""
+    bounds = [b for b in (getattr(schedule, "total_steps", None), getattr(schedule, "h_max", None)) if b]
+    if isinstance(schedule, FixedSchedule):
+        bounds.append(schedule.h)
+    elif isinstance(schedule, PacedSchedule):
+        points = (0, *schedule.points)
+        bounds.append(max(b - a for a, b in zip(points, points[1:])))
+    return max(min(bounds), 1) if bounds else None
 
 
 def planned_period(points: tuple[int, ...] | list[int], step: int) -> int:

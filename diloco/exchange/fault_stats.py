@@ -27,6 +27,9 @@ class FaultStats:
     quorum_sizes: list[int] = field(default_factory=list)  # groups of each committed exchange
     rejoins: int = 0  # times this rank rejoined a restarted coordinator
     aborted_lost: int = 0  # rings aborted because the coordinator said a member of their quorum was lost
+    caught_up: int = 0  # exchanges the grace window left this group out of, whose mean it took at weight 0
+    catch_ups_served: int = 0  # committed means this rank sent to a left-out group as the donor
+    disagreements: int = 0  # asks answered "the members differ with no majority: ask again"
     # the last MAX_EXCHANGES_KEPT exchanges: [exchange, seconds from asking to commit, attempts, groups]
     exchanges: list[list[float]] = field(default_factory=list)
 

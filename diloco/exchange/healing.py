@@ -1,4 +1,5 @@
-"""Healing's state transfer: a donor group's engine state, sent to a recovering group's ranks.
+"""Healing's state transfer: a donor group's engine state, sent to a recovering group's ranks; and
+a committed mean, sent to a live group the grace window left out of its exchange (it catches up).
 
 When a quorum holds healers (groups joining a running job), its donor group's ranks each send
 their engine's ``state_dict()`` to the healer ranks mapped to them (healer rank h is served by
@@ -58,28 +59,43 @@ class StateTransfer:
         for frag in state.get("fragments", []):  # error-feedback residuals are the donor group's own
             if isinstance(frag, dict) and "residual" in frag:
                 frag["residual"] = None
-        blob = state_blob.pack(state)
+        self._serve(resp, state_blob.pack(state), {h: resp.members[h] for h in resp.healers}, "heal")
+
+    def serve_mean(self, resp: QuorumResponse, mean: torch.Tensor) -> None:
+        """As a rank of the donor group of a committed quorum: send its ``mean`` to the ranks of
+        the live groups the grace window left out of it (``resp.left_out``), mapped to this rank;
+        each transfer waits for its group to ask (it catches up) in the background."""
+        self._serve(resp, state_blob.pack({"mean": mean}), dict(resp.left_out), "catch-up")
+
+    def _serve(self, resp: QuorumResponse, blob: bytes, targets: dict[int, tuple[str, ...]], kind: str) -> None:
+        """Send ``blob`` to every rank of ``targets`` (group -> addresses) that this rank serves
+        (rank h of a group by donor rank h mod this group's size), announcing each offer."""
         digest = hashlib.sha256(blob).hexdigest()
         values = state_blob.to_values(blob)
         me = resp.members[self.group][self.rank]
-        for healer in resp.healers:
-            for h_rank, address in enumerate(resp.members[healer]):
+        for group, addresses in targets.items():
+            for h_rank, address in enumerate(addresses):
                 if h_rank % self.group_size != self.rank:
                     continue
-                handle = self.transport.all_reduce(values, [me, address], 0, tag=f"heal/{resp.id}/{healer}/{h_rank}",
-                                                   timeout_s=self.timeout_s, groups=[self.group, healer])
-                self.retry("state offer", lambda h=healer, r=h_rank: self.client.offer_state(
+                handle = self.transport.all_reduce(values, [me, address], 0, tag=f"{kind}/{resp.id}/{group}/{h_rank}",
+                                                   timeout_s=self.timeout_s, groups=[self.group, group])
+                self.retry("state offer", lambda h=group, r=h_rank: self.client.offer_state(
                     StateOffer(resp.id, self.group, self.rank, h, r, len(blob), digest)))
-                t = threading.Thread(target=self._watch_serve, args=(handle, resp.id, healer, h_rank), daemon=True)
+                t = threading.Thread(target=self._watch_serve, args=(handle, resp.id, group, h_rank, kind),
+                                     daemon=True)
                 t.start()
                 self._serving.append(t)
 
-    def _watch_serve(self, handle: Any, quorum_id: str, healer: int, h_rank: int) -> None:
+    def _watch_serve(self, handle: Any, quorum_id: str, group: int, h_rank: int, kind: str) -> None:
         try:
             handle.wait(self.timeout_s)
-            self.stats.heals_served += 1
+            if kind == "heal":
+                self.stats.heals_served += 1
+            else:
+                self.stats.catch_ups_served += 1
         except (CollectiveAborted, TransportError) as e:
-            log.warning("serving state to group %d rank %d in %s failed: %s", healer, h_rank, quorum_id, e)
+            log.warning("serving the %s of %s to group %d rank %d failed: %s",
+                        "state" if kind == "heal" else "committed mean", quorum_id, group, h_rank, e)
 
     def fetch(self, resp: QuorumResponse, report: Callable[[bool, str], None],
               sharded: SharedCheck | None = None) -> dict[str, Any] | None:
@@ -105,22 +121,34 @@ class StateTransfer:
         return None if why else state
 
     def _fetch(self, resp: QuorumResponse, *, check_hash: bool) -> dict[str, Any]:
-        offer = self.retry("state offer", lambda: self.client.wait_offer(
-            OfferQuery(resp.id, self.group, self.rank), timeout_s=self.timeout_s))
-        donor = resp.members[offer.donor_group][offer.donor_rank]
-        zeros = torch.zeros(state_blob.num_values(offer.nbytes), dtype=torch.float32)
-        me = resp.members[self.group][self.rank]
-        values = self.transport.all_reduce(zeros, [donor, me], 1, tag=f"heal/{resp.id}/{self.group}/{self.rank}",
-                                           timeout_s=self.timeout_s,
-                                           groups=[offer.donor_group, self.group]).wait(self.timeout_s)
-        blob = state_blob.from_values(values, offer.nbytes)
-        if hashlib.sha256(blob).hexdigest() != offer.digest:
-            raise state_blob.StateFormatError("the state's SHA-256 differs from the donor's offer")
-        state = state_blob.unpack(blob)
+        state = state_blob.unpack(self._fetch_blob(resp, "heal"))
         got = params_hash([t for f in state["fragments"] for t in f["global"].values()]) if check_hash else ""
         if check_hash and resp.state_hash and got != resp.state_hash:
             raise state_blob.StateFormatError(f"the state's global hash {got} is not the quorum's {resp.state_hash}")
         return state
+
+    def fetch_mean(self, resp: QuorumResponse, numel: int) -> torch.Tensor:
+        """As a rank of a group left out of ``resp`` (which committed): its mean, from the donor rank
+        that serves this rank, checked against the donor's announced SHA-256; ``numel`` fp32 values."""
+        tree = state_blob.unpack(self._fetch_blob(resp, "catch-up"))
+        mean = tree.get("mean") if isinstance(tree, dict) else None
+        if not isinstance(mean, torch.Tensor) or mean.dtype != torch.float32 or mean.shape != (numel,):
+            raise state_blob.StateFormatError(f"the donor's mean of {resp.id} is not {numel} fp32 values")
+        return mean
+
+    def _fetch_blob(self, resp: QuorumResponse, kind: str) -> bytes:
+        """The blob the donor offers this rank in quorum ``resp`` (its size and SHA-256 checked)."""
+        offer = self.retry("state offer", lambda: self.client.wait_offer(
+            OfferQuery(resp.id, self.group, self.rank), timeout_s=self.timeout_s))
+        donor = resp.members[offer.donor_group][offer.donor_rank]
+        zeros = torch.zeros(state_blob.num_values(offer.nbytes), dtype=torch.float32)
+        values = self.transport.all_reduce(zeros, [donor, self.transport.address], 1,
+                                           tag=f"{kind}/{resp.id}/{self.group}/{self.rank}", timeout_s=self.timeout_s,
+                                           groups=[offer.donor_group, self.group]).wait(self.timeout_s)
+        blob = state_blob.from_values(values, offer.nbytes)
+        if hashlib.sha256(blob).hexdigest() != offer.digest:
+            raise state_blob.StateFormatError("the state's SHA-256 differs from the donor's offer")
+        return blob
 
     def join(self, timeout_s: float) -> None:
         """Wait for the transfers this rank serves, up to ``timeout_s`` seconds each."""

@@ -75,6 +75,12 @@ class GroupEvicted(RuntimeError):
     differed). Restart the group's processes: they join again and heal."""
 
 
+class JobHalted(RuntimeError):
+    """The coordinator halted the job: its members differ (state hash, setting, size, weight cap)
+    with no majority, again, so no group can be trusted over another. A restart would meet the
+    same halted coordinator: the rank stops with exit 2 and the message naming the groups."""
+
+
 class ExchangeFailed(RuntimeError):
     """An exchange (or healing) rolled back ``max_attempts`` times in a row: a failure that
     repeats (a bug, a link that corrupts every frame, a stale build) rather than a group lost
@@ -102,7 +108,7 @@ class _Retry:
                 return call()
             except CoordinatorError as e:
                 if e.code == "FAILED_PRECONDITION":
-                    raise GroupEvicted(f"group {self.avg.group}: {e}") from None
+                    raise (JobHalted if e.halted else GroupEvicted)(f"group {self.avg.group}: {e}") from None
                 if e.code == "NOT_FOUND" and not rejoined:
                     rejoined = True
                     self.avg.rejoin()
@@ -154,6 +160,7 @@ class QuorumAverager(StripedAverager):
         self.setting = ""
         self.on_setting: Callable[[str], None] | None = None
         self._evicted: str | None = None
+        self._halted = False  # the coordinator halted the job (JobHalted), rather than evicted this group
         #: set once the coordinator told this group to leave (``evicted_reason`` says why): a wait that is
         #: not an exchange (the first bandwidth probe) gives up on it
         self.evicted = threading.Event()
@@ -185,7 +192,7 @@ class QuorumAverager(StripedAverager):
         ``error_feedback``, ``shards``: see ``StripedAverager.start`` (the committed attempt's
         ``sent``; a sharded fragment: the quorum sees its whole size and its whole norm)."""
         if self._evicted is not None:
-            raise GroupEvicted(self._evicted)
+            raise self.departure()
         gather = self.gathers(exact, error_feedback)
         asked = time.perf_counter()
         exchange = self.exchanges
@@ -199,12 +206,20 @@ class QuorumAverager(StripedAverager):
             numel=src.numel() if shards is None else shards.numel,
             weight=1.0 if exact else max(weight, 0.0) * self.tokens_per_step,  # control exchanges: a plain mean
             state_hash=engine.global_hash() if lead and engine is not None and engine.mode != "eager" else "",
-            delta_norm=norm if lead else 0.0, retry=False, setting=self.setting)
-        resp = self._ask(ask, healable=not exact)
+            delta_norm=norm if lead else 0.0, retry=False, setting=self.setting,
+            weight_cap=0.0 if exact else self.weight_cap())
+        resp = self._ask(ask, healable=not exact)  # catch_up: left out of it by the grace window (QuorumPending)
         if resp.healers and resp.donor == self.group and engine is not None:
             self._transfer.serve(resp, {**engine.state_dict(), "data_positions": self.positions.state()})
         return QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather,
                               shards=shards)
+
+    def weight_cap(self) -> float:
+        """The most tokens one rank of this group can contribute to one exchange under the engine's
+        schedule (its longest round in steps x this group's tokens per step per rank), which every
+        member declares alike and the coordinator holds weights to; 0 when nothing bounds a round."""
+        steps = getattr(self._engine, "max_round_steps", None)
+        return float(steps) * self.tokens_per_step / self.group_size if steps else 0.0
 
     def heal(self, engine) -> None:
         """Join the job: fetch a live member's state in the next quorum and finish its exchange."""
@@ -233,7 +248,7 @@ class QuorumAverager(StripedAverager):
                     raise self._gave_up("healing", attempts, str(e)) from None
                 log.warning("group %d: healing in %s rolled back (%s); trying the next quorum", self.group, resp.id, e)
                 continue
-            if not self._every_rank_fetched(state is not None):  # committed, but without this group's state
+            if not self.every_rank_fetched(state is not None):  # committed, but without this group's state
                 attempts += 1
                 why = next((w for w in fetched if w), "another rank of this group failed its fetch")
                 if attempts >= self.max_attempts:
@@ -255,6 +270,23 @@ class QuorumAverager(StripedAverager):
                      self.stats.heal_seconds, resp.tag)
             return
 
+    def serve_left_out(self, resp: QuorumResponse, mean: torch.Tensor, sharded: bool) -> None:
+        """As a rank of the donor of a committed quorum that the grace window formed without some
+        live groups: serve each of their ranks the committed ``mean`` (in the background; a
+        left-out group fetches it when it asks for this exchange, and catches up)."""
+        if not resp.left_out or resp.donor != self.group:
+            return
+        if sharded:  # each rank holds a shard of the mean: the left-out group heals instead
+            log.warning("group %d rank %d: groups %s were left out of %s, and this sharded donor cannot serve them "
+                        "the whole mean: they heal", self.group, self.rank, sorted(resp.left_out), resp.id)
+            return
+        self._transfer.serve_mean(resp, mean)
+
+    def fetch_committed_mean(self, resp: QuorumResponse, numel: int) -> torch.Tensor:
+        """As a rank of a group the grace window left out of ``resp`` (``catch_up``): the mean
+        that quorum committed, from the donor rank that serves this rank (``numel`` fp32 values)."""
+        return self._transfer.fetch_mean(resp, numel)
+
     def _take_setting(self, resp: QuorumResponse) -> None:
         """A healer runs the codec of the exchange it joins: that of the members' auto setting."""
         if not resp.setting or resp.setting == self.setting:
@@ -266,7 +298,7 @@ class QuorumAverager(StripedAverager):
         if self.setting != resp.setting:
             raise ValueError(f"group {self.group}: could not switch to the job's auto setting {resp.setting!r}")
 
-    def _every_rank_fetched(self, mine: bool) -> bool:
+    def every_rank_fetched(self, mine: bool) -> bool:
         """Whether every rank of this group got its state (a collective of the group's ranks,
         after the healing exchange's mean was shared), so that they heal again together."""
         if self.group_size == 1:
@@ -284,11 +316,21 @@ class QuorumAverager(StripedAverager):
 
     def _ask(self, req: QuorumRequest, *, healable: bool) -> QuorumResponse:
         req = dataclasses.replace(req, healable=healable)
-        resp = self._retry(f"quorum for exchange {req.exchange}", lambda: self.client.quorum(req))
+        while True:
+            resp = self._retry(f"quorum for exchange {req.exchange}", lambda: self.client.quorum(req))
+            if not resp.disagreement:
+                break
+            log.warning("group %d rank %d: exchange %d did not form: %s; asking again", self.group, self.rank,
+                        req.exchange, resp.disagreement)
+            self.stats.disagreements += 1
+            req = dataclasses.replace(req, retry=True)
+        if resp.halted:
+            self.leave(resp.halted, halted=True)
+            raise self.departure()
         if resp.stop and not req.retry:  # a first attempt is asked at the same step on every group
             self.stop_requested = True
         if resp.evicted:
-            self._leave(resp.evicted)
+            self.leave(resp.evicted)
             raise GroupEvicted(f"group {self.group}: {resp.evicted}")
         if not resp.finished:
             self.num_groups = len(resp.members)
@@ -375,7 +417,7 @@ class QuorumAverager(StripedAverager):
         coordinator as any group does (it heals from a live group, or, when the job was lost,
         resumes from its checkpoint)."""
         if self._needs_heal:
-            self._leave(f"group {self.group}: the coordinator restarted while this group was healing (it holds "
+            self.leave(f"group {self.group}: the coordinator restarted while this group was healing (it holds "
                         "none of the job's state yet): restart it to join the job anew")
             raise GroupEvicted(self._evicted)
         with self._rejoin_lock:
@@ -403,7 +445,7 @@ class QuorumAverager(StripedAverager):
                     self._abort_rings(quorum, lost)
             except CoordinatorError as e:
                 if e.code == "FAILED_PRECONDITION":  # declared failed (e.g. woken from a freeze): the
-                    self._leave(str(e))  # others left its exchanges, so its rings would wait in vain
+                    self.leave(str(e), halted=e.halted)  # others left its exchanges, so its rings would wait in vain
                     with self._rings_lock:
                         running = list(self._running)
                     for q in running:
@@ -423,10 +465,18 @@ class QuorumAverager(StripedAverager):
         """Why the coordinator told this group to leave; None while it has not."""
         return self._evicted
 
-    def _leave(self, why: str) -> None:
-        """The coordinator told this group to leave: its next call raises GroupEvicted(why)."""
+    def leave(self, why: str, *, halted: bool = False) -> None:
+        """The coordinator told this group to leave (``halted``: halted the job): its next call
+        raises ``departure()``."""
         self._evicted = why
+        self._halted = self._halted or halted
         self.evicted.set()
+
+    def departure(self) -> Exception:
+        """What this rank raises once the coordinator told its group to leave: JobHalted when the
+        job halted (exit 2), else GroupEvicted (exit 75: restart and heal)."""
+        why = self._evicted or "the coordinator told this group to leave"
+        return JobHalted(f"group {self.group}: {why}") if self._halted else GroupEvicted(why)
 
     def _abort_rings(self, quorum: str, why: str) -> None:
         with self._rings_lock:

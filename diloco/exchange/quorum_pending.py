@@ -2,7 +2,9 @@
 run in a background thread (this rank's rings among the quorum's groups, its vote, and on a roll
 back the same contribution again in the next quorum) until one commits; ``wait`` then shares the
 stripes inside the group and returns the mean. ``avg`` is the ``QuorumAverager`` that started it:
-its rings, votes, retries, data positions and fault counters."""
+its rings, votes, retries, data positions and fault counters. An exchange the grace window left
+this group out of, which committed without it, is taken as its committed mean from the quorum's
+donor instead (the group *catches up*)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ class QuorumPending:
         #: after ``wait``: when the attempt that committed was decided (``time.monotonic``)
         self.committed_at: float | None = None
         self._value: torch.Tensor | None = None
+        self._committed: QuorumResponse | None = None  # the attempt that committed
+        self._caught_up: QuorumResponse | None = None  # the quorum that committed without this group
+        self._fetch_error = ""
         self._result = None
         self._error: BaseException | None = None
         self._started = time.perf_counter() if asked is None else asked
@@ -70,6 +75,8 @@ class QuorumPending:
         avg, resp = self._avg, self._resp
         attempts = 0
         while True:
+            if resp.catch_up:
+                return self._catch_up(resp)
             attempts += 1
             self.own_rejected = avg.group in resp.rejected
             if self.own_rejected:
@@ -80,6 +87,7 @@ class QuorumPending:
                                                             self._codec)
             decision = avg.vote(resp, ok, why)
             if decision.committed:
+                self._committed = resp
                 self.committed_at = time.monotonic()
                 avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))
                 self.own_share = own_share(resp.weights, avg.group)
@@ -94,6 +102,44 @@ class QuorumPending:
                 raise avg._gave_up(f"exchange {resp.tag}", attempts, decision.reason)
             resp = avg.retry_quorum(self._ask)
 
+    def _catch_up(self, resp: QuorumResponse) -> torch.Tensor | None:
+        """The grace window left this group out of this exchange, which committed without it:
+        fetch the committed mean from the quorum's donor (None if that failed; ``wait`` decides
+        with the group's other ranks). This group weighs 0 in it (``own_share``), its contribution
+        is dropped as a refused one is (``own_rejected``: the engine restarts the fragment from the
+        new global parameters, the data feed draws the round's samples again), and with error
+        feedback the others decoded nothing of it (``sent`` is zeros)."""
+        avg = self._avg
+        if self._shards is not None:
+            avg.leave(f"group {avg.group}: the grace window left it out of {resp.tag}, and a sharded group takes the "
+                      "committed mean by healing: it restarts")
+            raise avg.departure()
+        log.warning("group %d rank %d: the grace window left this group out of %s (%s), which committed without it; "
+                    "taking its mean from group %d at weight 0", avg.group, avg.rank, resp.tag, resp.id, resp.donor)
+        self._caught_up, self.own_rejected, self.own_share = resp, True, 0.0
+        self.committed_at = time.monotonic()
+        try:
+            return avg.fetch_committed_mean(resp, self._src.numel())
+        except Exception as e:  # noqa: BLE001 - every rank learns in wait() whether all of them fetched
+            self._fetch_error = f"{type(e).__name__}: {e}"[:400]
+            return None
+
+    def _land_caught_up(self, mean: torch.Tensor | None) -> torch.Tensor:
+        """The committed mean this group took (every rank of it, or none: it then heals)."""
+        avg, resp = self._avg, self._caught_up
+        assert resp is not None
+        if not avg.every_rank_fetched(mean is not None):
+            why = self._fetch_error or "another rank of this group could not fetch it"
+            avg.leave(f"group {avg.group}: could not take the committed mean of {resp.tag} ({resp.id}) from group "
+                      f"{resp.donor} ({why}): it restarts and heals")
+            raise avg.departure()
+        assert mean is not None
+        avg.positions.commit(resp.tag, resp.weights, refused=True)
+        avg.stats.caught_up += 1
+        if self._gather:
+            self.sent = torch.zeros_like(self._src).to(self._device)
+        return mean.to(self._device)
+
     def wait(self) -> torch.Tensor:
         if self._value is None:
             # every step of an attempt has its own deadline; this bounds a pathological chain of them
@@ -104,6 +150,9 @@ class QuorumPending:
                 raise TimeoutError(f"exchange {self._resp.tag} did not commit within {4 * self._avg.round_timeout_s:g}s")
             if self._error is not None:
                 raise self._error
+            if self._caught_up is not None:
+                self._value = self._land_caught_up(self._result)
+                return self._value
             out, sp, me, sent = self._result
             if self._order is not None:  # made on the attempts' stream, used on the caller's from here
                 self._order.hand_over(out, sent)
@@ -111,4 +160,7 @@ class QuorumPending:
             if sent is not None:
                 self.sent = sent.to(self._device)
             self._value = out.to(self._device)
+            if self._committed is not None and self._committed.left_out:
+                self._avg.serve_left_out(self._committed, self._value, sharded=self._shards is not None)
         return self._value
+

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from diloco.engine.modes import INITIAL_SYNCS, MODES
+from diloco.engine.modes import INITIAL_SYNCS, MAX_FRAGMENTS, MODES
 from diloco.job.auto_choice import AUTO, AUTO_H, auto_problems
 from diloco.job.codec_config import make_codec, make_final_codec, plain_fp32
 
@@ -445,7 +445,7 @@ class Config:
             need(gamma_ok or not math.isfinite(s.paced_gamma),  # (not finite: said above)
                  f"--paced-gamma must be in [-4, 4], got {s.paced_gamma}")
             shortest = self._shortest_paced_period(problems) if gamma_ok else None
-        need(s.fragments >= 1, f"--fragments must be >= 1, got {s.fragments}")
+        need(1 <= s.fragments <= MAX_FRAGMENTS, f"--fragments must be in [1, {MAX_FRAGMENTS}], got {s.fragments}")
         if not self.train.entry:  # the demo GPT's fragments are its blocks
             need(m.n_layer >= s.fragments, f"--fragments ({s.fragments}) cannot exceed --n-layer ({m.n_layer})")
             need(not self.train.entry_args, "--entry-args needs --entry (the demo takes no entry arguments)")

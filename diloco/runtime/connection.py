@@ -38,7 +38,7 @@ from diloco.coordinator import CoordinatorClient, CoordinatorError
 from diloco.coordinator.credentials import for_group
 from diloco.coordinator.waiting import waiting
 from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
-from diloco.exchange.quorum_averager import GroupEvicted, QuorumAverager
+from diloco.exchange.quorum_averager import QuorumAverager
 from diloco.job.codec_config import make_codec
 from diloco.job.config import ConfigError, TransportConfig
 from diloco.runtime.endpoint import (
@@ -129,7 +129,7 @@ def unless_evicted(work: Callable[[], T], averager: QuorumAverager) -> T:
     threading.Thread(target=run, name=f"{getattr(work, '__name__', 'work')}-unless-evicted", daemon=True).start()
     while not done.wait(EVICTION_POLL_S):
         if averager.evicted.is_set():
-            raise GroupEvicted(averager.evicted_reason or "the coordinator told this group to leave")
+            raise averager.departure()
     if "error" in result:
         raise result["error"]
     return result["value"]

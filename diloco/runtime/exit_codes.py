@@ -2,8 +2,9 @@
 
     0   done (trained, or stopped with a job checkpoint, or joined after the job had finished)
     1   another error: a bug or something this table does not know; a restart would repeat it
-    2   configuration: a flag, a file, a path, a corrupt checkpoint, different initial weights;
-        deterministic, so never restarted (the message names what to change)
+    2   configuration: a flag, a file, a path, a corrupt checkpoint, different initial weights, or
+        a job the coordinator halted (its groups differ with no majority); deterministic, so
+        never restarted (the message names what to change)
     75  restart me: a fault (this group was declared failed, a peer or the coordinator was lost,
         a rank was killed); a restarted group joins again and heals
     130 interrupted (Ctrl-C)
@@ -58,12 +59,14 @@ def for_exception(exc: BaseException) -> int:
     """The exit code a rank's uncaught error stands for (see the module doc)."""
     from diloco.coordinator import CoordinatorError
     from diloco.engine.initial import InitialParamsMismatch
-    from diloco.exchange.quorum_averager import ExchangeFailed, GroupEvicted
+    from diloco.exchange.quorum_averager import ExchangeFailed, GroupEvicted, JobHalted
     from transport import TransportError
     from transport.errors import PeerAuthError
 
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED
+    if isinstance(exc, JobHalted) or (isinstance(exc, CoordinatorError) and exc.halted):
+        return CONFIGURATION  # the coordinator halted the job: a restart meets it halted again
     if isinstance(exc, (GroupEvicted, ExchangeFailed)):
         return RESTART
     if isinstance(exc, CoordinatorError):

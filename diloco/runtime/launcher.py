@@ -294,6 +294,8 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
             bar.update(snapshot)
             if snapshot["rounds_state"].get("job_lost"):  # before any group is restarted into it
                 raise LaunchError(job_lost_message(snapshot["rounds_state"]["job_lost"], cfg), exit_codes.RESTART)
+            if snapshot["rounds_state"].get("halted"):  # every group stops with exit 2: no restart mends it
+                raise LaunchError(f"the job halted: {snapshot['rounds_state']['halted']}", exit_codes.CONFIGURATION)
             try:
                 rs = snapshot["rounds_state"]
                 if supervisor.poll(live=set(rs["live_groups"]), progress=_job_progress(snapshot, cfg.train.steps),

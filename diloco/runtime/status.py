@@ -109,6 +109,8 @@ def format_status(doc: dict[str, Any]) -> str:
             f"({quorum_now.get('decision') or 'open'})")
         if rs.get("job_lost"):
             lines.append(f"JOB LOST: {rs['job_lost']}")
+        if rs.get("halted"):
+            lines.append(f"JOB HALTED: {rs['halted']}")
     lines.append("")
     rows = [["group", "ranks", "failed", "step", "round", "H", "loss", "lr", "tokens/s", "util", "sent", "state"]]
     for g in groups:

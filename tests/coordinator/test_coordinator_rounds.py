@@ -4,7 +4,17 @@ import math
 
 import pytest
 
-from diloco.coordinator.rounds import HEAL, Ask, Quorum, commit_outcome, decide, own_share, screen, weighted_scale
+from diloco.coordinator.rounds import (
+    HEAL,
+    Ask,
+    Disagreement,
+    Quorum,
+    commit_outcome,
+    decide,
+    own_share,
+    screen,
+    weighted_scale,
+)
 
 
 def ask(exchange=5, tag="f0/r5", numel=100, weight=10.0, state_hash="h1", norm=1.0, healable=True, setting=""):
@@ -44,10 +54,16 @@ def test_a_group_with_another_state_hash_or_exchange_is_evicted_by_the_majority(
     q = decide(asks, {0, 1, 2, 3}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
     assert q.groups == (0, 2)
     assert "hash bad differs" in q.evicted[1] and "exchange 4" in q.evicted[3]
-    # a two-group tie goes to the lowest group id's hash
-    q = decide({0: ask(state_hash="a"), 1: ask(state_hash="b")}, {0, 1}, next_exchange=5, min_groups=1,
-               attempt=0, quorum_id="q")
-    assert q.groups == (0,) and 1 in q.evicted and q.state_hash == "a"
+    # a two-group tie evicts nobody, whichever group differs: the attempt is rolled back
+    for first, second in (("a", "b"), ("b", "a")):
+        d = decide({0: ask(state_hash=first), 1: ask(state_hash=second)}, {0, 1}, next_exchange=5, min_groups=1,
+                   attempt=0, quorum_id="q")
+        assert isinstance(d, Disagreement) and d.what == "global state hash" and dict(d.values) == {0: first, 1: second}
+        assert "group 0" in d.message() and "group 1" in d.message() and "exchange 5" in d.message()
+    # so does a tie between two pairs
+    d = decide({0: ask(state_hash="a"), 1: ask(state_hash="b"), 2: ask(state_hash="a"), 3: ask(state_hash="b")},
+               {0, 1, 2, 3}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
+    assert isinstance(d, Disagreement)
 
 
 def test_a_member_running_another_auto_setting_is_evicted_by_the_majority():
@@ -57,10 +73,10 @@ def test_a_member_running_another_auto_setting_is_evicted_by_the_majority():
     q = decide(asks, {0, 1, 2}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
     assert q.groups == (0, 2) and q.setting == "slo-h30-d3"
     assert "slo-h50-d3" in q.evicted[1] and "slo-h30-d3" in q.evicted[1]
-    # a tie goes to the lowest group id's setting; jobs without auto ask with none and agree
-    q = decide({0: ask(setting="b"), 1: ask(setting="a")}, {0, 1}, next_exchange=5, min_groups=1, attempt=0,
+    # a tie evicts nobody; jobs without auto ask with none and agree
+    d = decide({0: ask(setting="b"), 1: ask(setting="a")}, {0, 1}, next_exchange=5, min_groups=1, attempt=0,
                quorum_id="q")
-    assert q.groups == (0,) and q.setting == "b" and 1 in q.evicted
+    assert isinstance(d, Disagreement) and d.what == "auto setting"
     q = decide({0: ask(), 1: ask()}, {0, 1}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
     assert q.groups == (0, 1) and q.setting == "" and not q.evicted
     # a healer asks without one: it learns the quorum's

@@ -26,6 +26,7 @@ from diloco.coordinator.rounds import (
 )
 from diloco.coordinator.state import CoordinatorState
 from diloco.runtime.status import format_status
+from round_helpers import FakeClock, ask_in_thread, formed, run_exchange, vote
 
 
 def ask(exchange=5, weight=10.0):
@@ -54,11 +55,26 @@ def test_once_the_grace_window_ends_the_groups_that_asked_form_the_quorum_withou
 def test_the_grace_window_keeps_min_groups_and_waits_for_a_group_that_just_healed():
     asks = {0: ask()}
     kw = {"next_exchange": 5, "attempt": 0, "quorum_id": "q", "waited_s": 9.0, "grace_s": 0.5}
-    assert decide(asks, {0, 1}, min_groups=2, **kw) is None  # below min_groups the survivors wait
-    assert decide(asks, {0, 1}, min_groups=1, **kw).left_out == (1,)
-    assert decide(asks, {0, 1}, min_groups=1, patient={1}, **kw) is None  # healed: its transfer may still run
+    assert decide(asks, {0, 1}, min_groups=2, heartbeating={0}, **kw) is None  # below min_groups the survivors wait
+    assert decide(asks, {0, 1}, min_groups=1, heartbeating={0}, **kw).left_out == (1,)  # 1 went silent
+    assert decide(asks, {0, 1}, min_groups=1, patient={1}, heartbeating={0}, **kw) is None  # healed: its transfer may run
     assert decide(asks, {0, 1, 2}, min_groups=1, patient={1}, **kw) is None
     assert decide({**asks, 1: ask()}, {0, 1, 2}, min_groups=1, patient={1}, **kw).left_out == (2,)
+
+
+def test_one_group_never_forms_a_quorum_alone_while_another_live_group_heartbeats():
+    """A strict majority of the live groups still heard from: one of two never goes on alone
+    while the other heartbeats (however long the window), two of three do, and two of four wait
+    for a third unless the others went silent."""
+    kw = {"next_exchange": 5, "attempt": 0, "quorum_id": "q", "waited_s": 1e6, "grace_s": 0.5, "min_groups": 1}
+    assert decide({0: ask()}, {0, 1}, **kw) is None
+    assert decide({0: ask()}, {0, 1}, heartbeating={0, 1}, **kw) is None
+    assert decide({0: ask(), 1: ask()}, {0, 1, 2}, heartbeating={0, 1, 2}, **kw).left_out == (2,)
+    assert decide({0: ask(), 1: ask()}, {0, 1, 2, 3}, heartbeating={0, 1, 2, 3}, **kw) is None
+    assert decide({0: ask(), 1: ask()}, {0, 1, 2, 3}, heartbeating={0, 1, 2}, **kw).left_out == (2, 3)
+    # a control exchange (the initial agreement, a final reconcile) waits for every live group
+    control = Ask(5, "f0/r5", 100, 1.0, "h1", 0.0, False)
+    assert decide({0: control, 1: control}, {0, 1, 2}, heartbeating={0, 1}, **kw) is None
 
 
 def test_a_healed_group_is_waited_for_only_until_it_asks_on_and_only_while_it_is_heard_from():
@@ -87,64 +103,61 @@ def test_job_lost_when_no_group_holds_the_state_and_none_finished():
     assert "knows of none" in job_lost_message("")
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def formed(groups: int, **kwargs):
-    clock = FakeClock()
-    state = CoordinatorState(groups, clock=clock, **kwargs)
-    threads = [threading.Thread(target=state.join, args=(JoinRequest(g, 0, 1, f"10.0.{g}.0:7000"),),
-                                kwargs={"deadline": 1e9}) for g in range(groups)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=5)
-    assert state.snapshot()["complete"]
-    return state, clock
-
-
-def ask_in_thread(state, group: int, exchange: int, out: dict):
-    def run() -> None:
-        try:
-            out[group] = state.quorum(QuorumRequest(group, 0, "", exchange, tag=f"f0/r{exchange}", numel=4,
-                                                    weight=1.0), deadline=1e9)
-        except QuorumError as e:
-            out[group] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
-def test_a_group_left_out_by_the_grace_window_is_failed_when_the_exchange_commits():
+def test_there_is_no_grace_window_before_the_jobs_first_training_commit():
+    """Start-up skew is not a fault: a group slow to reach its first exchange is waited for."""
     state, clock = formed(3, heartbeat_timeout_s=60.0, quorum_grace_s=0.5)
     got: dict = {}
     threads = [ask_in_thread(state, g, 0, got) for g in (0, 1)]
+    clock.now += 20.0
+    state.heartbeat(HeartbeatRequest(2, 0, 1))
+    time.sleep(0.6)
+    assert not got  # 20 s past the window: still waiting for group 2
+    threads.append(ask_in_thread(state, 2, 0, got))
+    for t in threads:
+        t.join(timeout=5)
+    assert sorted(got[0].members) == [0, 1, 2] and not got[0].left_out
+
+
+def test_a_live_group_left_out_by_the_grace_window_stays_a_member_and_catches_up():
+    state, clock = formed(3, heartbeat_timeout_s=60.0, quorum_grace_s=0.5)
+    run_exchange(state, (0, 1, 2), 0)  # the first training commit: from now on the window applies
+    got: dict = {}
+    threads = [ask_in_thread(state, g, 1, got) for g in (0, 1)]
     time.sleep(0.3)
     assert not got  # within the window: waiting for group 2
-    clock.now += 0.5  # the window ends (group 2 is still far from its heartbeat timeout)
+    clock.now += 0.5  # the window ends; group 2 was heard from 0.5 s ago
     for t in threads:
         t.join(timeout=5)
     assert sorted(got[0].members) == [0, 1] and got[0].weights == {0: 1.0, 1: 1.0}
-    events = state.snapshot()["rounds_state"]["events"]
-    assert any(e["kind"] == "left_out" and e["groups"] == [2] for e in events)
-    assert 2 in state.snapshot()["rounds_state"]["live_groups"]  # until the exchange commits
-    votes = [threading.Thread(target=state.commit, args=(CommitRequest(g, 0, "", got[0].id, 0, (0, 1), True),),
-                              kwargs={"deadline": 1e9}) for g in (0, 1)]
-    for t in votes:
-        t.start()
-    for t in votes:
-        t.join(timeout=5)
+    assert got[0].left_out == {2: ("10.0.2.0:7000",)} and got[0].donor == 0  # the donor serves group 2
+    vote(state, got, (0, 1))
     rs = state.snapshot()["rounds_state"]
-    assert rs["committed"] == 1 and rs["live_groups"] == [0, 1]
-    assert "missed exchange 0" in rs["failed_groups"][2] and "--quorum-grace" in rs["failed_groups"][2]
-    with pytest.raises(QuorumError, match="declared failed") as info:  # late: it heals, losing its round
-        state.quorum(QuorumRequest(2, 0, "", 0, tag="f0/r0", numel=4, weight=1.0), deadline=1e9)
+    assert rs["committed"] == 2 and rs["live_groups"] == [0, 1, 2] and rs["failed_groups"] == {}
+    assert rs["behind"] == {2: [1]}
+    late = state.quorum(QuorumRequest(2, 0, "", 1, tag="f0/r1", numel=4, weight=1.0), deadline=1e9)
+    assert late.catch_up and late.id == got[0].id and late.donor == 0 and sorted(late.members) == [0, 1]
+    assert late.weights == {0: 1.0, 1: 1.0} and not late.evicted
+    assert state.snapshot()["rounds_state"]["caught_up"] == 1
+    assert sorted(run_exchange(state, (0, 1, 2), 2)[2].members) == [0, 1, 2]  # a member like the others
+    again = state.quorum(QuorumRequest(2, 0, "", 1, tag="f0/r1", numel=4, weight=1.0), deadline=1e9)
+    assert "already committed without it" in again.evicted  # it caught up once: asking again is out of step
+
+
+def test_a_left_out_group_that_went_silent_is_failed_when_the_exchange_commits():
+    state, clock = formed(3, heartbeat_timeout_s=60.0, quorum_grace_s=0.5)
+    run_exchange(state, (0, 1, 2), 0)
+    got: dict = {}
+    threads = [ask_in_thread(state, g, 1, got) for g in (0, 1)]
+    clock.now += 30.0  # group 2: silent for 30 s, more than two heartbeat intervals (24 s)
+    for t in threads:
+        t.join(timeout=5)
+    assert got[0].left_out == {2: ("10.0.2.0:7000",)}
+    vote(state, got, (0, 1))
+    rs = state.snapshot()["rounds_state"]
+    assert rs["live_groups"] == [0, 1] and "missed exchange 1" in rs["failed_groups"][2]
+    assert "--quorum-grace" in rs["failed_groups"][2] and "silent" in rs["failed_groups"][2]
+    with pytest.raises(QuorumError, match="declared failed") as info:  # it heals, losing its round
+        state.quorum(QuorumRequest(2, 0, "", 1, tag="f0/r1", numel=4, weight=1.0), deadline=1e9)
     assert info.value.code == "FAILED_PRECONDITION"
 
 

@@ -47,6 +47,7 @@ SNAPSHOT = {
     "plan_version": 3,
     "bandwidth": {0: {0: {1: 1.25e8}, 1: {1: 1.0e8}}, 1: {0: {0: 2.5e7}}},
     "rounds_state": {"committed": 7, "rolled_back": 1, "heals": 2, "failures": 1, "rejected": 3, "evicted": 0,
+                     "caught_up": 1,
                      "live_groups": [0], "healing_groups": [], "failed_groups": {1: "silent"},
                      "last_quorum": {"groups": [0], "decision": "committed"}},
 }
