@@ -79,6 +79,12 @@ class Liveness:
         # fault tolerance (see rounds.py)
         self._started = False  # the job runs: the first membership formed, or a member rejoined us
         self._rejoin_grace_until = 0.0  # after our restart: no quorum before members could rejoin
+        #: the job started here from members rejoining (this coordinator replaced another): only then
+        #: are votes on a previous coordinator's quorums taken (``vote_state``)
+        self.rejoined = False
+        #: address -> (group, until): the addresses of a failed group, kept from the others for a while
+        #: (its restart rejoins with them), so no other group's rank can take them meanwhile
+        self._reserved: dict[str, tuple[int, float]] = {}
         self._incarnations: dict[int, str] = {}
         self._group_failed: dict[int, str] = {}  # group -> why (until it starts again)
         self._healing: set[int] = set()  # joined while the job ran; a member once a quorum commits
@@ -116,6 +122,7 @@ class Liveness:
             self._check_halted(req.group)
             if not self._started and req.exchange >= 0:
                 self._start_running()  # our predecessor's job goes on: members rejoin us
+                self.rejoined = True
                 # every member rejoins within a heartbeat or so: no quorum forms before they could,
                 # else the first to rejoin would run an exchange the others then find committed
                 self._rejoin_grace_until = self._clock() + max(self.heartbeat_timeout_s, MIN_REJOIN_GRACE_S)
@@ -125,6 +132,7 @@ class Liveness:
                 self._members.pop(req.group, None)  # the group started again before the job did
                 self._sizes.pop(req.group, None)
             self._incarnations[req.group] = req.incarnation
+            self._check_reserved(req.group, req.address)
             admission = quorum.admit(
                 self._members, self._sizes, self.expected_groups, self.max_group_size,
                 req.group, req.rank, req.group_size, req.address,
@@ -178,6 +186,7 @@ class Liveness:
                 self._healing.add(g)
                 self._event("joined", group=g, committed=self._counts["committed"])
             self._epoch += 1
+        self._check_reserved(g, req.address)
         quorum.admit(self._members, self._sizes, self.expected_groups, self.max_group_size,
                      g, req.rank, req.group_size, req.address, may_replace=False)
         self._members.setdefault(g, {})[req.rank] = req.address
@@ -197,6 +206,14 @@ class Liveness:
                    and (h == g or h not in self._summaries)}
         return Membership(epoch=self._epoch, members=members, ring=tuple(sorted(members)),
                           heal=g in self._healing, setting=self.latest_setting)
+
+    def _check_reserved(self, group: int, address: str) -> None:
+        """Refuse ``address`` to ``group`` while a failed group other than it holds it (lock held)."""
+        owner, until = self._reserved.get(address, (group, 0.0))
+        if owner != group and self._clock() < until:
+            raise quorum.QuorumError("FAILED_PRECONDITION",
+                                     f"address {address} belongs to group {owner}, which failed and restarts: "
+                                     f"group {group} cannot take it")
 
     def _complete(self, g: int) -> bool:
         return g in self._sizes and len(self._members.get(g, {})) == self._sizes[g]
@@ -243,8 +260,12 @@ class Liveness:
         self._group_failed[g] = reason
         self._counts["failures"] += 1
         self._event("failure", group=g, reason=reason)
-        for r in self._members.get(g, {}):
+        until = self._clock() + 10 * self.heartbeat_timeout_s
+        for r, address in self._members.get(g, {}).items():
             self._last_heard.pop((g, r), None)
+            self._reserved[address] = (g, until)
+        for address in [a for a, (_, t) in self._reserved.items() if t <= self._clock()]:
+            del self._reserved[address]
         self._members.pop(g, None)
         self._healing.discard(g)
         self._release_asks(g, reason)

@@ -70,7 +70,7 @@ class RoundState(Liveness):
         self._norms: dict[int, list[float]] = {}
         self._asked_exchange: dict[int, int] = {}  # group -> latest exchange its rank 0 asked for
         self._first_ask: dict[int, float] = {}  # exchange -> when its first quorum request came
-        self._grace_from: dict[int, float] = {}  # exchange -> first ask of its attempt being formed
+        self._grace_from: dict[int, float] = {}  # exchange -> when a majority had asked for the attempt being formed
         self._healed_at: dict[int, int] = {}  # group -> exchange it healed in, until it asks for a later one
         self._last_members = 0  # groups of the last committed quorum, healers included
         self._stop_reason: str | None = None
@@ -84,6 +84,10 @@ class RoundState(Liveness):
         #: the grace window left out, which takes that exchange's mean at weight 0 when it asks (catches up)
         self._behind: dict[int, dict[int, str]] = {}
         self._last_ask: dict[int, tuple[str, int]] = {}  # group -> (incarnation, latest exchange any rank asked for)
+        #: (quorum id, left-out group) -> {member group: SHA-256 of the committed mean it landed}: a
+        #: catch-up takes the donor's mean only once a majority of the members vouch for its digest
+        self._witnesses: dict[tuple[str, int], dict[int, str]] = {}
+        self._splits = 0  # rolled-back attempts in a row whose votes split evenly (rounds.vote_sides)
 
     # --- rounds: quorum per exchange, healing, catching up ------------------------------------
 
@@ -134,6 +138,17 @@ class RoundState(Liveness):
                 self._book.leave(key, generation)
             return self._response(req.group, answer)
 
+    def join(self, req, *, deadline: float, active: Callable[[], bool] = lambda: True):
+        """``Liveness.join``; a member rejoining at ``exchange`` (after our restart) has asked for
+        every exchange below it already, as far as the skip rule (``_check_in_step``) goes."""
+        membership = super().join(req, deadline=deadline, active=active)
+        if req.exchange > 0:
+            with self._cond:
+                last = self._last_ask.get(req.group)
+                if last is None or last[0] != req.incarnation or last[1] < req.exchange - 1:
+                    self._last_ask[req.group] = (req.incarnation, req.exchange - 1)
+        return membership
+
     def _check_in_step(self, req: QuorumRequest) -> None:
         """Refuse an ask no honest member makes (lock held): an exchange more than
         ``rounds.MAX_EXCHANGES_AHEAD`` past the job's committed position, or one that skips
@@ -157,7 +172,7 @@ class RoundState(Liveness):
                                      "out of step, it restarts and heals")
 
     def _note_ask(self, req: QuorumRequest) -> None:
-        """A new ask: when its exchange was first asked for, and when its grace window started."""
+        """A new ask: when its exchange was first asked for, and the group's latest exchange."""
         if req.exchange == rounds.HEAL:
             self._last_ask.pop(req.group, None)  # a heal starts its exchanges afresh
         if req.exchange >= 0:
@@ -171,13 +186,6 @@ class RoundState(Liveness):
             self._first_ask.setdefault(req.exchange, self._clock())
             while len(self._first_ask) > MAX_ROUNDS_KEPT:
                 del self._first_ask[next(iter(self._first_ask))]
-        latest = self._latest.get(req.exchange)
-        if req.exchange >= 0 and (latest is None or latest in self._decisions):
-            # the grace window of the attempt to be formed starts at its first ask (a late
-            # ask during an attempt's vote does not start the next attempt's window)
-            self._grace_from.setdefault(req.exchange, self._clock())
-            while len(self._grace_from) > MAX_ROUNDS_KEPT:
-                del self._grace_from[next(iter(self._grace_from))]
 
     def _form(self) -> None:
         super()._form()
@@ -293,21 +301,22 @@ class RoundState(Liveness):
             else:
                 awaited = live & set(self._quorums[latest][0].groups)
                 extra = {}
-            start = self._grace_from.get(exchange)
+            heard = self._heard()
+            training = self._counts["committed_training"] > 0  # before it, start-up skew is no fault
+            start = self._majority_asked(exchange, asks, awaited & heard)
             patient = rounds.patient_groups(self._healed_at, exchange, self._silence(), 2 * self.heartbeat_timeout_s / 5)
-            if start is not None and self._clock() - start > self.vote_timeout_s:
+            if training and start is not None and self._clock() - start > self.vote_timeout_s:
                 for g in sorted(g for g in awaited & live if g not in asks and g not in patient):
                     self._fail_group(g, f"stuck: heard from, but it did not ask for exchange {exchange} within "
-                                        f"{self.vote_timeout_s:g}s of the first group's ask")
+                                        f"{self.vote_timeout_s:g}s of a majority of the groups asking")
                 awaited, live = awaited - set(self._group_failed), self._live()
             rejected = {g: why for g, a in asks.items()
                         if (why := rounds.screen(a.delta_norm, self._norms.get(g, []), self.outlier_factor))}
-            # no window before the job's first training commit: start-up skew is not a fault
-            grace = self.quorum_grace_s if self._counts["committed_training"] > 0 else 0.0
+            grace = self.quorum_grace_s if training else 0.0
             q = rounds.decide({**asks, **extra}, awaited, next_exchange=exchange, min_groups=self.min_groups,
                               attempt=attempt, quorum_id=f"{self.boot}-{exchange}-{attempt}", rejected=rejected,
                               waited_s=None if start is None else self._clock() - start, grace_s=grace,
-                              patient=patient, heartbeating=self._heard())
+                              patient=patient, heartbeating=heard)
             if q is None:
                 continue
             self._grace_from.pop(exchange, None)
@@ -317,8 +326,21 @@ class RoundState(Liveness):
             self._form_quorum(q, asks, exchange, start)
             heal_asks = {g: a for g, a in heal_asks.items() if g not in q.healers}
 
+    def _majority_asked(self, exchange: int, asks: dict[int, rounds.Ask], heard: set[int]) -> float | None:
+        """When the groups asking for ``exchange``'s attempt became a strict majority of the live
+        groups still heard from (``heard``) and asking: the start of its grace window (and of the
+        wait before a silent member is called stuck); None before (lock held). One group asking
+        early starts no clock."""
+        start = self._grace_from.get(exchange)
+        if start is None and 2 * len(asks) > len(heard | set(asks)):
+            start = self._grace_from[exchange] = self._clock()
+            while len(self._grace_from) > MAX_ROUNDS_KEPT:
+                del self._grace_from[next(iter(self._grace_from))]
+        return start
+
     def _form_quorum(self, q: rounds.Quorum, asks: dict[int, rounds.Ask], exchange: int, start: float | None) -> None:
         """Hand out quorum ``q`` of ``exchange`` to its members (lock held)."""
+        self._disagreements.pop(exchange, None)
         if q.left_out:
             self._event("left_out", exchange=exchange, groups=list(q.left_out), quorum=q.id,
                         waited_s=round(self._clock() - start, 4) if start is not None else None)
@@ -411,6 +433,8 @@ class RoundState(Liveness):
             self._decisions.pop(old, None)
             for k in [k for k in self._offers if k[0] == old]:
                 del self._offers[k]
+            for k in [k for k in self._witnesses if k[0] == old]:
+                del self._witnesses[k]
         while len(self._latest) > MAX_ROUNDS_KEPT:
             self._latest.popitem(last=False)
 

@@ -14,23 +14,26 @@ group's word decide for the others, and no rule breaks a tie by group id.
   next quorum that forms. E must lie within ``MAX_EXCHANGES_AHEAD`` of the job's committed position
   (the caller refuses asks beyond it);
 * with a grace window (``grace_s`` > 0), the quorum also forms once ``grace_s`` seconds passed
-  since the first group asked for this attempt of E, with the groups that asked by then, but only
-  if they are a strict majority of the live groups still heard from (``heartbeating``: a group
-  silent for two heartbeat intervals is not counted), so one group never forms a quorum while
-  another live group heartbeats, and a member asking far ahead waits alone. The live groups that
-  had not asked are *left out* (``Quorum.left_out``): they stay members, and once E commits they
-  take its committed mean at weight 0 (they *catch up*; the caller decides this). Control
-  exchanges (``healable`` False: the initial agreement, a final reconcile) wait for every live
-  group, and the caller applies no window before the job's first training commit. A group that
-  healed in an earlier exchange and has not asked for a later one yet is waited for past the
-  window while it is heard from (``patient_groups``);
-* the non-healing members must agree on the exchange's tag and size, on the hash of the global
-  state they start from, on the setting they run (``--codec/--h auto``) and on the weight cap of
-  their schedule. The value most members hold wins when no other value is held by as many: a
-  member holding another is *evicted* (stopped and healed), never averaged. A tie (two groups
-  that differ, or two values held by as many groups) evicts nobody: it is a ``Disagreement``,
-  the attempt is rolled back, and ``DISAGREEMENT_LIMIT`` of them in a row halt the job with an
-  error naming the groups and what differs;
+  (``waited_s``) since the groups that asked became a strict majority of the live groups still
+  heard from (``heartbeating``: a group silent for two heartbeat intervals is not counted; the
+  caller starts the clock then, so one group asking early cannot start it), with the groups that
+  asked by then if they are still that majority: one group never forms a quorum while another live
+  group heartbeats, and a member asking far ahead waits alone. The live groups that had not asked
+  are *left out* (``Quorum.left_out``): they stay members, and once E commits they take its
+  committed mean at weight 0 (they *catch up*; the caller decides this). Control exchanges (the
+  initial agreement, a final reconcile: ``healable`` False, agreed like the values below) wait for
+  every live group, and the caller applies no window before the job's first training commit. A
+  group that healed in an earlier exchange and has not asked for a later one yet is waited for past
+  the window while it is heard from (``patient_groups``);
+* the non-healing members must agree on the exchange's tag and size, its kind (training or
+  control), the hash of the global state they start from, the setting they run (``--codec/--h
+  auto``) and the weight cap of their schedule. The value most members hold wins when no other
+  value is held by as many: a member holding another is *evicted* (stopped and healed), never
+  averaged. A tie (two groups that differ, or two values held by as many groups) evicts nobody:
+  while some live group has not asked it waits (that group may make a majority); once every live
+  group asked it is a ``Disagreement``, the attempt is rolled back, and ``DISAGREEMENT_LIMIT`` of
+  them in a row halt the job with an error naming the groups and what differs;
+* healers and left-out groups fetch from a ``donor`` member that turns with the exchange;
 * weights: a member's weight is what it contributed since its last exchange (tokens, or inner
   steps x ranks); healers and rejected contributions weigh 0. The mean is the weighted mean. A
   weight above what the group can have trained in one exchange (the agreed weight cap per rank,
@@ -40,7 +43,8 @@ group's word decide for the others, and no rule breaks a tie by group id.
 * a quorum's result is applied (committed) only if every rank of every member voted that its
   collective finished; any failed vote, or a member declared failed, rolls it back on everyone.
   A member whose no (or missing) vote alone rolled back ``VETO_LIMIT`` attempts in a row, while
-  at least as many members voted yes, is evicted (``blamed``).
+  more members voted yes, is evicted (``blamed``); as many votes each way (a split) blames nobody,
+  and ``VETO_LIMIT`` splits in a row halt the job.
 """
 
 from __future__ import annotations
@@ -54,13 +58,14 @@ from typing import Collection, Mapping, Sequence
 HEAL = -1  # the exchange a group asks for when it needs the job's state first
 #: how far past the job's committed position (its lowest exchange not yet committed) an exchange may
 #: be asked for: an honest group has at most one exchange in flight per fragment, plus a control
-#: exchange, and an engine has at most ``diloco.engine.fragments.MAX_FRAGMENTS`` (32) fragments
+#: exchange, and an engine has at most ``diloco.engine.modes.MAX_FRAGMENTS`` (32) fragments
 MAX_EXCHANGES_AHEAD = 64
-#: attempts in a row whose roll-back one member alone caused (a no vote, or no vote at all, while at
-#: least as many members voted yes) before it is evicted. One is an ordinary fault (a corrupt frame,
-#: a neighbour lost before the coordinator said so), two happen while a fault outlives one retry;
-#: three is a member whose rings always fail (a broken link or build) or that vetoes on purpose, and
-#: evicting it (a restart and a heal) is what its own ranks would do after ``max_attempts``, sooner
+#: attempts in a row whose roll-back one member alone caused (a no vote, or no vote at all, while
+#: more members voted yes) before it is evicted; and splits in a row (as many each way) before the
+#: job halts. One is an ordinary fault (a corrupt frame, a neighbour lost before the coordinator said
+#: so), two happen while a fault outlives one retry; three is a member whose rings always fail (a
+#: broken link or build) or that vetoes on purpose, and evicting it (a restart and a heal) is what its
+#: own ranks would do after ``max_attempts``, sooner
 VETO_LIMIT = 3
 #: ties on one exchange in a row (``Disagreement``) before the job halts: honest members never
 #: differ in hash, shape, setting or weight cap, so a second one is not a transient
@@ -151,6 +156,7 @@ def _agree(current: Mapping[int, Ask], evicted: dict[int, str], exchange: int
     """The values the members agree on (shape, hash, setting, weight cap), each member that holds
     another evicted into ``evicted``; or the first Disagreement (a tie)."""
     rules = (("exchange tag and size", lambda a: (a.tag, a.numel), lambda v: f"{v[0]!r} of {v[1]} elements"),
+             ("kind of exchange", lambda a: a.healable, lambda v: "a training exchange" if v else "a control exchange"),
              ("global state hash", lambda a: a.state_hash, lambda v: v or "(none)"),
              ("auto setting", lambda a: a.setting, repr),
              ("weight cap", lambda a: a.weight_cap, lambda v: f"{v:g} tokens per rank"))
@@ -187,6 +193,14 @@ def patient_groups(healed_at: Mapping[int, int], exchange: int, silent_s: Mappin
     return {g for g, e in healed_at.items() if e < exchange and silent_s.get(g, float("inf")) <= limit_s}
 
 
+def donor(members: Sequence[int], exchange: int) -> int:
+    """The member healers and left-out groups fetch from in ``exchange``: one that turns with the
+    exchange (never always the same group id), so a donor that never serves holds no group out for
+    longer than one exchange."""
+    ordered = sorted(members)
+    return ordered[exchange % len(ordered)]
+
+
 def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None, min_groups: int,
            attempt: int, quorum_id: str, rejected: Mapping[int, str] | None = None,
            waited_s: float | None = None, grace_s: float = 0.0,
@@ -220,18 +234,18 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
     current = {g: a for g, a in regular.items() if g not in evicted}
     if not current:
         return None  # only groups out of step asked; the job's current members have not yet
-    if missing and not all(a.healable for a in current.values()):
-        return None  # a control exchange waits for every live group
     agreed, disagreement = _agree(current, evicted, exchange)
-    if disagreement is not None:
-        return disagreement
+    if disagreement is not None:  # while some live group has not asked, it may make a majority
+        return None if missing else disagreement
+    healable = bool(agreed.get("kind of exchange", True))
+    if missing and not healable:
+        return None  # a control exchange waits for every live group
     members = sorted(g for g in current if g not in evicted)
     if missing:  # the window ended: only a strict majority of the groups still heard from goes on
         heard = set(live) if heartbeating is None else set(heartbeating)
         counted = set(members) | {g for g in missing if g in heard}
         if 2 * len(members) <= len(counted):
             return None
-    healable = all(current[g].healable for g in members)
     healers = sorted(g for g, a in asks.items() if a.exchange == HEAL) if healable else []
     if not members or len(members) + len(healers) < min_groups:
         return None
@@ -247,7 +261,7 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
     tag, numel = agreed.get("exchange tag and size", ("", 0))  # type: ignore[misc]
     return Quorum(id=quorum_id, exchange=exchange, attempt=attempt, tag=str(tag), numel=int(numel),
                   groups=tuple(sorted(members + healers)), weights=weights, healers=tuple(healers),
-                  donor=members[0] if healers or missing else -1, rejected=refused, evicted=evicted,
+                  donor=donor(members, exchange) if healers or missing else -1, rejected=refused, evicted=evicted,
                   state_hash=str(agreed.get("global state hash", "")), left_out=tuple(missing),
                   setting=str(agreed.get("auto setting", "")))
 
@@ -281,14 +295,21 @@ def blamed(quorum: Quorum, sizes: Mapping[int, int], votes: Mapping[tuple[int, i
            failed: Collection[int] = ()) -> set[int]:
     """The members whose votes alone rolled ``quorum`` back. A member said yes when every one of
     its ranks voted yes; any no, or a rank that did not vote, is its no. Members declared failed
-    are left aside (they are out already). The no members are blamed when some member said yes
-    and the yes members are at least as many: a failure every member saw (a broken ring) blames
-    nobody, and so does one most members saw (a lone yes proves nothing against them)."""
+    are left aside (they are out already). The no members are blamed when more members said yes
+    than no: a failure every member saw (a broken ring) blames nobody, and neither does a split
+    (as many each way: ``vote_sides``) nor one most members saw (a lone yes proves nothing)."""
+    yes, no = vote_sides(quorum, sizes, votes, failed)
+    return no if len(yes) > len(no) else set()
+
+
+def vote_sides(quorum: Quorum, sizes: Mapping[int, int], votes: Mapping[tuple[int, int], tuple[bool, str]],
+               failed: Collection[int] = ()) -> tuple[set[int], set[int]]:
+    """(the members that said yes, those that said no) of a quorum's vote, as ``blamed`` counts
+    them. As many on each side (a *split*: two groups, one each way) blames nobody: nothing tells
+    a member that vetoes from one whose neighbour broke the rings while voting yes."""
     said = {g: all(votes.get((g, r), (False, ""))[0] for r in range(sizes.get(g, 1)))
             for g in quorum.groups if g not in failed}
-    yes = [g for g, ok in said.items() if ok]
-    no = {g for g, ok in said.items() if not ok}
-    return no if yes and len(yes) >= len(no) else set()
+    return {g for g, ok in said.items() if ok}, {g for g, ok in said.items() if not ok}
 
 
 def _shares(weights: Mapping[int, float]) -> dict[int, float]:

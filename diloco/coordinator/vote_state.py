@@ -25,16 +25,22 @@ class VoteState(RoundState):
     def commit(self, req: CommitRequest, *, deadline: float,
                active: Callable[[], bool] = lambda: True) -> CommitResponse:
         """Record this rank's vote and wait for the quorum's decision (``rounds.commit_outcome``).
-        A vote on a quorum of a previous coordinator (it restarted) is decided from the votes and
-        from what the members ask for next."""
+        A vote on a quorum of a previous coordinator (an *orphan*: only where this coordinator
+        started from members rejoining it, never for an exchange it formed a quorum for) is decided
+        from the votes and from what the members ask for next, once every member could rejoin, and
+        only if its groups are a majority of those that did."""
         with self._cond:
             self._check_open()
             self._sweep()
             key = self._check_member(req.group, req.rank, req.incarnation)
             self._last_heard[key] = self._clock()
             if req.quorum_id not in self._quorums:
-                if req.quorum_id.startswith(f"{self.boot}-"):
+                if req.quorum_id.startswith(f"{self.boot}-") or not self.rejoined:
                     raise quorum.QuorumError("NOT_FOUND", f"quorum {req.quorum_id} is unknown or too old")
+                latest = self._latest.get(req.exchange)
+                if latest is not None and not self._quorums[latest][1]["orphan"]:
+                    raise quorum.QuorumError("INVALID_ARGUMENT", f"exchange {req.exchange} runs in quorum {latest} of "
+                                             f"this coordinator, not in {req.quorum_id}")
                 if req.group not in req.groups:
                     raise quorum.QuorumError("INVALID_ARGUMENT", f"group {req.group} votes on quorum "
                                              f"{req.quorum_id} of groups {sorted(req.groups)} without being in it")
@@ -97,6 +103,8 @@ class VoteState(RoundState):
         return failed
 
     def _decide_vote(self, q: rounds.Quorum, meta: dict[str, Any]) -> None:
+        if meta["orphan"] and not self._orphan_decidable(q):
+            return
         failed = self._failed_members(q, meta)
         sizes = meta["sizes"] or {g: self._sizes.get(g, 1) for g in q.groups}
         since = {g: self._asked_exchange[g] for g in q.groups if g in self._asked_exchange} if meta["orphan"] else None
@@ -120,8 +128,9 @@ class VoteState(RoundState):
                 self._event("stall", exchange=q.exchange, seconds=round(self._clock() - asked, 4),
                             attempts=q.attempt + 1, groups=len(q.groups))
             self._last_members = members
-            self._advance(q.exchange)
+            self._advance(q.exchange, orphan=meta["orphan"])
             self._disagreements.pop(q.exchange, None)
+            self._splits = 0
             for g in q.groups:
                 self._vetoes.pop(g, None)
             self._left_behind(q, meta)
@@ -142,9 +151,28 @@ class VoteState(RoundState):
             self._event("rolled_back", exchange=q.exchange, quorum=q.id, reason=why)
         self._cond.notify_all()
 
-    def _advance(self, exchange: int) -> None:
-        """``exchange`` committed: move the job's committed position past it (lock held)."""
+    def _orphan_decidable(self, q: rounds.Quorum) -> bool:
+        """Whether an orphan quorum's vote may be decided now (lock held): not before every member
+        could rejoin (the rejoin grace), and then only if it names a strict majority of the groups
+        that rejoined, so that one group's vote on a quorum of itself decides nothing for the
+        others (it is rolled back: its members ask again)."""
+        if self._clock() < self._rejoin_grace_until:
+            return False
+        rejoined = {g for g in self._members if self._complete(g) and g not in self._group_failed}
+        if 2 * len(set(q.groups) & rejoined) <= len(rejoined):
+            self._decisions[q.id] = (False, f"quorum {q.id} of a previous coordinator names groups {list(q.groups)}, "
+                                            f"not a majority of the {len(rejoined)} groups that rejoined")
+            self._counts["rolled_back"] += 1
+            self._cond.notify_all()
+            return False
+        return True
+
+    def _advance(self, exchange: int, *, orphan: bool = False) -> None:
+        """``exchange`` committed: move the job's committed position past it (lock held). An orphan
+        (a previous coordinator's quorum) never sets a position this coordinator does not know."""
         if self.frontier is None:
+            if orphan:
+                return
             self.frontier = exchange
         if exchange < self.frontier:
             return
@@ -182,6 +210,16 @@ class VoteState(RoundState):
         meta["assessed"] = True
         failed = self._failed_members(q, meta)
         votes = self._votes.get(q.id, {})
+        yes, no = rounds.vote_sides(q, meta["sizes"], votes, failed)
+        self._splits = self._splits + 1 if yes and len(yes) == len(no) else 0
+        if self._splits >= rounds.VETO_LIMIT:
+            said = "; ".join(f"group {g}: {why or 'no vote in time'}" for g in sorted(no)
+                             for why in [next((w for (h, _), (ok, w) in sorted(votes.items()) if h == g and not ok), "")])
+            self._halt(f"the members' votes split evenly {self._splits} attempts in a row (the last, {q.id}: groups "
+                       f"{sorted(yes)} voted to commit, groups {sorted(no)} did not: {said}); the coordinator cannot "
+                       "tell a member that vetoes from one whose rings its neighbour broke: check those groups' logs "
+                       "and links, then resume from a checkpoint")
+            return
         blamed = rounds.blamed(q, meta["sizes"], votes, failed)
         for g in q.groups:
             if g not in blamed and g not in failed:
@@ -197,26 +235,47 @@ class VoteState(RoundState):
                                        f"{said or 'no vote in time'}); it restarts and heals")
 
     def offer(self, req: StateOffer) -> int:
-        """A donor rank announces the state it serves to one healer rank; returns the epoch."""
+        """A donor rank announces the state it serves to one healer rank, or a member vouches for the
+        committed mean a left-out group fetches from the donor (its SHA-256: a *witness*); returns
+        the epoch."""
         with self._cond:
             self._check_open()
+            self._check_halted(req.donor_group)
             if req.quorum_id not in self._quorums:
                 raise quorum.QuorumError("NOT_FOUND", f"quorum {req.quorum_id} is unknown or too old")
             q, _ = self._quorums[req.quorum_id]
+            if req.donor_group in self._group_failed:
+                raise quorum.QuorumError("FAILED_PRECONDITION", f"group {req.donor_group} was declared failed: "
+                                         f"{self._group_failed[req.donor_group]}")
+            witness = req.healer_group in q.left_out and req.donor_group in q.groups and req.donor_group not in q.healers
+            if witness:
+                self._witnesses.setdefault((q.id, req.healer_group), {})[req.donor_group] = req.digest
             if req.donor_group != q.donor or req.healer_group not in (*q.healers, *q.left_out):
-                raise quorum.QuorumError("INVALID_ARGUMENT", f"quorum {q.id}: donor is group {q.donor}, healers "
-                                         f"{list(q.healers)}, left out {list(q.left_out)}")
-            self._offers[(req.quorum_id, req.healer_group, req.healer_rank)] = req
+                if not witness:
+                    raise quorum.QuorumError("INVALID_ARGUMENT", f"quorum {q.id}: donor is group {q.donor}, healers "
+                                             f"{list(q.healers)}, left out {list(q.left_out)}")
+            else:
+                self._offers[(req.quorum_id, req.healer_group, req.healer_rank)] = req
             self._cond.notify_all()
             return self._epoch_locked()
 
+    def _vouched(self, q: rounds.Quorum, offer: StateOffer) -> bool:
+        """Whether a strict majority of ``q``'s members vouch for the digest the donor offers a
+        left-out group (always True for a healer: its state is checked against the agreed hash)."""
+        if offer.healer_group not in q.left_out:
+            return True
+        said = self._witnesses.get((q.id, offer.healer_group), {})
+        members = [g for g in q.groups if g not in q.healers]
+        return 2 * sum(d == offer.digest for g, d in said.items() if g in members) > len(members)
+
     def wait_offer(self, req: OfferQuery, *, deadline: float,
                    active: Callable[[], bool] = lambda: True) -> StateOffer:
-        """Wait for the donor's offer to this healer rank; ABORTED if the quorum was rolled back or
-        its donor failed first (heal again with the next quorum)."""
+        """Wait for the donor's offer to this healer rank (to a left-out group's rank: once a strict
+        majority of the members vouch for its digest); ABORTED if the quorum was rolled back or its
+        donor failed first (heal again with the next quorum)."""
         key = (req.quorum_id, req.healer_group, req.healer_rank)
         with self._cond:
-            while key not in self._offers:
+            while True:
                 self._check_open()
                 self._check_halted(req.healer_group)
                 self._sweep()
@@ -224,12 +283,16 @@ class VoteState(RoundState):
                 if entry is None:
                     raise quorum.QuorumError("NOT_FOUND", f"quorum {req.quorum_id} is unknown or too old")
                 q, _ = entry
+                offer = self._offers.get(key)
+                if offer is not None and self._vouched(q, offer):
+                    return offer
                 decided = self._decisions.get(q.id)
                 if q.donor in self._group_failed or (decided is not None and not decided[0]):
                     raise quorum.QuorumError("ABORTED", f"quorum {q.id} failed before its donor offered: "
                                              f"{self._group_failed.get(q.donor) or decided[1]}")  # type: ignore[index]
                 remaining = deadline - self._clock()
                 if remaining <= 0 or not active():
-                    raise quorum.QuorumError("DEADLINE_EXCEEDED", f"no state offer for quorum {q.id} yet")
+                    raise quorum.QuorumError("DEADLINE_EXCEEDED", f"no state offer for quorum {q.id} yet"
+                                             + ("" if offer is None else ": the donor's digest is not vouched for by "
+                                                "a majority of the members"))
                 self._cond.wait(min(remaining, _POLL_S))
-            return self._offers[key]

@@ -67,6 +67,16 @@ class StateTransfer:
         each transfer waits for its group to ask (it catches up) in the background."""
         self._serve(resp, state_blob.pack({"mean": mean}), dict(resp.left_out), "catch-up")
 
+    def vouch_mean(self, resp: QuorumResponse, mean: torch.Tensor) -> None:
+        """As rank 0 of a member of a committed quorum that is not its donor: tell the coordinator
+        the SHA-256 of the ``mean`` this group landed, for each group the grace window left out
+        (the donor's offer to them is released once a majority of the members vouch for it)."""
+        blob = state_blob.pack({"mean": mean})
+        digest = hashlib.sha256(blob).hexdigest()
+        for group in sorted(resp.left_out):
+            self.retry("committed mean's digest", lambda h=group: self.client.offer_state(
+                StateOffer(resp.id, self.group, self.rank, h, 0, len(blob), digest)))
+
     def _serve(self, resp: QuorumResponse, blob: bytes, targets: dict[int, tuple[str, ...]], kind: str) -> None:
         """Send ``blob`` to every rank of ``targets`` (group -> addresses) that this rank serves
         (rank h of a group by donor rank h mod this group's size), announcing each offer."""

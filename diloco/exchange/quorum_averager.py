@@ -271,16 +271,21 @@ class QuorumAverager(StripedAverager):
             return
 
     def serve_left_out(self, resp: QuorumResponse, mean: torch.Tensor, sharded: bool) -> None:
-        """As a rank of the donor of a committed quorum that the grace window formed without some
-        live groups: serve each of their ranks the committed ``mean`` (in the background; a
-        left-out group fetches it when it asks for this exchange, and catches up)."""
-        if not resp.left_out or resp.donor != self.group:
+        """As a rank of a member of a committed quorum that the grace window formed without some
+        live groups: the donor's ranks serve each of their ranks the committed ``mean`` (in the
+        background; a left-out group fetches it when it asks for this exchange, and catches up),
+        and every other member's rank 0 vouches for its SHA-256, so that a donor's word alone
+        plants no mean in a left-out group."""
+        if not resp.left_out or self.group not in resp.members or self.group in resp.healers:
             return
         if sharded:  # each rank holds a shard of the mean: the left-out group heals instead
-            log.warning("group %d rank %d: groups %s were left out of %s, and this sharded donor cannot serve them "
-                        "the whole mean: they heal", self.group, self.rank, sorted(resp.left_out), resp.id)
+            log.warning("group %d rank %d: groups %s were left out of %s, and this sharded group cannot serve or "
+                        "vouch for the whole mean: they heal", self.group, self.rank, sorted(resp.left_out), resp.id)
             return
-        self._transfer.serve_mean(resp, mean)
+        if resp.donor == self.group:
+            self._transfer.serve_mean(resp, mean)
+        elif self.rank == 0:
+            self._transfer.vouch_mean(resp, mean)
 
     def fetch_committed_mean(self, resp: QuorumResponse, numel: int) -> torch.Tensor:
         """As a rank of a group the grace window left out of ``resp`` (``catch_up``): the mean

@@ -77,5 +77,5 @@ class DataFeed:
                         "refused round's samples again (they are skipped)", self.group)
             return
         seek(self.source, self.positions.committed_samples())
-        log.info("group %d rank %d: contribution refused; data goes back to the committed sample %d", self.group,
+        log.info("group %d rank %d: contribution refused or left out by the grace window; data goes back to the committed sample %d", self.group,
                  self.rank, position(self.source))

@@ -36,10 +36,13 @@ def test_a_failed_group_is_not_waited_for_and_min_groups_pauses_the_survivors():
     assert decide(asks, {0}, next_exchange=5, min_groups=2, attempt=1, quorum_id="q") is None
 
 
-def test_healers_join_with_weight_zero_and_the_lowest_member_donates():
+def test_healers_join_with_weight_zero_and_a_member_that_turns_with_the_exchange_donates():
     asks = {1: ask(), 2: ask(), 0: Ask(HEAL)}
     q = decide(asks, {1, 2}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")
-    assert q.groups == (0, 1, 2) and q.healers == (0,) and q.donor == 1
+    assert q.groups == (0, 1, 2) and q.healers == (0,) and q.donor == 2  # members [1, 2], exchange 5: the second
+    q6 = decide({1: ask(exchange=6), 2: ask(exchange=6), 0: Ask(HEAL)}, {1, 2}, next_exchange=6, min_groups=1,
+                attempt=0, quorum_id="q")
+    assert q6.donor == 1  # the next exchange, the other member: a donor that never serves holds no healer out
     assert q.weights[0] == 0.0 and q.contributors == (1, 2)
     # a control exchange (the initial check) takes no healers: they wait for the next one
     asks = {1: ask(healable=False), 2: ask(healable=False), 0: Ask(HEAL)}

@@ -149,27 +149,53 @@ def test_wait_for_summaries_times_out_naming_silent_groups():
 
 
 def test_votes_on_made_up_quorums_of_a_previous_coordinator_are_bounded_per_group():
-    """A group may make the coordinator remember only MAX_ORPHANS_PER_GROUP quorums it never
-    formed (a predecessor's), so it cannot push the other groups' quorums out of memory."""
+    """Only a coordinator that replaced another (its members rejoined it) takes votes on quorums it
+    never formed (a predecessor's, "orphans"), decides them once every member could rejoin and only
+    if they name a majority of the groups that did, and remembers at most MAX_ORPHANS_PER_GROUP of
+    one group's, so a group cannot push the other groups' quorums out of memory."""
+    from diloco.coordinator.liveness import MIN_REJOIN_GRACE_S
     from diloco.coordinator.messages import CommitRequest
     from diloco.coordinator.round_state import MAX_ORPHANS_PER_GROUP
 
-    state, _ = formed(groups=2)
+    fresh, _ = formed(groups=2)
+    with pytest.raises(QuorumError) as e:  # a coordinator that did not restart has no predecessor
+        fresh.commit(CommitRequest(1, 0, "", "old-7-0", 7, (0, 1), True), deadline=1e9)
+    assert e.value.code == "NOT_FOUND"
+
+    clock = FakeClock()
+    state = CoordinatorState(2, clock=clock)
+    for g in (0, 1):  # the groups rejoin a coordinator that replaced theirs, at exchange 8
+        state.join(JoinRequest(g, 0, 1, f"h:{g + 1}", incarnation=f"i{g}", exchange=8), deadline=1e9)
+    waited = 0.0
+    while waited <= max(state.heartbeat_timeout_s, MIN_REJOIN_GRACE_S):  # every member could rejoin
+        clock.now += 5.0
+        waited += 5.0
+        for g in (0, 1):
+            state.heartbeat(HeartbeatRequest(g, 0, 8, f"i{g}"))
 
     def vote(group, quorum_id, groups):
-        return state.commit(CommitRequest(group, 0, "", quorum_id, 7, groups, True), deadline=1e9)
+        return state.commit(CommitRequest(group, 0, f"i{group}", quorum_id, 7, groups, True), deadline=1e9)
 
-    assert vote(1, "old-7-0", (1,)).committed  # an honest group's vote on its predecessor's quorum
-    for i in range(MAX_ORPHANS_PER_GROUP):
-        assert vote(0, f"forged-{i}", (0,)).committed
+    votes = [threading.Thread(target=vote, args=(g, "old-7-0", (0, 1))) for g in (0, 1)]
+    for t in votes:
+        t.start()
+    for t in votes:
+        t.join(timeout=5)
+    assert vote(1, "old-7-0", (0, 1)).committed  # an honest vote on its predecessor's quorum of both groups
+    for i in range(MAX_ORPHANS_PER_GROUP - 1):  # a quorum of one group of two: not a majority, rolled back
+        assert not vote(0, f"forged-{i}", (0,)).committed
     with pytest.raises(QuorumError) as e:
         vote(0, "forged-one-too-many", (0,))
     assert e.value.code == "FAILED_PRECONDITION" and "group 0" in str(e.value)
     with pytest.raises(QuorumError) as e:
         vote(0, "not-mine", (1,))
     assert e.value.code == "INVALID_ARGUMENT"
-    assert vote(1, "old-7-0", (1,)).committed  # still remembered, still decided the same way
-    assert vote(1, "old-8-0", (1,)).committed  # the flood did not use up group 1's share
+    assert vote(1, "old-7-0", (0, 1)).committed  # still remembered, still decided the same way
+    assert rounds_state_frontier(state) is None  # a predecessor's quorums set no position here
+
+
+def rounds_state_frontier(state):
+    return state.snapshot()["rounds_state"]["frontier"]
 
 
 def test_a_healer_learns_the_auto_setting_the_members_run():

@@ -60,7 +60,10 @@ def test_a_member_that_asks_first_waits_alone_and_is_never_a_quorum_of_one():
         state.heartbeat(HeartbeatRequest(1, 0, 5))
         time.sleep(0.3)
     assert got == {} and live(state) == [0, 1, 2]
-    second = ask_in_thread(state, 0, 1, got)
+    second = ask_in_thread(state, 0, 1, got)  # now a majority asked: the window starts
+    time.sleep(0.3)
+    assert got == {}
+    clock.now += 0.6
     for t in (early, second):
         t.join(timeout=5)
     assert sorted(got[2].members) == [0, 2] and list(got[2].left_out) == [1] and live(state) == [0, 1, 2]
@@ -133,7 +136,24 @@ def test_a_weight_above_what_the_group_can_have_trained_is_refused_and_no_weight
     assert 1.99 < weighted_scale(got[0].weights, 0) <= 2.0 and weighted_scale(got[0].weights, 1) < 1e-300
 
 
-@pytest.mark.parametrize("groups", [2, 3])
+def test_in_two_groups_a_member_that_always_votes_no_halts_the_job_naming_both_sides():
+    """One no against one yes, three attempts in a row: nothing tells which group is wrong (a liar
+    that vetoes, or one whose neighbour broke the rings while voting yes), so nobody is evicted and
+    the job halts, naming both sides."""
+    state, clock = formed(2, heartbeat_timeout_s=60.0)
+    run_exchange(state, (0, 1), 0)
+    for attempt in range(VETO_LIMIT):
+        got = ask_all(state, 1, {g: {"retry": attempt > 0} for g in range(2)})
+        assert all(not r.evicted for r in got.values()), (attempt, got)
+        vote(state, {0: got[0]}, [0], ok=False)
+        vote(state, got, [1])
+    got = ask_all(state, 1, {g: {"retry": True} for g in range(2)})
+    assert all(getattr(r, "halted", "") for r in got.values()), got
+    halted = state.snapshot()["rounds_state"]["halted"]
+    assert "groups [1] voted to commit, groups [0] did not" in halted and state.snapshot()["rounds_state"]["evicted"] == 0
+
+
+@pytest.mark.parametrize("groups", [3, 4])
 def test_a_member_that_always_votes_no_is_evicted_after_the_veto_limit(groups):
     state, clock = formed(groups, heartbeat_timeout_s=60.0)
     run_exchange(state, range(groups), 0)
@@ -180,15 +200,32 @@ def test_a_member_that_never_votes_is_evicted_after_the_veto_limit():
     assert "no vote in time" in got[0].evicted and sorted(got[1].members) == [1, 2]
 
 
-def test_a_member_heard_from_that_never_asks_is_failed_after_the_join_timeout():
-    state, clock = formed(2, heartbeat_timeout_s=60.0, join_timeout_s=20.0, quorum_grace_s=0.5)
-    run_exchange(state, (0, 1), 0)
+def test_a_member_heard_from_that_never_asks_is_failed_once_a_majority_waited_the_join_timeout():
+    """Three groups, no window: two ask, the third heartbeats but never asks. Once the two (a
+    majority) waited the join timeout it is failed as stuck and they go on. In two groups one ask
+    is no majority: the other is waited for while it heartbeats (docs/fault_tolerance.md §2.1)."""
+    state, clock = formed(3, heartbeat_timeout_s=60.0, join_timeout_s=20.0)
+    run_exchange(state, range(3), 0)
     got: dict = {}
-    waiting = ask_in_thread(state, 0, 1, got)
+    waiting = [ask_in_thread(state, g, 1, got) for g in (0, 1)]
     for _ in range(5):
         clock.now += 4.5
-        state.heartbeat(HeartbeatRequest(1, 0, 5))  # alive, but it never asks
+        state.heartbeat(HeartbeatRequest(2, 0, 5))  # alive, but it never asks
         time.sleep(0.3)
-    waiting.join(timeout=5)
-    assert sorted(got[0].members) == [0]
-    assert "stuck" in state.snapshot()["rounds_state"]["failed_groups"][1]
+    for t in waiting:
+        t.join(timeout=5)
+    assert sorted(got[0].members) == [0, 1]
+    assert "stuck" in state.snapshot()["rounds_state"]["failed_groups"][2]
+
+    state, clock = formed(2, heartbeat_timeout_s=60.0, join_timeout_s=20.0)
+    run_exchange(state, (0, 1), 0)
+    got = {}
+    alone = ask_in_thread(state, 0, 1, got)
+    for _ in range(5):
+        clock.now += 4.5
+        state.heartbeat(HeartbeatRequest(1, 0, 5))
+        time.sleep(0.3)
+    assert got == {} and live(state) == [0, 1]
+    run_exchange(state, (1,), 1, got)
+    alone.join(timeout=5)
+    assert sorted(got[0].members) == [0, 1]
