@@ -24,7 +24,7 @@ if _here not in sys.path:
 
 TAG = "DILOCO_TEST_PROCESS_TAG"
 SESSION = f"{os.getpid()}"
-LEAK_GRACE_S = 10.0
+LEAK_GRACE_S = float(os.environ.get("DILOCO_TEST_LEAK_GRACE_S", "10"))
 # helpers multiprocessing starts once for pytest's own process; they end with it
 _PYTEST_HELPERS = ("from multiprocessing.resource_tracker import main", "from multiprocessing.forkserver import main")
 os.environ[TAG] = f"{SESSION}:"
