@@ -120,31 +120,59 @@ def test_every_overlay_renders_a_finite_group_and_one_hosts_the_coordinator(rend
 
 
 def test_jobs_tell_done_restart_me_and_configuration_errors_apart(rendered):
+    """What each Job does with each exit code of diloco/runtime/exit_codes.py, read through the
+    podFailurePolicy as the Job controller reads it (first matching rule; k8s_semantics)."""
+    import k8s_semantics as ks
+
+    signalled = {"SIGTERM": 128 + 15, "SIGKILL": 128 + 9}
     for name, objects in rendered.items():
         for job in (o for o in objects if o["kind"] == "Job"):
             spec, pod = job["spec"], job["spec"]["template"]["spec"]
             (container,) = pod["containers"]
             assert pod["restartPolicy"] == "Never", "podFailurePolicy needs restartPolicy Never"
-            assert 0 < spec["ttlSecondsAfterFinished"] and 0 < spec["backoffLimit"] <= 10
-            rules = spec["podFailurePolicy"]["rules"]
-            by_code = {}
-            for rule in rules:
+            assert spec["podReplacementPolicy"] == "Failed", "the only value a podFailurePolicy allows"
+            assert 0 < spec["ttlSecondsAfterFinished"]
+            for rule in spec["podFailurePolicy"]["rules"]:
                 codes = rule.get("onExitCodes")
                 if codes:
                     assert codes["containerName"] == container["name"] and codes["operator"] == "In"
-                    by_code.update(dict.fromkeys(codes["values"], rule["action"]))
-            assert by_code[exit_codes.CONFIGURATION] == "FailJob", f"{name}: a configuration error must fail the Job"
-            assert by_code[exit_codes.RESTART] == "Ignore", f"{name}: 'restart me' restarts without counting"
-            assert exit_codes.DONE not in by_code
-            assert any(c["type"] == "DisruptionTarget" and r["action"] == "Ignore"
-                       for r in rules for c in r.get("onPodConditions", [])), "evictions restart without counting"
+                    assert exit_codes.DONE not in codes["values"]
+
+            def action(code: int, disrupted: bool = False) -> str:
+                return ks.failure_action(job, container["name"], code, disrupted)  # noqa: B023
+
+            what = f"{name}: {job['metadata']['name']}"
+            assert action(exit_codes.CONFIGURATION) == "FailJob", f"{what}: a configuration error must fail the Job"
+            assert action(exit_codes.RESTART) == "Ignore", f"{what}: 'restart me' restarts without counting"
+            assert action(signalled["SIGTERM"]) == "Ignore", \
+                f"{what}: SIGTERM (kubectl delete pod: no DisruptionTarget) is not the pod's fault"
+            assert action(signalled["SIGKILL"]) == "Count", f"{what}: out of memory must not restart for ever"
+            assert action(signalled["SIGKILL"], disrupted=True) == "Ignore", "evictions restart without counting"
+            assert action(exit_codes.CONFIGURATION, disrupted=True) == "FailJob", "a configuration error still fails"
             if _component(job) == "worker":
                 env = _env(container)
                 nodes = int(env["DILOCO_NODES"]["value"])
                 assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
+                assert action(exit_codes.OTHER) == "Count", f"{what}: an error restarts, counted"
             else:
                 assert spec.get("completions", 1) == 1 and spec.get("parallelism", 1) == 1, "one coordinator"
                 assert "--keep-running" not in container["args"], "the coordinator must end with the job"
+                assert action(exit_codes.OTHER) == "FailJob", f"{what}: 1 is a failed job (groups diverged)"
+                assert 0 < spec["backoffLimit"] <= 10
+
+
+def test_one_nodes_failures_never_spend_another_nodes_budget(rendered):
+    """A group's pods each have a budget of their own (backoffLimitPerIndex): with a Job-wide
+    backoffLimit, one node failing again and again, or one incident that fails several pods,
+    would fail the group for the others' faults. One node out of budget fails the group (it cannot
+    train without it: maxFailedIndexes 0)."""
+    for name, objects in rendered.items():
+        job, _, _, _ = _worker(objects)
+        spec = job["spec"]
+        assert spec["completionMode"] == "Indexed" and 0 < spec["backoffLimitPerIndex"] <= 10, name
+        assert spec["maxFailedIndexes"] == 0, f"{name}: a group missing a node would wait for it for ever"
+        assert "backoffLimit" not in spec, \
+            f"{name}: a Job-wide backoffLimit ({spec.get('backoffLimit')}) counts every node's failures together"
 
 
 def test_budgets_hold_running_pods_only_and_never_block_a_drain_after_completion(rendered):
