@@ -1,13 +1,16 @@
 """What the exit code of a ``diloco`` process says, and which codes a restart can fix.
 
-    0   done (trained, or stopped with a job checkpoint, or joined after the job had finished)
+    0   done (trained, or joined after the job had finished; a worker stopped by ``--stop-after``)
     1   another error: a bug or something this table does not know; a restart would repeat it
     2   configuration: a flag, a file, a path, a corrupt checkpoint, different initial weights, or
         a job the coordinator halted (its groups differ with no majority); deterministic, so
         never restarted (the message names what to change)
     75  restart me: a fault (this group was declared failed, a peer or the coordinator was lost,
-        a rank was killed); a restarted group joins again and heals
-    130 interrupted (Ctrl-C)
+        a rank was killed), or SIGTERM before the job finished (``for_signal``); a restarted
+        group joins again and heals
+    130 interrupted (Ctrl-C; ``diloco run`` stopped by a signal)
+
+``TABLE`` is the same, as the docs show it (docs/operations.md, "Exit codes").
 
 ``diloco torchrun`` (``diloco.runtime.agent``) keeps these through torchrun, which reports any
 failure of its workers as 1: ``group_exit_code`` makes one code of its ranks' codes. ``diloco run``
@@ -28,6 +31,26 @@ INTERRUPTED = 130
 
 MEANING = {DONE: "done", OTHER: "error", CONFIGURATION: "configuration error", RESTART: "restart me",
            INTERRUPTED: "interrupted"}
+
+#: The exit-code table, the one source of the "Exit codes" section of docs/operations.md (which a
+#: test checks against it): (code, when a process exits with it, what a scheduler does with it).
+TABLE: tuple[tuple[int, str, str], ...] = (
+    (DONE, "the job finished (trained; or joined after it had finished); a coordinator whose groups all "
+           "reported", "nothing: the Job is complete"),
+    (OTHER, "an unexpected error (a bug, ours or in `--entry` code: the traceback is in the log); a coordinator "
+            "whose groups' parameters diverged", "count it as a failure; a restart would repeat it"),
+    (CONFIGURATION, "a deterministic error, on every side that sees it: a flag, a path, a port, a corrupt "
+                    "checkpoint, different initial weights, a wrong secret or certificate, a run folder in "
+                    "use, a job the coordinator halted", "fail for good (never restart); the message names what "
+                    "to change"),
+    (RESTART, "a fault, or a stop from outside before the job finished: SIGTERM to the coordinator or to "
+              "`diloco torchrun` (a deleted, evicted or preempted pod, a drain), a peer lost inside the group "
+              "(Gloo, NCCL), the group declared failed or evicted, the coordinator lost, every group lost",
+              "restart it (it rejoins, heals, or resumes from its checkpoints)"),
+    (INTERRUPTED, "a person stopped it: Ctrl-C, or `diloco run` stopped by SIGINT or SIGTERM (with a "
+                  "checkpoint and the `--resume` command, or before anything was trained)",
+     "nothing: resume by hand"),
+)
 
 # errors of a path the user named: what is there, or who may write it, is wrong
 _PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST, errno.EROFS,

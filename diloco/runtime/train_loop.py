@@ -154,6 +154,8 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
         extra.update(resumed_from=str(restored.path.parent), resumed_at_step=start_step)
     if stopped_at is not None:
         extra.update(stopped_at_step=stopped_at, job_checkpoint=str(keeper.last))
+        if keeper.stop_signalled and not getattr(link, "stop_requested", False):
+            extra.update(stopped_by="SIGTERM")  # this rank's own SIGTERM, not a stop the job agreed on: exit 75
     if feed.positions is not None:  # this incarnation's committed data ranges (diloco.exchange.data_positions)
         extra.update(data_ledger=merged(feed.positions.ledger),
                      data_unit="samples" if feed.positions.samples_per_step else "steps")

@@ -341,4 +341,9 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)  # as diloco run's --json
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
+    if summary.get("stopped_by"):  # SIGTERM before the job finished (a deleted pod): restart me, never 0
+        print(f"diloco worker (group {group}, rank {summary['rank']}): {summary['stopped_by']}: stopped at step "
+              f"{summary['stopped_at_step']} with checkpoint {summary.get('job_checkpoint')}; exit "
+              f"{exit_codes.describe(exit_codes.RESTART)}", file=sys.stderr, flush=True)
+        return exit_codes.RESTART
     return 0
