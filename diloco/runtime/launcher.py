@@ -71,7 +71,23 @@ class GroupProcess:
         except OSError:
             return "(no log)"
         errors = [line for line in text if line.startswith("diloco worker (")]
-        return "\n".join(errors[-lines:] if errors else text[-lines:])
+        if not errors:
+            return "\n".join(text[-lines:])
+        return "\n".join([*last_traceback(text, limit=2 * lines), *errors[-lines:]])
+
+
+def last_traceback(text: list[str], limit: int = 40) -> list[str]:
+    """The last Python traceback among a log's lines (a rank prints one for an error in --entry code
+    or a bug: ``user_errors``), its innermost ``limit`` lines; [] if there is none."""
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return []
+    block = [text[starts[-1]]]
+    for line in text[starts[-1] + 1:]:
+        block.append(line)
+        if line and not line[0].isspace():  # the exception's own line ends the traceback
+            break
+    return block if len(block) <= limit else [block[0], "  ...", *block[-(limit - 2):]]
 
 
 def place_devices(cfg: Config, *, fit_ranks: bool = False) -> tuple[Config, DevicePlan]:
