@@ -61,6 +61,7 @@ from diloco.exchange.shard_healing import (
 )
 from diloco.exchange.striped import StripedAverager
 from transport import CollectiveAborted, TransportError
+from transport.errors import auth_cause
 
 log = logging.getLogger(__name__)
 
@@ -391,6 +392,8 @@ class QuorumAverager(StripedAverager):
                     if not all_finite(out[s.start:s.stop]):
                         why = why or f"the mean of stripe {s.index} holds NaN/Inf"
                 except (CollectiveAborted, TransportError) as e:
+                    if auth_cause(e) is not None:  # a wrong secret or certificate: no retry mends it (exit 2)
+                        raise
                     why = why or str(e)[:400]
         finally:
             with self._rings_lock:

@@ -92,7 +92,7 @@ def for_exception(exc: BaseException) -> int:
     from diloco.engine.initial import InitialParamsMismatch
     from diloco.exchange.quorum_averager import ExchangeFailed, GroupEvicted, JobHalted
     from transport import TransportError
-    from transport.errors import PeerAuthError
+    from transport.errors import PeerAuthError, auth_cause
 
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED
@@ -104,8 +104,8 @@ def for_exception(exc: BaseException) -> int:
         if exc.code in _COORDINATOR_SETTINGS:
             return CONFIGURATION
         return RESTART if exc.code in _COORDINATOR_FAULTS else OTHER
-    if isinstance(exc, PeerAuthError):
-        return CONFIGURATION  # a wrong secret or certificate: the same again after a restart
+    if isinstance(exc, PeerAuthError) or auth_cause(exc) is not None:
+        return CONFIGURATION  # a wrong secret or certificate (also behind an aborted collective): the same again
     if isinstance(exc, (TransportError, ConnectionError, TimeoutError)):
         return RESTART
     if _is_distributed_error(exc) or is_peer_lost(exc):

@@ -107,3 +107,39 @@ def test_diloco_torchrun_sent_sigterm_exits_75_not_143(tmp_path):
     text = log.read_text()
     assert code == 75, text[-3000:]
     assert re.search(r"diloco torchrun: SIGTERM: stopped every worker; exit 75 \(restart me\)", text), text[-3000:]
+
+
+def test_a_wrong_secret_is_a_configuration_error_on_both_sides_of_the_handshake():
+    """Before, the side that found the other's proof wrong hung up: the other met a lost connection
+    (75, restarted for ever) where this side met a wrong secret (2). Now it says why (REJECT)."""
+    import socket
+    import threading
+
+    from transport import CollectiveAborted, PeerAuthError
+    from transport.auth import client_handshake, server_handshake
+
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    server_error: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            server_handshake(b, b"the-other-groups-secret")
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            server_error.append(e)
+
+    th = threading.Thread(target=serve)
+    th.start()
+    with pytest.raises(PeerAuthError, match="wrong shared secret") as client:
+        client_handshake(a, b"this-groups-secret", "me:1", "server")
+    th.join(5)
+    a.close()
+    b.close()
+    assert len(server_error) == 1 and isinstance(server_error[0], PeerAuthError), server_error
+    assert "wrong shared secret" in str(server_error[0])
+    assert exit_codes.for_exception(client.value) == exit_codes.for_exception(server_error[0]) == exit_codes.CONFIGURATION
+    try:  # as the exchange meets it: a collective aborted by the failed handshake
+        raise CollectiveAborted("authentication failed with a ring neighbour") from server_error[0]
+    except CollectiveAborted as aborted:
+        assert exit_codes.for_exception(aborted) == exit_codes.CONFIGURATION
