@@ -143,3 +143,72 @@ def test_a_wrong_secret_is_a_configuration_error_on_both_sides_of_the_handshake(
         raise CollectiveAborted("authentication failed with a ring neighbour") from server_error[0]
     except CollectiveAborted as aborted:
         assert exit_codes.for_exception(aborted) == exit_codes.CONFIGURATION
+
+
+SIGTERM_RANK = textwrap.dedent("""
+    import logging, os, signal, sys, time
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from diloco.runtime import train_loop
+
+    class Keeper:
+        every, stop_signalled = int(sys.argv[1]), False
+
+        def request_stop(self):
+            self.stop_signalled = True
+
+    keeper = Keeper()
+    train_loop.on_sigterm(keeper)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    print("asked to stop:", keeper.stop_signalled, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the second: at once
+    time.sleep(5)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("every", [0, 4])
+def test_a_ranks_sigterm_is_never_silent(every):
+    """Checkpoints on: the first SIGTERM says where the rank will stop; without periodic
+    checkpoints it says it stops now, without one. Either way the rank dies by SIGTERM, which
+    ``diloco torchrun`` turns into 75 (``group_exit_code``)."""
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_RANK, str(every)], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+    if every:
+        assert "SIGTERM: checkpointing at the next multiple of --checkpoint-every 4, then stopping" in proc.stderr
+        assert "asked to stop: True" in proc.stdout and "SIGTERM: stopping now (a second SIGTERM)" in proc.stderr
+    else:
+        assert "no periodic checkpoint to stop at (--checkpoint-every 0): stopping now, without a checkpoint" \
+            in proc.stderr and "asked to stop" not in proc.stdout
+    assert exit_codes.group_exit_code({0: -signal.SIGTERM}) == exit_codes.RESTART
+
+
+def test_a_rank_that_checkpointed_for_its_own_sigterm_exits_75(monkeypatch, capsys):
+    from diloco.job.config import Config
+    from diloco.runtime import worker
+
+    summary = {"group": 0, "rank": 0, "inner_steps": 20, "outer_rounds": 2, "bytes_sent": 1, "param_hash": "ab",
+               "seconds": 1.0, "utilization": 0.5, "stopped_at_step": 20, "job_checkpoint": "/ck/step-000020",
+               "stopped_by": "SIGTERM"}
+    monkeypatch.setattr(worker, "run_worker", lambda *a, **k: dict(summary))
+    monkeypatch.setattr("diloco.runtime.logs.setup", lambda *a, **k: None)
+    assert worker.main(Config(), 0, "127.0.0.1:1") == exit_codes.RESTART
+    assert "SIGTERM: stopped at step 20 with checkpoint /ck/step-000020; exit 75 (restart me)" in capsys.readouterr().err
+    summary.pop("stopped_by")  # a stop the job agreed on (diloco run's Ctrl-C), or --stop-after
+    assert worker.main(Config(), 0, "127.0.0.1:1") == exit_codes.DONE
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_to_a_coordinator_before_the_job_finished_is_130():
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "coordinator", "--port", "0", "--groups", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "listening on" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Ctrl-C before the job finished; exit 130 (interrupted)" in err
