@@ -38,7 +38,7 @@ def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.P
         raise checkpoint.CheckpointError(f"{restored.path}: cannot be restored here: {e}") from e
 
 
-def on_sigterm(keeper: job_checkpoint.JobCheckpointer) -> None:
+def on_sigterm(keeper: job_checkpoint.JobCheckpointer | None) -> None:
     """SIGTERM (main thread only): the first asks ``keeper`` to checkpoint and stop at the next
     step the job agrees on (a periodic checkpoint, or the connection's ``stop_requested``); a
     second one, or the first without periodic checkpoints, ends the process at once. Each says so
@@ -47,8 +47,10 @@ def on_sigterm(keeper: job_checkpoint.JobCheckpointer) -> None:
         return
 
     def handler(signum, frame) -> None:
-        if keeper.stop_signalled or not keeper.every:
-            log.warning("SIGTERM: %s", "stopping now (a second SIGTERM)" if keeper.stop_signalled else
+        if keeper is None or keeper.stop_signalled or not keeper.every:
+            log.warning("SIGTERM: %s", "no job checkpoints (no --checkpoint-dir, or rounds by time): stopping now, "
+                        "without a checkpoint (a restarted group heals from a live one)" if keeper is None else
+                        "stopping now (a second SIGTERM)" if keeper.stop_signalled else
                         "no periodic checkpoint to stop at (--checkpoint-every 0): stopping now, without a "
                         "checkpoint (a restarted group heals from a live one)")
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -95,7 +97,7 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
             cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
             task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval,
             healed=restored is None and link.fault_stats.healed)
-        on_sigterm(keeper)  # run_worker puts the old handler back
+    on_sigterm(keeper)  # says what it does either way; run_worker puts the old handler back
     stopped_at = start_step if keeper is not None and keeper.catch_up(loss_ema=loss_ema) else None
     t = start_step
     while stopped_at is None and (not engine.rounds_done if timed else t < steps):

@@ -151,30 +151,32 @@ SIGTERM_RANK = textwrap.dedent("""
     from diloco.runtime import train_loop
 
     class Keeper:
-        every, stop_signalled = int(sys.argv[1]), False
+        every, stop_signalled = int(sys.argv[1]) if sys.argv[1].isdigit() else 0, False
 
         def request_stop(self):
             self.stop_signalled = True
 
-    keeper = Keeper()
+    keeper = Keeper() if sys.argv[1] != "none" else None
     train_loop.on_sigterm(keeper)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.5)
-    print("asked to stop:", keeper.stop_signalled, flush=True)
+    print("asked to stop:", keeper.stop_signalled if keeper else None, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)  # the second: at once
     time.sleep(5)
 """)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("every", [0, 4])
+@pytest.mark.parametrize("every", ["none", "0", "4"])
 def test_a_ranks_sigterm_is_never_silent(every):
     """Checkpoints on: the first SIGTERM says where the rank will stop; without periodic
     checkpoints it says it stops now, without one. Either way the rank dies by SIGTERM, which
     ``diloco torchrun`` turns into 75 (``group_exit_code``)."""
-    proc = subprocess.run([sys.executable, "-c", SIGTERM_RANK, str(every)], capture_output=True, text=True, timeout=50)
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_RANK, every], capture_output=True, text=True, timeout=50)
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
-    if every:
+    if every == "none":
+        assert "no job checkpoints (no --checkpoint-dir, or rounds by time): stopping now" in proc.stderr
+    elif every == "4":
         assert "SIGTERM: checkpointing at the next multiple of --checkpoint-every 4, then stopping" in proc.stderr
         assert "asked to stop: True" in proc.stdout and "SIGTERM: stopping now (a second SIGTERM)" in proc.stderr
     else:
