@@ -98,6 +98,8 @@ def for_exception(exc: BaseException) -> int:
         return INTERRUPTED
     if isinstance(exc, JobHalted) or (isinstance(exc, CoordinatorError) and exc.halted):
         return CONFIGURATION  # the coordinator halted the job: a restart meets it halted again
+    if isinstance(exc, ExchangeFailed) and getattr(exc, "auth_failure", None) is not None:
+        return CONFIGURATION  # every attempt met a wrong secret or certificate: so would a restarted group
     if isinstance(exc, (GroupEvicted, ExchangeFailed)):
         return RESTART
     if isinstance(exc, CoordinatorError):

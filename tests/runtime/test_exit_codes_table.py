@@ -139,6 +139,12 @@ def test_a_wrong_secret_is_a_configuration_error_on_both_sides_of_the_handshake(
     assert len(server_error) == 1 and isinstance(server_error[0], PeerAuthError), server_error
     assert "wrong shared secret" in str(server_error[0])
     assert exit_codes.for_exception(client.value) == exit_codes.for_exception(server_error[0]) == exit_codes.CONFIGURATION
+    from diloco.exchange.quorum_averager import ExchangeFailed
+
+    gave_up = ExchangeFailed("exchange 3 rolled back 20 times in a row (the last: authentication failed)")
+    assert exit_codes.for_exception(gave_up) == exit_codes.RESTART  # a corrupting link, a bug: restart
+    gave_up.auth_failure = server_error[0]  # every attempt met the wrong secret: so would a restart
+    assert exit_codes.for_exception(gave_up) == exit_codes.CONFIGURATION
     try:  # as the exchange meets it: a collective aborted by the failed handshake
         raise CollectiveAborted("authentication failed with a ring neighbour") from server_error[0]
     except CollectiveAborted as aborted:
