@@ -5,6 +5,9 @@
     client -> PROOF     payload = HMAC(K, "cli" | Nc | Ns | addr [| cg | sg])   (after checking the server)
     server -> ACCEPT    (or REJECT with a reason, then close)
 
+A client that finds the server's MAC wrong (or cannot key it) sends REJECT with the reason instead
+of PROOF, so both sides of a wrong secret raise PeerAuthError, not one of them a lost connection.
+
 cg, sg: each side's group + 1 in the envelope's aux field (0: no group identity). K is the key the
 two groups share (`transport.identity`: K(cg, sg)), or the job-wide secret when neither side has
 a group (the MACs then omit the groups: the handshake of wire version 1 as it always was). Both
@@ -96,11 +99,18 @@ def dial_handshake(
     ns, server_mac = bytes(msg.payload[:NONCE_BYTES]), bytes(msg.payload[NONCE_BYTES:])
     sg = msg.aux
     server_group = _read_group(sg)
-    key = creds.key_for(server_group)  # PeerAuthError: no key for the group it claims
+    try:
+        key = creds.key_for(server_group)  # PeerAuthError: no key for the group it claims
+    except PeerAuthError as e:
+        _reject(sock, f"the dialing side holds no key for this side: {e}")
+        raise
     if not hmac.compare_digest(server_mac, _mac(key, b"srv", nc, ns, cg, sg, addr)):
         what = "wrong shared secret?" if creds.group is None else f"wrong credentials for group {server_group}?"
+        # the server learns it too: both sides of a wrong secret stop with the same error (exit 2)
+        _reject(sock, f"authentication failed: the dialing side found this side's proof wrong ({what})")
         raise PeerAuthError(f"peer {peer} failed authentication ({what})")
     if expect_group is not None and creds.group is not None and server_group != expect_group:
+        _reject(sock, f"proved group {server_group}, the dialing side expected group {expect_group}")
         raise PeerAuthError(f"peer {peer} proved group {server_group}, expected group {expect_group}")
     sent += send_message(sock, MsgType.PROOF, payload=_mac(key, b"cli", nc, ns, cg, sg, addr))
     _expect(sock, MsgType.ACCEPT, on_bytes)
@@ -144,7 +154,10 @@ def accept_handshake(
         raise PeerAuthError(f"peer claiming {peer!r}: {e}") from None
     ns, sg = os.urandom(NONCE_BYTES), _wire_group(creds.group)
     n = send_message(sock, MsgType.CHALLENGE, payload=ns + _mac(key, b"srv", nc, ns, cg, sg, addr), aux=sg)
-    msg = read_message(sock, _HANDSHAKE_MAX_PAYLOAD, frozenset({MsgType.PROOF}), on_bytes)
+    try:  # a client that found this side's proof wrong says so (REJECT) rather than hang up
+        msg = _expect(sock, MsgType.PROOF, on_bytes)
+    except PeerAuthError as e:
+        raise PeerAuthError(f"peer claiming {peer!r}: {e}") from None
     if not hmac.compare_digest(bytes(msg.payload), _mac(key, b"cli", nc, ns, cg, sg, addr)):
         n += _reject(sock, "authentication failed")
         what = "wrong shared secret?" if client_group is None else f"no credentials of group {client_group}"

@@ -29,3 +29,16 @@ class CollectiveAborted(TransportError):
     The message names the collective's tag, the peer concerned and what happened. The caller's
     input tensor is left unchanged.
     """
+
+
+def auth_cause(exc: BaseException) -> "PeerAuthError | None":
+    """The ``PeerAuthError`` that ``exc`` is or was raised from (its ``__cause__``/``__context__``
+    chain), or None: a wrong secret or certificate behind a collective that aborted."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, PeerAuthError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None

@@ -61,6 +61,7 @@ from diloco.exchange.shard_healing import (
 )
 from diloco.exchange.striped import StripedAverager
 from transport import CollectiveAborted, TransportError
+from transport.errors import auth_cause
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,10 @@ class ExchangeFailed(RuntimeError):
     """An exchange (or healing) rolled back ``max_attempts`` times in a row: a failure that
     repeats (a bug, a link that corrupts every frame, a stale build) rather than a group lost
     once. The rank stops with the last attempt's reason; its group is restarted and heals, as
-    after any failure."""
+    after any failure -- unless every attempt met a failed handshake (``auth_failure``: a wrong
+    secret or certificate, exit code 2)."""
+
+    auth_failure: BaseException | None = None
 
 
 class JobFinished(RuntimeError):
@@ -142,6 +146,7 @@ class QuorumAverager(StripedAverager):
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         self.max_attempts = max_attempts
+        self.auth_failures_in_a_row, self.last_auth_failure = 0, None  # run_rings' failed handshakes
         self.client = client
         self.plan_every = plan_every
         self._table: tuple[int, int, Any] | None = None  # (block, version, bandwidth table)
@@ -313,9 +318,12 @@ class QuorumAverager(StripedAverager):
         return bool(flag.item())
 
     def _gave_up(self, what: str, attempts: int, reason: str) -> ExchangeFailed:
-        return ExchangeFailed(f"group {self.group} rank {self.rank}: {what} rolled back {attempts} times in a row "
-                              f"(the last: {reason}); a failure that repeats, not a lost group: stopping instead "
-                              "of retrying it")
+        failed = ExchangeFailed(f"group {self.group} rank {self.rank}: {what} rolled back {attempts} times in a row "
+                                f"(the last: {reason}); a failure that repeats, not a lost group: stopping instead "
+                                "of retrying it")
+        if self.auth_failures_in_a_row >= attempts:  # every attempt met a wrong secret or certificate
+            failed.auth_failure = self.last_auth_failure
+        return failed
 
     # --- one exchange ---------------------------------------------------------------------------
 
@@ -378,7 +386,7 @@ class QuorumAverager(StripedAverager):
         sp, me, handles = self.launch(x, out, plan, {g: list(a) for g, a in resp.members.items()},
                                       tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales,
                                       shards=shards, codec=codec)
-        why = ""
+        why, auth = "", None
         with self._rings_lock:
             self._running[resp.id] = [h for _, h in handles]
             evicted = self._evicted  # a heartbeat refused since: it found no rings here to abort
@@ -391,10 +399,16 @@ class QuorumAverager(StripedAverager):
                     if not all_finite(out[s.start:s.stop]):
                         why = why or f"the mean of stripe {s.index} holds NaN/Inf"
                 except (CollectiveAborted, TransportError) as e:
+                    auth = auth or auth_cause(e)
                     why = why or str(e)[:400]
         finally:
             with self._rings_lock:
                 self._running.pop(resp.id, None)
+        # attempts in a row that a failed handshake (a wrong secret or certificate) aborted here: when
+        # every attempt was one, giving up says so (exit 2: no restart mends it; a corrupting link fails
+        # some handshakes too, never every attempt's)
+        self.auth_failures_in_a_row = self.auth_failures_in_a_row + 1 if auth is not None else 0
+        self.last_auth_failure = auth
         return out, sp, me, not why, why, sent
 
     def vote(self, resp: QuorumResponse, ok: bool, why: str) -> CommitResponse:

@@ -1,13 +1,16 @@
 """What the exit code of a ``diloco`` process says, and which codes a restart can fix.
 
-    0   done (trained, or stopped with a job checkpoint, or joined after the job had finished)
+    0   done (trained, or joined after the job had finished; a worker stopped by ``--stop-after``)
     1   another error: a bug or something this table does not know; a restart would repeat it
     2   configuration: a flag, a file, a path, a corrupt checkpoint, different initial weights, or
         a job the coordinator halted (its groups differ with no majority); deterministic, so
         never restarted (the message names what to change)
     75  restart me: a fault (this group was declared failed, a peer or the coordinator was lost,
-        a rank was killed); a restarted group joins again and heals
-    130 interrupted (Ctrl-C)
+        a rank was killed), or SIGTERM before the job finished (``for_signal``); a restarted
+        group joins again and heals
+    130 interrupted (Ctrl-C; ``diloco run`` stopped by a signal)
+
+``TABLE`` is the same, as the docs show it (docs/operations.md, "Exit codes").
 
 ``diloco torchrun`` (``diloco.runtime.agent``) keeps these through torchrun, which reports any
 failure of its workers as 1: ``group_exit_code`` makes one code of its ranks' codes. ``diloco run``
@@ -28,6 +31,26 @@ INTERRUPTED = 130
 
 MEANING = {DONE: "done", OTHER: "error", CONFIGURATION: "configuration error", RESTART: "restart me",
            INTERRUPTED: "interrupted"}
+
+#: The exit-code table, the one source of the "Exit codes" section of docs/operations.md (which a
+#: test checks against it): (code, when a process exits with it, what a scheduler does with it).
+TABLE: tuple[tuple[int, str, str], ...] = (
+    (DONE, "the job finished (trained; or joined after it had finished); a coordinator whose groups all "
+           "reported", "nothing: the Job is complete"),
+    (OTHER, "an unexpected error (a bug, ours or in `--entry` code: the traceback is in the log); a coordinator "
+            "whose groups' parameters diverged", "count it as a failure; a restart would repeat it"),
+    (CONFIGURATION, "a deterministic error, on every side that sees it: a flag, a path, a port, a corrupt "
+                    "checkpoint, different initial weights, a wrong secret or certificate, a run folder in "
+                    "use, a job the coordinator halted", "fail for good (never restart); the message names what "
+                    "to change"),
+    (RESTART, "a fault, or a stop from outside before the job finished: SIGTERM to the coordinator or to "
+              "`diloco torchrun` (a deleted, evicted or preempted pod, a drain), a peer lost inside the group "
+              "(Gloo, NCCL), the group declared failed or evicted, the coordinator lost, every group lost",
+              "restart it (it rejoins, heals, or resumes from its checkpoints)"),
+    (INTERRUPTED, "a person stopped it: Ctrl-C, or `diloco run` stopped by SIGINT or SIGTERM (with a "
+                  "checkpoint and the `--resume` command, or before anything was trained)",
+     "nothing: resume by hand"),
+)
 
 # errors of a path the user named: what is there, or who may write it, is wrong
 _PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST, errno.EROFS,
@@ -55,35 +78,61 @@ def restartable(code: int) -> bool:
     return code == RESTART or code < 0 or (128 < code < 128 + 65 and code != INTERRUPTED)
 
 
+def for_signal(signum: int) -> int:
+    """The exit code of a process stopped by signal ``signum`` before its job finished: SIGINT
+    (Ctrl-C, a person) is 130; any other (SIGTERM from a scheduler: a deleted, evicted or
+    preempted pod, a node drain) is 75, "restart me", never 0 (which ends a Kubernetes Job)
+    nor 128 + N (which a podFailurePolicy counts as a failure)."""
+    return INTERRUPTED if signum == signal.SIGINT else RESTART
+
+
 def for_exception(exc: BaseException) -> int:
     """The exit code a rank's uncaught error stands for (see the module doc)."""
     from diloco.coordinator import CoordinatorError
     from diloco.engine.initial import InitialParamsMismatch
     from diloco.exchange.quorum_averager import ExchangeFailed, GroupEvicted, JobHalted
     from transport import TransportError
-    from transport.errors import PeerAuthError
+    from transport.errors import PeerAuthError, auth_cause
 
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED
     if isinstance(exc, JobHalted) or (isinstance(exc, CoordinatorError) and exc.halted):
         return CONFIGURATION  # the coordinator halted the job: a restart meets it halted again
+    if isinstance(exc, ExchangeFailed) and getattr(exc, "auth_failure", None) is not None:
+        return CONFIGURATION  # every attempt met a wrong secret or certificate: so would a restarted group
     if isinstance(exc, (GroupEvicted, ExchangeFailed)):
         return RESTART
     if isinstance(exc, CoordinatorError):
         if exc.code in _COORDINATOR_SETTINGS:
             return CONFIGURATION
         return RESTART if exc.code in _COORDINATOR_FAULTS else OTHER
-    if isinstance(exc, PeerAuthError):
-        return CONFIGURATION  # a wrong secret or certificate: the same again after a restart
+    if isinstance(exc, PeerAuthError) or auth_cause(exc) is not None:
+        return CONFIGURATION  # a wrong secret or certificate (also behind an aborted collective): the same again
     if isinstance(exc, (TransportError, ConnectionError, TimeoutError)):
         return RESTART
-    if _is_distributed_error(exc):
+    if _is_distributed_error(exc) or is_peer_lost(exc):
         return RESTART  # the group's own collectives (Gloo, NCCL) lost a rank
     if isinstance(exc, (ValueError, InitialParamsMismatch)):
         return CONFIGURATION  # ConfigError, CheckpointError, TaskError, DataError, PlacementError ...
     if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS:
         return CONFIGURATION
     return OTHER
+
+
+#: how Gloo and NCCL word a lost peer when they raise a plain RuntimeError (lower case, searched for)
+PEER_LOST_WORDS = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+                   "socket timeout", "ncclremoteerror", "remote process exited or there was a network error",
+                   "ncclsystemerror", "unhandled system error", "nccl communicator was aborted",
+                   "watchdog caught collective operation timeout", "gloo connectfullmesh failed")
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """True for a RuntimeError in which the group's own collectives (Gloo, NCCL) report a lost
+    peer: their C++ errors reach Python as plain RuntimeError, known only by their words."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(word in text for word in PEER_LOST_WORDS)
 
 
 def _is_distributed_error(exc: BaseException) -> bool:

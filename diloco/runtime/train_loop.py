@@ -6,6 +6,7 @@ resuming) and hands it here."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import signal
@@ -23,6 +24,9 @@ from diloco.runtime import checkpoint, data_feed, group_parallel, job_checkpoint
 from diloco.runtime.connection import GroupConnection
 
 
+log = logging.getLogger("diloco.runtime.worker")
+
+
 class WorkerError(RuntimeError):
     """A worker cannot start or continue; the message says why."""
 
@@ -34,17 +38,26 @@ def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.P
         raise checkpoint.CheckpointError(f"{restored.path}: cannot be restored here: {e}") from e
 
 
-def on_sigterm(keeper: job_checkpoint.JobCheckpointer) -> None:
+def on_sigterm(keeper: job_checkpoint.JobCheckpointer | None) -> None:
     """SIGTERM (main thread only): the first asks ``keeper`` to checkpoint and stop at the next
     step the job agrees on (a periodic checkpoint, or the connection's ``stop_requested``); a
-    second one ends the process at once, as without checkpoints."""
+    second one, or the first without periodic checkpoints, ends the process at once. Each says so
+    in the log."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def handler(signum, frame) -> None:
-        if keeper.stop_signalled:
+        if keeper is None or keeper.stop_signalled or not keeper.every:
+            log.warning("SIGTERM: %s", "no job checkpoints (no --checkpoint-dir, or rounds by time): stopping now, "
+                        "without a checkpoint (a restarted group heals from a live one)" if keeper is None else
+                        "stopping now (a second SIGTERM)" if keeper.stop_signalled else
+                        "no periodic checkpoint to stop at (--checkpoint-every 0): stopping now, without a "
+                        "checkpoint (a restarted group heals from a live one)")
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # killed by SIGTERM: diloco torchrun exits 75 (restart me)
+            return
+        log.warning("SIGTERM: checkpointing at the next multiple of --checkpoint-every %d, then stopping "
+                    "(SIGTERM again: stop now)", keeper.every)
         keeper.request_stop()
 
     signal.signal(signal.SIGTERM, handler)
@@ -84,7 +97,7 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
             cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
             task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval,
             healed=restored is None and link.fault_stats.healed)
-        on_sigterm(keeper)  # run_worker puts the old handler back
+    on_sigterm(keeper)  # says what it does either way; run_worker puts the old handler back
     stopped_at = start_step if keeper is not None and keeper.catch_up(loss_ema=loss_ema) else None
     t = start_step
     while stopped_at is None and (not engine.rounds_done if timed else t < steps):
@@ -143,6 +156,8 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
         extra.update(resumed_from=str(restored.path.parent), resumed_at_step=start_step)
     if stopped_at is not None:
         extra.update(stopped_at_step=stopped_at, job_checkpoint=str(keeper.last))
+        if keeper.stop_signalled and not getattr(link, "stop_requested", False):
+            extra.update(stopped_by="SIGTERM")  # this rank's own SIGTERM, not a stop the job agreed on: exit 75
     if feed.positions is not None:  # this incarnation's committed data ranges (diloco.exchange.data_positions)
         extra.update(data_ledger=merged(feed.positions.ledger),
                      data_unit="samples" if feed.positions.samples_per_step else "steps")

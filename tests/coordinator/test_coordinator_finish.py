@@ -212,7 +212,7 @@ def test_keep_running_prints_and_serves_until_sigterm(tmp_path):
     assert code == 0, err
 
 
-def test_sigterm_before_the_end_stops_it_without_a_summary(tmp_path):
+def test_sigterm_before_the_end_stops_it_without_a_summary_and_asks_for_a_restart(tmp_path):
     out_json = tmp_path / "job.json"
     coord = Coordinator("--json", str(out_json))
     try:
@@ -224,7 +224,8 @@ def test_sigterm_before_the_end_stops_it_without_a_summary(tmp_path):
         assert time.monotonic() - start < 5.0
     finally:
         coord.kill()
-    assert code == 0, err
+    assert code == 75, err  # restart me: a Job would be Complete (and never replaced) with 0
+    assert "SIGTERM before the job finished; exit 75 (restart me)" in err
     assert out == "" and not out_json.exists()
 
 

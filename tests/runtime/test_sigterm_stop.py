@@ -1,6 +1,7 @@
 """SIGTERM to `diloco run` with job checkpoints on: every group checkpoints at the same step (the
-coordinator freezes a stop into one quorum) and the run exits 0, ready for --resume. Also when
-the signal comes while the groups start: they stop at the exchange that starts the job (step 0)."""
+coordinator freezes a stop into one quorum) and the run exits 130 (interrupted), ready for
+--resume. When the signal comes while the groups start, nothing was trained: the run stops at
+once, without a checkpoint, and exits 130."""
 
 import json
 import signal
@@ -35,27 +36,32 @@ def test_sigterm_checkpoints_every_group_at_one_step_and_exits_cleanly(tmp_path,
             time.sleep(0.1)
         if when == "training":
             time.sleep(3)  # training under way
+        sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=120)[0].decode()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 130, output[-3000:]
+    if when == "starting":  # nothing trained: no checkpoint to wait for
+        assert time.monotonic() - sent < 15, output[-3000:]
+        assert "nothing was trained yet, so no checkpoint is needed; stopping now" in output
+        assert not out.exists() and not list((run_dir / "checkpoints").glob("step-*"))
+        return
     s = json.loads(out.read_text())
     step = s["stopped_at_step"]
     assert 0 <= step < 100000 and step % 10 == 0, output[-3000:]  # at an exchange: a multiple of H
-    if when == "training":
-        assert step > 0
+    assert step > 0
     folder = run_dir / "checkpoints" / f"step-{step:06d}"
     assert sorted(p.name for p in folder.glob("group-*.json")) == ["group-0.json", "group-1.json"]
     assert s["params_identical"]
-    if when == "starting":  # the checkpoint resumes (step 0 when the signal beat the first exchange)
-        resumed = tmp_path / "resumed.json"
-        done = subprocess.run(
-            [sys.executable, "-m", "diloco", "run", "--resume", str(run_dir / "checkpoints"), "--stop-after",
-             str(step + 10), "--no-progress", "--run-dir", str(tmp_path / "run2"), "--json", str(resumed)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
-        assert done.returncode == 0, done.stdout.decode()[-3000:]
-        r = json.loads(resumed.read_text())
-        assert r["resumed_at_step"] == step and r["stopped_at_step"] == step + 10 and r["params_identical"]
+    # the checkpoint resumes
+    resumed = tmp_path / "resumed.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "diloco", "run", "--resume", str(run_dir / "checkpoints"), "--stop-after",
+         str(step + 10), "--no-progress", "--run-dir", str(tmp_path / "run2"), "--json", str(resumed)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert done.returncode == 0, done.stdout.decode()[-3000:]
+    r = json.loads(resumed.read_text())
+    assert r["resumed_at_step"] == step and r["stopped_at_step"] == step + 10 and r["params_identical"]

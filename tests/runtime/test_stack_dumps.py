@@ -74,7 +74,7 @@ def test_sigusr1_dumps_every_thread_of_a_coordinator_which_runs_on(tmp_path):
         assert proc.poll() is None, "the dump must not stop the process"
     finally:
         code = _stop(proc)
-    assert code == 0, log.read_text()[-3000:]
+    assert code == 75, log.read_text()[-3000:]  # SIGTERM before the job finished: restart me
 
 
 def test_the_torchrun_agent_passes_sigusr1_on_to_its_workers_and_not_to_its_log_pump(tmp_path):
