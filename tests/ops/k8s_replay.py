@@ -61,8 +61,10 @@ from k8s_semantics import (
     selects,
 )
 
-UNSUPPORTED = ("resources (cpu/memory limits are not enforced)", "liveness/readiness/startup probes",
+UNSUPPORTED = ("resources (cpu/memory limits are not enforced)", "exec and gRPC probes",
                "scheduling (nodeSelector, affinity, tolerations)", "seccompProfile", "image pulls")
+MIN_GRACE_S = 10.0  # the shortest grace period the replay gives a terminating pod, however scaled
+MIN_PROBE_TIMEOUT_S = 1.0  # Kubernetes' smallest timeoutSeconds
 
 
 # --- pods ---------------------------------------------------------------------------------------------
@@ -89,6 +91,14 @@ class Pod:
     disrupted: bool = False
     next_restart: float = 0.0
     started_at: float = 0.0
+    #: set by delete/evict: when the kubelet sends SIGKILL (the grace period's end), and why it was ended
+    kill_at: float | None = None
+    ended_by: str = ""
+    ready: bool = False
+    ready_since: float = 0.0
+    #: the kubelet's probes of the current container: {kind: {"next": t, "failures": n, "ok": n, "fail": n}}
+    probes: dict = dataclasses.field(default_factory=dict)
+    started_ok: bool = False  # the startupProbe succeeded (or there is none)
 
     @property
     def log(self) -> Path:
@@ -105,6 +115,39 @@ class Pod:
         init = _children(self.proc.pid)
         found = _children(init[0]) if init else []
         return found[0] if found else None
+
+
+def _probe(pod: Pod, probe: dict, timeout: float, state: dict) -> None:
+    """One probe of ``pod`` (in a thread of its own, which enters the pod's network namespace: the
+    kubelet's probes reach the pod whatever its NetworkPolicies say); the result goes to state."""
+    import ctypes
+    import http.client
+    import socket
+
+    try:
+        fd = os.open(f"/run/netns/{pod.netns}", os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET, this thread only
+                raise OSError(ctypes.get_errno(), "setns")
+        finally:
+            os.close(fd)
+        named = {p["name"]: p["containerPort"] for c in pod.spec["containers"] for p in c.get("ports", []) if "name" in p}
+        how = probe.get("httpGet") or probe["tcpSocket"]
+        port = named[how["port"]] if isinstance(how["port"], str) else int(how["port"])
+        host = how.get("host", pod.ip)
+        if "httpGet" in probe:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                conn.request("GET", how.get("path", "/"), headers={"User-Agent": "kube-probe/1.29"})
+                status = conn.getresponse().status
+            finally:
+                conn.close()
+            state["result"] = (200 <= status < 400, f"HTTP {status}")
+        else:
+            socket.create_connection((host, port), timeout=timeout).close()
+            state["result"] = (True, "")
+    except Exception as e:  # noqa: BLE001 - every failure is a failed probe
+        state["result"] = (False, f"{type(e).__name__}: {e}"[:200])
 
 
 def _children(pid: int) -> list[int]:
@@ -124,6 +167,8 @@ class Workload:
     status: str = "Running"  # Job: Running, Complete, Failed
     reason: str = ""
     next_start: dict[int, float] = dataclasses.field(default_factory=dict)
+    index_failures: dict[int, int] = dataclasses.field(default_factory=dict)  # backoffLimitPerIndex's counts
+    failed_indexes: set[int] = dataclasses.field(default_factory=set)
     history: list[dict] = dataclasses.field(default_factory=list)  # every pod that ended: name, phase, exit code
 
     @property
@@ -141,7 +186,7 @@ class Replay:
     def __init__(self, workdir: Path, datacenters: dict[str, Datacenter], rendered: dict[str, list[dict]], *,
                  secrets: dict[str, dict[str, dict[str, bytes]]], image: Image, repo: Path, time_scale: float = 0.1,
                  monitoring: dict[str, str] | None = None, node_setup: dict[str, Callable[[str], None]] | None = None,
-                 pod_network: dict[str, bool] | None = None) -> None:
+                 pod_network: dict[str, bool] | None = None, probes: bool = True, lb_delay_s: float = 0.0) -> None:
         if os.geteuid() != 0:
             raise ReplayError("the replay needs root (network namespaces, mounts, other users)")
         for tool in ("ip", "unshare", "setpriv", "chroot", "nft"):
@@ -154,6 +199,14 @@ class Replay:
         self.image = image
         self.repo = repo
         self.time_scale = time_scale
+        #: run the containers' startup, liveness and readiness probes as the kubelet does (periods
+        #: and timeouts scaled by time_scale, timeouts at least MIN_PROBE_TIMEOUT_S)
+        self.probes = probes
+        #: a LoadBalancer Service forwards to a pod only this long after the pod became ready (a
+        #: cloud balancer's health checks and programming lag behind the endpoints)
+        self.lb_delay_s = lb_delay_s
+        self._lb_pending: set[str] = set()
+        self._lb_due = math.inf
         self.events: list[str] = []
         self.pods: list[Pod] = []
         self.workloads: list[Workload] = []
@@ -260,17 +313,27 @@ class Replay:
         spec, name = svc["spec"], svc["metadata"]["name"]
         if spec.get("clusterIP") == "None":
             return
-        backends = [p for p in self.running() if p.dc == dc and selects({"matchLabels": spec["selector"]}, p.labels)]
+        backends = [p for p in self.running() if p.dc == dc and selects({"matchLabels": spec["selector"]}, p.labels)
+                    and (p.ready or spec.get("publishNotReadyAddresses"))]
         statements, filters = [], []
         if backends:
             pod = backends[0]
+            lb_ready = time.monotonic() >= pod.ready_since + self.lb_delay_s
             named = {p["name"]: p["containerPort"] for c in pod.spec["containers"] for p in c.get("ports", [])}
             for port in spec["ports"]:
                 target = port.get("targetPort", port["port"])
                 target = named[target] if isinstance(target, str) else target
                 statements.append(f"    ip daddr {self.service_ips[(dc, name)]} tcp dport {port['port']} "
                                   f"dnat to {pod.ip}:{target}")
-                if spec.get("type") == "LoadBalancer":
+                if spec.get("type") == "LoadBalancer" and not lb_ready:
+                    if f"{dc}/{name}" not in self._lb_pending:
+                        self._event(f"{dc}: load balancer {name} not ready yet ({self.lb_delay_s:g}s after its pod)")
+                    self._lb_pending.add(f"{dc}/{name}")
+                    self._lb_due = min(self._lb_due, pod.ready_since + self.lb_delay_s)
+                elif spec.get("type") == "LoadBalancer":
+                    if f"{dc}/{name}" in self._lb_pending:
+                        self._event(f"{dc}: load balancer {name} ready")
+                    self._lb_pending.discard(f"{dc}/{name}")
                     lb = self.service_ips[(dc, name + "@lb")]
                     ranges = spec.get("loadBalancerSourceRanges")
                     if ranges:
@@ -343,6 +406,9 @@ class Replay:
         env = dict(self.image.env)
         env["HOSTNAME"] = pod.node if pod.spec.get("hostNetwork") else pod.hostname
         env["HOME"] = "/home/diloco" if self._uid(pod, container) == 10001 else "/"
+        # the image holds this repository's code: the host's installation may be an editable install
+        # of another checkout, so the repository (bound at its own path) comes first
+        env["PYTHONPATH"] = str(self.repo)
         if pod.owner.kind == "Job" and pod.owner.obj["spec"].get("completionMode") == "Indexed":
             env["JOB_COMPLETION_INDEX"] = str(pod.index)
         for e in container.get("env") or []:
@@ -457,6 +523,8 @@ class Replay:
         finally:
             log.close()
         pod.phase, pod.exit_code, pod.started_at = "Running", None, time.monotonic()
+        pod.kill_at, pod.ended_by, pod.disrupted = None, "", False
+        self._arm_probes(pod, container)
         (pod.dir / "argv.json").write_text(json.dumps({"argv": argv, "env": sorted(env), "uid": uid, "gid": gid,
                                                       "groups": groups}))
         self._event(f"{pod.dc}: started pod {pod.name} ({pod.ip}{', host network' if spec.get('hostNetwork') else ''})"
@@ -563,6 +631,72 @@ class Replay:
         self.pods.append(pod)
         return pod
 
+    # -- the kubelet's probes -----------------------------------------------------------------------------
+    def _arm_probes(self, pod: Pod, container: dict) -> None:
+        pod.probes = {}
+        for kind in ("startup", "liveness", "readiness"):
+            probe = container.get(f"{kind}Probe")
+            if probe is None or not self.probes:
+                continue
+            if not ({"httpGet", "tcpSocket"} & set(probe)):
+                raise ReplayError(f"{pod.name}: {kind}Probe {sorted(probe)} is not replayed (httpGet and tcpSocket are)")
+            pod.probes[kind] = {"spec": probe, "failures": 0, "successes": 0, "ok": 0, "failed": 0, "result": None,
+                                "thread": None, "next": time.monotonic() + float(probe.get("initialDelaySeconds", 0))
+                                * self.time_scale, "last_error": ""}
+        pod.started_ok = "startup" not in pod.probes
+        pod.ready = "readiness" not in pod.probes and pod.started_ok
+        pod.ready_since = time.monotonic()
+
+    def _probe_tick(self, now: float) -> bool:
+        """Start the probes that are due, act on the results that came in; True when a pod's
+        readiness changed (its Services' endpoints follow)."""
+        changed = False
+        for pod in self.running():
+            if pod.kill_at is not None:
+                continue  # terminating: the kubelet stops probing
+            for kind, st in pod.probes.items():
+                probe = st["spec"]
+                if st["result"] is not None:
+                    ok, error = st["result"]
+                    st["result"], st["thread"] = None, None
+                    if ok:
+                        st["ok"] += 1
+                        st["successes"] += 1
+                        st["failures"] = 0
+                        if kind == "startup" and not pod.started_ok:
+                            pod.started_ok = True
+                            self._event(f"{pod.dc}: pod {pod.name} started (startupProbe)")
+                            if "readiness" not in pod.probes:
+                                pod.ready, pod.ready_since, changed = True, now, True
+                        if (kind == "readiness" and not pod.ready
+                                and st["successes"] >= int(probe.get("successThreshold", 1))):
+                            pod.ready, pod.ready_since, changed = True, now, True
+                            self._event(f"{pod.dc}: pod {pod.name} ready")
+                    else:
+                        st["failed"] += 1
+                        st["failures"] += 1
+                        st["successes"] = 0
+                        st["last_error"] = error
+                        if st["failures"] >= int(probe.get("failureThreshold", 3)):
+                            if kind == "readiness":
+                                if pod.ready:
+                                    pod.ready, changed = False, True
+                                    self._event(f"{pod.dc}: pod {pod.name} not ready: {error}")
+                            else:  # the kubelet kills the container; restartPolicy decides the rest
+                                self.delete(pod, reason=f"{kind} probe failed {st['failures']} times ({error}):")
+                                break
+                if kind != "startup" and not pod.started_ok:
+                    continue
+                if kind == "startup" and pod.started_ok:
+                    continue
+                if st["thread"] is None and now >= st["next"]:
+                    st["next"] = now + max(float(probe.get("periodSeconds", 10)) * self.time_scale, 0.2)
+                    timeout = float(probe.get("timeoutSeconds", 1))
+                    timeout = min(timeout, max(timeout * self.time_scale, MIN_PROBE_TIMEOUT_S))
+                    st["thread"] = threading.Thread(target=_probe, args=(pod, probe, timeout, st), daemon=True)
+                    st["thread"].start()
+        return changed
+
     # -- controllers ------------------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
@@ -599,7 +733,7 @@ class Replay:
             for i in range(completions):
                 if budget <= 0:
                     break
-                if i in w.succeeded or i in running or now < w.next_start.get(i, 0.0):
+                if i in w.succeeded or i in w.failed_indexes or i in running or now < w.next_start.get(i, 0.0):
                     continue
                 pod = self._new_pod(w, i)
                 w.pods[i] = pod
@@ -620,6 +754,17 @@ class Replay:
         """Collect exited containers and act as the controllers do; call it often."""
         changed = False
         with self._lock:
+            now = time.monotonic()
+            for pod in self.running():
+                if pod.kill_at is not None and now >= pod.kill_at and pod.proc is not None and pod.proc.poll() is None:
+                    self._event(f"{pod.dc}: pod {pod.name}'s grace period ended")
+                    pod.kill_at = math.inf
+                    self.kill(pod, signal.SIGKILL)
+            if self.probes:
+                changed |= self._probe_tick(now)
+            if now >= self._lb_due:  # a balancer becomes ready
+                self._lb_due = math.inf
+                changed = True
             for pod in list(self.pods):
                 if pod.phase != "Running" or pod.proc is None or pod.proc.poll() is None:
                     continue
@@ -653,31 +798,66 @@ class Replay:
             return
         self._release(pod)
         pod.phase = "Succeeded" if code == 0 else "Failed"
-        w.history.append({"pod": pod.name, "index": pod.index, "phase": pod.phase, "exit_code": code})
+        pod.ready = False
+        entry = {"pod": pod.name, "index": pod.index, "phase": pod.phase, "exit_code": code,
+                 "ended_by": pod.ended_by or "exited", "disruption_target": pod.disrupted}
+        w.history.append(entry)
+        spec = w.obj["spec"]
         if code == 0:
+            # a pod that exits 0 while being deleted still succeeded: its Job counts the completion
             w.succeeded.add(pod.index)
-            self._event(f"{pod.dc}: pod {pod.name} Succeeded")
-            if len(w.succeeded) == int(w.obj["spec"].get("completions", 1)):
-                w.status = "Complete"
-                self._event(f"{pod.dc}: Job {w.name} Complete (ttlSecondsAfterFinished: "
-                            f"{w.obj['spec'].get('ttlSecondsAfterFinished', 'unset')})")
+            self._event(f"{pod.dc}: pod {pod.name} Succeeded" + (f" ({pod.ended_by})" if pod.ended_by else ""))
+            self._finish_if_done(w)
             return
         (container,) = pod.spec["containers"]
         action = failure_action(w.obj, container["name"], code, pod.disrupted)
-        self._event(f"{pod.dc}: pod {pod.name} Failed, exit {code}: podFailurePolicy action {action}")
+        entry["action"] = action
+        self._event(f"{pod.dc}: pod {pod.name} Failed, exit {code}"
+                    + (f" ({pod.ended_by}{', DisruptionTarget' if pod.disrupted else ''})" if pod.ended_by else "")
+                    + f": podFailurePolicy action {action}")
+        per_index = spec.get("backoffLimitPerIndex")
         if action == "FailJob":
             self._fail_job(w, f"pod {pod.name} exited {code}: the podFailurePolicy fails the Job")
+        elif action == "FailIndex":
+            if per_index is None:
+                raise ReplayError(f"Job {w.name}: FailIndex needs backoffLimitPerIndex (the API refuses it)")
+            self._fail_index(w, pod.index, f"pod {pod.name} exited {code}: the podFailurePolicy fails the index")
         elif action == "Count":
             w.failures += 1
-            if w.failures > int(w.obj["spec"].get("backoffLimit", 6)):
-                self._fail_job(w, f"backoffLimit {w.obj['spec'].get('backoffLimit', 6)} reached")
+            failures = w.failures
+            if per_index is not None:  # the index's own budget; the Job-wide one defaults to unlimited
+                failures = w.index_failures[pod.index] = w.index_failures.get(pod.index, 0) + 1
+                if failures > int(per_index):
+                    self._fail_index(w, pod.index, f"backoffLimitPerIndex {per_index} reached")
+                    return
+            limit = spec.get("backoffLimit", None if per_index is not None else 6)
+            if limit is not None and w.failures > int(limit):
+                self._fail_job(w, f"backoffLimit {limit} reached")
             else:
-                delay = min(10.0 * 2 ** (w.failures - 1), 360.0) * self.time_scale
+                delay = min(10.0 * 2 ** (failures - 1), 360.0) * self.time_scale
                 w.next_start[pod.index] = time.monotonic() + delay
         elif action == "Ignore":
             w.next_start[pod.index] = time.monotonic()
         else:
             raise ReplayError(f"podFailurePolicy action {action} is not replayed")
+
+    def _fail_index(self, w: Workload, index: int, reason: str) -> None:
+        w.failed_indexes.add(index)
+        self._event(f"{w.dc}: Job {w.name} index {index} Failed: {reason}")
+        most = w.obj["spec"].get("maxFailedIndexes")
+        if most is not None and len(w.failed_indexes) > int(most):
+            self._fail_job(w, f"{len(w.failed_indexes)} failed indexes, more than maxFailedIndexes {most}")
+        else:
+            self._finish_if_done(w)
+
+    def _finish_if_done(self, w: Workload) -> None:
+        completions = int(w.obj["spec"].get("completions", 1))
+        if len(w.succeeded) == completions:
+            w.status = "Complete"
+            self._event(f"{w.dc}: Job {w.name} Complete (ttlSecondsAfterFinished: "
+                        f"{w.obj['spec'].get('ttlSecondsAfterFinished', 'unset')})")
+        elif w.failed_indexes and len(w.succeeded | w.failed_indexes) == completions:
+            self._fail_job(w, f"indexes {sorted(w.failed_indexes)} failed")
 
     def _fail_job(self, w: Workload, reason: str) -> None:
         w.status, w.reason = "Failed", reason
@@ -707,21 +887,37 @@ class Replay:
         if wait:
             pod.proc.wait(30)
 
-    def evict(self, pod: Pod) -> tuple[bool, str]:
-        """A drain's eviction of ``pod``: refused when a PodDisruptionBudget forbids it; otherwise the
-        pod gets the DisruptionTarget condition and SIGTERM, then SIGKILL after its grace period."""
+    def delete(self, pod: Pod, *, disruption: bool = False, reason: str = "deleted") -> None:
+        """End ``pod`` as the kubelet ends a deleted pod: SIGTERM now, SIGKILL when its
+        ``terminationGracePeriodSeconds`` (scaled by ``time_scale``, at least ``MIN_GRACE_S``) ends
+        (``tick`` sends it). ``disruption``: the pod gets the DisruptionTarget condition first (an
+        eviction, a preemption, a taint's or the kubelet's node-pressure eviction; a plain ``kubectl
+        delete pod`` does not). The Job controller then sees the pod's end like any other: its exit
+        code and condition through the podFailurePolicy, a replacement once it is terminal
+        (``podReplacementPolicy: Failed``)."""
+        if pod.phase != "Running" or pod.kill_at is not None:
+            return
+        pod.disrupted = pod.disrupted or disruption
+        pod.ended_by = reason
+        pod.ready = False  # a terminating pod leaves its Services' endpoints at once
+        grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
+        pod.kill_at = time.monotonic() + max(grace * self.time_scale, MIN_GRACE_S)
+        self._event(f"{pod.dc}: {reason} pod {pod.name}{' (DisruptionTarget)' if pod.disrupted else ''}: "
+                    f"SIGTERM, SIGKILL in {pod.kill_at - time.monotonic():.1f}s (grace {grace:g}s scaled)")
+        self.kill(pod, signal.SIGTERM)
+        self._refresh_network()
+
+    def evict(self, pod: Pod, *, wait: bool = True, timeout_s: float = 60.0) -> tuple[bool, str]:
+        """A drain's eviction of ``pod`` (the eviction API): refused when a PodDisruptionBudget forbids
+        it; otherwise ``delete`` with the DisruptionTarget condition; ``wait``: until the pod ended."""
         budgets = [o for o in self.rendered[pod.dc] if o["kind"] == "PodDisruptionBudget"]
         healthy = [p.labels for p in self.running() if p.dc == pod.dc]
         ok, why = may_evict(pod.labels, pod.phase, budgets, healthy)
         if not ok or pod.phase != "Running":
             return ok, why
-        pod.disrupted = True
-        self.kill(pod, signal.SIGTERM)
-        grace = float(pod.spec.get("terminationGracePeriodSeconds", 30)) * self.time_scale
-        try:
-            pod.proc.wait(max(grace, 1.0))
-        except subprocess.TimeoutExpired:
-            self.kill(pod, signal.SIGKILL, wait=True)
+        self.delete(pod, disruption=True, reason="evicted")
+        if wait:
+            self.wait_for(f"evicted pod {pod.name} to end", lambda: pod.phase != "Running", timeout_s)
         return True, why
 
     def drain_blockers(self) -> list[str]:
