@@ -23,7 +23,7 @@ from diloco.runtime.endpoint import CREDENTIAL_FILES, SECRET_ENV, TOKEN_ENV, gro
 from transport.identity import GroupKeys
 
 KUBERNETES = DEPLOY / "kubernetes"
-EXAMPLES = sorted(p for p in (KUBERNETES / "examples").iterdir() if p.is_dir())
+EXAMPLES = sorted(p.parent for p in (KUBERNETES / "examples").glob("*/kustomization.yaml"))  # not storage/: no kustomization
 COORDINATOR_TOKEN = ("diloco-coordinator-token", "token")
 TOKEN = "the-operators-job-token-0123456789"
 SECRET = bytes(range(100, 132))
