@@ -186,7 +186,8 @@ class Replay:
     def __init__(self, workdir: Path, datacenters: dict[str, Datacenter], rendered: dict[str, list[dict]], *,
                  secrets: dict[str, dict[str, dict[str, bytes]]], image: Image, repo: Path, time_scale: float = 0.1,
                  monitoring: dict[str, str] | None = None, node_setup: dict[str, Callable[[str], None]] | None = None,
-                 pod_network: dict[str, bool] | None = None, probes: bool = True, lb_delay_s: float = 0.0) -> None:
+                 pod_network: dict[str, bool] | None = None, probes: bool = True, lb_delay_s: float = 0.0,
+                 fs_group_policy: dict[tuple[str, str], str] | None = None) -> None:
         if os.geteuid() != 0:
             raise ReplayError("the replay needs root (network namespaces, mounts, other users)")
         for tool in ("ip", "unshare", "setpriv", "chroot", "nft"):
@@ -207,6 +208,11 @@ class Replay:
         self.lb_delay_s = lb_delay_s
         self._lb_pending: set[str] = set()
         self._lb_due = math.inf
+        #: {(datacenter, claim): the CSI driver's fsGroupPolicy}: File (the kubelet applies fsGroup;
+        #: the default here), ReadWriteOnceWithFSType (Kubernetes' default: only on ReadWriteOnce
+        #: volumes, so not on an NFS-style ReadWriteMany one), None (never)
+        self.fs_group_policy = fs_group_policy or {}
+        self._attached: dict[tuple[str, str], str] = {}  # a ReadWriteOnce claim -> the node it is attached to
         self.events: list[str] = []
         self.pods: list[Pod] = []
         self.workloads: list[Workload] = []
@@ -357,7 +363,15 @@ class Replay:
                 path.mkdir(parents=True)
                 path.chmod(0o755)
                 self._event(f"{pod.dc}: bound PersistentVolumeClaim {claim}")
-            if fs_group is not None:
+            modes = next(o for o in self.objects(pod.dc, "PersistentVolumeClaim")
+                         if o["metadata"]["name"] == claim)["spec"].get("accessModes", [])
+            policy = self.fs_group_policy.get((pod.dc, claim), "File")
+            if policy not in ("File", "ReadWriteOnceWithFSType", "None"):
+                raise ReplayError(f"fsGroupPolicy {policy} does not exist")
+            applied = policy == "File" or (policy == "ReadWriteOnceWithFSType" and modes == ["ReadWriteOnce"])
+            if fs_group is not None and not applied:
+                self._event(f"{pod.dc}: fsGroup not applied to {claim} ({'/'.join(modes)}, fsGroupPolicy {policy})")
+            if fs_group is not None and applied:
                 for p in [path, *path.rglob("*")]:
                     os.lchown(p, -1, fs_group)
                     if not p.is_symlink():
@@ -462,8 +476,45 @@ class Replay:
         user = self.image.user.split(":")[0]
         return int(user) if user.isdigit() else 0
 
+    def _node_of(self, pod: Pod) -> str:
+        return pod.node or f"{pod.dc}-node-{pod.index}"
+
+    def _attach(self, pod: Pod) -> bool:
+        """Attach the pod's ReadWriteOnce claims to its node; False (the pod stays Pending, as in
+        ContainerCreating with a Multi-Attach error) while one is attached to another node with a
+        running pod. ReadWriteMany and ReadOnlyMany claims attach anywhere."""
+        node = self._node_of(pod)
+        wanted = []
+        for v in pod.spec.get("volumes", []):
+            if "persistentVolumeClaim" not in v:
+                continue
+            claim = v["persistentVolumeClaim"]["claimName"]
+            obj = next((o for o in self.objects(pod.dc, "PersistentVolumeClaim") if o["metadata"]["name"] == claim), None)
+            if obj is None or obj["spec"].get("accessModes", []) not in (["ReadWriteOnce"], ["ReadWriteOncePod"]):
+                continue
+            key = (pod.dc, claim)
+            users = [p for p in self.running() if p is not pod and p.dc == pod.dc and any(
+                u.get("persistentVolumeClaim", {}).get("claimName") == claim for u in p.spec.get("volumes", []))]
+            if obj["spec"]["accessModes"] == ["ReadWriteOncePod"] and users:
+                return self._unattached(pod, f"{claim} is ReadWriteOncePod and used by {users[0].name}")
+            if self._attached.get(key, node) != node and any(self._node_of(u) == self._attached[key] for u in users):
+                return self._unattached(pod, f"Multi-Attach error: {claim} (ReadWriteOnce) is attached to "
+                                        f"{self._attached[key]}, the pod is on {node}")
+            wanted.append(key)
+        for key in wanted:
+            self._attached[key] = node
+        return True
+
+    def _unattached(self, pod: Pod, why: str) -> bool:
+        if pod.phase != "Pending" or not pod.ended_by:
+            self._event(f"{pod.dc}: pod {pod.name} stays Pending: {why}")
+        pod.phase, pod.ended_by = "Pending", why
+        return False
+
     def _start(self, pod: Pod) -> None:
         """Start (or restart in place) the pod's one container."""
+        if not self._attach(pod):
+            return
         spec = pod.spec
         (container,) = spec["containers"]
         if spec.get("initContainers"):
@@ -728,7 +779,9 @@ class Replay:
             if w.status != "Running":
                 return
             completions = int(spec.get("completions", 1))
-            running = {i for i, p in w.pods.items() if p.phase == "Running"}
+            for p in [p for p in w.pods.values() if p.phase == "Pending"]:
+                self._start(p)  # waiting for its volume to attach
+            running = {i for i, p in w.pods.items() if p.phase in ("Running", "Pending")}
             budget = int(spec.get("parallelism", 1)) - len(running)
             for i in range(completions):
                 if budget <= 0:

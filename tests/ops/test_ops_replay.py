@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,17 @@ def replay_per_rank_lb(tmp_path: Path, rendered):
     """dc-a as shipped; dc-b as examples/dc-b-per-rank-lb: pods not routed to A (they leave through
     the nodes' NAT, 10.21.0.1), each rank behind its load balancer, advertised by name."""
     lb = _render(DEPLOY / "kubernetes" / "examples" / "dc-b-per-rank-lb")
+    # The replay's Services forward only to ready pods, as kube-proxy and a cloud balancer's health
+    # checks do; a rank is ready once it joined, which needs its balancer: without
+    # publishNotReadyAddresses the per-rank balancers wait for a readiness that waits for them (the
+    # ranks give up after [transport] timeout_s and restart, for ever). Until the example sets it,
+    # the replay sets it, and says so.
+    for s in lb:
+        if s["kind"] == "Service" and s["spec"].get("type") == "LoadBalancer" and s["metadata"]["name"].startswith(
+                "diloco-group") and not s["spec"].get("publishNotReadyAddresses"):
+            warnings.warn(f"examples/dc-b-per-rank-lb: Service {s['metadata']['name']} lacks publishNotReadyAddresses: "
+                          "true (a rank is ready only after it joined through its balancer); the replay adds it")
+            s["spec"]["publishNotReadyAddresses"] = True
     names = {s["metadata"]["annotations"]["external-dns.alpha.kubernetes.io/hostname"]: f"dc-b/{s['metadata']['name']}@lb"
              for s in lb if s["kind"] == "Service" and s["spec"].get("type") == "LoadBalancer"}
     plans = json.loads(json.dumps(DATACENTERS))

@@ -197,3 +197,43 @@ def test_replayed_coordinator_probes_take_a_hung_coordinator_out_and_the_kubelet
     finally:
         r.close()
         shutil.rmtree(r.workdir, ignore_errors=True)
+
+
+def test_replayed_volumes_honour_access_modes_and_the_drivers_fsgroup_policy(tmp_path, rendered):
+    """Volumes as storage drivers make them: group 0's claim made ReadWriteOnce while the group has
+    two pods on two nodes (the second pod stays Pending with a Multi-Attach error: why the manifests
+    ask for ReadWriteMany, deploy/README.md "Checkpoint storage"), and group 1's ReadWriteMany claim
+    on a driver with Kubernetes' default fsGroupPolicy (ReadWriteOnceWithFSType: fsGroup is not
+    applied to a ReadWriteMany volume, whose root stays root's, 0755): uid 10001 cannot write its
+    checkpoint folder, the worker stops at its preflight with exit 2, naming the folder, and the
+    podFailurePolicy fails the Job at once (the documented clear stop, not a crash loop)."""
+    import json as _json
+
+    patched = _json.loads(_json.dumps(rendered))
+    for obj in patched["dc-a"]:
+        if obj["kind"] == "PersistentVolumeClaim" and obj["metadata"]["name"] == "diloco-checkpoints-0":
+            obj["spec"]["accessModes"] = ["ReadWriteOnce"]
+    policies = {("dc-a", "diloco-checkpoints-0"): "ReadWriteOnceWithFSType",
+                ("dc-b", "diloco-checkpoints-1"): "ReadWriteOnceWithFSType"}
+    r = base._make_replay(tmp_path, patched, base.DATACENTERS, {"dc-b": base._node_setup},
+                          scaled={"nodes": (2, 1), "steps": STEPS, "every": EVERY}, fs_group_policy=policies)
+    try:
+        groups = {0: r.workload("diloco-group-0", "dc-a"), 1: r.workload("diloco-group-1", "dc-b")}
+        r.start()
+        r.wait_for("group 1's Job to stop", lambda: groups[1].status != "Running", 120)
+        assert groups[1].status == "Failed" and "exited 2" in groups[1].reason, (groups[1].reason, r.report())
+        (ended,) = groups[1].history
+        assert ended["exit_code"] == 2 and ended["action"] == "FailJob", ended
+        log = groups[1].pods[0].log_text()
+        assert "/var/lib/diloco/checkpoints" in log, log[-2000:]
+        assert any("fsGroup not applied to diloco-checkpoints-1" in e for e in r.events), r.events
+        # group 0: pod 0 has the ReadWriteOnce volume (fsGroup applied: a ReadWriteOnce volume), pod 1
+        # waits for it on another node
+        assert groups[0].pods[0].phase == "Running", r.report()
+        assert groups[0].pods[1].phase == "Pending" and "Multi-Attach" in groups[0].pods[1].ended_by, r.report()
+        folder = r.workdir / "pvcs" / "dc-a" / "diloco-checkpoints-0"
+        assert folder.stat().st_gid == 10001, "fsGroup applies to a ReadWriteOnce volume"
+        print("\n".join(r.events))
+    finally:
+        r.close()
+        shutil.rmtree(r.workdir, ignore_errors=True)
