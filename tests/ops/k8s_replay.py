@@ -767,10 +767,11 @@ class Replay:
             "  chain forward {\n    type filter hook forward priority filter; policy accept;\n"
             "    ct state established,related accept\n"
             "    ct status dnat accept\n"  # what a load balancer or NodePort forwards
-            f"    ip daddr {dc.pod_cidr} ip saddr != {dc.pod_cidr} drop\n  }}\n"
+            + ("" if dc.pod_routed else f"    ip daddr {dc.pod_cidr} ip saddr != {dc.pod_cidr} drop\n") + "  }\n"
             "  chain postrouting {\n    type nat hook postrouting priority srcnat; policy accept;\n"
             f"    ip saddr {dc.pod_cidr} ip daddr != {dc.pod_cidr} snat to {dc.pod_egress}\n  }}\n}}\n"))
-        self._event(f"{name}: pod network {dc.pod_cidr} not routed; pods leave as {dc.pod_egress}")
+        self._event(f"{name}: pod network {dc.pod_cidr} {'routed' if dc.pod_routed else 'not routed'}; "
+                    f"pods leave as {dc.pod_egress}")
 
     def _reconcile(self, w: Workload) -> None:
         spec = w.obj["spec"]
