@@ -226,6 +226,6 @@ def test_a_member_heard_from_that_never_asks_is_failed_once_a_majority_waited_th
         state.heartbeat(HeartbeatRequest(1, 0, 5))
         time.sleep(0.3)
     assert got == {} and live(state) == [0, 1]
-    run_exchange(state, (1,), 1, got)
+    ask_in_thread(state, 1, 1, got).join(timeout=5)
     alone.join(timeout=5)
     assert sorted(got[0].members) == [0, 1]
