@@ -110,8 +110,8 @@ class Pod:
     def container_pid(self) -> int | None:
         """The host PID of the container's process (PID 2 of the pod's PID namespace; PID 1 is the
         shell that set the pod up and records the container's exit code)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None
+        if self.proc is None or self.proc.poll() is not None or not (self.dir / "started").exists():
+            return None  # not started, or still being set up (its volumes, its root)
         init = _children(self.proc.pid)
         found = _children(init[0]) if init else []
         return found[0] if found else None
@@ -208,6 +208,7 @@ class Replay:
         self.lb_delay_s = lb_delay_s
         self._lb_pending: set[str] = set()
         self._lb_due = math.inf
+        self.min_grace_s = MIN_GRACE_S
         #: {(datacenter, claim): the CSI driver's fsGroupPolicy}: File (the kubelet applies fsGroup;
         #: the default here), ReadWriteOnceWithFSType (Kubernetes' default: only on ReadWriteOnce
         #: volumes, so not on an NFS-style ReadWriteMany one), None (never)
@@ -561,8 +562,9 @@ class Replay:
                      *(["--no-new-privs"] if ctx.get("allowPrivilegeEscalation") is False else []),
                      "/usr/bin/env", "-i", "-C", workdir, *env_args, *argv]
         exit_file = shlex.quote(str(pod.dir / "exit_code"))
+        (pod.dir / "started").unlink(missing_ok=True)
         (pod.dir / "setup.sh").write_text(
-            script + " ".join(shlex.quote(a) for a in exec_line[1:]) + " &\n"  # the container: PID 2, this shell's child
+            script + f": > {shlex.quote(str(pod.dir / 'started'))}\n" + " ".join(shlex.quote(a) for a in exec_line[1:]) + " &\n"  # the container: PID 2, this shell's child
             f"set +e\nexec 2>/dev/null\nwait $!\ncode=$?\necho $code > {exit_file}\nexit $code\n")
         unshare = ["unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "--kill-child", "--propagation", "private",
                    "/bin/sh", "-e", str(pod.dir / "setup.sh")]
@@ -933,6 +935,10 @@ class Replay:
         if pod.proc is None or pod.proc.poll() is not None:
             return
         pid = pod.container_pid()
+        deadline = time.monotonic() + 20
+        while pid is None and sig == signal.SIGTERM and pod.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # a pod still being set up: its container gets the signal once it runs
+            pid = pod.container_pid()
         if pid is not None:
             os.kill(pid, sig)
         elif sig == signal.SIGKILL:
@@ -943,7 +949,7 @@ class Replay:
 
     def delete(self, pod: Pod, *, disruption: bool = False, reason: str = "deleted") -> None:
         """End ``pod`` as the kubelet ends a deleted pod: SIGTERM now, SIGKILL when its
-        ``terminationGracePeriodSeconds`` (scaled by ``time_scale``, at least ``MIN_GRACE_S``) ends
+        ``terminationGracePeriodSeconds`` (scaled by ``time_scale``, at least ``min_grace_s``) ends
         (``tick`` sends it). ``disruption``: the pod gets the DisruptionTarget condition first (an
         eviction, a preemption, a taint's or the kubelet's node-pressure eviction; a plain ``kubectl
         delete pod`` does not). The Job controller then sees the pod's end like any other: its exit
@@ -955,7 +961,7 @@ class Replay:
         pod.ended_by = reason
         pod.ready = False  # a terminating pod leaves its Services' endpoints at once
         grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
-        pod.kill_at = time.monotonic() + max(grace * self.time_scale, MIN_GRACE_S)
+        pod.kill_at = time.monotonic() + max(grace * self.time_scale, self.min_grace_s)
         self._event(f"{pod.dc}: {reason} pod {pod.name}{' (DisruptionTarget)' if pod.disrupted else ''}: "
                     f"SIGTERM, SIGKILL in {pod.kill_at - time.monotonic():.1f}s (grace {grace:g}s scaled)")
         self.kill(pod, signal.SIGTERM)

@@ -293,3 +293,79 @@ def test_replayed_source_nat_on_pod_egress_the_peer_sees_the_node(tmp_path, rend
     finally:
         r.close()
         shutil.rmtree(r.workdir, ignore_errors=True)
+
+
+_PLAIN = """if [ "$JOB_COMPLETION_INDEX" = 0 ]; then trap 'exit 75' TERM; else trap '' TERM; fi
+while true; do sleep 0.2; done
+"""
+
+
+def test_replay_kubelet_and_job_controller_on_plain_containers(tmp_path):
+    """The replay's kubelet and Job controller alone, on shell containers (seconds, no torch): a
+    PodDisruptionBudget refuses an eviction; a deleted pod gets SIGTERM (index 0 exits 75: ignored,
+    replaced), one that ignores it gets SIGKILL when its grace period ends (137: counted against
+    its index's backoffLimitPerIndex); a disruption with DisruptionTarget is ignored whatever the
+    exit; the index's second counted failure exceeds backoffLimitPerIndex 1, and with
+    maxFailedIndexes 0 the Job fails, its other pods killed."""
+    base._need_replay()
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "plain", "namespace": "t"}, "spec": {
+        "completionMode": "Indexed", "completions": 2, "parallelism": 2, "backoffLimitPerIndex": 1,
+        "maxFailedIndexes": 0, "podReplacementPolicy": "Failed",
+        "podFailurePolicy": {"rules": [
+            {"action": "Ignore", "onExitCodes": {"containerName": "c", "operator": "In", "values": [75]}},
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+        "template": {"metadata": {"labels": {"app": "plain"}}, "spec": {
+            "restartPolicy": "Never", "terminationGracePeriodSeconds": 30,
+            "securityContext": {"runAsUser": 10001, "runAsGroup": 10001, "runAsNonRoot": True},
+            "containers": [{"name": "c", "command": ["/bin/sh", "-c", _PLAIN]}]}}}}
+    pdb = {"kind": "PodDisruptionBudget", "metadata": {"name": "plain"},
+           "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": "plain"}}}}
+    workdir = tmp_path / "replay"
+    workdir.mkdir()
+    from k8s_network import Datacenter
+    from k8s_semantics import read_image
+
+    r = base.kr.Replay(workdir, {"dc-a": Datacenter("dc-a", **base.DATACENTERS["dc-a"])}, {"dc-a": [job, pdb]},
+                       secrets={}, image=read_image(base.ROOT / "Dockerfile", "cpu"), repo=base.ROOT)
+    r.min_grace_s = 1.0
+    try:
+        w = r.workload("plain")
+        r.start()
+        r.wait_for("both pods", lambda: len(r.running()) == 2, 30)
+        assert r.evict(w.pods[0]) == (False, "PodDisruptionBudget plain allows no disruption")
+
+        def ended(pod) -> dict:
+            r.wait_for(f"{pod.name} to end", lambda: pod.phase != "Running", 30)
+            return next(h for h in w.history if h["pod"] == pod.name)
+
+        def replaced(i: int, old) -> None:
+            r.wait_for(f"index {i}'s new pod", lambda: w.pods[i] is not old and w.pods[i].phase == "Running"
+                       or w.status != "Running", 30)
+
+        first = w.pods[0]
+        r.delete(first)
+        assert ended(first) | {"pod": ""} == {"pod": "", "index": 0, "phase": "Failed", "exit_code": 75,
+                                             "ended_by": "deleted", "disruption_target": False, "action": "Ignore"}, r.report()
+        replaced(0, first)
+        stubborn = w.pods[1]
+        started = time.monotonic()
+        r.delete(stubborn)
+        h = ended(stubborn)
+        assert h["exit_code"] == 137 and h["action"] == "Count" and w.index_failures == {1: 1}, h
+        assert time.monotonic() - started >= 30 * r.time_scale - 0.5, "SIGKILL only when the grace period ends"
+        replaced(1, stubborn)
+        preempted = w.pods[1]
+        r.delete(preempted, disruption=True, reason="preempted")
+        h = ended(preempted)
+        assert h["exit_code"] == 137 and h["disruption_target"] and h["action"] == "Ignore", h
+        assert w.index_failures == {1: 1}
+        replaced(1, preempted)
+        last = w.pods[1]
+        r.delete(last)
+        assert ended(last)["action"] == "Count"
+        r.wait_for("the Job to fail", lambda: w.status != "Running", 30)
+        assert w.status == "Failed" and "maxFailedIndexes 0" in w.reason and w.failed_indexes == {1}, w.reason
+        assert all(p.phase != "Running" for p in w.pods.values()), r.report()
+    finally:
+        r.close()
+        shutil.rmtree(workdir, ignore_errors=True)
