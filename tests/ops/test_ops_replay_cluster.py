@@ -168,6 +168,7 @@ def test_replayed_coordinator_probes_take_a_hung_coordinator_out_and_the_kubelet
     alone = {dc: [o for o in objects if o["metadata"]["labels"].get("app.kubernetes.io/component") == "coordinator"
                   or o["kind"] == "ConfigMap"] for dc, objects in rendered.items()}
     r = base._make_replay(tmp_path, alone, base.DATACENTERS, {})
+    r.min_grace_s = 3.0  # the hung coordinator never handles its SIGTERM: no need to wait longer
     try:
         coordinator = r.workload("diloco-coordinator", "dc-a")
         r.start()
