@@ -62,8 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
         "worker --help).",
         epilog=QUORUM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH [default: none]")
-    run.add_argument("--run-dir", metavar="DIR", default=None, help="folder for logs and the resolved config [default: a new temp folder]")
+    run.add_argument("--json", metavar="PATH", default=None,
+                     help="also write the summary as JSON to PATH (its folder is made if missing) [default: none]")
+    run.add_argument("--run-dir", metavar="DIR", default=None,
+                     help="folder for logs and the resolved config; one diloco run at a time may use it (a lock "
+                     "file in it; a second run exits 2 naming the first's pid) [default: a new temp folder]")
     run.add_argument("--no-progress", action="store_true", help="no progress bar [default: show it]")
     run.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long [default: no limit]")
     run.add_argument("--stop-timeout", type=float, default=None, metavar="SECONDS",
@@ -73,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR", default=None,
                      help="continue the job of a checkpoint folder (--checkpoint-dir; the newest step every group "
                      "completed) or of one step-N folder in it; the config is the checkpoint's, and flags may only "
-                     "change settings that do not change the math (paths, logging, checkpoints, addresses) [default: none]")
+                     "change settings that do not change the math (paths, logging, checkpoints, addresses). auto: "
+                     "from the newest complete step in --checkpoint-dir (else RUN_DIR/checkpoints) if there is one, "
+                     "else a fresh start; it says which [default: none]")
     config_parse.add_arguments(run)
 
     worker = sub.add_parser(
@@ -111,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the coordinator until every group has reported its summary, print the job's "
         "summary and exit: code 0, or 1 if the groups' global parameters diverged (or a group sent no "
         "parameter hash, or reported failure); 75 once every group was lost (restart it and the groups resume), "
-        "2 once the job halted (its groups differed with no majority, twice: the message names them). SIGTERM or Ctrl-C stop it earlier, printing nothing, with "
-        "code 0. Reads the token every call must carry from DILOCO_TOKEN. On a non-loopback --host it "
+        "2 once the job halted (its groups differed with no majority, twice: the message names them). SIGTERM before the job finished "
+        "exits 75 (restart me: a deleted or evicted pod is replaced and the groups rejoin), Ctrl-C 130. Reads the token every call must carry from DILOCO_TOKEN. On a non-loopback --host it "
         "refuses to start without both the token and mutual TLS (--tls-cert/--tls-key/--tls-ca, the same "
         "kind of certificates as the workers' data plane), unless --insecure-coordinator is given.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -207,14 +212,53 @@ def _config(args: argparse.Namespace, group: int | None = None) -> tuple[config_
     return cfg, point
 
 
+def _resume_auto(args: argparse.Namespace) -> None:
+    """``diloco run --resume auto``: the newest checkpoint every group completed in the run's
+    checkpoint folder (``--checkpoint-dir``, else ``RUN_DIR/checkpoints``) if there is one, else a
+    fresh start; says which. Sets ``args.resume`` to that folder or None."""
+    from pathlib import Path
+
+    from diloco.runtime import checkpoint_index
+
+    root = config_parse.from_args(args).train.checkpoint_dir or (
+        str(Path(args.run_dir) / "checkpoints") if args.run_dir else "")
+    if not root:
+        raise config_mod.ConfigError("--resume auto needs --run-dir or --checkpoint-dir (where the run's "
+                                     "checkpoints are)")
+    step = checkpoint_index.latest_complete_step(root) if Path(root).is_dir() else None
+    if step is None:
+        print(f"diloco run: --resume auto: no complete checkpoint under {root}; starting fresh", file=sys.stderr,
+              flush=True)
+        args.resume = None
+    else:
+        print(f"diloco run: --resume auto: resuming from {root} (newest complete step: {step})", file=sys.stderr,
+              flush=True)
+        args.resume = root
+
+
+def _write_json(path: str, doc: Any) -> None:
+    """Write ``doc`` as JSON to ``path``, making its folder if missing (as --save and --run-dir do)."""
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    from diloco.runtime import preflight
+    from diloco.runtime import preflight, run_lock
 
     # before anything imports torch (seconds on a CUDA host): a wrong flag, path or port is refused at once
+    if args.resume == "auto":
+        _resume_auto(args)
     cfg, point = _config(args)
     preflight.check_run_paths(cfg, run_dir=args.run_dir, json_path=args.json)
     if args.stop_timeout is not None and args.stop_timeout <= 0:
         raise config_mod.ConfigError(f"--stop-timeout must be > 0 seconds, got {args.stop_timeout}")
+    # one run per run folder and checkpoint folder: held (open) until this process exits
+    locks = [run_lock.hold("--run-dir", args.run_dir)] if args.run_dir else []
+    if cfg.train.checkpoint_dir:
+        locks.append(run_lock.hold("--checkpoint-dir", cfg.train.checkpoint_dir))
     from diloco.runtime import launcher
     from diloco.runtime import summary as summary_mod
 
@@ -230,8 +274,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return e.code
     print(summary_mod.format_summary(summary))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+        _write_json(args.json, summary)
+    del locks
+    if summary.get("interrupted"):  # stopped with a checkpoint before the job finished
+        print(f"diloco run: {summary['interrupted']}: stopped at step {summary['stopped_at_step']} with a "
+              f"checkpoint; exit {exit_codes.describe(exit_codes.INTERRUPTED)}", file=sys.stderr, flush=True)
+        return exit_codes.INTERRUPTED
     return 0
 
 
@@ -288,14 +336,26 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"diloco coordinator metrics and status on http://{args.host}:{http.port} "
               "(/metrics, /status, /healthz)", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signals: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        signals.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
     code = 0
+    finished = False
     try:
         summaries = wait_for_job(server, stop)
         if summaries is not None:
+            finished = True
             code = report_job(summaries, args.json)
             if args.keep_running:
                 stop.wait()
+        elif signals:  # stopped before the job finished: a deleted or evicted pod, a drain
+            code = exit_codes.for_signal(signals[0])
+            print(f"diloco coordinator: {signal.Signals(signals[0]).name} before the job finished; exit "
+                  f"{exit_codes.describe(code)}: restart it and the groups rejoin", file=sys.stderr, flush=True)
         elif server.state_lost:
             print(f"diloco coordinator: {server.state_lost}; exit {exit_codes.describe(exit_codes.RESTART)}",
                   file=sys.stderr, flush=True)
@@ -305,7 +365,10 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
                   f"{exit_codes.describe(exit_codes.CONFIGURATION)}", file=sys.stderr, flush=True)
             code = exit_codes.CONFIGURATION
     except KeyboardInterrupt:  # Ctrl-C is how a foreground coordinator is stopped
-        pass
+        if not finished:
+            code = exit_codes.INTERRUPTED
+            print(f"diloco coordinator: Ctrl-C before the job finished; exit {exit_codes.describe(code)}",
+                  file=sys.stderr, flush=True)
     finally:  # calls in flight (the last summary's Ack) get up to FINISH_GRACE_S to finish
         server.stop(grace_s=FINISH_GRACE_S)
         if http is not None:

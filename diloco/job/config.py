@@ -244,7 +244,8 @@ class TransportConfig:
     host: str = opt("127.0.0.1", "address this rank's data plane listens on and advertises", flag="--host")
     data_port: int = opt(
         0, "port this rank's data plane listens on: this + the rank's local rank (a fixed port a Service, "
-        "NodePort or firewall can name); 0 = one the kernel picks", flag="--data-port",
+        "NodePort or firewall can name; under diloco run, group g's ranks add the ranks of groups 0..g-1, so "
+        "the job takes --data-port .. --data-port + all ranks - 1); 0 = one the kernel picks", flag="--data-port",
     )
     advertise_address: str = opt(
         "", "address the other groups dial to reach this rank, when it is not --host (a load balancer, NodePort "

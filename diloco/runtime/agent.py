@@ -5,7 +5,8 @@
 workers as exit code 1; this one exits with ``exit_codes.group_exit_code`` of the workers' codes,
 so ``diloco run``'s supervisor and a Kubernetes Job's podFailurePolicy can tell "done" (0), "restart
 me" (75) and "configuration error" (2) apart. A death signal to the agent (SIGTERM on a node
-drain) stops the workers as torchrun does and exits 128 + the signal's number.
+drain, a deleted or evicted pod) stops the workers as torchrun does and exits 75 (restart me:
+the job is not finished), SIGINT 130 (``exit_codes.for_signal``).
 
 ``DILOCO_PARENT_PID``: the agent dies with that process (Linux's parent-death signal), so a
 ``diloco run`` that is killed outright leaves no group behind; the agent hands its own PID on
@@ -214,6 +215,8 @@ def main(argv: list[str]) -> int:
               file=sys.stderr, flush=True)
         return code
     except SignalException as e:
-        print(f"diloco torchrun: {e.sigval.name}: stopped every worker", file=sys.stderr, flush=True)
-        return 128 + int(e.sigval)
+        code = exit_codes.for_signal(int(e.sigval))
+        print(f"diloco torchrun: {e.sigval.name}: stopped every worker; exit {exit_codes.describe(code)}",
+              file=sys.stderr, flush=True)
+        return code
     return exit_codes.DONE

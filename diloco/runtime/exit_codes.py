@@ -55,6 +55,14 @@ def restartable(code: int) -> bool:
     return code == RESTART or code < 0 or (128 < code < 128 + 65 and code != INTERRUPTED)
 
 
+def for_signal(signum: int) -> int:
+    """The exit code of a process stopped by signal ``signum`` before its job finished: SIGINT
+    (Ctrl-C, a person) is 130; any other (SIGTERM from a scheduler: a deleted, evicted or
+    preempted pod, a node drain) is 75, "restart me", never 0 (which ends a Kubernetes Job)
+    nor 128 + N (which a podFailurePolicy counts as a failure)."""
+    return INTERRUPTED if signum == signal.SIGINT else RESTART
+
+
 def for_exception(exc: BaseException) -> int:
     """The exit code a rank's uncaught error stands for (see the module doc)."""
     from diloco.coordinator import CoordinatorError
@@ -77,13 +85,29 @@ def for_exception(exc: BaseException) -> int:
         return CONFIGURATION  # a wrong secret or certificate: the same again after a restart
     if isinstance(exc, (TransportError, ConnectionError, TimeoutError)):
         return RESTART
-    if _is_distributed_error(exc):
+    if _is_distributed_error(exc) or is_peer_lost(exc):
         return RESTART  # the group's own collectives (Gloo, NCCL) lost a rank
     if isinstance(exc, (ValueError, InitialParamsMismatch)):
         return CONFIGURATION  # ConfigError, CheckpointError, TaskError, DataError, PlacementError ...
     if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS:
         return CONFIGURATION
     return OTHER
+
+
+#: how Gloo and NCCL word a lost peer when they raise a plain RuntimeError (lower case, searched for)
+PEER_LOST_WORDS = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+                   "socket timeout", "ncclremoteerror", "remote process exited or there was a network error",
+                   "ncclsystemerror", "unhandled system error", "nccl communicator was aborted",
+                   "watchdog caught collective operation timeout", "gloo connectfullmesh failed")
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """True for a RuntimeError in which the group's own collectives (Gloo, NCCL) report a lost
+    peer: their C++ errors reach Python as plain RuntimeError, known only by their words."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(word in text for word in PEER_LOST_WORDS)
 
 
 def _is_distributed_error(exc: BaseException) -> bool:

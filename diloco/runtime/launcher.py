@@ -151,8 +151,24 @@ def _worker_args(cfg_path: Path, cfg: Config, group: int, coordinator: str, plac
         *(["--resume", str(resume)] if resume is not None else []),
         *(["--metrics-port", str(cfg.train.metrics_port + sum(cfg.topology.sizes()[:group]))]
           if cfg.train.metrics_port else []),
+        *data_port_args(cfg, group),
         *(extra_args or []),
     ]
+
+
+def data_port_args(cfg: Config, group: int) -> list[str]:
+    """``--data-port`` (and a port of ``--advertise-address``) for ``group`` under ``diloco run``:
+    the groups share one host, so group g's ranks take the ports after the earlier groups' ranks
+    (``--data-port`` + the ranks of groups 0..g-1 + the local rank), as ``--metrics-port`` does."""
+    t = cfg.transport
+    if not t.data_port:
+        return []
+    offset = sum(cfg.topology.sizes()[:group])
+    out = ["--data-port", str(t.data_port + offset)]
+    host, sep, port = t.advertise_address.rpartition(":")
+    if t.advertise_address and sep and port.isdigit() and "]" not in port:
+        out += ["--advertise-address", f"{host}:{int(port) + offset}"]
+    return out
 
 
 class _Progress:
@@ -284,8 +300,11 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
                             start_spare=lambda: spare.start(spare_env, out_dir / f"spare-{next(spares_started)}.log",
                                                             cfg_path),
                             assign=assign)
+    start_step = resume.step if resume is not None else 0
     stop = _Stop(server, lambda: stop_timeout_s if stop_timeout_s is not None else _auto_stop_timeout(
-        server.snapshot(), time.perf_counter() - started))
+        server.snapshot(), time.perf_counter() - started),
+        trained=lambda: _trained_since(server.snapshot(), start_step),
+        newest_checkpoint=lambda: job_checkpoint.latest_complete_step(cfg.train.checkpoint_dir))
     stop.install()
     try:
         supervisor.start()
@@ -306,8 +325,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
             if timeout_s is not None and time.perf_counter() - started > timeout_s:
                 raise LaunchError(f"run exceeded its {timeout_s:.0f} s limit; stopped all groups (logs in {out_dir})")
             if stop.overdue():
-                raise LaunchError(f"the groups did not checkpoint and stop within {stop.timeout_s:.0f} s of the "
-                                  f"signal (--stop-timeout); stopped every process (logs in {out_dir})")
+                raise LaunchError(overdue_message(stop, cfg.train.checkpoint_dir, out_dir), exit_codes.INTERRUPTED)
             time.sleep(0.1 if chaos is not None else 0.25)
         summaries = server.wait_for_summaries(cfg.topology.groups, timeout_s=10.0)
         bar.update(server.snapshot())
@@ -333,6 +351,8 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     summary["fault"] = fault_summary(snapshot, supervisor)
     summary["placement"] = devices.describe()
     summary["summaries"] = summaries
+    if stop.signal_name is not None and summary.get("stopped_at_step") is not None:
+        summary["interrupted"] = stop.signal_name  # diloco run exits 130: the job is not finished
     return summary
 
 
@@ -360,6 +380,19 @@ def job_lost_message(lost: str, cfg: Config) -> str:
     return f"{lost}\n{how}; exit {exit_codes.describe(exit_codes.RESTART)}"
 
 
+def overdue_message(stop: "_Stop", root: str, out_dir: Path) -> str:
+    """``diloco run``'s words when a graceful stop passed its deadline: the complete checkpoint the
+    groups wrote after the signal (and how to resume from it), or that they wrote none."""
+    newest = job_checkpoint.latest_complete_step(root) if root else None
+    late = f"the groups did not stop within {stop.timeout_s:.0f} s of the {stop.signal_name} (--stop-timeout)"
+    if newest is not None and newest != stop.checkpoint_before:
+        return (f"{late}, after they wrote a complete checkpoint at step {newest}; stopped every process (logs in "
+                f"{out_dir})\nresume: diloco run --resume {root}")
+    how = (f"resume from the older checkpoint (step {newest}): diloco run --resume {root}" if newest is not None
+           else "no complete checkpoint to resume from: start again")
+    return f"{late} and did not checkpoint; stopped every process (logs in {out_dir})\n{how}"
+
+
 class _Stop:
     """``diloco run``'s answer to SIGINT and SIGTERM (main thread only; elsewhere it does nothing).
 
@@ -371,8 +404,13 @@ class _Stop:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, server: CoordinatorServer, timeout_s: Callable[[], float]) -> None:
+    def __init__(self, server: CoordinatorServer, timeout_s: Callable[[], float],
+                 trained: Callable[[], bool] = lambda: True,
+                 newest_checkpoint: Callable[[], int | None] = lambda: None) -> None:
         self.server, self._timeout = server, timeout_s
+        self._trained, self._newest_checkpoint = trained, newest_checkpoint
+        self.signal_name: str | None = None  # the first signal's (SIGINT, SIGTERM)
+        self.checkpoint_before: int | None = None  # the newest complete checkpoint when it came
         self.ending, self.hurry = threading.Event(), threading.Event()
         self.deadline: float | None = None
         self.timeout_s = 0.0
@@ -396,6 +434,12 @@ class _Stop:
             self.hurry.set()
             return
         if self.deadline is None:
+            self.signal_name = name
+            if not self._trained():  # nothing to lose: no checkpoint is needed to start again
+                logging.getLogger("diloco.run").warning(
+                    "%s during start-up: nothing was trained yet, so no checkpoint is needed; stopping now", name)
+                raise KeyboardInterrupt
+            self.checkpoint_before = self._newest_checkpoint()
             self.timeout_s = self._timeout()
             self.deadline = time.monotonic() + self.timeout_s
             logging.getLogger("diloco.run").warning(
@@ -404,6 +448,12 @@ class _Stop:
             self.server.request_stop(f"{name} to diloco run")
             return
         raise KeyboardInterrupt
+
+
+def _trained_since(snapshot: dict, start_step: int) -> bool:
+    """True once any group reported an inner step past ``start_step`` (the job's start, or the
+    step it resumed from): before that a stop loses nothing."""
+    return any(int(p.get("step", 0)) > start_step for p in snapshot.get("progress", {}).values())
 
 
 def _auto_stop_timeout(snapshot: dict, elapsed_s: float) -> float:

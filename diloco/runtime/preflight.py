@@ -108,7 +108,8 @@ def check_worker_paths(cfg: Config, *, group: int, rank: int, local_rank: int, j
 
 def check_run_paths(cfg: Config, *, run_dir: str | None, json_path: str | None = None) -> None:
     """What ``diloco run`` will write and bind: its run folder (logs, the resolved config), the
-    final model, the checkpoints, the summary, and every rank's and the coordinator's metrics port."""
+    final model, the checkpoints, the summary, every rank's and the coordinator's metrics port,
+    and every rank's data port (``--data-port``: one per rank of every group)."""
     if run_dir:
         check_writable_folder("--run-dir", run_dir)
     if cfg.train.checkpoint_dir:
@@ -117,9 +118,17 @@ def check_run_paths(cfg: Config, *, run_dir: str | None, json_path: str | None =
         check_writable_file("--save", cfg.train.save)
     if json_path:
         check_writable_file("--json", json_path)
-    if cfg.train.metrics_port:
-        ranks = sum(cfg.topology.sizes())
-        check_ports("--metrics-port", cfg.transport.host, range(cfg.train.metrics_port, cfg.train.metrics_port + ranks + 1))
+    ranks = sum(cfg.topology.sizes())
+    metrics = range(cfg.train.metrics_port, cfg.train.metrics_port + ranks + 1) if cfg.train.metrics_port else range(0)
+    # the groups share this host: group g's ranks listen on --data-port + the ranks before it (launcher.data_port_args)
+    data = range(cfg.transport.data_port, cfg.transport.data_port + ranks) if cfg.transport.data_port else range(0)
+    if set(metrics) & set(data):
+        raise PreflightError(f"--data-port {cfg.transport.data_port} (ports {data.start}-{data.stop - 1}, one per rank) "
+                             f"overlaps --metrics-port {cfg.train.metrics_port} (ports {metrics.start}-{metrics.stop - 1}: "
+                             "one per rank and the coordinator's)")
+    check_ports("--metrics-port", cfg.transport.host, metrics)
+    check_ports(f"--data-port (ports {data.start}-{data.stop - 1}: one per rank of every group)"
+                if data else "--data-port", cfg.transport.host, data)
 
 
 def check_workload(cfg: Config) -> Corpus | None:

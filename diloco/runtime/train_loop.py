@@ -6,6 +6,7 @@ resuming) and hands it here."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import signal
@@ -23,6 +24,9 @@ from diloco.runtime import checkpoint, data_feed, group_parallel, job_checkpoint
 from diloco.runtime.connection import GroupConnection
 
 
+log = logging.getLogger("diloco.runtime.worker")
+
+
 class WorkerError(RuntimeError):
     """A worker cannot start or continue; the message says why."""
 
@@ -37,14 +41,21 @@ def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.P
 def on_sigterm(keeper: job_checkpoint.JobCheckpointer) -> None:
     """SIGTERM (main thread only): the first asks ``keeper`` to checkpoint and stop at the next
     step the job agrees on (a periodic checkpoint, or the connection's ``stop_requested``); a
-    second one ends the process at once, as without checkpoints."""
+    second one, or the first without periodic checkpoints, ends the process at once. Each says so
+    in the log."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def handler(signum, frame) -> None:
-        if keeper.stop_signalled:
+        if keeper.stop_signalled or not keeper.every:
+            log.warning("SIGTERM: %s", "stopping now (a second SIGTERM)" if keeper.stop_signalled else
+                        "no periodic checkpoint to stop at (--checkpoint-every 0): stopping now, without a "
+                        "checkpoint (a restarted group heals from a live one)")
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # killed by SIGTERM: diloco torchrun exits 75 (restart me)
+            return
+        log.warning("SIGTERM: checkpointing at the next multiple of --checkpoint-every %d, then stopping "
+                    "(SIGTERM again: stop now)", keeper.every)
         keeper.request_stop()
 
     signal.signal(signal.SIGTERM, handler)

@@ -57,6 +57,7 @@ from diloco.runtime import (
     kernels,
     rank_state,
     train_loop,
+    user_errors,
 )
 from diloco.runtime.connection import GroupConnection, connect
 from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV, read_secret
@@ -326,7 +327,7 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
         return exit_codes.RESTART
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear line and an exit code that says why
         rank = os.environ.get("RANK", "?")
-        if os.environ.get("DILOCO_TRACEBACK"):
+        if user_errors.wants_traceback(e, cfg.train.entry):  # the user's --entry code, a bug, DILOCO_TRACEBACK
             traceback.print_exc()
         code = exit_codes.for_exception(e)
         print(f"diloco worker (group {group}, rank {rank}): {type(e).__name__}: {e}; exit {exit_codes.describe(code)}",
@@ -337,6 +338,7 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
         return 0
     print(format_worker_line(summary), flush=True)
     if json_path and summary.get("rank") == 0:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)  # as diloco run's --json
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
     return 0
