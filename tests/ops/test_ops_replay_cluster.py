@@ -47,7 +47,7 @@ import test_ops_replay as base
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-STEPS, EVERY = 600, 50
+STEPS, EVERY = 300, 50
 LB_DELAY_S = 4.0
 RESTART_ME = 75
 
@@ -133,6 +133,7 @@ def test_replayed_cluster_multi_pod_group_kills_deletions_evictions_probes_and_f
     assert all(p.phase == "Running" for p in healers), r.report()
     timings["A healed"] = round(time.monotonic() - t0, 1)
     newest = max(base._newest(r, *claims[g], g) for g in groups)
+    timings["A healed, step"] = newest
     assert newest <= STEPS - 2 * EVERY, f"the job is nearly done (step {newest}): raise STEPS"
 
     # B. a whole-cluster drain: a plain deletion, a preemption (DisruptionTarget), the coordinator deleted
@@ -144,8 +145,9 @@ def test_replayed_cluster_multi_pod_group_kills_deletions_evictions_probes_and_f
     r.wait_for("the drained pods to end", lambda: all(p.phase != "Running" for p in drained), 60)
     ended = {h["pod"]: h for w in jobs for h in w.history}
     for pod in drained:
+        tail = "\n      ".join(pod.log_text().splitlines()[-6:])
         expect(ended[pod.name]["exit_code"] == RESTART_ME,
-               f"a {pod.ended_by} {pod.owner.name} pod with work left exits 75: {ended[pod.name]}")
+               f"a {pod.ended_by} {pod.owner.name} pod with work left exits 75: {ended[pod.name]}; its log:\n      {tail}")
     assert ended[drained[1].name]["disruption_target"]
     running_all()
     r.wait_for("the Jobs to finish", lambda: all(w.status != "Running" for w in jobs), 240)
