@@ -18,14 +18,25 @@ and the workload controllers would, with the host's Python standing in for the i
   kube-proxy (ClusterIP and LoadBalancer Services are DNAT rules there, ``loadBalancerSourceRanges``
   enforced), namespaced sysctls, NetworkPolicies (Ingress) as nftables rules in each selected pod's
   namespace, Services' and pods' names in each pod's /etc/hosts (what cluster DNS would answer);
+* the kubelet: httpGet and tcpSocket startup, liveness and readiness probes (periods and
+  timeouts scaled by ``time_scale``, timeouts at least 1 s; a failed liveness or startup probe
+  ends the container as a deletion does; Services and load balancers forward to ready pods only,
+  or to every pod with ``publishNotReadyAddresses``); a deleted pod gets SIGTERM, then SIGKILL
+  when its ``terminationGracePeriodSeconds`` (scaled, at least ``min_grace_s``) ends, with the
+  DisruptionTarget condition when it is an eviction, a preemption or a node-pressure eviction;
+  ReadWriteOnce claims attached to one node at a time (a pod on another node stays Pending),
+  fsGroup applied to a claim as its driver's ``fsGroupPolicy`` says;
 * the controllers: a Job's completions, parallelism, podFailurePolicy (exit codes and the
-  DisruptionTarget condition of an eviction), backoffLimit (its delays scaled by ``time_scale``),
-  completion; a Deployment's or StatefulSet's ``restartPolicy: Always`` (containers restarted in
-  place with the crash-loop delays, scaled); PodDisruptionBudgets when draining.
+  DisruptionTarget condition), backoffLimit and backoffLimitPerIndex/maxFailedIndexes (delays
+  scaled by ``time_scale``), completion; a Deployment's or StatefulSet's ``restartPolicy: Always``
+  (containers restarted in place with the crash-loop delays, scaled); PodDisruptionBudgets when
+  draining; a load balancer that forwards ``lb_delay_s`` after its pod became ready; a
+  datacenter's source NAT on pod egress (``Datacenter.pod_egress``, routed or not).
 
 What it cannot honour, and says so in ``UNSUPPORTED``: CPU and memory limits (no cgroups are
-set), probes (not run), scheduling (node selectors, affinities: one node per host-network pod),
-seccomp profiles, image pulls (the host's installation is the image).
+set), exec and gRPC probes, scheduling (node selectors, affinities: one node per host-network pod,
+pod index i of a Job on node i), seccomp profiles, image pulls (the host's installation, with this
+repository first on PYTHONPATH, is the image).
 
 Needs root, ``ip``, ``unshare``, ``setpriv``, ``chroot`` and ``nft``. Every namespace, process and
 file it makes is removed by ``close()``.
