@@ -36,6 +36,10 @@ class Datacenter:
     #: or a NATed pod network): pods leave the cluster translated to this address (the nodes' NAT),
     #: and outside sources reach them only through a Service's translation (a load balancer)
     pod_egress: str | None = None
+    #: with pod_egress: the pod network is still routed (reachable from outside), only the pods'
+    #: connections out of the datacenter are translated (source NAT on egress, a cloud's default
+    #: for traffic leaving the pod range): the peer sees pod_egress (a node's address), not the pod's
+    pod_routed: bool = False
 
     def __post_init__(self) -> None:
         self._pods = itertools.islice(ipaddress.ip_network(self.pod_cidr).hosts(), 1, None)

@@ -18,14 +18,25 @@ and the workload controllers would, with the host's Python standing in for the i
   kube-proxy (ClusterIP and LoadBalancer Services are DNAT rules there, ``loadBalancerSourceRanges``
   enforced), namespaced sysctls, NetworkPolicies (Ingress) as nftables rules in each selected pod's
   namespace, Services' and pods' names in each pod's /etc/hosts (what cluster DNS would answer);
+* the kubelet: httpGet and tcpSocket startup, liveness and readiness probes (periods and
+  timeouts scaled by ``time_scale``, timeouts at least 1 s; a failed liveness or startup probe
+  ends the container as a deletion does; Services and load balancers forward to ready pods only,
+  or to every pod with ``publishNotReadyAddresses``); a deleted pod gets SIGTERM, then SIGKILL
+  when its ``terminationGracePeriodSeconds`` (scaled, at least ``min_grace_s``) ends, with the
+  DisruptionTarget condition when it is an eviction, a preemption or a node-pressure eviction;
+  ReadWriteOnce claims attached to one node at a time (a pod on another node stays Pending),
+  fsGroup applied to a claim as its driver's ``fsGroupPolicy`` says;
 * the controllers: a Job's completions, parallelism, podFailurePolicy (exit codes and the
-  DisruptionTarget condition of an eviction), backoffLimit (its delays scaled by ``time_scale``),
-  completion; a Deployment's or StatefulSet's ``restartPolicy: Always`` (containers restarted in
-  place with the crash-loop delays, scaled); PodDisruptionBudgets when draining.
+  DisruptionTarget condition), backoffLimit and backoffLimitPerIndex/maxFailedIndexes (delays
+  scaled by ``time_scale``), completion; a Deployment's or StatefulSet's ``restartPolicy: Always``
+  (containers restarted in place with the crash-loop delays, scaled); PodDisruptionBudgets when
+  draining; a load balancer that forwards ``lb_delay_s`` after its pod became ready; a
+  datacenter's source NAT on pod egress (``Datacenter.pod_egress``, routed or not).
 
 What it cannot honour, and says so in ``UNSUPPORTED``: CPU and memory limits (no cgroups are
-set), probes (not run), scheduling (node selectors, affinities: one node per host-network pod),
-seccomp profiles, image pulls (the host's installation is the image).
+set), exec and gRPC probes, scheduling (node selectors, affinities: one node per host-network pod,
+pod index i of a Job on node i), seccomp profiles, image pulls (the host's installation, with this
+repository first on PYTHONPATH, is the image).
 
 Needs root, ``ip``, ``unshare``, ``setpriv``, ``chroot`` and ``nft``. Every namespace, process and
 file it makes is removed by ``close()``.
@@ -61,8 +72,10 @@ from k8s_semantics import (
     selects,
 )
 
-UNSUPPORTED = ("resources (cpu/memory limits are not enforced)", "liveness/readiness/startup probes",
+UNSUPPORTED = ("resources (cpu/memory limits are not enforced)", "exec and gRPC probes",
                "scheduling (nodeSelector, affinity, tolerations)", "seccompProfile", "image pulls")
+MIN_GRACE_S = 10.0  # the shortest grace period the replay gives a terminating pod, however scaled
+MIN_PROBE_TIMEOUT_S = 1.0  # Kubernetes' smallest timeoutSeconds
 
 
 # --- pods ---------------------------------------------------------------------------------------------
@@ -89,6 +102,14 @@ class Pod:
     disrupted: bool = False
     next_restart: float = 0.0
     started_at: float = 0.0
+    #: set by delete/evict: when the kubelet sends SIGKILL (the grace period's end), and why it was ended
+    kill_at: float | None = None
+    ended_by: str = ""
+    ready: bool = False
+    ready_since: float = 0.0
+    #: the kubelet's probes of the current container: {kind: {"next": t, "failures": n, "ok": n, "fail": n}}
+    probes: dict = dataclasses.field(default_factory=dict)
+    started_ok: bool = False  # the startupProbe succeeded (or there is none)
 
     @property
     def log(self) -> Path:
@@ -100,11 +121,44 @@ class Pod:
     def container_pid(self) -> int | None:
         """The host PID of the container's process (PID 2 of the pod's PID namespace; PID 1 is the
         shell that set the pod up and records the container's exit code)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None
+        if self.proc is None or self.proc.poll() is not None or not (self.dir / "started").exists():
+            return None  # not started, or still being set up (its volumes, its root)
         init = _children(self.proc.pid)
         found = _children(init[0]) if init else []
         return found[0] if found else None
+
+
+def _probe(pod: Pod, probe: dict, timeout: float, state: dict) -> None:
+    """One probe of ``pod`` (in a thread of its own, which enters the pod's network namespace: the
+    kubelet's probes reach the pod whatever its NetworkPolicies say); the result goes to state."""
+    import ctypes
+    import http.client
+    import socket
+
+    try:
+        fd = os.open(f"/run/netns/{pod.netns}", os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET, this thread only
+                raise OSError(ctypes.get_errno(), "setns")
+        finally:
+            os.close(fd)
+        named = {p["name"]: p["containerPort"] for c in pod.spec["containers"] for p in c.get("ports", []) if "name" in p}
+        how = probe.get("httpGet") or probe["tcpSocket"]
+        port = named[how["port"]] if isinstance(how["port"], str) else int(how["port"])
+        host = how.get("host", pod.ip)
+        if "httpGet" in probe:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                conn.request("GET", how.get("path", "/"), headers={"User-Agent": "kube-probe/1.29"})
+                status = conn.getresponse().status
+            finally:
+                conn.close()
+            state["result"] = (200 <= status < 400, f"HTTP {status}")
+        else:
+            socket.create_connection((host, port), timeout=timeout).close()
+            state["result"] = (True, "")
+    except Exception as e:  # noqa: BLE001 - every failure is a failed probe
+        state["result"] = (False, f"{type(e).__name__}: {e}"[:200])
 
 
 def _children(pid: int) -> list[int]:
@@ -124,6 +178,8 @@ class Workload:
     status: str = "Running"  # Job: Running, Complete, Failed
     reason: str = ""
     next_start: dict[int, float] = dataclasses.field(default_factory=dict)
+    index_failures: dict[int, int] = dataclasses.field(default_factory=dict)  # backoffLimitPerIndex's counts
+    failed_indexes: set[int] = dataclasses.field(default_factory=set)
     history: list[dict] = dataclasses.field(default_factory=list)  # every pod that ended: name, phase, exit code
 
     @property
@@ -141,7 +197,8 @@ class Replay:
     def __init__(self, workdir: Path, datacenters: dict[str, Datacenter], rendered: dict[str, list[dict]], *,
                  secrets: dict[str, dict[str, dict[str, bytes]]], image: Image, repo: Path, time_scale: float = 0.1,
                  monitoring: dict[str, str] | None = None, node_setup: dict[str, Callable[[str], None]] | None = None,
-                 pod_network: dict[str, bool] | None = None) -> None:
+                 pod_network: dict[str, bool] | None = None, probes: bool = True, lb_delay_s: float = 0.0,
+                 fs_group_policy: dict[tuple[str, str], str] | None = None) -> None:
         if os.geteuid() != 0:
             raise ReplayError("the replay needs root (network namespaces, mounts, other users)")
         for tool in ("ip", "unshare", "setpriv", "chroot", "nft"):
@@ -154,6 +211,20 @@ class Replay:
         self.image = image
         self.repo = repo
         self.time_scale = time_scale
+        #: run the containers' startup, liveness and readiness probes as the kubelet does (periods
+        #: and timeouts scaled by time_scale, timeouts at least MIN_PROBE_TIMEOUT_S)
+        self.probes = probes
+        #: a LoadBalancer Service forwards to a pod only this long after the pod became ready (a
+        #: cloud balancer's health checks and programming lag behind the endpoints)
+        self.lb_delay_s = lb_delay_s
+        self._lb_pending: set[str] = set()
+        self._lb_due = math.inf
+        self.min_grace_s = MIN_GRACE_S
+        #: {(datacenter, claim): the CSI driver's fsGroupPolicy}: File (the kubelet applies fsGroup;
+        #: the default here), ReadWriteOnceWithFSType (Kubernetes' default: only on ReadWriteOnce
+        #: volumes, so not on an NFS-style ReadWriteMany one), None (never)
+        self.fs_group_policy = fs_group_policy or {}
+        self._attached: dict[tuple[str, str], str] = {}  # a ReadWriteOnce claim -> the node it is attached to
         self.events: list[str] = []
         self.pods: list[Pod] = []
         self.workloads: list[Workload] = []
@@ -260,17 +331,27 @@ class Replay:
         spec, name = svc["spec"], svc["metadata"]["name"]
         if spec.get("clusterIP") == "None":
             return
-        backends = [p for p in self.running() if p.dc == dc and selects({"matchLabels": spec["selector"]}, p.labels)]
+        backends = [p for p in self.running() if p.dc == dc and selects({"matchLabels": spec["selector"]}, p.labels)
+                    and (p.ready or spec.get("publishNotReadyAddresses"))]
         statements, filters = [], []
         if backends:
             pod = backends[0]
+            lb_ready = time.monotonic() >= pod.ready_since + self.lb_delay_s
             named = {p["name"]: p["containerPort"] for c in pod.spec["containers"] for p in c.get("ports", [])}
             for port in spec["ports"]:
                 target = port.get("targetPort", port["port"])
                 target = named[target] if isinstance(target, str) else target
                 statements.append(f"    ip daddr {self.service_ips[(dc, name)]} tcp dport {port['port']} "
                                   f"dnat to {pod.ip}:{target}")
-                if spec.get("type") == "LoadBalancer":
+                if spec.get("type") == "LoadBalancer" and not lb_ready:
+                    if f"{dc}/{name}" not in self._lb_pending:
+                        self._event(f"{dc}: load balancer {name} not ready yet ({self.lb_delay_s:g}s after its pod)")
+                    self._lb_pending.add(f"{dc}/{name}")
+                    self._lb_due = min(self._lb_due, pod.ready_since + self.lb_delay_s)
+                elif spec.get("type") == "LoadBalancer":
+                    if f"{dc}/{name}" in self._lb_pending:
+                        self._event(f"{dc}: load balancer {name} ready")
+                    self._lb_pending.discard(f"{dc}/{name}")
                     lb = self.service_ips[(dc, name + "@lb")]
                     ranges = spec.get("loadBalancerSourceRanges")
                     if ranges:
@@ -294,7 +375,15 @@ class Replay:
                 path.mkdir(parents=True)
                 path.chmod(0o755)
                 self._event(f"{pod.dc}: bound PersistentVolumeClaim {claim}")
-            if fs_group is not None:
+            modes = next(o for o in self.objects(pod.dc, "PersistentVolumeClaim")
+                         if o["metadata"]["name"] == claim)["spec"].get("accessModes", [])
+            policy = self.fs_group_policy.get((pod.dc, claim), "File")
+            if policy not in ("File", "ReadWriteOnceWithFSType", "None"):
+                raise ReplayError(f"fsGroupPolicy {policy} does not exist")
+            applied = policy == "File" or (policy == "ReadWriteOnceWithFSType" and modes == ["ReadWriteOnce"])
+            if fs_group is not None and not applied:
+                self._event(f"{pod.dc}: fsGroup not applied to {claim} ({'/'.join(modes)}, fsGroupPolicy {policy})")
+            if fs_group is not None and applied:
                 for p in [path, *path.rglob("*")]:
                     os.lchown(p, -1, fs_group)
                     if not p.is_symlink():
@@ -343,6 +432,9 @@ class Replay:
         env = dict(self.image.env)
         env["HOSTNAME"] = pod.node if pod.spec.get("hostNetwork") else pod.hostname
         env["HOME"] = "/home/diloco" if self._uid(pod, container) == 10001 else "/"
+        # the image holds this repository's code: the host's installation may be an editable install
+        # of another checkout, so the repository (bound at its own path) comes first
+        env["PYTHONPATH"] = str(self.repo)
         if pod.owner.kind == "Job" and pod.owner.obj["spec"].get("completionMode") == "Indexed":
             env["JOB_COMPLETION_INDEX"] = str(pod.index)
         for e in container.get("env") or []:
@@ -396,8 +488,45 @@ class Replay:
         user = self.image.user.split(":")[0]
         return int(user) if user.isdigit() else 0
 
+    def _node_of(self, pod: Pod) -> str:
+        return pod.node or f"{pod.dc}-node-{pod.index}"
+
+    def _attach(self, pod: Pod) -> bool:
+        """Attach the pod's ReadWriteOnce claims to its node; False (the pod stays Pending, as in
+        ContainerCreating with a Multi-Attach error) while one is attached to another node with a
+        running pod. ReadWriteMany and ReadOnlyMany claims attach anywhere."""
+        node = self._node_of(pod)
+        wanted = []
+        for v in pod.spec.get("volumes", []):
+            if "persistentVolumeClaim" not in v:
+                continue
+            claim = v["persistentVolumeClaim"]["claimName"]
+            obj = next((o for o in self.objects(pod.dc, "PersistentVolumeClaim") if o["metadata"]["name"] == claim), None)
+            if obj is None or obj["spec"].get("accessModes", []) not in (["ReadWriteOnce"], ["ReadWriteOncePod"]):
+                continue
+            key = (pod.dc, claim)
+            users = [p for p in self.running() if p is not pod and p.dc == pod.dc and any(
+                u.get("persistentVolumeClaim", {}).get("claimName") == claim for u in p.spec.get("volumes", []))]
+            if obj["spec"]["accessModes"] == ["ReadWriteOncePod"] and users:
+                return self._unattached(pod, f"{claim} is ReadWriteOncePod and used by {users[0].name}")
+            if self._attached.get(key, node) != node and any(self._node_of(u) == self._attached[key] for u in users):
+                return self._unattached(pod, f"Multi-Attach error: {claim} (ReadWriteOnce) is attached to "
+                                        f"{self._attached[key]}, the pod is on {node}")
+            wanted.append(key)
+        for key in wanted:
+            self._attached[key] = node
+        return True
+
+    def _unattached(self, pod: Pod, why: str) -> bool:
+        if pod.phase != "Pending" or not pod.ended_by:
+            self._event(f"{pod.dc}: pod {pod.name} stays Pending: {why}")
+        pod.phase, pod.ended_by = "Pending", why
+        return False
+
     def _start(self, pod: Pod) -> None:
         """Start (or restart in place) the pod's one container."""
+        if not self._attach(pod):
+            return
         spec = pod.spec
         (container,) = spec["containers"]
         if spec.get("initContainers"):
@@ -444,8 +573,9 @@ class Replay:
                      *(["--no-new-privs"] if ctx.get("allowPrivilegeEscalation") is False else []),
                      "/usr/bin/env", "-i", "-C", workdir, *env_args, *argv]
         exit_file = shlex.quote(str(pod.dir / "exit_code"))
+        (pod.dir / "started").unlink(missing_ok=True)
         (pod.dir / "setup.sh").write_text(
-            script + " ".join(shlex.quote(a) for a in exec_line[1:]) + " &\n"  # the container: PID 2, this shell's child
+            script + f": > {shlex.quote(str(pod.dir / 'started'))}\n" + " ".join(shlex.quote(a) for a in exec_line[1:]) + " &\n"  # the container: PID 2, this shell's child
             f"set +e\nexec 2>/dev/null\nwait $!\ncode=$?\necho $code > {exit_file}\nexit $code\n")
         unshare = ["unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "--kill-child", "--propagation", "private",
                    "/bin/sh", "-e", str(pod.dir / "setup.sh")]
@@ -457,6 +587,8 @@ class Replay:
         finally:
             log.close()
         pod.phase, pod.exit_code, pod.started_at = "Running", None, time.monotonic()
+        pod.kill_at, pod.ended_by, pod.disrupted = None, "", False
+        self._arm_probes(pod, container)
         (pod.dir / "argv.json").write_text(json.dumps({"argv": argv, "env": sorted(env), "uid": uid, "gid": gid,
                                                       "groups": groups}))
         self._event(f"{pod.dc}: started pod {pod.name} ({pod.ip}{', host network' if spec.get('hostNetwork') else ''})"
@@ -563,6 +695,72 @@ class Replay:
         self.pods.append(pod)
         return pod
 
+    # -- the kubelet's probes -----------------------------------------------------------------------------
+    def _arm_probes(self, pod: Pod, container: dict) -> None:
+        pod.probes = {}
+        for kind in ("startup", "liveness", "readiness"):
+            probe = container.get(f"{kind}Probe")
+            if probe is None or not self.probes:
+                continue
+            if not ({"httpGet", "tcpSocket"} & set(probe)):
+                raise ReplayError(f"{pod.name}: {kind}Probe {sorted(probe)} is not replayed (httpGet and tcpSocket are)")
+            pod.probes[kind] = {"spec": probe, "failures": 0, "successes": 0, "ok": 0, "failed": 0, "result": None,
+                                "thread": None, "next": time.monotonic() + float(probe.get("initialDelaySeconds", 0))
+                                * self.time_scale, "last_error": ""}
+        pod.started_ok = "startup" not in pod.probes
+        pod.ready = "readiness" not in pod.probes and pod.started_ok
+        pod.ready_since = time.monotonic()
+
+    def _probe_tick(self, now: float) -> bool:
+        """Start the probes that are due, act on the results that came in; True when a pod's
+        readiness changed (its Services' endpoints follow)."""
+        changed = False
+        for pod in self.running():
+            if pod.kill_at is not None:
+                continue  # terminating: the kubelet stops probing
+            for kind, st in pod.probes.items():
+                probe = st["spec"]
+                if st["result"] is not None:
+                    ok, error = st["result"]
+                    st["result"], st["thread"] = None, None
+                    if ok:
+                        st["ok"] += 1
+                        st["successes"] += 1
+                        st["failures"] = 0
+                        if kind == "startup" and not pod.started_ok:
+                            pod.started_ok = True
+                            self._event(f"{pod.dc}: pod {pod.name} started (startupProbe)")
+                            if "readiness" not in pod.probes:
+                                pod.ready, pod.ready_since, changed = True, now, True
+                        if (kind == "readiness" and not pod.ready
+                                and st["successes"] >= int(probe.get("successThreshold", 1))):
+                            pod.ready, pod.ready_since, changed = True, now, True
+                            self._event(f"{pod.dc}: pod {pod.name} ready")
+                    else:
+                        st["failed"] += 1
+                        st["failures"] += 1
+                        st["successes"] = 0
+                        st["last_error"] = error
+                        if st["failures"] >= int(probe.get("failureThreshold", 3)):
+                            if kind == "readiness":
+                                if pod.ready:
+                                    pod.ready, changed = False, True
+                                    self._event(f"{pod.dc}: pod {pod.name} not ready: {error}")
+                            else:  # the kubelet kills the container; restartPolicy decides the rest
+                                self.delete(pod, reason=f"{kind} probe failed {st['failures']} times ({error}):")
+                                break
+                if kind != "startup" and not pod.started_ok:
+                    continue
+                if kind == "startup" and pod.started_ok:
+                    continue
+                if st["thread"] is None and now >= st["next"]:
+                    st["next"] = now + max(float(probe.get("periodSeconds", 10)) * self.time_scale, 0.2)
+                    timeout = float(probe.get("timeoutSeconds", 1))
+                    timeout = min(timeout, max(timeout * self.time_scale, MIN_PROBE_TIMEOUT_S))
+                    st["thread"] = threading.Thread(target=_probe, args=(pod, probe, timeout, st), daemon=True)
+                    st["thread"].start()
+        return changed
+
     # -- controllers ------------------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
@@ -582,10 +780,11 @@ class Replay:
             "  chain forward {\n    type filter hook forward priority filter; policy accept;\n"
             "    ct state established,related accept\n"
             "    ct status dnat accept\n"  # what a load balancer or NodePort forwards
-            f"    ip daddr {dc.pod_cidr} ip saddr != {dc.pod_cidr} drop\n  }}\n"
+            + ("" if dc.pod_routed else f"    ip daddr {dc.pod_cidr} ip saddr != {dc.pod_cidr} drop\n") + "  }\n"
             "  chain postrouting {\n    type nat hook postrouting priority srcnat; policy accept;\n"
             f"    ip saddr {dc.pod_cidr} ip daddr != {dc.pod_cidr} snat to {dc.pod_egress}\n  }}\n}}\n"))
-        self._event(f"{name}: pod network {dc.pod_cidr} not routed; pods leave as {dc.pod_egress}")
+        self._event(f"{name}: pod network {dc.pod_cidr} {'routed' if dc.pod_routed else 'not routed'}; "
+                    f"pods leave as {dc.pod_egress}")
 
     def _reconcile(self, w: Workload) -> None:
         spec = w.obj["spec"]
@@ -594,12 +793,14 @@ class Replay:
             if w.status != "Running":
                 return
             completions = int(spec.get("completions", 1))
-            running = {i for i, p in w.pods.items() if p.phase == "Running"}
+            for p in [p for p in w.pods.values() if p.phase == "Pending"]:
+                self._start(p)  # waiting for its volume to attach
+            running = {i for i, p in w.pods.items() if p.phase in ("Running", "Pending")}
             budget = int(spec.get("parallelism", 1)) - len(running)
             for i in range(completions):
                 if budget <= 0:
                     break
-                if i in w.succeeded or i in running or now < w.next_start.get(i, 0.0):
+                if i in w.succeeded or i in w.failed_indexes or i in running or now < w.next_start.get(i, 0.0):
                     continue
                 pod = self._new_pod(w, i)
                 w.pods[i] = pod
@@ -620,6 +821,17 @@ class Replay:
         """Collect exited containers and act as the controllers do; call it often."""
         changed = False
         with self._lock:
+            now = time.monotonic()
+            for pod in self.running():
+                if pod.kill_at is not None and now >= pod.kill_at and pod.proc is not None and pod.proc.poll() is None:
+                    self._event(f"{pod.dc}: pod {pod.name}'s grace period ended")
+                    pod.kill_at = math.inf
+                    self.kill(pod, signal.SIGKILL)
+            if self.probes:
+                changed |= self._probe_tick(now)
+            if now >= self._lb_due:  # a balancer becomes ready
+                self._lb_due = math.inf
+                changed = True
             for pod in list(self.pods):
                 if pod.phase != "Running" or pod.proc is None or pod.proc.poll() is None:
                     continue
@@ -653,31 +865,66 @@ class Replay:
             return
         self._release(pod)
         pod.phase = "Succeeded" if code == 0 else "Failed"
-        w.history.append({"pod": pod.name, "index": pod.index, "phase": pod.phase, "exit_code": code})
+        pod.ready = False
+        entry = {"pod": pod.name, "index": pod.index, "phase": pod.phase, "exit_code": code,
+                 "ended_by": pod.ended_by or "exited", "disruption_target": pod.disrupted}
+        w.history.append(entry)
+        spec = w.obj["spec"]
         if code == 0:
+            # a pod that exits 0 while being deleted still succeeded: its Job counts the completion
             w.succeeded.add(pod.index)
-            self._event(f"{pod.dc}: pod {pod.name} Succeeded")
-            if len(w.succeeded) == int(w.obj["spec"].get("completions", 1)):
-                w.status = "Complete"
-                self._event(f"{pod.dc}: Job {w.name} Complete (ttlSecondsAfterFinished: "
-                            f"{w.obj['spec'].get('ttlSecondsAfterFinished', 'unset')})")
+            self._event(f"{pod.dc}: pod {pod.name} Succeeded" + (f" ({pod.ended_by})" if pod.ended_by else ""))
+            self._finish_if_done(w)
             return
         (container,) = pod.spec["containers"]
         action = failure_action(w.obj, container["name"], code, pod.disrupted)
-        self._event(f"{pod.dc}: pod {pod.name} Failed, exit {code}: podFailurePolicy action {action}")
+        entry["action"] = action
+        self._event(f"{pod.dc}: pod {pod.name} Failed, exit {code}"
+                    + (f" ({pod.ended_by}{', DisruptionTarget' if pod.disrupted else ''})" if pod.ended_by else "")
+                    + f": podFailurePolicy action {action}")
+        per_index = spec.get("backoffLimitPerIndex")
         if action == "FailJob":
             self._fail_job(w, f"pod {pod.name} exited {code}: the podFailurePolicy fails the Job")
+        elif action == "FailIndex":
+            if per_index is None:
+                raise ReplayError(f"Job {w.name}: FailIndex needs backoffLimitPerIndex (the API refuses it)")
+            self._fail_index(w, pod.index, f"pod {pod.name} exited {code}: the podFailurePolicy fails the index")
         elif action == "Count":
             w.failures += 1
-            if w.failures > int(w.obj["spec"].get("backoffLimit", 6)):
-                self._fail_job(w, f"backoffLimit {w.obj['spec'].get('backoffLimit', 6)} reached")
+            failures = w.failures
+            if per_index is not None:  # the index's own budget; the Job-wide one defaults to unlimited
+                failures = w.index_failures[pod.index] = w.index_failures.get(pod.index, 0) + 1
+                if failures > int(per_index):
+                    self._fail_index(w, pod.index, f"backoffLimitPerIndex {per_index} reached")
+                    return
+            limit = spec.get("backoffLimit", None if per_index is not None else 6)
+            if limit is not None and w.failures > int(limit):
+                self._fail_job(w, f"backoffLimit {limit} reached")
             else:
-                delay = min(10.0 * 2 ** (w.failures - 1), 360.0) * self.time_scale
+                delay = min(10.0 * 2 ** (failures - 1), 360.0) * self.time_scale
                 w.next_start[pod.index] = time.monotonic() + delay
         elif action == "Ignore":
             w.next_start[pod.index] = time.monotonic()
         else:
             raise ReplayError(f"podFailurePolicy action {action} is not replayed")
+
+    def _fail_index(self, w: Workload, index: int, reason: str) -> None:
+        w.failed_indexes.add(index)
+        self._event(f"{w.dc}: Job {w.name} index {index} Failed: {reason}")
+        most = w.obj["spec"].get("maxFailedIndexes")
+        if most is not None and len(w.failed_indexes) > int(most):
+            self._fail_job(w, f"{len(w.failed_indexes)} failed indexes, more than maxFailedIndexes {most}")
+        else:
+            self._finish_if_done(w)
+
+    def _finish_if_done(self, w: Workload) -> None:
+        completions = int(w.obj["spec"].get("completions", 1))
+        if len(w.succeeded) == completions:
+            w.status = "Complete"
+            self._event(f"{w.dc}: Job {w.name} Complete (ttlSecondsAfterFinished: "
+                        f"{w.obj['spec'].get('ttlSecondsAfterFinished', 'unset')})")
+        elif w.failed_indexes and len(w.succeeded | w.failed_indexes) == completions:
+            self._fail_job(w, f"indexes {sorted(w.failed_indexes)} failed")
 
     def _fail_job(self, w: Workload, reason: str) -> None:
         w.status, w.reason = "Failed", reason
@@ -699,6 +946,10 @@ class Replay:
         if pod.proc is None or pod.proc.poll() is not None:
             return
         pid = pod.container_pid()
+        deadline = time.monotonic() + 20
+        while pid is None and sig == signal.SIGTERM and pod.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # a pod still being set up: its container gets the signal once it runs
+            pid = pod.container_pid()
         if pid is not None:
             os.kill(pid, sig)
         elif sig == signal.SIGKILL:
@@ -707,21 +958,37 @@ class Replay:
         if wait:
             pod.proc.wait(30)
 
-    def evict(self, pod: Pod) -> tuple[bool, str]:
-        """A drain's eviction of ``pod``: refused when a PodDisruptionBudget forbids it; otherwise the
-        pod gets the DisruptionTarget condition and SIGTERM, then SIGKILL after its grace period."""
+    def delete(self, pod: Pod, *, disruption: bool = False, reason: str = "deleted") -> None:
+        """End ``pod`` as the kubelet ends a deleted pod: SIGTERM now, SIGKILL when its
+        ``terminationGracePeriodSeconds`` (scaled by ``time_scale``, at least ``min_grace_s``) ends
+        (``tick`` sends it). ``disruption``: the pod gets the DisruptionTarget condition first (an
+        eviction, a preemption, a taint's or the kubelet's node-pressure eviction; a plain ``kubectl
+        delete pod`` does not). The Job controller then sees the pod's end like any other: its exit
+        code and condition through the podFailurePolicy, a replacement once it is terminal
+        (``podReplacementPolicy: Failed``)."""
+        if pod.phase != "Running" or pod.kill_at is not None:
+            return
+        pod.disrupted = pod.disrupted or disruption
+        pod.ended_by = reason
+        pod.ready = False  # a terminating pod leaves its Services' endpoints at once
+        grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
+        pod.kill_at = time.monotonic() + max(grace * self.time_scale, self.min_grace_s)
+        self._event(f"{pod.dc}: {reason} pod {pod.name}{' (DisruptionTarget)' if pod.disrupted else ''}: "
+                    f"SIGTERM, SIGKILL in {pod.kill_at - time.monotonic():.1f}s (grace {grace:g}s scaled)")
+        self.kill(pod, signal.SIGTERM)
+        self._refresh_network()
+
+    def evict(self, pod: Pod, *, wait: bool = True, timeout_s: float = 60.0) -> tuple[bool, str]:
+        """A drain's eviction of ``pod`` (the eviction API): refused when a PodDisruptionBudget forbids
+        it; otherwise ``delete`` with the DisruptionTarget condition; ``wait``: until the pod ended."""
         budgets = [o for o in self.rendered[pod.dc] if o["kind"] == "PodDisruptionBudget"]
         healthy = [p.labels for p in self.running() if p.dc == pod.dc]
         ok, why = may_evict(pod.labels, pod.phase, budgets, healthy)
         if not ok or pod.phase != "Running":
             return ok, why
-        pod.disrupted = True
-        self.kill(pod, signal.SIGTERM)
-        grace = float(pod.spec.get("terminationGracePeriodSeconds", 30)) * self.time_scale
-        try:
-            pod.proc.wait(max(grace, 1.0))
-        except subprocess.TimeoutExpired:
-            self.kill(pod, signal.SIGKILL, wait=True)
+        self.delete(pod, disruption=True, reason="evicted")
+        if wait:
+            self.wait_for(f"evicted pod {pod.name} to end", lambda: pod.phase != "Running", timeout_s)
         return True, why
 
     def drain_blockers(self) -> list[str]:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -61,18 +62,21 @@ def _need_replay() -> None:
         pytest.skip(f"nftables does not work in a new network namespace here: {probe.stderr.strip()}")
 
 
-def _scaled(rendered: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    """The rendered objects, with each group on one node and one CPU and a small, short job."""
+def _scaled(rendered: dict[str, list[dict]], nodes: tuple[int, ...] = (1, 1), steps: int = STEPS,
+            every: int = EVERY) -> dict[str, list[dict]]:
+    """The rendered objects, with group g on ``nodes[g]`` nodes (pods) of one CPU and a small, short
+    job (``steps``, a checkpoint every ``every``)."""
     out = json.loads(json.dumps(rendered))
     for objects in out.values():
         for obj in objects:
             if obj["kind"] == "Job" and obj["spec"]["template"]["metadata"]["labels"].get(
                     "app.kubernetes.io/component") == "worker":
-                obj["spec"]["completions"] = obj["spec"]["parallelism"] = 1
                 (container,) = obj["spec"]["template"]["spec"]["containers"]
+                group = int(next(e["value"] for e in container["env"] if e["name"] == "DILOCO_GROUP_ID"))
+                obj["spec"]["completions"] = obj["spec"]["parallelism"] = nodes[group]
                 for e in container["env"]:
                     if e["name"] == "DILOCO_NODES":
-                        e["value"] = "1"
+                        e["value"] = str(nodes[group])
                 container["resources"] = {"requests": {"cpu": "1", "memory": "2Gi"},
                                           "limits": {"cpu": "1", "memory": "2Gi"}}
             if obj["kind"] == "ConfigMap" and "job.toml" in obj.get("data", {}):
@@ -81,8 +85,8 @@ def _scaled(rendered: dict[str, list[dict]]) -> dict[str, list[dict]]:
                 job["data"].update(batch_size=16, eval_batches=2)
                 job["inner"].update(warmup_steps=5)
                 job["sync"].update(h=10)
-                job["topology"].update(group_sizes="1,1")
-                job["train"].update(steps=STEPS, log_every=50, checkpoint_every=EVERY)
+                job["topology"].update(group_sizes=",".join(map(str, nodes)))
+                job["train"].update(steps=steps, log_every=50, checkpoint_every=every)
                 obj["data"]["job.toml"] = _toml(job)
     return out
 
@@ -255,15 +259,16 @@ def _query(r: kr.Replay, dc: str, url: str, expr: str) -> list[dict] | None:
     return json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else None
 
 
-def _make_replay(tmp_path: Path, rendered: dict[str, list[dict]], plans: dict[str, dict], node_setup: dict):
+def _make_replay(tmp_path: Path, rendered: dict[str, list[dict]], plans: dict[str, dict], node_setup: dict,
+                 scaled: dict | None = None, **options):
     _need_replay()
     workdir = tmp_path / "replay"
     workdir.mkdir()
     datacenters = {name: Datacenter(name, **plan) for name, plan in plans.items()}
     assert set(datacenters) == {o.name for o in OVERLAYS}, "the replay's address plan names every overlay"
-    return kr.Replay(workdir, datacenters, _scaled(rendered), secrets=_secrets(tmp_path),
+    return kr.Replay(workdir, datacenters, _scaled(rendered, **(scaled or {})), secrets=_secrets(tmp_path),
                      image=read_image(ROOT / "Dockerfile", "cpu"), repo=ROOT, monitoring=MONITORING,
-                     node_setup=node_setup)
+                     node_setup=node_setup, **options)
 
 
 @pytest.fixture
@@ -289,6 +294,17 @@ def replay_per_rank_lb(tmp_path: Path, rendered):
     """dc-a as shipped; dc-b as examples/dc-b-per-rank-lb: pods not routed to A (they leave through
     the nodes' NAT, 10.21.0.1), each rank behind its load balancer, advertised by name."""
     lb = _render(DEPLOY / "kubernetes" / "examples" / "dc-b-per-rank-lb")
+    # The replay's Services forward only to ready pods, as kube-proxy and a cloud balancer's health
+    # checks do; a rank is ready once it joined, which needs its balancer: without
+    # publishNotReadyAddresses the per-rank balancers wait for a readiness that waits for them (the
+    # ranks give up after [transport] timeout_s and restart, for ever). Until the example sets it,
+    # the replay sets it, and says so.
+    for s in lb:
+        if s["kind"] == "Service" and s["spec"].get("type") == "LoadBalancer" and s["metadata"]["name"].startswith(
+                "diloco-group") and not s["spec"].get("publishNotReadyAddresses"):
+            warnings.warn(f"examples/dc-b-per-rank-lb: Service {s['metadata']['name']} lacks publishNotReadyAddresses: "
+                          "true (a rank is ready only after it joined through its balancer); the replay adds it")
+            s["spec"]["publishNotReadyAddresses"] = True
     names = {s["metadata"]["annotations"]["external-dns.alpha.kubernetes.io/hostname"]: f"dc-b/{s['metadata']['name']}@lb"
              for s in lb if s["kind"] == "Service" and s["spec"].get("type") == "LoadBalancer"}
     plans = json.loads(json.dumps(DATACENTERS))
