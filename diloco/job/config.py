@@ -233,6 +233,12 @@ class TrainConfig:
         "diloco run --resume DIR: DIR)", flag="--checkpoint-dir",
     )
     checkpoint_keep: int = opt(3, "job checkpoints kept, newest first (>= 2; 0 = keep all)", flag="--checkpoint-keep")
+    stop_grace: float = opt(
+        20.0, "after a rank's own SIGTERM (a deleted or drained pod), the longest it waits to reach its next job "
+        "checkpoint before it stops without one, exit 75 (a restarted group heals from a live one), seconds; keep it "
+        "under the pod's terminationGracePeriodSeconds and torchrun's 30 s SIGTERM-to-SIGKILL; 0 = stop at once",
+        flag="--stop-grace",
+    )
     stop_after: int = opt(
         0, "stop after this inner step (< --steps; the lr schedule still follows --steps), write a job "
         "checkpoint and exit 0; 0 = run to --steps", flag="--stop-after",
@@ -491,6 +497,7 @@ class Config:
         need(self.train.progress_every >= 0, f"--progress-every must be >= 0 s, got {self.train.progress_every}")
         tc = self.train
         need(tc.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {tc.checkpoint_every}")
+        need(0 <= tc.stop_grace < 3600, f"--stop-grace must be in [0, 3600) seconds, got {tc.stop_grace}")
         need(tc.checkpoint_keep == 0 or tc.checkpoint_keep >= 2,
              f"--checkpoint-keep must be 0 (all) or >= 2 (the newest complete one survives a crash mid-write), "
              f"got {tc.checkpoint_keep}")

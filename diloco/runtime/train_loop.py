@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 
 import torch
@@ -20,7 +21,7 @@ from diloco.engine.schedule import inner_lr
 from diloco.exchange.data_positions import merged
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import DEMO_ENTRY, Task, batch_items, to_device
-from diloco.runtime import checkpoint, data_feed, group_parallel, job_checkpoint, rank_state
+from diloco.runtime import checkpoint, data_feed, exit_codes, group_parallel, job_checkpoint, rank_state
 from diloco.runtime.connection import GroupConnection
 
 
@@ -38,27 +39,42 @@ def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.P
         raise checkpoint.CheckpointError(f"{restored.path}: cannot be restored here: {e}") from e
 
 
-def on_sigterm(keeper: job_checkpoint.JobCheckpointer | None) -> None:
+def on_sigterm(keeper: job_checkpoint.JobCheckpointer | None, stop_grace_s: float) -> None:
     """SIGTERM (main thread only): the first asks ``keeper`` to checkpoint and stop at the next
-    step the job agrees on (a periodic checkpoint, or the connection's ``stop_requested``); a
-    second one, or the first without periodic checkpoints, ends the process at once. Each says so
-    in the log."""
+    step the job agrees on (a periodic checkpoint, or the connection's ``stop_requested``) and
+    gives it ``stop_grace_s`` seconds: past them the rank exits 75 without that checkpoint (the
+    pod's grace period would end in SIGKILL, which counts against its Job's budget; a restarted
+    group heals from a live one). A second SIGTERM, or the first without periodic checkpoints or
+    with no grace, ends the process at once. Each says so in the log."""
     if threading.current_thread() is not threading.main_thread():
         return
 
+    def overdue() -> None:
+        log.warning("SIGTERM: no job checkpoint within --stop-grace %gs: stopping now without one, exit %s "
+                    "(a restarted group heals from a live one)", stop_grace_s, exit_codes.describe(exit_codes.RESTART))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_codes.RESTART)
+
     def handler(signum, frame) -> None:
-        if keeper is None or keeper.stop_signalled or not keeper.every:
+        if keeper is None or keeper.stop_signalled or not keeper.every or stop_grace_s <= 0:
             log.warning("SIGTERM: %s", "no job checkpoints (no --checkpoint-dir, or rounds by time): stopping now, "
                         "without a checkpoint (a restarted group heals from a live one)" if keeper is None else
                         "stopping now (a second SIGTERM)" if keeper.stop_signalled else
                         "no periodic checkpoint to stop at (--checkpoint-every 0): stopping now, without a "
-                        "checkpoint (a restarted group heals from a live one)")
+                        "checkpoint (a restarted group heals from a live one)" if not keeper.every else
+                        "--stop-grace 0: stopping now, without a checkpoint (a restarted group heals from a live one)")
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)  # killed by SIGTERM: diloco torchrun exits 75 (restart me)
             return
-        log.warning("SIGTERM: checkpointing at the next multiple of --checkpoint-every %d, then stopping "
-                    "(SIGTERM again: stop now)", keeper.every)
+        log.warning("SIGTERM: checkpointing at the next multiple of --checkpoint-every %d, then stopping, "
+                    "or in %gs (--stop-grace) without it (SIGTERM again: stop now)", keeper.every, stop_grace_s)
         keeper.request_stop()
+        timer = threading.Timer(stop_grace_s, overdue)
+        timer.daemon = True
+        timer.name = "diloco-stop-grace"
+        timer.start()
 
     signal.signal(signal.SIGTERM, handler)
 
@@ -97,7 +113,7 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
             cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
             task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval,
             healed=restored is None and link.fault_stats.healed)
-    on_sigterm(keeper)  # says what it does either way; run_worker puts the old handler back
+    on_sigterm(keeper, cfg.train.stop_grace)  # says what it does either way; run_worker puts the old handler back
     stopped_at = start_step if keeper is not None and keeper.catch_up(loss_ema=loss_ema) else None
     t = start_step
     while stopped_at is None and (not engine.rounds_done if timed else t < steps):

@@ -86,7 +86,8 @@ def _scaled(rendered: dict[str, list[dict]], nodes: tuple[int, ...] = (1, 1), st
                 job["inner"].update(warmup_steps=5)
                 job["sync"].update(h=10)
                 job["topology"].update(group_sizes=",".join(map(str, nodes)))
-                job["train"].update(steps=steps, log_every=50, checkpoint_every=every)
+                # stop_grace: under the replayed grace period (60 s scaled, at least k8s_replay.MIN_GRACE_S)
+                job["train"].update(steps=steps, log_every=50, checkpoint_every=every, stop_grace=6.0)
                 obj["data"]["job.toml"] = _toml(job)
     return out
 

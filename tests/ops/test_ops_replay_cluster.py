@@ -262,8 +262,8 @@ def test_replayed_source_nat_on_pod_egress_the_peer_sees_the_node(tmp_path, rend
     """Datacenter A's pod network still routed, but its pods' connections out of A translated to a
     node's address (source NAT on egress, as many clouds do for traffic leaving the pod range): a
     listener on a dc-b node sees 10.12.0.1, not the pod's 10.10.x address. Then the data-plane
-    port behind dc-b's node firewall (overlays/dc-b/node-firewall.nft) as shipped: where it admits
-    only A's pod range, group 0's ranks could not reach group 1 under SNAT: xfail, naming the change."""
+    port behind dc-b's node firewall (overlays/dc-b/node-firewall.nft) as shipped, which admits A's
+    node range beside its pod range: group 0's ranks reach group 1 under SNAT."""
     plans = json.loads(json.dumps(base.DATACENTERS))
     plans["dc-a"].update(pod_egress="10.12.0.1", pod_routed=True)
     r = base._make_replay(tmp_path, {dc: [] for dc in rendered}, plans, {})
@@ -287,11 +287,7 @@ def test_replayed_source_nat_on_pod_egress_the_peer_sees_the_node(tmp_path, rend
             time.sleep(0.3)
             seen[port] = (result, out.read_text().split())
         assert seen[8080] == ("ok", ["10.12.0.1"]), f"the peer sees A's node address, not the pod's: {seen}"
-        if seen[29500][0] != "ok":
-            pytest.xfail("dc-b's node firewall admits the data plane (29500-29563) from A's pod range 10.10.0.0/16 "
-                         "only: with source NAT on A's pod egress, A's ranks arrive as A's nodes (10.12.0.0/16) "
-                         f"and are dropped ({seen[29500][0]}); admit A's node range too, or document that A's "
-                         "egress must keep pod addresses (no SNAT)")
+        assert seen[29500][0] == "ok", f"dc-b's node firewall refuses A's source-NATed data plane: {seen}"
         assert seen[29500][1] == ["10.12.0.1"], seen
     finally:
         r.close()

@@ -163,27 +163,41 @@ SIGTERM_RANK = textwrap.dedent("""
             self.stop_signalled = True
 
     keeper = Keeper() if sys.argv[1] != "none" else None
-    train_loop.on_sigterm(keeper)
+    train_loop.on_sigterm(keeper, float(sys.argv[2]))
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.5)
     print("asked to stop:", keeper.stop_signalled if keeper else None, flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)  # the second: at once
-    time.sleep(5)
+    if sys.argv[3] == "again":
+        os.kill(os.getpid(), signal.SIGTERM)  # the second: at once
+    time.sleep(8)
+    print("still running", flush=True)
 """)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("every", ["none", "0", "4"])
-def test_a_ranks_sigterm_is_never_silent(every):
+@pytest.mark.parametrize("every,grace,second", [("none", "20", "again"), ("0", "20", "again"), ("4", "20", "again"),
+                                                ("4", "0", "again"), ("4", "1", "no")])
+def test_a_ranks_sigterm_is_never_silent(every, grace, second):
     """Checkpoints on: the first SIGTERM says where the rank will stop; without periodic
-    checkpoints it says it stops now, without one. Either way the rank dies by SIGTERM, which
-    ``diloco torchrun`` turns into 75 (``group_exit_code``)."""
-    proc = subprocess.run([sys.executable, "-c", SIGTERM_RANK, every], capture_output=True, text=True, timeout=50)
+    checkpoints (or with --stop-grace 0) it says it stops now, without one, and dies by SIGTERM,
+    which ``diloco torchrun`` turns into 75 (``group_exit_code``). A rank that does not reach its
+    checkpoint within --stop-grace exits 75 by itself, before the pod's grace period ends in SIGKILL."""
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_RANK, every, grace, second], capture_output=True, text=True,
+                          timeout=50)
+    assert "still running" not in proc.stdout
+    if every == "4" and grace == "1":
+        assert proc.returncode == exit_codes.RESTART, proc.stderr[-2000:]
+        assert "asked to stop: True" in proc.stdout
+        assert "SIGTERM: no job checkpoint within --stop-grace 1s: stopping now without one, exit 75" in proc.stderr
+        return
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
     if every == "none":
         assert "no job checkpoints (no --checkpoint-dir, or rounds by time): stopping now" in proc.stderr
+    elif grace == "0":
+        assert "--stop-grace 0: stopping now, without a checkpoint" in proc.stderr and "asked to stop" not in proc.stdout
     elif every == "4":
-        assert "SIGTERM: checkpointing at the next multiple of --checkpoint-every 4, then stopping" in proc.stderr
+        assert "SIGTERM: checkpointing at the next multiple of --checkpoint-every 4, then stopping, or in 20s" \
+            in proc.stderr
         assert "asked to stop: True" in proc.stdout and "SIGTERM: stopping now (a second SIGTERM)" in proc.stderr
     else:
         assert "no periodic checkpoint to stop at (--checkpoint-every 0): stopping now, without a checkpoint" \

@@ -325,7 +325,7 @@ def test_checkpointer_writes_periodically_stops_at_stop_after_on_agreement_and_a
     if threading.current_thread() is threading.main_thread():  # SIGTERM: stop at the next periodic step
         before = signal.getsignal(signal.SIGTERM)
         try:
-            train_loop.on_sigterm(keeper)
+            train_loop.on_sigterm(keeper, 60.0)
             os.kill(os.getpid(), signal.SIGTERM)
         finally:
             signal.signal(signal.SIGTERM, before)
