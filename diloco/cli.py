@@ -257,8 +257,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise config_mod.ConfigError(f"--stop-timeout must be > 0 seconds, got {args.stop_timeout}")
     # one run per run folder and checkpoint folder: held (open) until this process exits
     locks = [run_lock.hold("--run-dir", args.run_dir)] if args.run_dir else []
-    if cfg.train.checkpoint_dir:
-        locks.append(run_lock.hold("--checkpoint-dir", cfg.train.checkpoint_dir))
+    checkpoints = cfg.train.checkpoint_dir or (os.path.join(args.run_dir, "checkpoints") if args.run_dir else "")
+    if checkpoints and (not args.run_dir or os.path.realpath(checkpoints) != os.path.realpath(args.run_dir)):
+        # the folder the run will write its checkpoints to (launcher.run's default: RUN_DIR/checkpoints), so
+        # that another run's --checkpoint-dir or --resume cannot write into it while this one runs
+        locks.append(run_lock.hold("--checkpoint-dir", checkpoints))
     from diloco.runtime import launcher
     from diloco.runtime import summary as summary_mod
 
@@ -326,13 +329,22 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         quorum_grace_s=args.quorum_grace, checkpoint_hint=args.checkpoint_hint,
         restart_when_state_lost=True,  # every group lost: exit 75, the groups resume from their checkpoints
     )
-    address = server.start()
+    from diloco.coordinator import CoordinatorError
+
+    try:  # a port in use or an address not here is a setting (exit 2), not a crash a restart mends
+        address = server.start()
+    except CoordinatorError as e:
+        raise config_mod.ConfigError(f"--host/--port: {e}") from None
     print(f"diloco coordinator listening on {address} for {args.groups} groups", flush=True)
     http = None
     if args.metrics_port:
-        http = coordinator_metrics.serve(server, host=args.host, port=args.metrics_port,
-                                         token=os.environ.get("DILOCO_TOKEN") or None,
-                                         certificates=server.tls_certificates)
+        try:
+            http = coordinator_metrics.serve(server, host=args.host, port=args.metrics_port,
+                                             token=os.environ.get("DILOCO_TOKEN") or None,
+                                             certificates=server.tls_certificates)
+        except OSError as e:
+            server.stop(grace_s=0)
+            raise config_mod.ConfigError(f"--metrics-port {args.metrics_port} on {args.host}: {e}") from None
         print(f"diloco coordinator metrics and status on http://{args.host}:{http.port} "
               "(/metrics, /status, /healthz)", flush=True)
     stop = threading.Event()
@@ -352,6 +364,10 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             code = report_job(summaries, args.json)
             if args.keep_running:
                 stop.wait()
+        elif server.halted:  # the groups were told (exit 2 each): serve their last calls, then stop
+            print(f"diloco coordinator: the job halted: {server.halted}; exit "
+                  f"{exit_codes.describe(exit_codes.CONFIGURATION)}", file=sys.stderr, flush=True)
+            code = exit_codes.CONFIGURATION
         elif signals:  # stopped before the job finished: a deleted or evicted pod, a drain
             code = exit_codes.for_signal(signals[0])
             print(f"diloco coordinator: {signal.Signals(signals[0]).name} before the job finished; exit "
@@ -360,10 +376,6 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             print(f"diloco coordinator: {server.state_lost}; exit {exit_codes.describe(exit_codes.RESTART)}",
                   file=sys.stderr, flush=True)
             code = exit_codes.RESTART
-        elif server.halted:  # the groups were told (exit 2 each): serve their last calls, then stop
-            print(f"diloco coordinator: the job halted: {server.halted}; exit "
-                  f"{exit_codes.describe(exit_codes.CONFIGURATION)}", file=sys.stderr, flush=True)
-            code = exit_codes.CONFIGURATION
     except KeyboardInterrupt:  # Ctrl-C is how a foreground coordinator is stopped
         if not finished:
             code = exit_codes.INTERRUPTED
@@ -432,8 +444,39 @@ def _die_with_agent() -> None:
         agent.die_with_parent()
 
 
+def _stop_during_start_up(command: str) -> None:
+    """SIGTERM before ``command`` installs its own handler (a pod deleted while it starts): ``run``
+    stops as on Ctrl-C (its own cleanup, exit 130); the others exit 75 (restart me) at once, as
+    nothing is trained or served yet. Without a handler, SIGTERM to a container's PID 1 is dropped
+    and the pod ends in the kubelet's SIGKILL (137), which its Job counts."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if command == "run":
+            raise KeyboardInterrupt
+        print(f"diloco {command}: {signal.Signals(signum).name} while starting; exit "
+              f"{exit_codes.describe(exit_codes.for_signal(signum))}", file=sys.stderr, flush=True)
+        os._exit(exit_codes.for_signal(signum))
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``diloco COMMAND ...``; returns the exit code (diloco.runtime.exit_codes). Called in a
+    process of its own, or in-process (tests, scripts): the SIGTERM handler it had is put back."""
     argv = sys.argv[1:] if argv is None else argv
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if in_main_thread else None
+    try:
+        if argv[:1] and argv[0] not in ("status", "credentials", "-h", "--help"):
+            _stop_during_start_up(argv[0])
+        return _main(argv)
+    finally:
+        if in_main_thread and before is not None:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["torchrun"]:  # torchrun's own arguments, which argparse here would not pass through
         from diloco.runtime import agent
 

@@ -64,8 +64,8 @@ def _mac(key: bytes, role: bytes, nc: bytes, ns: bytes, cg: int, sg: int, addr: 
 def _expect(sock: socket.socket, want: MsgType, on_bytes: Callable[[int], None] | None):
     msg = read_message(sock, _HANDSHAKE_MAX_PAYLOAD, frozenset({want, MsgType.REJECT}), on_bytes)
     if msg.type == MsgType.REJECT:
-        reason = bytes(msg.payload[:200]).decode("utf-8", "replace")
-        raise PeerAuthError(f"peer rejected the handshake: {reason}")
+        reason = "".join(c if c.isprintable() else "?" for c in bytes(msg.payload[:200]).decode("utf-8", "replace"))
+        raise PeerAuthError(f"peer rejected the handshake: {reason!r}")  # the peer's words, unproven: quoted
     return msg
 
 

@@ -120,10 +120,11 @@ def for_exception(exc: BaseException) -> int:
 
 
 #: how Gloo and NCCL word a lost peer when they raise a plain RuntimeError (lower case, searched for)
-PEER_LOST_WORDS = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+#: (not "connection refused", "unhandled system error" or "connectFullMesh failed": a group that cannot
+#: form at all, a /dev/shm too small, a NetworkPolicy or interface setting, would restart for ever)
+PEER_LOST_WORDS = ("connection reset by peer", "connection closed by peer", "broken pipe",
                    "socket timeout", "ncclremoteerror", "remote process exited or there was a network error",
-                   "ncclsystemerror", "unhandled system error", "nccl communicator was aborted",
-                   "watchdog caught collective operation timeout", "gloo connectfullmesh failed")
+                   "nccl communicator was aborted", "watchdog caught collective operation timeout")
 
 
 def is_peer_lost(exc: BaseException) -> bool:
@@ -146,18 +147,19 @@ def _is_distributed_error(exc: BaseException) -> bool:
 def group_exit_code(rank_codes: Mapping[int, int]) -> int:
     """One exit code for a group from its failed ranks' codes (negative: killed by that signal).
 
-    A configuration error on any rank makes the group's 2 (it would repeat); else a rank that
-    asked for a restart, or one that was killed by anything but SIGTERM (which is how torchrun
-    stops the other ranks once one failed), makes it 75; else an error makes it 1; ranks that
-    were only stopped with SIGTERM make it 75 (the group was stopped from outside).
+    A configuration error on any rank makes the group's 2 (it would repeat); else a rank killed
+    by anything but SIGTERM (which is how torchrun stops the other ranks once one failed) makes it
+    75; else a rank's own error makes it 1, even where its peers asked for a restart (they lost
+    it: a rank's bug must count against its Job's budget, not restart it for ever); ranks that
+    asked for a restart or were only stopped with SIGTERM make it 75.
     """
     codes = set(rank_codes.values())
     if not codes or codes == {DONE}:
         return DONE
     if CONFIGURATION in codes:
         return CONFIGURATION
-    if RESTART in codes or any(c < 0 and c != -signal.SIGTERM for c in codes):
-        return RESTART
-    if codes - {DONE, -signal.SIGTERM, INTERRUPTED}:
-        return OTHER
+    if any(c < 0 and c != -signal.SIGTERM for c in codes):
+        return RESTART  # a rank was killed (SIGKILL, out of memory): the others' errors follow from it
+    if codes - {DONE, RESTART, -signal.SIGTERM, INTERRUPTED}:
+        return OTHER  # a rank's own error wins over the 75 its peers then exit with (a lost peer)
     return RESTART

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,8 @@ class JobCheckpointer:
         self.link, self.device = link, device
         self.initial_eval_loss = initial_eval_loss
         self.stop_signalled = False  # set by request_stop (the worker's SIGTERM handler)
+        self.stop_timer: threading.Timer | None = None  # the SIGTERM's --stop-grace deadline (train_loop.on_sigterm)
+        self.stopped = False  # the rank left the training loop at a checkpoint
         self.last: Path | None = None  # the newest step folder written
 
     def catch_up(self, *, loss_ema: float | None) -> bool:

@@ -50,8 +50,14 @@ def on_sigterm(keeper: job_checkpoint.JobCheckpointer | None, stop_grace_s: floa
         return
 
     def overdue() -> None:
-        log.warning("SIGTERM: no job checkpoint within --stop-grace %gs: stopping now without one, exit %s "
-                    "(a restarted group heals from a live one)", stop_grace_s, exit_codes.describe(exit_codes.RESTART))
+        if keeper.stopped:
+            log.warning("SIGTERM: checkpoint %s written, but the rest of the stop (its report) took more than "
+                        "--stop-grace %gs: stopping now, exit %s", keeper.last, stop_grace_s,
+                        exit_codes.describe(exit_codes.RESTART))
+        else:
+            log.warning("SIGTERM: no job checkpoint within --stop-grace %gs: stopping now without one, exit %s "
+                        "(a restarted group heals from a live one)", stop_grace_s,
+                        exit_codes.describe(exit_codes.RESTART))
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -71,10 +77,10 @@ def on_sigterm(keeper: job_checkpoint.JobCheckpointer | None, stop_grace_s: floa
         log.warning("SIGTERM: checkpointing at the next multiple of --checkpoint-every %d, then stopping, "
                     "or in %gs (--stop-grace) without it (SIGTERM again: stop now)", keeper.every, stop_grace_s)
         keeper.request_stop()
-        timer = threading.Timer(stop_grace_s, overdue)
-        timer.daemon = True
-        timer.name = "diloco-stop-grace"
-        timer.start()
+        keeper.stop_timer = threading.Timer(stop_grace_s, overdue)
+        keeper.stop_timer.daemon = True
+        keeper.stop_timer.name = "diloco-stop-grace"
+        keeper.stop_timer.start()
 
     signal.signal(signal.SIGTERM, handler)
 
@@ -163,16 +169,23 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
                                  tokens_per_step=(items_per_batch or 0) * link.group_size)
         if keeper is not None and keeper.after_step(t + 1, loss_ema=loss_ema):
             stopped_at = t + 1  # checkpoint written: leave the job here, to be resumed
+            keeper.stopped = True
             break
         t += 1
-    with engine.global_weights():
-        eval_loss = group_parallel.evaluate_on(rank, ddp, eval_global)
+    own_stop = stopped_at is not None and keeper.stop_signalled and not getattr(link, "stop_requested", False)
+    if keeper is not None and keeper.stop_timer is not None and stopped_at is None:
+        keeper.stop_timer.cancel()  # trained to the end after all: the job's own exit, not the SIGTERM's
+    if own_stop:  # this rank's own SIGTERM: its grace period is running, so no final eval
+        eval_loss = float("nan")
+    else:
+        with engine.global_weights():
+            eval_loss = group_parallel.evaluate_on(rank, ddp, eval_global)
     extra = {}
     if restored is not None:
         extra.update(resumed_from=str(restored.path.parent), resumed_at_step=start_step)
     if stopped_at is not None:
         extra.update(stopped_at_step=stopped_at, job_checkpoint=str(keeper.last))
-        if keeper.stop_signalled and not getattr(link, "stop_requested", False):
+        if own_stop:
             extra.update(stopped_by="SIGTERM")  # this rank's own SIGTERM, not a stop the job agreed on: exit 75
     if feed.positions is not None:  # this incarnation's committed data ranges (diloco.exchange.data_positions)
         extra.update(data_ledger=merged(feed.positions.ledger),

@@ -52,6 +52,7 @@ def test_an_error_maps_to_the_code_of_what_a_restart_can_do(exc, code):
     ({0: 1, 1: -signal.SIGTERM}, OTHER),  # an error on rank 0 and the stop that followed: no restart
     ({0: -signal.SIGTERM, 1: -signal.SIGTERM}, RESTART),  # stopped from outside
     ({0: 2, 1: 75}, CONFIG),
+    ({0: 75, 1: 1}, OTHER),  # rank 1's bug; rank 0 then lost its peer: counted, not restarted for ever
 ])
 def test_a_groups_code_is_made_of_its_ranks_codes(ranks, code):
     assert exit_codes.group_exit_code(ranks) == code

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -54,7 +55,6 @@ def test_the_table_and_restartable_agree():
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40312: Connection reset by peer",
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.3]:29500",
     "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, NCCL version 2.21",
-    "NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.19.3",
     "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)",
 ])
 def test_a_peer_lost_inside_the_group_is_restart_me_as_a_plain_runtime_error(message):
@@ -63,8 +63,11 @@ def test_a_peer_lost_inside_the_group_is_restart_me_as_a_plain_runtime_error(mes
 
 
 def test_other_runtime_errors_stay_errors():
+    # a group that cannot form (a /dev/shm too small, a NetworkPolicy, a wrong interface) would restart for ever
     for message in ("NCCL error: invalid usage (run with NCCL_DEBUG=WARN for details)", "CUDA out of memory",
-                    "mat1 and mat2 shapes cannot be multiplied"):
+                    "mat1 and mat2 shapes cannot be multiplied",
+                    "NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.19.3",
+                    "Gloo connectFullMesh failed with [pair.cc:144] no error", "[Errno 111] Connection refused"):
         assert exit_codes.for_exception(RuntimeError(message)) == exit_codes.OTHER, message
 
 
@@ -234,3 +237,29 @@ def test_ctrl_c_to_a_coordinator_before_the_job_finished_is_130():
             proc.wait()
     assert proc.returncode == 130, err
     assert "Ctrl-C before the job finished; exit 130 (interrupted)" in err
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_while_the_coordinator_starts_is_restart_me_not_a_dropped_signal():
+    """SIGTERM as soon as the process runs (a pod deleted while it starts): a container's PID 1
+    without a handler drops it and is SIGKILLed (137, counted); diloco exits 75 at once instead."""
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "coordinator", "--port", "0", "--groups", "2",
+                             "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # the interpreter is up; the coordinator (grpc, its state) is still being imported
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == exit_codes.RESTART, (proc.returncode, err[-2000:])
+    assert "SIGTERM" in err, err[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_port_in_use_is_a_setting_not_a_crash(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags in (["--port", str(port)], ["--port", "0", "--metrics-port", str(port)]):
+            proc = subprocess.run([sys.executable, "-m", "diloco", "coordinator", *flags, "--groups", "2",
+                                   "--host", "127.0.0.1"], capture_output=True, text=True, timeout=60)
+            assert proc.returncode == exit_codes.CONFIGURATION, (flags, proc.stderr[-2000:])
+            assert str(port) in proc.stderr, proc.stderr[-2000:]

@@ -169,6 +169,20 @@ def test_a_second_run_in_the_same_run_dir_is_refused_naming_the_first(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == [run_lock.LOCK_NAME]  # nothing of the first's touched
 
 
+@pytest.mark.timeout(60)
+def test_another_run_cannot_write_into_a_running_runs_default_checkpoint_folder(tmp_path):
+    first = tmp_path / "first"
+    holder = run_lock.hold("--checkpoint-dir", first / "checkpoints")  # what the first run holds besides its folder
+    try:
+        code, output, seconds = diloco("run", *TINY, "--run-dir", str(tmp_path / "second"), "--checkpoint-every", "2",
+                                       "--checkpoint-dir", str(first / "checkpoints"))
+    finally:
+        holder.close()
+    assert code == 2, output[-2000:]
+    assert f"--checkpoint-dir {first / 'checkpoints'}: in use by another diloco run" in output, output[-2000:]
+    assert seconds < 15
+
+
 def test_the_lock_goes_with_its_holder(tmp_path):
     first = run_lock.hold("--run-dir", tmp_path)
     with pytest.raises(run_lock.RunDirBusy, match=f"pid {os.getpid()}"):
