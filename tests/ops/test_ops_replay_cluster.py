@@ -295,6 +295,7 @@ def test_replayed_source_nat_on_pod_egress_the_peer_sees_the_node(tmp_path, rend
 
 
 _PLAIN = """if [ "$JOB_COMPLETION_INDEX" = 0 ]; then trap 'exit 75' TERM; else trap '' TERM; fi
+echo trapped
 while true; do sleep 0.2; done
 """
 
@@ -333,6 +334,10 @@ def test_replay_kubelet_and_job_controller_on_plain_containers(tmp_path):
         r.wait_for("both pods", lambda: len(r.running()) == 2, 30)
         assert r.evict(w.pods[0]) == (False, "PodDisruptionBudget plain allows no disruption")
 
+        def delete(pod, **how) -> None:  # once its shell set its trap: a SIGTERM before it would end it as 143
+            r.wait_for(f"{pod.name}'s trap", lambda: "trapped" in pod.log_text(), 30)
+            r.delete(pod, **how)
+
         def ended(pod) -> dict:
             r.wait_for(f"{pod.name} to end", lambda: pod.phase != "Running", 30)
             return next(h for h in w.history if h["pod"] == pod.name)
@@ -342,25 +347,25 @@ def test_replay_kubelet_and_job_controller_on_plain_containers(tmp_path):
                        or w.status != "Running", 30)
 
         first = w.pods[0]
-        r.delete(first)
+        delete(first)
         assert ended(first) | {"pod": ""} == {"pod": "", "index": 0, "phase": "Failed", "exit_code": 75,
                                              "ended_by": "deleted", "disruption_target": False, "action": "Ignore"}, r.report()
         replaced(0, first)
         stubborn = w.pods[1]
         started = time.monotonic()
-        r.delete(stubborn)
+        delete(stubborn)
         h = ended(stubborn)
         assert h["exit_code"] == 137 and h["action"] == "Count" and w.index_failures == {1: 1}, h
         assert time.monotonic() - started >= 30 * r.time_scale - 0.5, "SIGKILL only when the grace period ends"
         replaced(1, stubborn)
         preempted = w.pods[1]
-        r.delete(preempted, disruption=True, reason="preempted")
+        delete(preempted, disruption=True, reason="preempted")
         h = ended(preempted)
         assert h["exit_code"] == 137 and h["disruption_target"] and h["action"] == "Ignore", h
         assert w.index_failures == {1: 1}
         replaced(1, preempted)
         last = w.pods[1]
-        r.delete(last)
+        delete(last)
         assert ended(last)["action"] == "Count"
         r.wait_for("the Job to fail", lambda: w.status != "Running", 30)
         assert w.status == "Failed" and "maxFailedIndexes 0" in w.reason and w.failed_indexes == {1}, w.reason
