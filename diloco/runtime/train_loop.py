@@ -173,8 +173,8 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
             break
         t += 1
     own_stop = stopped_at is not None and keeper.stop_signalled and not getattr(link, "stop_requested", False)
-    if keeper is not None and keeper.stop_timer is not None and stopped_at is None:
-        keeper.stop_timer.cancel()  # trained to the end after all: the job's own exit, not the SIGTERM's
+    if keeper is not None and keeper.stop_timer is not None and not own_stop:
+        keeper.stop_timer.cancel()  # trained to the end, or a stop the job agreed on: its exit, not the SIGTERM's
     if own_stop:  # this rank's own SIGTERM: its grace period is running, so no final eval
         eval_loss = float("nan")
     else:
