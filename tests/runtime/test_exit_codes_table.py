@@ -161,6 +161,7 @@ SIGTERM_RANK = textwrap.dedent("""
 
     class Keeper:
         every, stop_signalled = int(sys.argv[1]) if sys.argv[1].isdigit() else 0, False
+        stopped, stop_timer, last = False, None, None
 
         def request_stop(self):
             self.stop_signalled = True
