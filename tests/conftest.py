@@ -60,8 +60,10 @@ def _kill(found: list[tuple[int, str]]) -> None:
 
 
 def _blocking_threads(before: set[threading.Thread]) -> list[threading.Thread]:
-    """Live non-daemon threads not in ``before``: each would keep the interpreter from exiting."""
-    return [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+    """Live threads not in ``before`` that are non-daemon (each would keep the interpreter from
+    exiting) or pending timers (one may end the whole process later, like --stop-grace's)."""
+    return [t for t in threading.enumerate() if t not in before and t.is_alive()
+            and (not t.daemon or isinstance(t, threading.Timer))]
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +83,7 @@ def _ends_what_it_starts(request):
         time.sleep(0.2)
         left, threads = processes_tagged(tag), _blocking_threads(threads_before)
     _kill(left)
-    problems = [f"pid {pid}: {cmd}" for pid, cmd in left] + [f"non-daemon thread {t.name!r}" for t in threads]
+    problems = [f"pid {pid}: {cmd}" for pid, cmd in left] + [f"thread {t.name!r}" for t in threads]
     if problems:
         pytest.fail("the test left running (processes now killed): " + "; ".join(problems), pytrace=False)
 
