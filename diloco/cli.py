@@ -256,12 +256,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.stop_timeout is not None and args.stop_timeout <= 0:
         raise config_mod.ConfigError(f"--stop-timeout must be > 0 seconds, got {args.stop_timeout}")
     # one run per run folder and checkpoint folder: held (open) until this process exits
-    locks = [run_lock.hold("--run-dir", args.run_dir)] if args.run_dir else []
     checkpoints = cfg.train.checkpoint_dir or (os.path.join(args.run_dir, "checkpoints") if args.run_dir else "")
-    if checkpoints and (not args.run_dir or os.path.realpath(checkpoints) != os.path.realpath(args.run_dir)):
-        # the folder the run will write its checkpoints to (launcher.run's default: RUN_DIR/checkpoints), so
-        # that another run's --checkpoint-dir or --resume cannot write into it while this one runs
-        locks.append(run_lock.hold("--checkpoint-dir", checkpoints))
+    made = [f for f in (args.run_dir, checkpoints) if f and not os.path.exists(f)]  # removed again on an early error
+    locks = []
+    try:
+        if args.run_dir:
+            locks.append(run_lock.hold("--run-dir", args.run_dir))
+        if checkpoints and (not args.run_dir or os.path.realpath(checkpoints) != os.path.realpath(args.run_dir)):
+            # the folder the run will write its checkpoints to (launcher.run's default: RUN_DIR/checkpoints), so
+            # that another run's --checkpoint-dir or --resume cannot write into it while this one runs
+            locks.append(run_lock.hold("--checkpoint-dir", checkpoints))
+        return _run_locked(args, cfg, point)
+    finally:
+        for lock in locks:
+            lock.close()
+        run_lock.remove_if_unused(made)
+
+
+def _run_locked(args: argparse.Namespace, cfg: config_mod.Config, point: Any) -> int:
+    """``diloco run`` once its folders are locked."""
     from diloco.runtime import launcher
     from diloco.runtime import summary as summary_mod
 
@@ -278,7 +291,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(summary_mod.format_summary(summary))
     if args.json:
         _write_json(args.json, summary)
-    del locks
     if summary.get("interrupted"):  # stopped with a checkpoint before the job finished
         print(f"diloco run: {summary['interrupted']}: stopped at step {summary['stopped_at_step']} with a "
               f"checkpoint; exit {exit_codes.describe(exit_codes.INTERRUPTED)}", file=sys.stderr, flush=True)

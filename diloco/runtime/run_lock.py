@@ -43,3 +43,16 @@ def hold(flag: str, folder: str | os.PathLike[str]) -> IO[str]:
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def remove_if_unused(folders: list[str]) -> None:
+    """Remove each of ``folders`` (innermost first) that holds nothing but its lock file: the
+    folders a run made for its locks, when it stops with an error before it wrote anything."""
+    for folder in sorted(folders, key=lambda f: len(Path(f).resolve().parts), reverse=True):
+        path = Path(folder)
+        try:
+            if path.is_dir() and {p.name for p in path.iterdir()} <= {LOCK_NAME}:
+                (path / LOCK_NAME).unlink(missing_ok=True)
+                path.rmdir()
+        except OSError:
+            pass
