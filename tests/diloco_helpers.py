@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 from typing import Callable, Iterator, TypeVar
 
@@ -88,3 +89,23 @@ def position_records() -> Iterator[list[logging.LogRecord]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
+
+
+def free_port_range(n: int) -> int:
+    """A base port on 127.0.0.1 with ``n`` free ports from it."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65536 and all(_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False

@@ -17,6 +17,7 @@ import pytest
 from diloco import cli
 from diloco.runtime import checkpoint_index, launcher, run_lock, user_errors
 from diloco.job.config import Config
+from diloco_helpers import free_port_range
 
 TINY = ["--steps", "4", "--h", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
         "--ranks-per-group", "1", "--no-progress"]
@@ -30,24 +31,6 @@ def diloco(*args: str, env: dict | None = None, timeout: float = 120.0, cwd: Pat
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
 
 
-def free_ports(n: int) -> int:
-    """A base port with ``n`` free ports from it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and all(_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free port range")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 # --- a, b, d: one finished run with --json in a missing folder, --data-port and --resume auto ------------
@@ -56,7 +39,7 @@ def _free(port: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_fresh_run_makes_its_json_folder_offsets_the_data_port_per_group_and_resume_auto_starts_fresh(tmp_path):
-    port = free_ports(2)
+    port = free_port_range(2)
     out = tmp_path / "out" / "run1.json"  # its folder does not exist
     code, output, seconds = diloco("run", *TINY, "--run-dir", str(tmp_path / "run"), "--json", str(out),
                                    "--data-port", str(port), "--resume", "auto")
@@ -81,7 +64,7 @@ def test_diloco_run_gives_each_groups_ranks_their_own_data_ports():
 
 @pytest.mark.timeout(60)
 def test_a_data_port_in_use_is_refused_before_anything_starts(tmp_path):
-    base = free_ports(2)
+    base = free_port_range(2)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", base + 1))  # group 1's rank's port
         taken.listen()

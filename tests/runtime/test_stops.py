@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from diloco_helpers import free_port_range
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -40,23 +40,6 @@ def marked(marker: str) -> list[int]:
     return out
 
 
-def free_port_range(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and all(_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free port range")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 class Run:
