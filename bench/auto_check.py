@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))  # before bench/ itself: its transport.py would sh
 
 from diloco.job.auto_choice import AUTO, AUTO_H
 from diloco.job.config import Config
-from diloco.runtime import launcher
+from diloco.runtime.launch import launcher
 
 
 def reshape(wan, mbit: float) -> None:

@@ -1,7 +1,7 @@
 """Churn benchmark: a real `diloco run` of G groups while a chaos driver SIGKILLs them.
 
 Every group is a real torchrun process tree on loopback (or, with --netns, in its own network
-namespace: transport/netns.py). The chaos driver (diloco/runtime/chaos.py) kills a random live group's
+namespace: transport/netns.py). The chaos driver (diloco/runtime/launch/chaos.py) kills a random live group's
 whole process tree at a random moment — inside an exchange, a vote or a heal as often as not —
 and starts it again after a random pause; the restarted group heals back into the job. It
 reports and asserts:
@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from diloco.job.config import Config  # noqa: E402
-from diloco.runtime import launcher  # noqa: E402
-from diloco.runtime.chaos import ChaosMonkey  # noqa: E402
-from diloco.runtime.processes import processes_mentioning  # noqa: E402
+from diloco.runtime.launch import launcher  # noqa: E402
+from diloco.runtime.launch.chaos import ChaosMonkey  # noqa: E402
+from diloco.runtime.ops.processes import processes_mentioning  # noqa: E402
 
 
 def make_config(a: argparse.Namespace) -> Config:
@@ -78,7 +78,7 @@ def initial_loss(cfg: Config) -> float:
     import torch
 
     from diloco.job.task import DEMO_ENTRY, TaskContext, build_task
-    from diloco.runtime.train_loop import evaluate
+    from diloco.runtime.rank.train_loop import evaluate
 
     ctx = TaskContext(group=0, num_groups=cfg.topology.groups, rank=0, group_size=1, device=torch.device("cpu"),
                       seed=cfg.train.seed, steps=cfg.train.steps, batch_size=cfg.data.batch_size,

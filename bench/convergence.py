@@ -1,9 +1,9 @@
 """Convergence study: eval loss of DiLoCo's modes and codecs against data parallel, at equal tokens.
 
 What runs (the code path). Every row trains the demo GPT through the same pieces as ``diloco run``:
-the task (``diloco.demo.gpt_task``), the inner optimizer (``diloco.runtime.worker.make_inner_optimizer``),
-the engine built from the config (``diloco.runtime.worker.make_engine``: DiLoCo in every mode, or data
-parallel) and the training loop itself (``diloco.runtime.train_loop.train``: lr schedule, grad clip, engine
+the task (``diloco.demo.gpt_task``), the inner optimizer (``diloco.runtime.rank.worker.make_inner_optimizer``),
+the engine built from the config (``diloco.runtime.rank.worker.make_engine``: DiLoCo in every mode, or data
+parallel) and the training loop itself (``diloco.runtime.rank.train_loop.train``: lr schedule, grad clip, engine
 steps, final eval of the global model). What differs from a real job is only where the groups live:
 the G groups are G threads of this process, each with its own model, inner optimizer and engine
 (one rank per group, no DDP wrapper: a DDP group of one rank only copies the gradients), and each
@@ -13,7 +13,7 @@ all-reduce of a real job, with the codec applied exactly as there (partial sums 
 the reduce-scatter, the owner quantizes each reduced chunk once, every group decodes the same
 bytes), stripes cut as ``diloco run --probe-bytes 0`` cuts them. Not exercised: the coordinator
 (quorums, heartbeats, round hashes), bandwidth probes, the in-group broadcast. ``--real`` runs
-the selected rows as real ``diloco run`` jobs instead (``diloco.runtime.launcher.run``: a coordinator and G
+the selected rows as real ``diloco run`` jobs instead (``diloco.runtime.launch.launcher.run``: a coordinator and G
 torchrun groups of one rank, ``--probe-bytes 0``); they give the final eval loss and bytes but no
 loss curve (only its two ends), and cost ~20 s of start-up each on 2 cores, which is why the
 study runs in-process. ``--check-real ROW`` runs one row both ways and prints both results.
@@ -49,7 +49,7 @@ transports' byte counters: payload and framing, the initial-parameter check incl
 ``params_identical``, ``seconds``, ``path`` (``in-process`` or ``diloco-run``).
 
 bits_per_param_per_step = 8 x bytes_sent / (num_parameters x steps): the bits all groups together
-sent to each other per model parameter per inner step (``diloco.runtime.summary.bits_per_param_per_step``,
+sent to each other per model parameter per inner step (``diloco.runtime.launch.summary.bits_per_param_per_step``,
 the figure ``diloco run`` prints). Data parallel's fp32 ring all-reduce moves 2(G-1)/G x 4 bytes
 per parameter per group per step: 64 (G-1) bits, 64 with the baseline's two groups (measured
 here a little above: framing).

@@ -33,10 +33,10 @@ from diloco.job.config import (
 )
 from diloco.demo import gpt_task  # noqa: E402
 from diloco.job.task import Task, TaskContext  # noqa: E402
-from diloco.runtime.endpoint import group_keys, make_transport  # noqa: E402
-from diloco.runtime.summary import bits_per_param_per_step  # noqa: E402
-from diloco.runtime.train_loop import evaluate, train
-from diloco.runtime.worker import make_engine, make_inner_optimizer  # noqa: E402
+from diloco.runtime.launch.summary import bits_per_param_per_step  # noqa: E402
+from diloco.runtime.rank.endpoint import group_keys, make_transport  # noqa: E402
+from diloco.runtime.rank.train_loop import evaluate, train
+from diloco.runtime.rank.worker import make_engine, make_inner_optimizer  # noqa: E402
 
 ENTRY = "bench.convergence_run:study_task"  # this file, importable with the repository root on the path
 EVAL_BATCH = 16  # sequences per eval batch, whatever a row's batch per group
@@ -259,7 +259,7 @@ def run_real(cfg: Config) -> dict:
     """The same configuration as a real ``diloco run`` job (coordinator + torchrun groups)."""
     import tempfile
 
-    from diloco.runtime import launcher
+    from diloco.runtime.launch import launcher
 
     env_path = os.environ.get("PYTHONPATH", "")
     if str(ROOT) not in env_path.split(os.pathsep):  # the workers import ENTRY from the repository

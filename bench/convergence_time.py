@@ -48,8 +48,8 @@ from bench.convergence_run import (
 from diloco.engine.averaging import InProcessGroups
 from diloco.job.codec_config import make_codec
 from diloco.job.task import TaskContext
-from diloco.runtime.train_loop import train
-from diloco.runtime.worker import make_engine, make_inner_optimizer
+from diloco.runtime.rank.train_loop import train
+from diloco.runtime.rank.worker import make_engine, make_inner_optimizer
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "convergence.json"
 

@@ -63,7 +63,7 @@ from bench.goodput_faults import parse_intervals
 from diloco.demo import gpt_task
 from diloco.job.config import Config
 from diloco.job.task import Task, TaskContext
-from diloco.runtime.chaos import KINDS, ChaosMonkey, ChaosPlan
+from diloco.runtime.launch.chaos import KINDS, ChaosMonkey, ChaosPlan
 
 ENTRY = "bench.goodput:slow_task"
 
@@ -135,7 +135,7 @@ def _steps_of(trace: Path) -> dict[int, list[float]]:
 def _child(cfg_path: str, out_path: str, run_dir: str) -> int:
     """In a child process: run the job of ``cfg_path`` (a config dict) and write its summary."""
     from diloco.job.config_parse import from_dict
-    from diloco.runtime import launcher
+    from diloco.runtime.launch import launcher
 
     cfg = from_dict(json.loads(Path(cfg_path).read_text())).validate()
     job = Path(cfg_path).with_name("job.json")
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--kinds", default="kill", help="fault kinds, comma-separated, each fault's drawn from them: "
                    "kill (SIGKILL of a random group's process tree, restarted 0.5 s later), stall (SIGSTOP of it "
                    "for --stall-seconds, then SIGCONT), corrupt (one bit flipped in what a random group receives "
-                   "next, by a relay in front of its data plane: diloco.runtime.link_relays)")
+                   "next, by a relay in front of its data plane: diloco.runtime.launch.link_relays)")
     f.add_argument("--stall-seconds", type=float, default=6.0, help="how long a stalled group stays frozen (make it "
                    "longer than --heartbeat-timeout: the group is then declared failed, restarts and heals)")
     f.add_argument("--fault-steps", type=int, default=0, help="inner steps per group of every job (0: enough for "

@@ -31,7 +31,7 @@ process tree, then SIGCONT: its links stay open and carry nothing, and it stops 
 hung host or a stalled link would look to the others; longer than the heartbeat timeout, so the
 group is declared failed, wakes evicted, restarts and heals). ``downtime_s_per_kill`` covers both
 kinds. Corrupting links (kind ``corrupt``): ``diloco run``'s drill puts a relay
-(``transport.FaultProxy``) in front of every group's data plane (``diloco.runtime.link_relays``),
+(``transport.FaultProxy``) in front of every group's data plane (``diloco.runtime.launch.link_relays``),
 and a fault flips one bit of what a random group receives next: the frame fails its check, that
 exchange rolls back and runs again; nothing restarts.
 

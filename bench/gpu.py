@@ -1,6 +1,6 @@
 """GPU profile: what syncs cost a GPU job, per mode and codec, as real ``diloco run`` jobs.
 
-Every run is a real ``diloco run`` on this host (``diloco.runtime.launcher.run``: a coordinator and G
+Every run is a real ``diloco run`` on this host (``diloco.runtime.launch.launcher.run``: a coordinator and G
 torchrun groups of one rank, the data plane on 127.0.0.1), training the demo GPT at the size of
 issue #10 (85M parameters: ``--n-layer 12 --n-head 12 --n-embd 768 --block-size 256``) for
 ``--steps`` inner steps at H = ``--h``. Runs:
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from diloco.job.config import Config  # noqa: E402
-from diloco.runtime import launcher  # noqa: E402
+from diloco.runtime.launch import launcher  # noqa: E402
 
 GPT_85M = dict(n_layer=12, n_head=12, n_embd=768, block_size=256)
 TINY = dict(n_layer=4, n_head=4, n_embd=64, block_size=64)

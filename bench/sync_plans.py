@@ -36,7 +36,7 @@ from bench.convergence import DEFAULT_JSON, settings_from  # noqa: E402
 from bench.convergence_rows import SIZES, study_rows  # noqa: E402
 from bench.convergence_run import make_config, make_record, run_in_process  # noqa: E402
 from diloco.engine.schedule import paced_sync_steps, planned_period  # noqa: E402
-from diloco.runtime import worker  # noqa: E402
+from diloco.runtime.rank import worker  # noqa: E402
 
 
 class PlannedSyncs:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from diloco.job import config_parse  # noqa: E402
 from diloco.job.config import Config  # noqa: E402
-from diloco.runtime import launcher  # noqa: E402
+from diloco.runtime.launch import launcher  # noqa: E402
 from transport.netns import EmulatedWan, available  # noqa: E402
 
 MODES = {

@@ -12,7 +12,7 @@ _EXPORTS = {
     "DiLoCo": "diloco.engine.diloco", "NonFiniteError": "diloco.engine.diloco", "SyncEvent": "diloco.engine.diloco",
     "SyncResult": "diloco.engine.diloco", "MODES": "diloco.engine.diloco",
     "InitialParamsMismatch": "diloco.engine.initial",
-    "connect": "diloco.runtime.connection", "GroupConnection": "diloco.runtime.connection", "ConnectError": "diloco.runtime.endpoint",
+    "connect": "diloco.runtime.rank.connection", "GroupConnection": "diloco.runtime.rank.connection", "ConnectError": "diloco.runtime.rank.endpoint",
     "Task": "diloco.job.task", "TaskContext": "diloco.job.task", "DataSource": "diloco.job.data_source",
     "FixedSchedule": "diloco.engine.schedule", "QSRSchedule": "diloco.engine.schedule",
     "PacedSchedule": "diloco.engine.schedule",

@@ -1,5 +1,5 @@
 """The ``diloco`` command: ``run`` (embedded default), ``worker`` (under torchrun), ``torchrun``,
-``coordinator``, ``status``, ``credentials``. Exit codes: ``diloco.runtime.exit_codes`` (0 done, 1 error, 2
+``coordinator``, ``status``, ``credentials``. Exit codes: ``diloco.runtime.ops.exit_codes`` (0 done, 1 error, 2
 configuration, 75 restart me, 130 interrupted)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from diloco.job import config as config_mod
 from diloco.job import config_parse
-from diloco.runtime import exit_codes, logs, stack_dumps
+from diloco.runtime.ops import exit_codes, logs, stack_dumps
 
 DESCRIPTION = """\
 Low-bandwidth local-update training (DiLoCo) across worker groups.
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "torchrun", help="torchrun whose exit code says why the workers stopped (0, 2, 75, 1)", add_help=False,
         description="diloco torchrun TORCHRUN-ARGS: exactly torchrun's arguments (diloco torchrun --help shows "
-        "them); exits with the workers' own code (diloco.runtime.exit_codes) where torchrun would exit 1.",
+        "them); exits with the workers' own code (diloco.runtime.ops.exit_codes) where torchrun would exit 1.",
     )
 
     coord = sub.add_parser(
@@ -197,7 +197,7 @@ def _config(args: argparse.Namespace, group: int | None = None) -> tuple[config_
     with the flags' operational settings (``checkpoint_index.resume_config``)."""
     if not args.resume:
         return config_parse.from_args(args), None
-    from diloco.runtime import checkpoint_index  # torch-free: a bad path is refused at once
+    from diloco.runtime.checkpoints import checkpoint_index  # torch-free: a bad path is refused at once
 
     point = checkpoint_index.find(args.resume, group=group)
     if group is None:  # diloco run: every file is checked before any process starts
@@ -218,7 +218,7 @@ def _resume_auto(args: argparse.Namespace) -> None:
     fresh start; says which. Sets ``args.resume`` to that folder or None."""
     from pathlib import Path
 
-    from diloco.runtime import checkpoint_index
+    from diloco.runtime.checkpoints import checkpoint_index
 
     root = config_parse.from_args(args).train.checkpoint_dir or (
         str(Path(args.run_dir) / "checkpoints") if args.run_dir else "")
@@ -246,7 +246,7 @@ def _write_json(path: str, doc: Any) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from diloco.runtime import preflight, run_lock
+    from diloco.runtime.launch import preflight, run_lock
 
     # before anything imports torch (seconds on a CUDA host): a wrong flag, path or port is refused at once
     if args.resume == "auto":
@@ -275,8 +275,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run_locked(args: argparse.Namespace, cfg: config_mod.Config, point: Any) -> int:
     """``diloco run`` once its folders are locked."""
-    from diloco.runtime import launcher
-    from diloco.runtime import summary as summary_mod
+    from diloco.runtime.launch import launcher
+    from diloco.runtime.launch import summary as summary_mod
 
     logs.setup(cfg.train.log_format, component="run")
     progress = not args.no_progress and cfg.train.log_format == "text"  # a bar is no log line
@@ -300,7 +300,8 @@ def _run_locked(args: argparse.Namespace, cfg: config_mod.Config, point: Any) ->
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     # torch-free until the paths are checked: a wrong one is refused at once, even on a CUDA host
-    from diloco.runtime import checkpoint_index, preflight
+    from diloco.runtime.checkpoints import checkpoint_index
+    from diloco.runtime.launch import preflight
 
     auto = args.resume == "auto"
     if auto:  # the newest step of --checkpoint-dir this group completed, if any: used unless the group heals
@@ -316,7 +317,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     preflight.check_worker_paths(cfg, group=args.group_id, rank=rank,
                                  local_rank=int(os.environ.get("LOCAL_RANK", rank)), json_path=args.json)
-    from diloco.runtime import worker
+    from diloco.runtime.rank import worker
 
     return worker.main(cfg, args.group_id, args.coordinator, json_path=args.json,
                        resume=point.path if point is not None else None, resume_unless_healing=auto)
@@ -401,7 +402,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from diloco.runtime import status
+    from diloco.runtime.ops import status
 
     return status.main(args.address, as_json=args.json, timeout_s=args.timeout, token_file=args.token_file)
 
@@ -410,7 +411,7 @@ def _cmd_credentials(args: argparse.Namespace) -> int:
     """``diloco credentials``: every group's own credentials as files (see its --help). Torch-free."""
     from pathlib import Path
 
-    from diloco.runtime import endpoint
+    from diloco.runtime.rank import endpoint
 
     token = os.environ.get(endpoint.TOKEN_ENV, "")
     if not token:
@@ -447,7 +448,7 @@ def _cmd_credentials(args: argparse.Namespace) -> int:
 def _die_with_agent() -> None:
     """A worker under torchrun ends with its agent (parent-death signal), asked for before torch
     loads (seconds during which a killed agent would otherwise leave the worker running)."""
-    from diloco.runtime import agent
+    from diloco.runtime.launch import agent
 
     parent = os.environ.get(agent.PARENT_ENV)
     if parent is not None:
@@ -474,7 +475,7 @@ def _stop_during_start_up(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``diloco COMMAND ...``; returns the exit code (diloco.runtime.exit_codes). Called in a
+    """``diloco COMMAND ...``; returns the exit code (diloco.runtime.ops.exit_codes). Called in a
     process of its own, or in-process (tests, scripts): the SIGTERM handler it had is put back."""
     argv = sys.argv[1:] if argv is None else argv
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -490,11 +491,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["torchrun"]:  # torchrun's own arguments, which argparse here would not pass through
-        from diloco.runtime import agent
+        from diloco.runtime.launch import agent
 
         return agent.main(argv[1:])
-    if argv[:1] == ["spare"] and len(argv) <= 2:  # diloco run's warm spare (runtime/spare.py), not a user's command
-        from diloco.runtime import spare
+    if argv[:1] == ["spare"] and len(argv) <= 2:  # diloco run's warm spare (runtime/launch/spare.py), not a user's command
+        from diloco.runtime.launch import spare
 
         return spare.serve(lambda args: main(["worker", *args]), argv[1] if len(argv) == 2 else None)
     args = build_parser().parse_args(argv)

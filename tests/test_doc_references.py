@@ -151,7 +151,7 @@ def diloco_top_level_names() -> set[str]:
 
 
 def test_every_dotted_diloco_name_exists():
-    """``diloco.worker`` in a doc after the worker moved to ``diloco.runtime.worker`` is caught."""
+    """``diloco.worker`` in a doc after the worker moved to ``diloco.runtime.rank.worker`` is caught."""
     known = diloco_top_level_names()
     assert {"DiLoCo", "connect", "runtime", "engine", "cli"} <= known
     stale = []

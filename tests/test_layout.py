@@ -24,6 +24,13 @@ ALLOWED = {
     "runtime": {"job", "demo", "exchange", "coordinator", "engine"},
 }
 TOP_LEVEL_MODULES = {"__init__", "__main__", "cli"}  # diloco/*.py besides the sub-packages
+# inside diloco/runtime/: which of its sub-packages each one may import (besides itself)
+RUNTIME_ALLOWED = {
+    "ops": set(),
+    "checkpoints": set(),
+    "rank": {"checkpoints", "ops"},
+    "launch": {"rank", "checkpoints", "ops"},
+}
 # a process or a socket: what the algorithm must not touch
 PROCESS_AND_SOCKET_MODULES = {"socket", "subprocess", "multiprocessing", "signal", "grpc", "transport", "selectors"}
 
@@ -121,6 +128,35 @@ def test_the_algorithm_touches_no_process_or_socket():
     assert not wrong, wrong
 
 
+def runtime_subpackage(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["diloco", "runtime"] and len(parts) > 2 else None
+
+
+def test_runtime_subpackages_import_one_way():
+    wrong = []
+    for name in modules():
+        own = runtime_subpackage(name)
+        if own is None:
+            continue
+        for target in imports_of(name):
+            other = runtime_subpackage(target)
+            if target.startswith("diloco.runtime") and other != own and other not in RUNTIME_ALLOWED[own]:
+                wrong.append(f"{name} -> {target}")
+    assert not wrong, f"imports against the runtime layout's direction (ARCHITECTURE.md): {wrong}"
+
+
+def test_runtime_holds_only_its_subpackages():
+    runtime = ROOT / "diloco" / "runtime"
+    flat = {p.stem for p in runtime.glob("*.py")}
+    assert flat == {"__init__"}, f"modules of diloco/runtime outside a sub-package: {sorted(flat - {'__init__'})}"
+    folders = {p.name for p in runtime.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(RUNTIME_ALLOWED), f"runtime sub-packages not in the layout: {sorted(folders ^ set(RUNTIME_ALLOWED))}"
+    for folder in RUNTIME_ALLOWED:
+        doc = ast.get_docstring(ast.parse((runtime / folder / "__init__.py").read_text()))
+        assert doc and len(doc) > 40, f"diloco/runtime/{folder}/__init__.py needs a docstring saying what goes there"
+
+
 def test_diloco_holds_only_its_subpackages_and_the_command():
     flat = {p.stem for p in (ROOT / "diloco").glob("*.py")}
     assert flat == TOP_LEVEL_MODULES, f"modules outside a sub-package: {sorted(flat - TOP_LEVEL_MODULES)}"
@@ -138,6 +174,8 @@ def test_architecture_md_names_every_subpackage():
     text = (ROOT / "ARCHITECTURE.md").read_text()
     named = set(re.findall(r"diloco/(\w+)/", text))
     assert set(ALLOWED) <= named, f"ARCHITECTURE.md does not name {sorted(set(ALLOWED) - named)}"
+    in_runtime = set(re.findall(r"runtime/(\w+)/", text))
+    assert set(RUNTIME_ALLOWED) <= in_runtime, f"ARCHITECTURE.md does not name runtime/{sorted(set(RUNTIME_ALLOWED) - in_runtime)}"
 
 
 def test_the_import_reader_sees_every_form_of_import(tmp_path):

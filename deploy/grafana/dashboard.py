@@ -3,7 +3,7 @@
     python deploy/grafana/dashboard.py          # rewrites deploy/grafana/diloco.json
 
 tests/ops/test_ops_grafana.py checks that the committed JSON is this script's output and that every
-query names only series that diloco exports (``diloco.runtime.metrics.WORKER_SERIES``,
+query names only series that diloco exports (``diloco.runtime.ops.metrics.WORKER_SERIES``,
 ``diloco.coordinator.metrics.COORDINATOR_SERIES``) or Prometheus' own ``up``.
 """
 

@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
 gf = importlib.import_module("bench.goodput_faults")
 
 from diloco.exchange.data_positions import DataPositions, ledger_from_logs
-from diloco.runtime.logs import JsonFormatter, TextFormatter
+from diloco.runtime.ops.logs import JsonFormatter, TextFormatter
 
 
 def at(t: float):

@@ -23,7 +23,7 @@ WATCHDOG_S = 30.0  # a coordinator subprocess still alive after this long is kil
 
 
 def group_summary(group: int, param_hash: str = "sha256:aa") -> dict:
-    """A summary with the keys diloco.runtime.worker sends (values made up)."""
+    """A summary with the keys diloco.runtime.rank.worker sends (values made up)."""
     return {"group": group, "eval_loss": 2.5 + 0.25 * group, "initial_eval_loss": 5.5,
             "outer_rounds": 10, "inner_steps": 300, "bytes_sent": 1000, "bytes_received": 900,
             "param_hash": param_hash, "num_parameters": 4096, "tokens": 10_000,

@@ -24,7 +24,7 @@ from google.protobuf import json_format
 
 from diloco import cli
 from diloco.job.config import TransportConfig
-from diloco.runtime.endpoint import coordinator_tls
+from diloco.runtime.rank.endpoint import coordinator_tls
 from diloco.coordinator import CoordinatorClient, CoordinatorError, CoordinatorServer, protogen
 from diloco.coordinator import coordinator_pb2 as pb
 from diloco.coordinator.messages import (

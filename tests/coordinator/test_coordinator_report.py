@@ -9,7 +9,7 @@ from diloco.coordinator.report import format_job_summary, job_summary
 
 
 def group_summary(group: int, param_hash: str = "sha256:aa", **extra) -> dict:
-    """A group summary with the keys diloco.runtime.worker sends (values made up)."""
+    """A group summary with the keys diloco.runtime.rank.worker sends (values made up)."""
     return {
         "group": group, "eval_loss": 2.5 + 0.1 * group, "initial_eval_loss": 5.4927,
         "final_train_loss": 2.4, "round_hashes": [param_hash], "outer_rounds": 10,

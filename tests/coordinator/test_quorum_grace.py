@@ -25,7 +25,7 @@ from diloco.coordinator.rounds import (
     patient_groups,
 )
 from diloco.coordinator.state import CoordinatorState
-from diloco.runtime.status import format_status
+from diloco.runtime.ops.status import format_status
 from round_helpers import FakeClock, ask_in_thread, formed, run_exchange, vote
 
 

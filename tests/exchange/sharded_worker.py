@@ -82,7 +82,7 @@ def connect(key: str, group: int, rank: int, sizes: list[int], store) -> tuple[T
 def resumed(k: int, config: dict, group: int, rank: int, sizes: list[int], store) -> dict:
     """Synthetic steps to ``stop``, a DCP checkpoint of the group, and a fresh engine that loads it
     and runs to ``steps`` (``load_from``: only the second part, from another launch's checkpoint)."""
-    from diloco.runtime import dcp_checkpoint
+    from diloco.runtime.checkpoints import dcp_checkpoint
 
     codec = compress.get_codec(config["codec"]) if config.get("codec") else None
     size = sizes[group]

@@ -18,8 +18,9 @@ import diloco
 from diloco.coordinator import CoordinatorServer
 from diloco.exchange.data_positions import check_ledger, ledger_from_logs
 from diloco.job.task import Task
-from diloco.runtime import logs, rank_state
-from diloco.runtime.data_feed import DataFeed
+from diloco.runtime.checkpoints import rank_state
+from diloco.runtime.ops import logs
+from diloco.runtime.rank.data_feed import DataFeed
 from transport import FaultProxy
 
 BATCH = 4

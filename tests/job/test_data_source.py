@@ -19,7 +19,8 @@ from diloco.exchange.data_positions import (
 )
 from diloco.job.data_source import DataSourceError, is_data_source, position, seek
 from diloco.job.task import Task
-from diloco.runtime import logs, summary
+from diloco.runtime.launch import summary
+from diloco.runtime.ops import logs
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 2001).astype(np.uint8)  # 250 windows of 8
 

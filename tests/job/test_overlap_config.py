@@ -40,7 +40,7 @@ def test_the_reason_names_the_cap():
 
 
 def test_auto_leaves_out_an_overlapped_setting_a_short_run_cannot_start():
-    from diloco.runtime.auto_setting import runnable_table
+    from diloco.runtime.rank.auto_setting import runnable_table
 
     cfg = Config()
     cfg.train.steps, cfg.transport.codec, cfg.sync.h = 10, "auto", ac.AUTO_H

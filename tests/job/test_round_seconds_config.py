@@ -5,7 +5,7 @@ import pytest
 from diloco.cli import build_parser
 from diloco.engine.schedule import FixedSchedule, TimeRounds
 from diloco.job.config import Config, ConfigError
-from diloco.runtime.worker import make_schedule
+from diloco.runtime.rank.worker import make_schedule
 
 
 def _cfg(**sync) -> Config:

@@ -1016,7 +1016,7 @@ class Replay:
 
     def dump_stacks(self, settle_s: float = 2.0) -> None:
         """SIGUSR1 to every running pod's container: each diloco process writes its threads' stacks to
-        its log (``diloco.runtime.stack_dumps``; a worker pod's agent passes it on to its workers)."""
+        its log (``diloco.runtime.ops.stack_dumps``; a worker pod's agent passes it on to its workers)."""
         running = self.running()
         for pod in running:
             self.kill(pod, signal.SIGUSR1)

@@ -19,7 +19,7 @@ import pytest
 from ops_helpers import DEPLOY, need_binary
 
 from diloco.coordinator import credentials
-from diloco.runtime.endpoint import CREDENTIAL_FILES, SECRET_ENV, TOKEN_ENV, group_credentials
+from diloco.runtime.rank.endpoint import CREDENTIAL_FILES, SECRET_ENV, TOKEN_ENV, group_credentials
 from transport.identity import GroupKeys
 
 KUBERNETES = DEPLOY / "kubernetes"

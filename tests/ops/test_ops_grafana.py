@@ -11,7 +11,7 @@ import yaml
 from ops_helpers import DEPLOY
 
 from diloco.coordinator.metrics import COORDINATOR_SERIES
-from diloco.runtime.metrics import WORKER_SERIES
+from diloco.runtime.ops.metrics import WORKER_SERIES
 
 EXPORTED = set(WORKER_SERIES) | set(COORDINATOR_SERIES)
 RECORDED_PREFIX = "group:"  # recording rules' outputs (level:metric:operations)

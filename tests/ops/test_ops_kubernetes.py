@@ -19,8 +19,8 @@ from ops_helpers import ADDRESSES, DEPLOY, OVERLAYS
 
 from diloco.job import config as config_mod
 from diloco.job import config_parse
-from diloco.runtime import exit_codes
-from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV
+from diloco.runtime.ops import exit_codes
+from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV
 
 KUBERNETES = DEPLOY / "kubernetes"
 
@@ -119,7 +119,7 @@ def test_every_overlay_renders_a_finite_group_and_one_hosts_the_coordinator(rend
 
 
 def test_jobs_tell_done_restart_me_and_configuration_errors_apart(rendered):
-    """What each Job does with each exit code of diloco/runtime/exit_codes.py, read through the
+    """What each Job does with each exit code of diloco/runtime/ops/exit_codes.py, read through the
     podFailurePolicy as the Job controller reads it (first matching rule; k8s_semantics)."""
     import k8s_semantics as ks
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from diloco.runtime import logs
+from diloco.runtime.ops import logs
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ def test_json_wraps_every_line_of_the_process_native_writes_and_children_include
 
     code = "\n".join([
         "import logging, os, subprocess, sys",
-        "from diloco.runtime import logs",
+        "from diloco.runtime.ops import logs",
         "logs.setup('json', component='worker', group=0, rank=0)",
         "os.write(2, b'[W socket.cpp:207] [c10d] a native warning\\n')",
         "os.write(1, b'{\"ts\": \"t\", \"level\": \"INFO\", \"msg\": \"a record of a child\"}\\n')",
@@ -124,7 +124,7 @@ def test_native_output_written_under_the_interpreter_lock_does_not_block_the_pro
 
     code = "\n".join([
         "import ctypes",
-        "from diloco.runtime import logs",
+        "from diloco.runtime.ops import logs",
         "logs.setup('json', component='worker', group=0, rank=0)",
         "line = b'[W native] ' + b'x' * 500 + b'\\n'",
         "data = line * 4000",  # 2 MB, far above a pipe's 64 KiB

@@ -1,4 +1,4 @@
-"""Metric names and values: worker series (diloco.runtime.metrics) and the coordinator's (diloco.coordinator.metrics)."""
+"""Metric names and values: worker series (diloco.runtime.ops.metrics) and the coordinator's (diloco.coordinator.metrics)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from diloco.coordinator.metrics import COORDINATOR_SERIES, CoordinatorCollector
-from diloco.runtime.metrics import (
+from diloco.runtime.ops.metrics import (
     WIRE_COUNTERS,
     WORKER_SERIES,
     WorkerMetrics,

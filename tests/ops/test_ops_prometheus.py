@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from diloco.coordinator.metrics import CoordinatorCollector
-from diloco.runtime.metrics import WorkerMetrics
+from diloco.runtime.ops.metrics import WorkerMetrics
 
 PROM = DEPLOY / "prometheus"
 RULES = PROM / "diloco-rules.yml"
@@ -145,7 +145,7 @@ def test_prometheus_scrapes_a_diloco_run_and_answers_queries(tmp_path: Path):
             except OSError:  # Prometheus still starting
                 continue
             if status_doc is None and joined and run.poll() is None:
-                from diloco.runtime.status import fetch
+                from diloco.runtime.ops.status import fetch
 
                 try:
                     status_doc = fetch(f"127.0.0.1:{metrics + 2}",  # diloco run's /status asks for the job token

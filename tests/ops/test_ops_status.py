@@ -11,7 +11,7 @@ from ops_helpers import SNAPSHOT
 
 from diloco import cli
 from diloco.coordinator.metrics import CoordinatorHttp, status_document
-from diloco.runtime.status import format_status
+from diloco.runtime.ops.status import format_status
 
 
 class FakeServer:

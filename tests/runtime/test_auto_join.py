@@ -12,8 +12,8 @@ from diloco import cli
 from diloco.engine.schedule import FixedSchedule
 from diloco.job import auto_choice as ac
 from diloco.job.config import Config, ConfigError
-from diloco.runtime import auto_setting
-from diloco.runtime.auto_setting import AutoSchedule
+from diloco.runtime.rank import auto_setting
+from diloco.runtime.rank.auto_setting import AutoSchedule
 
 SMALL = ["--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--batch-size", "8", "--eval-batches", "2",
          "--warmup-steps", "5", "--no-progress", "--probe-bytes", "4096"]
@@ -150,8 +150,8 @@ def test_resuming_a_checkpoint_of_fixed_flags_under_auto_is_refused(tmp_path):
 
     from diloco.engine.averaging import SingleGroup
     from diloco.engine.diloco import DiLoCo
-    from diloco.runtime import job_checkpoint, rank_state
-    from diloco.runtime.checkpoint import CheckpointError
+    from diloco.runtime.checkpoints import job_checkpoint, rank_state
+    from diloco.runtime.checkpoints.checkpoint import CheckpointError
 
     fixed = Config()
     fixed.topology.groups, fixed.transport.codec, fixed.sync.h = 2, "topk", 30

@@ -8,8 +8,9 @@ import re
 import pytest
 
 from diloco import cli
-from diloco.runtime import status, summary
-from diloco.runtime.metrics import WorkerMetrics
+from diloco.runtime.launch import summary
+from diloco.runtime.ops import status
+from diloco.runtime.ops.metrics import WorkerMetrics
 
 SMALL = ["--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
          "--eval-batches", "2", "--warmup-steps", "5", "--no-progress"]
@@ -99,7 +100,7 @@ class _Link:
 def test_h_follows_the_link_with_hysteresis_and_keeps_the_codec():
     from diloco.engine.schedule import FixedSchedule
     from diloco.job import auto_choice as ac
-    from diloco.runtime.auto_setting import AutoSchedule
+    from diloco.runtime.rank.auto_setting import AutoSchedule
 
     table = ac.load_table()
     n, step = 400_000, 0.1
@@ -135,7 +136,7 @@ def test_a_paced_setting_runs_its_plan_and_a_new_h_the_plan_of_that_h():
         sync_steps,
     )
     from diloco.job import auto_choice as ac
-    from diloco.runtime.auto_setting import AutoSchedule
+    from diloco.runtime.rank.auto_setting import AutoSchedule
 
     study = ac.load_table()
     paced = study.named("m2-paced200-int2b1024-int4final-decay0-zstd-outer")
@@ -189,7 +190,7 @@ def test_groups_switch_h_at_the_same_round_and_stay_bit_identical():
     from diloco.engine.averaging import InProcessGroups
     from diloco.engine.diloco import DiLoCo
     from diloco.job import auto_choice as ac
-    from diloco.runtime.auto_setting import AutoSchedule
+    from diloco.runtime.rank.auto_setting import AutoSchedule
 
     table = ac.load_table()
     n = 437_760  # the demo GPT's parameters: what the decision weighs (the test model is smaller)
@@ -261,7 +262,7 @@ def test_with_codec_auto_groups_switch_codec_and_h_at_the_same_exchange_and_stay
     from diloco.engine.diloco import DiLoCo
     from diloco.job import auto_choice as ac
     from diloco.job.config import Config
-    from diloco.runtime.auto_setting import AutoSchedule
+    from diloco.runtime.rank.auto_setting import AutoSchedule
 
     table = ac.load_table()
     n = 437_760

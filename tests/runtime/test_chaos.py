@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco.runtime.chaos import ChaosMonkey
+from diloco.runtime.launch.chaos import ChaosMonkey
 
 
 def drive(monkey: ChaosMonkey, seconds: float, groups: int = 3, progress=lambda t: 0.0):
@@ -112,7 +112,7 @@ def test_freeze_tree_stops_a_process_and_its_children_and_lets_them_go_on():
     import sys
     import time
 
-    from diloco.runtime.processes import _stat_fields, descendants, freeze_tree, kill_tree
+    from diloco.runtime.ops.processes import _stat_fields, descendants, freeze_tree, kill_tree
 
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
                                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from diloco.demo.model import GPT, GPTConfig
-from diloco.runtime import checkpoint
-from diloco.runtime.checkpoint import CheckpointError
+from diloco.runtime.checkpoints import checkpoint
+from diloco.runtime.checkpoints.checkpoint import CheckpointError
 
 
 def small():

@@ -8,7 +8,7 @@ import time
 from types import SimpleNamespace
 
 from diloco.exchange.network_plan import BandwidthMonitor
-from diloco.runtime.connection import GroupConnection, _Reprobe
+from diloco.runtime.rank.connection import GroupConnection, _Reprobe
 
 
 class _Closable:

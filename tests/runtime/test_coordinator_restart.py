@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from diloco_helpers import write_small_job
 
-from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV
+from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.runtime import kernels
-from diloco.runtime.cpu_threads import CPU_REQUEST_ENV, cgroup_cpu_quota, threads_per_rank
+from diloco.runtime.rank import kernels
+from diloco.runtime.rank.cpu_threads import CPU_REQUEST_ENV, cgroup_cpu_quota, threads_per_rank
 
 
 def test_an_explicit_count_wins(tmp_path):

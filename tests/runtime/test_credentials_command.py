@@ -13,8 +13,8 @@ import pytest
 from diloco import cli
 from diloco.coordinator import CoordinatorClient, CoordinatorError, CoordinatorServer
 from diloco.coordinator import credentials
-from diloco.runtime import exit_codes
-from diloco.runtime.endpoint import CREDENTIAL_FILES, SECRET_ENV, TOKEN_ENV, group_credentials
+from diloco.runtime.ops import exit_codes
+from diloco.runtime.rank.endpoint import CREDENTIAL_FILES, SECRET_ENV, TOKEN_ENV, group_credentials
 from transport.identity import GroupKeys, pair_key
 
 TOKEN = "job-token-of-the-operator-0123456789"

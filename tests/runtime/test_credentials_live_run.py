@@ -28,7 +28,7 @@ import pytest
 
 from diloco.coordinator import CoordinatorClient, CoordinatorError
 from diloco.coordinator.credentials import group_token, parse_group_token
-from diloco.runtime.launcher import STATUS_TOKEN_FILE
+from diloco.runtime.launch.launcher import STATUS_TOKEN_FILE
 from transport.identity import GroupKeys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -14,8 +14,8 @@ import torch.nn as nn
 from diloco.engine.averaging import SingleGroup
 from diloco.engine.dcp_state import DcpStateError
 from diloco.engine.diloco import DiLoCo
-from diloco.runtime import dcp_checkpoint
-from diloco.runtime.dcp_checkpoint import CheckpointRefused, SafeReader
+from diloco.runtime.checkpoints import dcp_checkpoint
+from diloco.runtime.checkpoints.dcp_checkpoint import CheckpointRefused, SafeReader
 
 
 def build(mode: str = "delayed"):

@@ -9,7 +9,8 @@ import torch
 
 from diloco import cli
 from diloco.job import config_parse
-from diloco.runtime import checkpoint, job_checkpoint, launcher
+from diloco.runtime.checkpoints import checkpoint, job_checkpoint
+from diloco.runtime.launch import launcher
 
 pytestmark = pytest.mark.slow
 

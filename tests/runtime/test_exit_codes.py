@@ -17,9 +17,9 @@ from diloco.coordinator import CoordinatorError
 from diloco.engine.initial import InitialParamsMismatch
 from diloco.exchange.quorum_averager import ExchangeFailed, GroupEvicted
 from diloco.job.config import ConfigError
-from diloco.runtime import exit_codes
-from diloco.runtime.checkpoint import CheckpointError
-from diloco.runtime.supervise import GroupFailed, Supervisor
+from diloco.runtime.checkpoints.checkpoint import CheckpointError
+from diloco.runtime.launch.supervise import GroupFailed, Supervisor
+from diloco.runtime.ops import exit_codes
 from transport import CollectiveAborted
 from transport.errors import PeerAuthError
 

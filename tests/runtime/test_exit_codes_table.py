@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from diloco.runtime import exit_codes
+from diloco.runtime.ops import exit_codes
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
@@ -157,7 +157,7 @@ def test_a_wrong_secret_is_a_configuration_error_on_both_sides_of_the_handshake(
 SIGTERM_RANK = textwrap.dedent("""
     import logging, os, signal, sys, time
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from diloco.runtime import train_loop
+    from diloco.runtime.rank import train_loop
 
     class Keeper:
         every, stop_signalled = int(sys.argv[1]) if sys.argv[1].isdigit() else 0, False
@@ -211,13 +211,13 @@ def test_a_ranks_sigterm_is_never_silent(every, grace, second):
 
 def test_a_rank_that_checkpointed_for_its_own_sigterm_exits_75(monkeypatch, capsys):
     from diloco.job.config import Config
-    from diloco.runtime import worker
+    from diloco.runtime.rank import worker
 
     summary = {"group": 0, "rank": 0, "inner_steps": 20, "outer_rounds": 2, "bytes_sent": 1, "param_hash": "ab",
                "seconds": 1.0, "utilization": 0.5, "stopped_at_step": 20, "job_checkpoint": "/ck/step-000020",
                "stopped_by": "SIGTERM"}
     monkeypatch.setattr(worker, "run_worker", lambda *a, **k: dict(summary))
-    monkeypatch.setattr("diloco.runtime.logs.setup", lambda *a, **k: None)
+    monkeypatch.setattr("diloco.runtime.ops.logs.setup", lambda *a, **k: None)
     assert worker.main(Config(), 0, "127.0.0.1:1") == exit_codes.RESTART
     assert "SIGTERM: stopped at step 20 with checkpoint /ck/step-000020; exit 75 (restart me)" in capsys.readouterr().err
     summary.pop("stopped_by")  # a stop the job agreed on (diloco run's Ctrl-C), or --stop-after

@@ -16,8 +16,8 @@ import pytest
 
 from diloco.job.config import ConfigError
 from diloco.job.config_parse import load_file
-from diloco.runtime import preflight
-from diloco.runtime.metrics import WorkerMetrics
+from diloco.runtime.launch import preflight
+from diloco.runtime.ops.metrics import WorkerMetrics
 
 TINY = ["--steps", "4", "--h", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
         "--ranks-per-group", "1", "--no-progress"]

@@ -12,7 +12,8 @@ import pytest
 from diloco import cli
 from diloco.demo.model import GPT, GPTConfig
 from diloco.job import config_parse
-from diloco.runtime import checkpoint, job_checkpoint, launcher
+from diloco.runtime.checkpoints import checkpoint, job_checkpoint
+from diloco.runtime.launch import launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

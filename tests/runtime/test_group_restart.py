@@ -16,9 +16,9 @@ import pytest
 from diloco_helpers import write_small_job
 
 from diloco.coordinator import CoordinatorServer
-from diloco.runtime import job_checkpoint
-from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV
-from diloco.runtime.processes import processes_mentioning
+from diloco.runtime.checkpoints import job_checkpoint
+from diloco.runtime.ops.processes import processes_mentioning
+from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV
 
 pytestmark = pytest.mark.slow
 

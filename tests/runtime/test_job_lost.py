@@ -8,9 +8,10 @@ import time
 import pytest
 
 from diloco.job.config import Config
-from diloco.runtime import exit_codes, launcher
-from diloco.runtime.chaos import ChaosPlan
-from diloco.runtime.processes import processes_mentioning
+from diloco.runtime.launch import launcher
+from diloco.runtime.launch.chaos import ChaosPlan
+from diloco.runtime.ops import exit_codes
+from diloco.runtime.ops.processes import processes_mentioning
 
 pytestmark = pytest.mark.slow
 HEARTBEAT_S = 2.0

@@ -4,7 +4,7 @@ corrupt fault makes the receiving side refuse what it got instead of using it.""
 import pytest
 import torch
 
-from diloco.runtime.link_relays import CorruptingRelays
+from diloco.runtime.launch.link_relays import CorruptingRelays
 from transport import TcpTransport
 from transport.errors import CollectiveAborted
 
@@ -51,7 +51,7 @@ def test_the_groups_ports_come_from_below_the_kernels_ephemeral_range_and_are_fr
     could be handed meanwhile to any outgoing connection (CI once: 'Address already in use')."""
     import socket
 
-    from diloco.runtime.link_relays import PORTS_BELOW_EPHEMERAL, ephemeral_ports
+    from diloco.runtime.launch.link_relays import PORTS_BELOW_EPHEMERAL, ephemeral_ports
 
     low, high = ephemeral_ports()
     assert 1024 <= low < high <= 65535

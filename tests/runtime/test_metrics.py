@@ -1,6 +1,6 @@
 import urllib.request
 
-from diloco.runtime.metrics import WorkerMetrics
+from diloco.runtime.ops.metrics import WorkerMetrics
 
 
 def test_metrics_are_served_with_labels_and_wire_counters_are_monotonic():

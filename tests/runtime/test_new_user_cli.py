@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from diloco import cli
-from diloco.runtime import checkpoint_index, launcher, run_lock, user_errors
+from diloco.runtime.checkpoints import checkpoint_index
+from diloco.runtime.launch import launcher, run_lock
+from diloco.runtime.rank import user_errors
 from diloco.job.config import Config
 from diloco_helpers import free_port_range
 
@@ -224,7 +226,7 @@ def test_a_stop_past_its_deadline_names_the_checkpoint_written_after_the_signal(
 def test_the_cli_exits_130_for_a_run_stopped_by_a_signal(monkeypatch, tmp_path, capsys):
     summary = {"interrupted": "SIGTERM", "stopped_at_step": 20}
     monkeypatch.setattr(launcher, "run", lambda cfg, **kw: summary)
-    monkeypatch.setattr("diloco.runtime.summary.format_summary", lambda s: "the summary")
+    monkeypatch.setattr("diloco.runtime.launch.summary.format_summary", lambda s: "the summary")
     args = cli.build_parser().parse_args(["run", *TINY, "--run-dir", str(tmp_path / "r"), "--json",
                                           str(tmp_path / "new" / "s.json")])
     assert cli._cmd_run(args) == 130

@@ -1,4 +1,4 @@
-"""GPU placement of ranks on one host (diloco.runtime.device_placement) and its wiring into `diloco run` and
+"""GPU placement of ranks on one host (diloco.runtime.rank.device_placement) and its wiring into `diloco run` and
 the worker. Every GPU count here is made up: torch.cuda is faked, nothing touches CUDA."""
 
 from collections import Counter
@@ -8,8 +8,9 @@ import torch
 
 from diloco import cli
 from diloco.job.config import Config
-from diloco.runtime import launcher, summary, worker
-from diloco.runtime.device_placement import (
+from diloco.runtime.launch import launcher, summary
+from diloco.runtime.rank import worker
+from diloco.runtime.rank.device_placement import (
     DEVICE_MAP_ENV,
     GPU_OFFSET_ENV,
     PlacementError,

@@ -16,7 +16,7 @@ from diloco.coordinator import CoordinatorError
 from diloco.coordinator.membership import Membership
 from diloco.exchange.quorum_averager import GroupEvicted
 from diloco.job.config import TransportConfig
-from diloco.runtime import connection
+from diloco.runtime.rank import connection
 from transport import TcpTransport
 
 SECRET = b"probe-eviction-test-secret-01234"

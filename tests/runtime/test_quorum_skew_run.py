@@ -13,8 +13,8 @@ import time
 import pytest
 
 from diloco.job.config import Config
-from diloco.runtime import launcher
-from diloco.runtime.chaos import ChaosPlan
+from diloco.runtime.launch import launcher
+from diloco.runtime.launch.chaos import ChaosPlan
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,10 @@ from diloco.engine.diloco import DiLoCo
 from diloco.job import config_parse
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import Task, TaskError
-from diloco.runtime import job_checkpoint, launcher, rank_state, train_loop
-from diloco.runtime.checkpoint import CheckpointError
+from diloco.runtime.checkpoints import job_checkpoint, rank_state
+from diloco.runtime.checkpoints.checkpoint import CheckpointError
+from diloco.runtime.launch import launcher
+from diloco.runtime.rank import train_loop
 
 G = 2
 TOKENS = np.random.default_rng(0).integers(0, 32, 4000).astype(np.uint8)

@@ -13,7 +13,7 @@ import pytest
 
 from diloco import cli
 from diloco.job.config import Config
-from diloco.runtime import launcher
+from diloco.runtime.launch import launcher
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def test_two_groups_of_two_ranks_stay_bit_identical_and_learn(tmp_path):
     assert code == 0
     s = json.loads(out.read_text())
     from diloco.engine.outer_state import params_hash
-    from diloco.runtime import checkpoint
+    from diloco.runtime.checkpoints import checkpoint
 
     state = checkpoint.load(ckpt)
     assert params_hash(list(state["global"].values())) == s["param_hash_per_group"]["0"]
@@ -256,7 +256,7 @@ def test_failure_report_shows_the_workers_error_line_before_torchrun_noise(tmp_p
 
 
 def test_summary_states_bits_per_parameter_per_step_beside_data_parallel() -> None:
-    from diloco.runtime.summary import bits_per_param_per_step, dp_bytes
+    from diloco.runtime.launch.summary import bits_per_param_per_step, dp_bytes
 
     assert bits_per_param_per_step(dp_bytes(1000, 2, 7), 1000, 7) == 64  # DP, two groups
     assert bits_per_param_per_step(dp_bytes(1000, 4, 7), 1000, 7) == 192  # 64 (G-1)

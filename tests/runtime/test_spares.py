@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from diloco import cli
-from diloco.runtime import spare
-from diloco.runtime.supervise import Supervisor
+from diloco.runtime.launch import spare
+from diloco.runtime.launch.supervise import Supervisor
 
 
 class _Proc:

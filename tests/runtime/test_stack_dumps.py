@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.runtime import stack_dumps
+from diloco.runtime.ops import stack_dumps
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
 

@@ -14,7 +14,7 @@ from diloco import cli
 from diloco.coordinator import CoordinatorServer
 from diloco.coordinator.credentials import group_token
 from diloco.job.config import Config
-from diloco.runtime import launcher
+from diloco.runtime.launch import launcher
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -77,7 +77,7 @@ def test_diloco_status_reads_the_token_file(served, capsys, monkeypatch):
 
 
 def test_the_token_file_replaces_an_old_one_and_never_writes_through_a_link(tmp_path):
-    from diloco.runtime.endpoint import write_secret_file
+    from diloco.runtime.rank.endpoint import write_secret_file
 
     target = tmp_path / "elsewhere"
     target.write_text("keep")

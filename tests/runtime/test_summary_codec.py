@@ -1,7 +1,7 @@
 """The summary's codec line: what ``--codec`` ran between the groups, as the job's config says."""
 
 from diloco.job.config import Config
-from diloco.runtime import summary
+from diloco.runtime.launch import summary
 
 BASE = {"eval_loss": 2.0, "initial_eval_loss": 5.0, "mode": "blocking", "fragments": 1, "outer_rounds": 1,
         "periods": [10], "inner_steps": 10, "groups": 2, "ranks_per_group": [1, 1], "num_parameters": 10,

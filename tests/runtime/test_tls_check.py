@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from diloco.coordinator import CoordinatorServer
-from diloco.runtime.tls_check import tls_problem
+from diloco.runtime.rank.tls_check import tls_problem
 from transport.tls import TlsConfig
 
 
@@ -69,7 +69,7 @@ def test_check_coordinator_raises_at_once_and_waits_for_a_coordinator_not_up_yet
     import time
 
     from diloco.job.config import ConfigError
-    from diloco.runtime.tls_check import check_coordinator
+    from diloco.runtime.rank.tls_check import check_coordinator
 
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match="coordinator TLS: this side does not trust"):

@@ -1,4 +1,4 @@
-"""``diloco torchrun``'s stores listen on one address, not every interface (diloco/runtime/agent.py).
+"""``diloco torchrun``'s stores listen on one address, not every interface (diloco/runtime/launch/agent.py).
 
 torch's TCPStore servers (torchrun's rendezvous store, the store its workers share) listen on
 every interface and authenticate nobody; ``diloco torchrun`` binds each to the address its
@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import pytest
 
-from diloco.runtime import agent
+from diloco.runtime.launch import agent
 
 
 def _accepts(host: str, port: int) -> bool:

@@ -283,7 +283,7 @@ def test_listener_limits_are_settings_that_reach_the_transport() -> None:
     """--handshake-timeout and the caps are Config settings; make_transport applies them and
     validate() refuses values that would disable them."""
     from diloco.job.config import Config, ConfigError
-    from diloco.runtime.endpoint import make_transport
+    from diloco.runtime.rank.endpoint import make_transport
 
     cfg = Config()
     cfg.transport.handshake_timeout = 0.7

@@ -12,7 +12,7 @@
 
 ``TABLE`` is the same, as the docs show it (docs/operations.md, "Exit codes").
 
-``diloco torchrun`` (``diloco.runtime.agent``) keeps these through torchrun, which reports any
+``diloco torchrun`` (``diloco.runtime.launch.agent``) keeps these through torchrun, which reports any
 failure of its workers as 1: ``group_exit_code`` makes one code of its ranks' codes. ``diloco run``
 restarts a group for ``restartable`` codes only, as a Kubernetes Job's podFailurePolicy does.
 """

@@ -33,16 +33,18 @@ from typing import Callable
 
 from diloco.coordinator import CoordinatorServer
 from diloco.job.config import Config
-from diloco.runtime import exit_codes, job_checkpoint, preflight, spare
-from diloco.runtime.agent import PARENT_ENV
-from diloco.runtime.chaos import ChaosMonkey
-from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV, coordinator_tls, group_credentials, write_secret_file
-from diloco.runtime.device_placement import DEVICE_MAP_ENV, DevicePlan, place_ranks
-from diloco.runtime.job_checkpoint import ResumePoint
-from diloco.runtime.link_relays import CorruptingRelays
-from diloco.runtime.processes import RUN_ID_ENV, end_trees
-from diloco.runtime.summary import fault_summary, human_bytes, summarize
-from diloco.runtime.supervise import GroupFailed, Supervisor
+from diloco.runtime.checkpoints import job_checkpoint
+from diloco.runtime.checkpoints.job_checkpoint import ResumePoint
+from diloco.runtime.launch import preflight, spare
+from diloco.runtime.launch.agent import PARENT_ENV
+from diloco.runtime.launch.chaos import ChaosMonkey
+from diloco.runtime.launch.link_relays import CorruptingRelays
+from diloco.runtime.launch.summary import fault_summary, human_bytes, summarize
+from diloco.runtime.launch.supervise import GroupFailed, Supervisor
+from diloco.runtime.ops import exit_codes
+from diloco.runtime.ops.processes import RUN_ID_ENV, end_trees
+from diloco.runtime.rank.device_placement import DEVICE_MAP_ENV, DevicePlan, place_ranks
+from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV, coordinator_tls, group_credentials, write_secret_file
 
 
 STOP_GRACE_S = 3.0  # a hard stop: SIGTERM, then SIGKILL what is left after this long
@@ -133,7 +135,7 @@ def _spawn_group(cfg_path: Path, cfg: Config, group: int, coordinator: str, env:
         *placement.prefix(group), sys.executable, "-m", "diloco", "torchrun",
         *_rendezvous_args(placement.host(group) or cfg.transport.host),
         f"--nproc-per-node={cfg.topology.sizes()[group]}", "--monitor-interval=0.5",
-        "--max-restarts=0",  # the supervisor restarts the whole group (see diloco/runtime/supervise.py)
+        "--max-restarts=0",  # the supervisor restarts the whole group (see diloco/runtime/launch/supervise.py)
         "-m", "diloco", "worker", *_worker_args(cfg_path, cfg, group, coordinator, placement, resume, extra_args),
     ]
     log = open(log_path, "wb")

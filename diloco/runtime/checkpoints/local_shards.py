@@ -4,7 +4,7 @@ A job checkpoint is one ``torch.save`` file per rank, read with ``torch.load(wei
 which does not rebuild DTensors. So a rank saves the local part of every DTensor (``localize``)
 and, on resume, puts each part back into the live DTensor it came from (``load_model_state``,
 ``load_optimizer_state``). That needs the same number of ranks per group as when it was saved
-(a different one is refused with ``ShardMismatch``); ``diloco.runtime.dcp_checkpoint`` writes
+(a different one is refused with ``ShardMismatch``); ``diloco.runtime.checkpoints.dcp_checkpoint`` writes
 checkpoints that reshard. Plain (unsharded) tensors pass through unchanged.
 """
 
@@ -40,7 +40,7 @@ def localize(obj: Any) -> Any:
 def _refuse(what: str, saved: torch.Tensor, here: torch.Tensor) -> ShardMismatch:
     return ShardMismatch(f"{what}: the checkpoint holds a shard of shape {tuple(saved.shape)}, this rank's is "
                          f"{tuple(here.shape)}: it was written with another number of ranks per group. Resume with "
-                         "the same number, or save and load with diloco.runtime.dcp_checkpoint, which reshards")
+                         "the same number, or save and load with diloco.runtime.checkpoints.dcp_checkpoint, which reshards")
 
 
 @torch.no_grad()

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco.runtime import exit_codes
-from diloco.runtime.agent import PARENT_ENV, die_with_parent
+from diloco.runtime.launch.agent import PARENT_ENV, die_with_parent
+from diloco.runtime.ops import exit_codes
 
 #: the environment a spare's worker runs in besides the group's own: one rank of a group of one
 SINGLE_RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}
@@ -58,7 +58,7 @@ def warm(config_path: str | None) -> list[str]:
     import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    from diloco.runtime import worker  # noqa: F401
+    from diloco.runtime.rank import worker  # noqa: F401
 
     if config_path is None:
         return []

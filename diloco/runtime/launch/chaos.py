@@ -14,7 +14,7 @@ the group declared failed; it learns so as it wakes, exits "restart me", and the
 it, as after a kill.
 
 Faults of kind ``corrupt`` flip one bit of what a group receives next (the caller does it, with a
-relay in front of the group's data plane, ``diloco.runtime.link_relays``): the group stays up; the
+relay in front of the group's data plane, ``diloco.runtime.launch.link_relays``): the group stays up; the
 frame fails its check, that exchange rolls back and runs again.
 
 Rules: a group is killed only while it is up and a healthy live member of the job (not healing,

@@ -1,12 +1,12 @@
 """Job checkpoints: every rank of every group saves its whole state at the same inner step.
 
 ``--checkpoint-every N``, ``--stop-after N`` and SIGTERM make every rank write, after the same
-inner step, one file with everything needed to continue bit-identically (``diloco.runtime.rank_state``);
+inner step, one file with everything needed to continue bit-identically (``diloco.runtime.checkpoints.rank_state``);
 ``diloco run --resume DIR`` continues from the newest step that every group completed. Layout,
 one folder per step::
 
     DIR/step-000040/group-0-rank-0.pt          rank 0 of group 0 (torch.save; read weights_only)
-    DIR/step-000040/group-0-rank-0.pt.sha256   its SHA-256 (diloco.runtime.checkpoint.save)
+    DIR/step-000040/group-0-rank-0.pt.sha256   its SHA-256 (diloco.runtime.checkpoints.checkpoint.save)
     DIR/step-000040/group-0.json               group 0's manifest: written last, atomically
     DIR/step-000040/group-1-rank-0.pt ...
 
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError
 from diloco.job.config_parse import from_dict
-from diloco.runtime import checkpoint, rank_state
-from diloco.runtime.checkpoint import CheckpointError
-from diloco.runtime.checkpoint_index import (FORMAT, OPERATIONAL, VERSION, ResumePoint,  # noqa: F401
+from diloco.runtime.checkpoints import checkpoint, rank_state
+from diloco.runtime.checkpoints.checkpoint import CheckpointError
+from diloco.runtime.checkpoints.checkpoint_index import (FORMAT, OPERATIONAL, VERSION, ResumePoint,  # noqa: F401
                                              complete_groups, complete_steps, find, latest_complete_step,
                                              manifest_file, math_differences, newest_intact_step, rank_file,
                                              read_manifest, resume_config, step_folders, step_path,

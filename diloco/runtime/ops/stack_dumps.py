@@ -2,7 +2,7 @@
 
 For the rank that says nothing: ``kubectl exec POD -- kill -USR1 1`` (PID 1 of a worker pod is
 ``diloco torchrun``, which passes the signal on to each of its workers), then ``kubectl logs POD``.
-With ``--log-format json`` each line of the dump is a record of its own (``diloco.runtime.logpump``
+With ``--log-format json`` each line of the dump is a record of its own (``diloco.runtime.ops.logpump``
 turns what fd 2 receives into records). Standard library only: no py-spy in the image.
 
     diloco worker, coordinator, run  -> ``install()``: the dump (``faulthandler``, written from C at
@@ -18,7 +18,7 @@ import os
 import signal
 from pathlib import Path
 
-from diloco.runtime import processes
+from diloco.runtime.ops import processes
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def child_pids(pid: int | None = None) -> list[int]:
 
 
 def _is_log_pump(pid: int) -> bool:
-    """Whether ``pid`` is a log pump (``diloco.runtime.logpump``: it has no stacks to dump)."""
+    """Whether ``pid`` is a log pump (``diloco.runtime.ops.logpump``: it has no stacks to dump)."""
     try:
         return b"logpump.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:

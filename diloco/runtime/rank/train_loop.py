@@ -1,6 +1,6 @@
 """The training loop of one rank: inner steps, the engine's exchanges between them, progress,
 job checkpoints and the stop they allow, then the final evaluation and the rank's summary.
-``diloco.runtime.worker`` starts a rank (device, process group, task, engine, healing or
+``diloco.runtime.rank.worker`` starts a rank (device, process group, task, engine, healing or
 resuming) and hands it here."""
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from diloco.engine.schedule import inner_lr
 from diloco.exchange.data_positions import merged
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import DEMO_ENTRY, Task, batch_items, to_device
-from diloco.runtime import checkpoint, data_feed, exit_codes, group_parallel, job_checkpoint, rank_state
-from diloco.runtime.connection import GroupConnection
+from diloco.runtime.checkpoints import checkpoint, job_checkpoint, rank_state
+from diloco.runtime.ops import exit_codes
+from diloco.runtime.rank import data_feed, group_parallel
+from diloco.runtime.rank.connection import GroupConnection
 
 
-log = logging.getLogger("diloco.runtime.worker")
+log = logging.getLogger("diloco.runtime.rank.worker")
 
 
 class WorkerError(RuntimeError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import types
 
-from diloco.runtime import exit_codes
+from diloco.runtime.ops import exit_codes
 
 TRACEBACK_ENV = "DILOCO_TRACEBACK"
 

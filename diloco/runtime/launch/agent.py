@@ -33,7 +33,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from diloco.runtime import exit_codes, stack_dumps
+from diloco.runtime.ops import exit_codes, stack_dumps
 
 PARENT_ENV = "DILOCO_PARENT_PID"
 #: what the workers' in-group backends are told to use, from ``--local-addr``
@@ -174,7 +174,7 @@ def bind_stores() -> None:
         import torch
 
         raise RuntimeError(f"torch {torch.__version__}: its elastic agent no longer creates its stores where diloco "
-                           "torchrun binds them to one address (diloco/runtime/agent.py, bind_stores)")
+                           "torchrun binds them to one address (diloco/runtime/launch/agent.py, bind_stores)")
     c10d_rendezvous_backend.TCPStore = bound_tcp_store
     static_tcp_rendezvous.TCPStore = bound_tcp_store
     handler._create_tcp_store_server = lambda self, master_addr, master_port: bound_tcp_store(
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> int:
     stack_dumps.forward_to_children()  # kill -USR1 (PID 1 of a pod): the workers dump their threads' stacks
     fmt, group = _flag(argv, "--log-format"), _flag(argv, "--group-id")
     if fmt == "json":  # the agent's own lines (torchrun's, the C++ store's) are records like its workers'
-        from diloco.runtime import logs
+        from diloco.runtime.ops import logs
 
         logs.setup("json", component="torchrun", group=int(group) if group and group.isdigit() else None)
     from torch.distributed import run as torchrun

@@ -6,7 +6,7 @@ every group stores the same mean), the model's own (local) parameters and buffer
 optimizer's state, the data position (``Task.data_state``), the torch / CUDA / numpy / Python
 RNG states, the step, the smoothed training loss and the config. ``restore`` puts it back, in the
 order that makes the next inner step the one an uninterrupted run takes. Everything in the dict
-loads with ``torch.load(weights_only=True)``; ``diloco.runtime.job_checkpoint`` writes it to disk.
+loads with ``torch.load(weights_only=True)``; ``diloco.runtime.checkpoints.job_checkpoint`` writes it to disk.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from diloco.engine.averaging import Averager
 from diloco.job.config import Config
-from diloco.runtime import local_shards
+from diloco.runtime.checkpoints import local_shards
 
 FORMAT = "diloco-rank-state"
 VERSION = 1

@@ -1,16 +1,16 @@
 """One rank of one worker group, run under ``torchrun``: its start (device, process group, task,
 connection, engine; healing into a running job or resuming a checkpoint), then the training loop
-(``diloco.runtime.train_loop``).
+(``diloco.runtime.rank.train_loop``).
 
 Inside the group the ranks are an ordinary DDP job (Gloo on CPU, NCCL on GPU), or with
-``--parallel fsdp`` an FSDP2 one (``diloco.runtime.group_parallel``). Across groups,
+``--parallel fsdp`` an FSDP2 one (``diloco.runtime.rank.group_parallel``). Across groups,
 each rank opens its own data-plane endpoint, joins the coordinator with its address, and the
 DiLoCo engine averages pseudo-gradients through ``StripedAverager`` every H inner steps.
 
 Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (set by torchrun), ``DILOCO_SECRET``
 (hex shared secret of the data plane) and optionally ``DILOCO_TOKEN`` (coordinator token). With
 NCCL, the GPU of each rank: ``DILOCO_DEVICE_MAP`` (set by ``diloco run``) or ``LOCAL_RANK`` +
-``DILOCO_GPU_OFFSET`` (see ``diloco.runtime.device_placement``).
+``DILOCO_GPU_OFFSET`` (see ``diloco.runtime.rank.device_placement``).
 """
 
 from __future__ import annotations
@@ -47,21 +47,12 @@ from diloco.job.task import (
     build_task,
     parse_entry_args,
 )
-from diloco.runtime import (
-    auto_setting,
-    cpu_threads,
-    device_placement,
-    exit_codes,
-    group_parallel,
-    job_checkpoint,
-    kernels,
-    rank_state,
-    train_loop,
-    user_errors,
-)
-from diloco.runtime.connection import GroupConnection, connect
-from diloco.runtime.endpoint import SECRET_ENV, TOKEN_ENV, read_secret
-from diloco.runtime.train_loop import WorkerError
+from diloco.runtime.checkpoints import job_checkpoint, rank_state
+from diloco.runtime.ops import exit_codes
+from diloco.runtime.rank import auto_setting, cpu_threads, device_placement, group_parallel, kernels, train_loop, user_errors
+from diloco.runtime.rank.connection import GroupConnection, connect
+from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV, read_secret
+from diloco.runtime.rank.train_loop import WorkerError
 
 __all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]
 
@@ -164,7 +155,7 @@ def _device(backend: str, local_rank: int, *, group: int, rank: int) -> torch.de
 def _init_group(backend: str, timeout: datetime.timedelta) -> None:
     """The group's process group. Under torchrun each restart of the workers gets its own key space
     in the rendezvous store: Gloo would otherwise read the dead workers' addresses and fail. A
-    group of one rank started without a rendezvous (a warm spare, ``diloco.runtime.spare``) needs
+    group of one rank started without a rendezvous (a warm spare, ``diloco.runtime.launch.spare``) needs
     no store beyond its own process."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
@@ -312,8 +303,8 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
     early with a job checkpoint). Prints this rank's summary line; rank 0 writes the group's
     summary to ``json_path`` if given. ``resume``: a job checkpoint to continue from. What it will
     write and bind was checked before (``diloco.cli``: ``preflight.check_worker_paths``)."""
-    from diloco.runtime import logs
-    from diloco.runtime import metrics as metrics_mod
+    from diloco.runtime.ops import logs
+    from diloco.runtime.ops import metrics as metrics_mod
 
     logs.setup(cfg.train.log_format, component="worker", group=group, rank=int(os.environ.get("RANK", "0")))
     t = cfg.transport

@@ -1,7 +1,7 @@
 """Where job checkpoints are and what they hold, without torch: step folders, the groups'
 manifests, the step ``--resume`` names (``find``), its files checked against their checksums, and
 the config a resumed job runs (``resume_config``). ``diloco run --resume`` reads all of it before
-anything imports torch, so a wrong path is refused at once; ``diloco.runtime.job_checkpoint``
+anything imports torch, so a wrong path is refused at once; ``diloco.runtime.checkpoints.job_checkpoint``
 writes the checkpoints (and re-exports these names). The layout is described there.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, iter_fields
 from diloco.job.config_parse import from_dict
-from diloco.runtime import checkpoint
-from diloco.runtime.checkpoint import CheckpointError
+from diloco.runtime.checkpoints import checkpoint
+from diloco.runtime.checkpoints.checkpoint import CheckpointError
 
 FORMAT = "diloco-job-checkpoint"
 VERSION = 1

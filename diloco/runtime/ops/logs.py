@@ -1,14 +1,14 @@
 """One logging setup for every ``diloco`` process: text for people (default), JSON for collectors.
 
-    from diloco.runtime import logs
+    from diloco.runtime.ops import logs
     logs.setup("json", component="worker", group=0, rank=1)
-    logging.getLogger("diloco.runtime.worker").info("joined", extra={"epoch": 1})
+    logging.getLogger("diloco.runtime.rank.worker").info("joined", extra={"epoch": 1})
 
 Every record carries the process's ``component`` (``run``, ``coordinator``, ``worker``) and, in a
 worker, its ``group`` and ``rank``; fields given with ``extra=`` are kept. The text format is one
 line per record::
 
-    2025-05-20T10:00:00.123Z INFO diloco.runtime.worker [worker group 0 rank 1] joined
+    2025-05-20T10:00:00.123Z INFO diloco.runtime.rank.worker [worker group 0 rank 1] joined
 
 The JSON format is one object per line (``ts``, ``level``, ``logger``, ``msg``, ``component``,
 ``group``, ``rank``, the ``extra`` fields, and ``exc`` with a traceback). With JSON the lines a

@@ -17,7 +17,7 @@ from diloco.job.config import Config
 from diloco.job.task import DEMO_ENTRY
 
 if TYPE_CHECKING:
-    from diloco.runtime.supervise import Supervisor
+    from diloco.runtime.launch.supervise import Supervisor
 
 
 def bits_per_param_per_step(bytes_sent: int, num_parameters: int, steps: int) -> float:

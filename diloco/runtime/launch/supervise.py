@@ -5,9 +5,9 @@ A group whose process exits for a fault (75, "restart me", or killed by a signal
 as a new incarnation and heal into the job (docs/fault_tolerance.md). A group that exits with a
 configuration error (2) or another error (1) is not: a restart would repeat it, so the run stops
 with the group's own error lines.
-A fault drill (``diloco.runtime.chaos.ChaosMonkey``) may kill groups on purpose; those are started again
+A fault drill (``diloco.runtime.launch.chaos.ChaosMonkey``) may kill groups on purpose; those are started again
 when the drill says, and do not count against ``max_restarts``.
-With ``spares`` (``--spares N``) N warm spares (``diloco.runtime.spare``) are kept started: a group
+With ``spares`` (``--spares N``) N warm spares (``diloco.runtime.launch.spare``) are kept started: a group
 restarted (after a fault or by the drill) becomes the oldest live spare at once, and a new spare
 is started in its place.
 """
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from diloco.runtime import exit_codes
-from diloco.runtime.chaos import ChaosMonkey
-from diloco.runtime.processes import freeze_tree, kill_tree
+from diloco.runtime.launch.chaos import ChaosMonkey
+from diloco.runtime.ops import exit_codes
+from diloco.runtime.ops.processes import freeze_tree, kill_tree
 
 
 class GroupProcess(Protocol):

@@ -22,7 +22,7 @@ import time
 
 
 def _timestamp(created: float) -> str:
-    """RFC 3339 UTC with milliseconds (as ``diloco.runtime.logs``)."""
+    """RFC 3339 UTC with milliseconds (as ``diloco.runtime.ops.logs``)."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(created % 1 * 1000):03d}Z"
 
 
@@ -63,7 +63,7 @@ def pump(read_fd: int, out, level: str, logger: str, context: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    # SIGUSR1 asks a diloco process for its stacks (diloco.runtime.stack_dumps), whose default action
+    # SIGUSR1 asks a diloco process for its stacks (diloco.runtime.ops.stack_dumps), whose default action
     # would end this pump and cut its process's log: not for the pump
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     out_fd, err_fd, context = int(argv[0]), int(argv[1]), json.loads(argv[2])

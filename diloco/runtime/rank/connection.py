@@ -41,7 +41,7 @@ from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
 from diloco.exchange.quorum_averager import QuorumAverager
 from diloco.job.codec_config import make_codec
 from diloco.job.config import ConfigError, TransportConfig
-from diloco.runtime.endpoint import (
+from diloco.runtime.rank.endpoint import (
     TOKEN_ENV,
     ConnectError,
     coordinator_tls,
@@ -49,7 +49,7 @@ from diloco.runtime.endpoint import (
     make_transport,
     read_secret,
 )
-from diloco.runtime.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
+from diloco.runtime.ops.metrics import WIRE_COUNTERS, WorkerMetrics, read_counters
 from transport.identity import GroupKeys
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class GroupConnection:
                  group_size: int, process_group=None) -> None:
         self.transport, self.client, self.membership = transport, client, membership
         self.averager, self.reprobe, self.metrics = averager, reprobe, metrics
-        self.auto: dict[str, Any] | None = None  # what --codec/--h auto chose (diloco.runtime.auto_setting)
+        self.auto: dict[str, Any] | None = None  # what --codec/--h auto chose (diloco.runtime.rank.auto_setting)
         self.group, self.rank, self.group_size, self.process_group = group, rank, group_size, process_group
         self.round_hashes: list[str] = []
         self.round_keys: list[int] = []  # engine.round at each of round_hashes
@@ -471,7 +471,7 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
         opened.append(transport)
         tls = coordinator_tls(t, coordinator)
         if tls is not None:  # a certificate either side refuses is named at once, not after the client's deadline
-            from diloco.runtime.tls_check import check_coordinator
+            from diloco.runtime.rank.tls_check import check_coordinator
 
             with waiting(log, f"the coordinator at {coordinator} to accept connections (TLS)"):
                 check_coordinator(coordinator, cert=tls.cert_file, key=tls.key_file, ca=tls.ca_file,
