@@ -62,24 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
         "worker --help).",
         epilog=QUORUM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("--json", metavar="PATH", default=None,
+    everyday = run.add_argument_group(config_parse.EVERYDAY_TITLE, config_parse.EVERYDAY_DESCRIPTION)
+    own = run.add_argument_group("diloco run", "this command's own settings (not the job's: no [section] key)")
+    config_parse.add_arguments(run, everyday)  # the job's everyday options, then a group per config section
+    everyday.add_argument("--run-dir", metavar="DIR", default=None,
+                          help="folder for logs and the resolved config; one diloco run at a time may use it (a lock "
+                          "file in it; a second run exits 2 naming the first's pid) [default: a new temp folder]")
+    everyday.add_argument("--resume", metavar="DIR", default=None,
+                          help="continue the job of a checkpoint folder (--checkpoint-dir; the newest step every group "
+                          "completed) or of one step-N folder in it; the config is the checkpoint's, and flags may "
+                          "only change settings that do not change the math (paths, logging, checkpoints, addresses). "
+                          "auto: from the newest complete step in --checkpoint-dir (else RUN_DIR/checkpoints) if "
+                          "there is one, else a fresh start; it says which [default: none]")
+    own.add_argument("--json", metavar="PATH", default=None,
                      help="also write the summary as JSON to PATH (its folder is made if missing) [default: none]")
-    run.add_argument("--run-dir", metavar="DIR", default=None,
-                     help="folder for logs and the resolved config; one diloco run at a time may use it (a lock "
-                     "file in it; a second run exits 2 naming the first's pid) [default: a new temp folder]")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar [default: show it]")
-    run.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS", help="stop everything after this long [default: no limit]")
-    run.add_argument("--stop-timeout", type=float, default=None, metavar="SECONDS",
+    own.add_argument("--no-progress", action="store_true", help="no progress bar [default: show it]")
+    own.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                     help="stop everything after this long [default: no limit]")
+    own.add_argument("--stop-timeout", type=float, default=None, metavar="SECONDS",
                      help="after a first Ctrl-C or SIGTERM every group checkpoints at its next exchange and stops; "
                      "past this deadline (or at a second signal) every process is stopped at once [default: three "
                      "rounds at the pace so far, between 30 and 300 s]")
-    run.add_argument("--resume", metavar="DIR", default=None,
-                     help="continue the job of a checkpoint folder (--checkpoint-dir; the newest step every group "
-                     "completed) or of one step-N folder in it; the config is the checkpoint's, and flags may only "
-                     "change settings that do not change the math (paths, logging, checkpoints, addresses). auto: "
-                     "from the newest complete step in --checkpoint-dir (else RUN_DIR/checkpoints) if there is one, "
-                     "else a fresh start; it says which [default: none]")
-    config_parse.add_arguments(run)
 
     worker = sub.add_parser(
         "worker", help="one rank of one worker group (run under torchrun)",
@@ -94,16 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides it; diloco run sets that).",
         epilog=QUORUM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    worker.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator")
-    worker.add_argument("--group-id", required=True, type=int, help="this group's id, 0..groups-1")
-    worker.add_argument("--json", metavar="PATH", default=None, help="rank 0 writes the group's summary here as JSON [default: none]")
-    worker.add_argument("--resume", metavar="DIR", default=None,
-                        help="continue from a job checkpoint: a step-N folder, or a folder of them (the newest step "
-                        "every group completed, else the newest this group completed); every group must resume "
-                        "from the same step. auto: from the newest step in --checkpoint-dir this group completed, "
-                        "if any, unless the job is running (the group then heals from a live group): what a "
-                        "restarted pod wants [default: none]")
-    config_parse.add_arguments(worker)
+    everyday = worker.add_argument_group(config_parse.EVERYDAY_TITLE, config_parse.EVERYDAY_DESCRIPTION)
+    everyday.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator")
+    everyday.add_argument("--group-id", required=True, type=int, help="this group's id, 0..groups-1")
+    own = worker.add_argument_group("diloco worker", "this command's own settings (not the job's: no [section] key)")
+    config_parse.add_arguments(worker, everyday)  # the job's everyday options, then a group per config section
+    everyday.add_argument("--resume", metavar="DIR", default=None,
+                          help="continue from a job checkpoint: a step-N folder, or a folder of them (the newest step "
+                          "every group completed, else the newest this group completed); every group must resume "
+                          "from the same step. auto: from the newest step in --checkpoint-dir this group completed, "
+                          "if any, unless the job is running (the group then heals from a live group): what a "
+                          "restarted pod wants [default: none]")
+    own.add_argument("--json", metavar="PATH", default=None,
+                     help="rank 0 writes the group's summary here as JSON [default: none]")
 
     sub.add_parser(
         "torchrun", help="torchrun whose exit code says why the workers stopped (0, 2, 75, 1)", add_help=False,

@@ -38,6 +38,14 @@ SYNC_MODES = (*MODES, "dp")  # dp: the data-parallel baseline, not an engine mod
 FRAGMENT_PATTERNS = ("strided", "sequential")
 
 
+# the options most runs set: ``diloco run --help`` shows them first, in this order ("section.field");
+# every other option is shown in its section's group (the section's docstring says what it holds)
+EVERYDAY = (
+    "topology.groups", "topology.ranks_per_group", "train.steps", "sync.h", "sync.mode", "transport.codec",
+    "transport.link", "train.entry", "fault.spares",
+)
+
+
 class ConfigError(ValueError):
     """An invalid setting; the message names the option and the allowed values."""
 
@@ -49,6 +57,8 @@ def opt(default: Any, help: str, flag: str | None = None, choices: tuple[str, ..
 
 @dataclass
 class ModelConfig:
+    """The demo GPT's shape (an --entry task builds its own model)."""
+
     n_layer: int = opt(2, "transformer blocks", flag="--n-layer")
     n_head: int = opt(4, "attention heads per block", flag="--n-head")
     n_embd: int = opt(128, "embedding width", flag="--n-embd")
@@ -58,6 +68,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """The demo's corpus and batches."""
+
     path: str = opt(
         "", "text directory, text file or uint16 .bin tokens; empty = bundled Shakespeare",
         flag="--data",
@@ -73,6 +85,8 @@ class DataConfig:
 
 @dataclass
 class InnerConfig:
+    """Each rank's inner optimizer and its learning-rate schedule."""
+
     optimizer: str = opt("adamw", "inner optimizer", flag="--inner-optimizer", choices=INNER_OPTIMIZERS)
     lr: float = opt(1e-3, "peak inner learning rate", flag="--inner-lr")
     weight_decay: float = opt(0.1, "inner weight decay", flag="--weight-decay")
@@ -84,6 +98,8 @@ class InnerConfig:
 
 @dataclass
 class OuterConfig:
+    """The outer step every group applies to the averaged pseudo-gradient."""
+
     optimizer: str = opt(
         "nesterov", "outer optimizer on the pseudo-gradient; sparseloco: SparseLoCo's rule (outer SGD, no momentum, "
         "the error-feedback residual decayed by --sparseloco-beta, top-k per 64x64 tile; needs --codec topk or sign1)",
@@ -135,6 +151,8 @@ class OuterConfig:
 
 @dataclass
 class SyncConfig:
+    """When the groups exchange: H, its schedule, the sync mode and fragments."""
+
     schedule: str = opt("fixed", "how H (inner steps per sync) is chosen", flag="--schedule", choices=SCHEDULES)
     h: int = opt(30, "H for 'fixed'; H_base for 'qsr'; for 'paced' the mean H (ceil(--steps / H) syncs); auto: "
                  "chosen with the codec from the measured link (diloco/job/auto_choice.py)", flag="--h")
@@ -176,6 +194,8 @@ class SyncConfig:
 
 @dataclass
 class TopologyConfig:
+    """How many groups, how many ranks in each, and how a group runs its model."""
+
     groups: int = opt(2, "worker groups (datacenters)", flag="--groups")
     ranks_per_group: int = opt(2, "torchrun ranks per group", flag="--ranks-per-group")
     group_sizes: str = opt("", "ranks of each group, comma-separated (e.g. 2,1,3); overrides --ranks-per-group", flag="--group-sizes")
@@ -199,6 +219,8 @@ class TopologyConfig:
 
 @dataclass
 class TrainConfig:
+    """The run: steps, seed, what it trains, logging, metrics and job checkpoints."""
+
     steps: int = opt(300, "inner steps per rank", flag="--steps")
     seed: int = opt(1337, "seed for the model init (all groups) and data sampling", flag="--seed")
     log_every: int = opt(5, "report progress every N inner steps", flag="--log-every")
@@ -247,6 +269,8 @@ class TrainConfig:
 
 @dataclass
 class TransportConfig:
+    """The data plane between groups: addresses, link, codec, bandwidth probes, TLS and limits."""
+
     host: str = opt("127.0.0.1", "address this rank's data plane listens on and advertises", flag="--host")
     data_port: int = opt(
         0, "port this rank's data plane listens on: this + the rank's local rank (a fixed port a Service, "
@@ -305,6 +329,8 @@ class TransportConfig:
 
 @dataclass
 class FaultConfig:
+    """Failures: heartbeats, quorums, refused pseudo-gradients, restarts, warm spares and the fault drill."""
+
     heartbeat_timeout: float = opt(
         15.0, "seconds without a message from any rank of a group before the group is declared failed "
         "and left out of the next quorum (ranks heartbeat every fifth of it)", flag="--heartbeat-timeout",

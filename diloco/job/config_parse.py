@@ -1,22 +1,24 @@
 """Reading a ``Config``: TOML or JSON files (sections as tables), then command-line flags.
 
 ``add_arguments`` gives every option of ``diloco.job.config`` its flag (help text and default
-from the field's metadata); ``from_args`` builds the validated ``Config`` a command line asks for:
-the ``--config`` file first, then the flags.
+from the field's metadata), the everyday ones first and the rest in a help group per section;
+``from_args`` builds the validated ``Config`` a command line asks for: the ``--config`` file
+first, then the flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
-from dataclasses import fields
+from dataclasses import Field, fields
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
 from diloco.job.auto_choice import AUTO, AUTO_H
-from diloco.job.config import Config, ConfigError, iter_fields
+from diloco.job.config import EVERYDAY, Config, ConfigError, iter_fields
 
 
 def _coerce(value: Any, kind: Any, where: str) -> Any:
@@ -103,23 +105,51 @@ def parse_h(text: str) -> int:
     return value
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and one flag per option (defaults shown in --help)."""
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="TOML or JSON file with [section] tables; flags override it")
+EVERYDAY_TITLE = "everyday options"
+EVERYDAY_DESCRIPTION = ("what most runs set; every other option is in its section's group below ([section]: its "
+                        "table in a --config file)")
+
+
+def add_arguments(parser: argparse.ArgumentParser, everyday: argparse._ArgumentGroup | None = None) -> None:
+    """Add ``--config`` and one flag per option (defaults shown in --help), grouped: the everyday
+    options (``config.EVERYDAY``) and ``--config`` go into ``everyday`` (a group the caller opened
+    for its own everyday flags; None: a group of their own), then every section of the config gets
+    a group of its own, titled as its table in a ``--config`` file and described by its docstring,
+    in the config's order. A new field of a section lands in that section's group by itself."""
     defaults = Config()
-    for section, f in iter_fields(defaults):
-        default = getattr(getattr(defaults, section), f.name)
-        kind = {"int": int, "float": float, "str": str, "bool": parse_bool}[f.type]
-        if (section, f.name) == ("sync", "h"):
-            kind = parse_h
-        shown = repr(default) if isinstance(default, str) else default
-        parser.add_argument(
-            f.metadata["flag"], dest=f"{section}.{f.name}", type=kind, default=None,
-            choices=f.metadata.get("choices"),
-            metavar=None if f.metadata.get("choices") else ("BOOL" if kind is parse_bool else "H" if kind is parse_h else kind.__name__.upper()),
-            help=f"{f.metadata['help']} [{section}.{f.name}, default: {shown}]",
-        )
+    by_key = {f"{section}.{f.name}": (section, f) for section, f in iter_fields(defaults)}
+    unknown = [key for key in EVERYDAY if key not in by_key]
+    if unknown:
+        raise ValueError(f"config.EVERYDAY names no option: {unknown}")
+    if everyday is None:
+        everyday = parser.add_argument_group(EVERYDAY_TITLE, EVERYDAY_DESCRIPTION)
+    for key in EVERYDAY:
+        _add_option(everyday, defaults, *by_key[key])
+    everyday.add_argument("--config", metavar="FILE", default=None,
+                          help="TOML or JSON file with [section] tables; flags override it")
+    for section in fields(defaults):
+        kind = type(getattr(defaults, section.name))
+        above = [by_key[key][1].metadata["flag"] for key in EVERYDAY if by_key[key][0] == section.name]
+        description = inspect.getdoc(kind) + (f" ({', '.join(above)}: among the everyday options)" if above else "")
+        group = parser.add_argument_group(f"[{section.name}] options", description)
+        for f in fields(kind):
+            if f"{section.name}.{f.name}" not in EVERYDAY:
+                _add_option(group, defaults, section.name, f)
+
+
+def _add_option(group: argparse._ActionsContainer, defaults: Config, section: str, f: Field) -> None:
+    """The flag of option ``section.f``: its type, choices, metavar and help with key and default."""
+    default = getattr(getattr(defaults, section), f.name)
+    kind = {"int": int, "float": float, "str": str, "bool": parse_bool}[f.type]
+    if (section, f.name) == ("sync", "h"):
+        kind = parse_h
+    shown = repr(default) if isinstance(default, str) else default
+    group.add_argument(
+        f.metadata["flag"], dest=f"{section}.{f.name}", type=kind, default=None,
+        choices=f.metadata.get("choices"),
+        metavar=None if f.metadata.get("choices") else ("BOOL" if kind is parse_bool else "H" if kind is parse_h else kind.__name__.upper()),
+        help=f"{f.metadata['help']} [{section}.{f.name}, default: {shown}]",
+    )
 
 
 def explicit_settings(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
