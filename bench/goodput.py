@@ -306,7 +306,7 @@ def case_faults(args) -> dict:
     """A group SIGKILLed every ``interval`` s against the same job without faults (bench/goodput_faults.py)."""
     from bench.goodput_faults import case_faults as run_case
 
-    return run_case(args, run_jobs)
+    return run_case(args, run_jobs, ENTRY)
 
 
 CASES: dict[str, Callable] = {"slow-group": case_slow_group, "faults": case_faults}

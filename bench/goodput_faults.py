@@ -40,6 +40,7 @@ The functions here are pure (records in, numbers out) except ``case_faults``, wh
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -215,13 +216,11 @@ def job_steps(args, interval: float | None) -> int:
     return math.ceil(seconds / (args.pace_ms / 1000) / args.fault_h) * args.fault_h
 
 
-def fault_config(args, *, trace: Path, steps: int | None = None, unpaced: bool = False, **_) -> Config:
-    """The jobs' config: the demo GPT at 1 layer x 32 wide (``bench.goodput``'s traced task, no
-    group slowed, every group paced at ``--pace-ms`` a step), one rank of one thread per group,
-    ``--data-order epochs``. ``unpaced``: as fast as the machine goes and without a grace window
+def fault_config(args, *, trace: Path, entry: str, steps: int | None = None, unpaced: bool = False, **_) -> Config:
+    """The jobs' config: the demo GPT at 1 layer x 32 wide (``entry``: ``bench.goodput``'s traced
+    task, no group slowed, every group paced at ``--pace-ms`` a step), one rank of one thread per
+    group, ``--data-order epochs``. ``unpaced``: as fast as the machine goes and without a grace window
     (fixed H then makes the job's result independent of timing: for the loss at equal tokens)."""
-    from bench.goodput import ENTRY
-
     cfg = Config()
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.block_size = 1, 32, 2, 32
     cfg.data.batch_size, cfg.data.eval_batches, cfg.data.order = BATCH, 8, "epochs"
@@ -233,7 +232,7 @@ def fault_config(args, *, trace: Path, steps: int | None = None, unpaced: bool =
     cfg.fault.heartbeat_timeout, cfg.fault.quorum_grace = args.heartbeat_timeout, 0.0 if unpaced else args.quorum_grace
     cfg.fault.max_restarts = 100  # chaos kills do not count; a group left out while alive does
     cfg.fault.spares = getattr(args, "spares", 0)  # the twin keeps them too, idle
-    cfg.train.entry = ENTRY
+    cfg.train.entry = entry
     cfg.train.entry_args = f"slow_group=-1,factor=1,trace={trace},pace={0 if unpaced else args.pace_ms / 1000}"
     return cfg.validate()
 
@@ -303,12 +302,13 @@ def _label(interval: float | None) -> str:
     return "none" if interval is None else f"{interval:g}s"
 
 
-def case_faults(args, run_jobs: Callable) -> dict:
+def case_faults(args, run_jobs: Callable, entry: str) -> dict:
     """Each interval's faulty job against its fault-free twin (module doc), ``--repeats`` times
     (default once; each repeat a new pair with the same settings and drill seed: their spread is
     the noise); returns the JSON section. Interval ``none``: a fault-free job against its twin (the
     measurement's noise floor). Pairs of other intervals from an earlier run (``args.previous``)
-    are kept, each with its own settings."""
+    are kept, each with its own settings. ``run_jobs`` and ``entry`` (the traced task every job
+    trains) are ``bench.goodput``'s, which calls this: this module imports nothing of it."""
     asked = {_label(i) for i in parse_intervals(args.intervals)}
     kept = [p for p in ((getattr(args, "previous", None) or {}).get("pairs") or []) if _label(p["interval_s"]) not in asked]
     pairs: list[dict] = []
@@ -320,7 +320,8 @@ def case_faults(args, run_jobs: Callable) -> dict:
                 "stop_fraction": 0.95, "kinds": args.kinds.split(","), "stall_s": [args.stall_seconds] * 2}
 
     def run(jobs: dict) -> dict:
-        return run_jobs(args, jobs, configure=fault_config, record=fault_record, timeout_s=args.job_timeout)
+        return run_jobs(args, jobs, configure=functools.partial(fault_config, entry=entry), record=fault_record,
+                        timeout_s=args.job_timeout)
 
     for interval in parse_intervals(args.intervals):
         for repeat in range(1, repeats + 1):

@@ -190,3 +190,22 @@ def test_the_import_reader_sees_every_form_of_import(tmp_path):
     assert imports_of("compress.a", tmp_path) == {"compress.sub.b"}
     assert imports_of("compress.sub.b", tmp_path) == {"compress.a"}
     assert imports_of("compress.c", tmp_path) == {"compress.sub.b"}
+
+
+def bench_imports(path: Path) -> set[str]:
+    """The bench scripts (``bench/NAME.py``) that the bench script ``path`` imports."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == "bench":
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
+    return found - {path.stem}
+
+
+def test_no_two_bench_scripts_import_each_other():
+    found = {path.stem: bench_imports(path) for path in (ROOT / "bench").glob("*.py")}
+    mutual = sorted(f"bench.{a} <-> bench.{b}" for a in found for b in found[a] if a < b and a in found.get(b, ()))
+    assert not mutual, f"bench scripts that import each other (pass what one needs as an argument): {mutual}"

@@ -101,8 +101,11 @@ def test_the_case_drills_only_the_faulty_job_of_each_pair_and_keeps_other_interv
 
     asked = []
 
+    configures = []
+
     def fake_run_jobs(args, jobs, *, configure, record, timeout_s):
         asked.append(jobs)
+        configures.append(configure)
         out = {}
         for name, kw in jobs.items():
             per_s = 90 if "chaos" in kw else 100  # samples per second committed
@@ -117,8 +120,9 @@ def test_the_case_drills_only_the_faulty_job_of_each_pair_and_keeps_other_interv
                               round_seconds=0.0, quorum_grace=1.0, heartbeat_timeout=3.0, collective_timeout=10.0,
                               together=True, equal_tokens=False, seed=7, job_timeout=60, plot=None, kinds="kill,stall",
                               stall_seconds=6.0, save=saved.append, previous={"pairs": [old_pair(60.0), old_pair(10.0)]})
-    section = gf.case_faults(args, fake_run_jobs)
+    section = gf.case_faults(args, fake_run_jobs, "some.module:traced_task")
     assert [sorted(j) for j in asked] == [["every-10s", "twin-10s"], ["every-none", "twin-none"]]
+    assert configures[0](args, trace=tmp_path / "trace", steps=100).train.entry == "some.module:traced_task"
     drill = asked[0]["every-10s"]["chaos"]
     assert drill["kinds"] == ["kill", "stall"] and drill["stall_s"] == [6.0, 6.0]
     assert asked[0]["every-10s"]["chaos"]["gap_s"] == [10.0, 10.0] and "chaos" not in asked[0]["twin-10s"]
@@ -265,7 +269,7 @@ def test_repeats_run_each_intervals_pair_again_and_the_summary_spans_them():
                               round_seconds=0.0, quorum_grace=0.5, heartbeat_timeout=3.0, collective_timeout=10.0,
                               together=True, equal_tokens=False, seed=7, job_timeout=60, plot=None, kinds="kill,stall",
                               stall_seconds=6.0, repeats=2, save=lambda s: None, previous=None)
-    section = gf.case_faults(args, fake_run_jobs)
+    section = gf.case_faults(args, fake_run_jobs, "bench.goodput:slow_task")
     assert asked == [["every-30s", "twin-30s"]] * 2
     assert [(p["interval_s"], p["repeat"]) for p in section["pairs"]] == [(30.0, 1), (30.0, 2)]
     summary = section["summary"]["30s"]
