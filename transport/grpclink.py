@@ -18,13 +18,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
+from .addresses import check_plaintext, split_address
 from .identity import Credentials
 from .core import DEFAULT_CHUNK_BYTES, TransportBase
 from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE
 from .pending import DEFAULT_MAX_PENDING_BYTES
 from .errors import PeerDisconnected
 from .shaping import TokenBucket
-from .tcp import check_plaintext, split_address
 from .tls import TlsConfig
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ are dialed lazily and kept (see `TransportBase`).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import ssl
@@ -15,6 +14,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from .addresses import check_plaintext, split_address
 from .conn import close_socket
 from .identity import Credentials
 from .core import DEFAULT_CHUNK_BYTES, TransportBase
@@ -26,33 +26,6 @@ from .tls import TlsConfig
 log = logging.getLogger(__name__)
 
 _MAX_INCOMING = 1024
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """("host", port) of "host:port" (IPv6 hosts may be bracketed)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"bad address {address!r}, want host:port")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback IP literals."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_plaintext(link: str, host: str, tls: TlsConfig | None, allow_plaintext: bool) -> None:
-    """Refuse an unencrypted link on a non-loopback host unless plain text was asked for."""
-    if tls is None and not allow_plaintext and not is_loopback(host):
-        raise ValueError(
-            f"refusing plain-text {link} on non-loopback host {host!r}: pass tls=TlsConfig(...) "
-            "or allow_plaintext=True"
-        )
 
 
 class TcpTransport(TransportBase):

@@ -125,7 +125,7 @@ def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:
     """The TLS files this rank dials the coordinator ``host:port`` with: the data plane's own
     (``--tls-cert/--tls-key/--tls-ca``), so one PKI covers both; none without them, or when the
     coordinator is on a loopback address (``diloco run`` serves it there in plain text)."""
-    from transport.tcp import is_loopback
+    from transport.addresses import is_loopback
 
     if not t.tls_cert or is_loopback(coordinator.rsplit(":", 1)[0]):
         return None
