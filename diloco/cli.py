@@ -500,7 +500,8 @@ def _main(argv: list[str]) -> int:
         from diloco.runtime.launch import agent
 
         return agent.main(argv[1:])
-    if argv[:1] == ["spare"] and len(argv) <= 2:  # diloco run's warm spare (runtime/launch/spare.py), not a user's command
+    # diloco run's warm spare (runtime/launch/spare.py), not a user's command
+    if argv[:1] == ["spare"] and len(argv) <= 2:
         from diloco.runtime.launch import spare
 
         return spare.serve(lambda args: main(["worker", *args]), argv[1] if len(argv) == 2 else None)

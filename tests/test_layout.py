@@ -151,7 +151,8 @@ def test_runtime_holds_only_its_subpackages():
     flat = {p.stem for p in runtime.glob("*.py")}
     assert flat == {"__init__"}, f"modules of diloco/runtime outside a sub-package: {sorted(flat - {'__init__'})}"
     folders = {p.name for p in runtime.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders == set(RUNTIME_ALLOWED), f"runtime sub-packages not in the layout: {sorted(folders ^ set(RUNTIME_ALLOWED))}"
+    assert folders == set(RUNTIME_ALLOWED), \
+        f"runtime sub-packages not in the layout: {sorted(folders ^ set(RUNTIME_ALLOWED))}"
     for folder in RUNTIME_ALLOWED:
         doc = ast.get_docstring(ast.parse((runtime / folder / "__init__.py").read_text()))
         assert doc and len(doc) > 40, f"diloco/runtime/{folder}/__init__.py needs a docstring saying what goes there"
@@ -175,7 +176,8 @@ def test_architecture_md_names_every_subpackage():
     named = set(re.findall(r"diloco/(\w+)/", text))
     assert set(ALLOWED) <= named, f"ARCHITECTURE.md does not name {sorted(set(ALLOWED) - named)}"
     in_runtime = set(re.findall(r"runtime/(\w+)/", text))
-    assert set(RUNTIME_ALLOWED) <= in_runtime, f"ARCHITECTURE.md does not name runtime/{sorted(set(RUNTIME_ALLOWED) - in_runtime)}"
+    assert set(RUNTIME_ALLOWED) <= in_runtime, \
+        f"ARCHITECTURE.md does not name runtime/{sorted(set(RUNTIME_ALLOWED) - in_runtime)}"
 
 
 def test_the_import_reader_sees_every_form_of_import(tmp_path):

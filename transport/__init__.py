@@ -8,7 +8,8 @@ Modules: wire (message format), auth (the handshake), identity (per-group creden
 from a job secret, `GroupKeys`), tls / certs (mutual TLS),
 conn (sender threads), core (collectives and dispatch, any link type), pending (frames kept for
 collectives not started here yet), tcp and grpclink (the
-link types; addresses: their host:port and loopback helpers), process and dataplane (a transport run in a child process, `ProcessTransport`, and
+link types; addresses: their host:port and loopback helpers),
+process and dataplane (a transport run in a child process, `ProcessTransport`, and
 that process; control is their channel), ring (the all-reduce), gather (the all-gather mean, for
 error-feedback codecs), frames (codec frames, the raw fp32 fast path), partition (segments and
 chunks), outputs (checks on out= buffers), shaping (token bucket), plan (stripes), probe (ring order),

@@ -40,7 +40,8 @@ def localize(obj: Any) -> Any:
 def _refuse(what: str, saved: torch.Tensor, here: torch.Tensor) -> ShardMismatch:
     return ShardMismatch(f"{what}: the checkpoint holds a shard of shape {tuple(saved.shape)}, this rank's is "
                          f"{tuple(here.shape)}: it was written with another number of ranks per group. Resume with "
-                         "the same number, or save and load with diloco.runtime.checkpoints.dcp_checkpoint, which reshards")
+                         "the same number, or save and load with diloco.runtime.checkpoints.dcp_checkpoint, "
+                         "which reshards")
 
 
 @torch.no_grad()

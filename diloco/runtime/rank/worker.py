@@ -49,7 +49,8 @@ from diloco.job.task import (
 )
 from diloco.runtime.checkpoints import job_checkpoint, rank_state
 from diloco.runtime.ops import exit_codes
-from diloco.runtime.rank import auto_setting, cpu_threads, device_placement, group_parallel, kernels, train_loop, user_errors
+from diloco.runtime.rank import (auto_setting, cpu_threads, device_placement, group_parallel, kernels, train_loop,
+                                 user_errors)
 from diloco.runtime.rank.connection import GroupConnection, connect
 from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV, read_secret
 from diloco.runtime.rank.train_loop import WorkerError
