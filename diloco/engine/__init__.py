@@ -1,8 +1,10 @@
-"""The algorithm, free of processes and sockets: the DiLoCo engine and its sync modes, schedules,
-outer rules, fragments, error feedback, outer state and the averager interface it syncs through.
+"""The algorithm, free of processes and sockets: the DiLoCo engine (``diloco.py``), its fragments
+(``fragment.py``) and sync modes (``sync_modes.py``), schedules, outer rules, error feedback, outer
+state and the averager contract it syncs through (``averaging.py``).
 
-A new outer rule goes in ``outer.py``; a new sync mode in ``diloco.py`` (named in ``modes.py``);
-a new schedule in ``schedule.py``. Nothing here imports the rest of ``diloco``.
+A new outer rule goes in ``outer.py``; a new sync mode in ``sync_modes.py`` (named in ``modes.py``);
+a new schedule in ``schedule.py``; a new averager capability in ``averaging.py``. Nothing here
+imports the rest of ``diloco``.
 """
 
 from importlib import import_module

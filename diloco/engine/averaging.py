@@ -5,6 +5,12 @@ bit-identical on every group. ``start(flat, tag=...)`` launches the exchange and
 ``.wait()`` on the result blocks for the mean, so inner steps can run while it travels.
 ``all_reduce_mean`` is the blocking form.
 
+The contract is written here: ``Averager`` (what every averager has), and optional capabilities,
+each a ``runtime_checkable`` Protocol the engine checks with ``isinstance`` before it uses their
+members: ``Weighted``, ``Screening``, ``ShardExchanging``, ``ErrorFed``, ``Coded``/``CodecSwitching``,
+``Healing``, ``Observing``; a pending result may say ``Refusable``, ``Shared``, ``Gathered``. The
+engine uses no other member of an averager (``tests/engine/test_averager_contract.py``).
+
 ``SingleGroup`` is the trivial averager; ``InProcessGroups`` simulates several groups as threads of
 one process (tests, quick experiments); the cross-datacenter one, over the ``transport`` package,
 is ``diloco.exchange.striped.StripedAverager``.
@@ -13,34 +19,171 @@ is ``diloco.exchange.striped.StripedAverager``.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 
 class PendingMean(Protocol):
+    """An exchange in flight (``Averager.start``'s result)."""
+
     def wait(self) -> torch.Tensor:
         """Block until the mean is known; returns it (1-D fp32)."""
         ...
 
 
 class Averager(Protocol):
+    """What every averager offers the engine. The optional capabilities below add members; the
+    engine uses a member only where the averager declares its capability (``isinstance``)."""
+
     num_groups: int  # groups taking part
     group_index: int  # this group's position among them, 0..num_groups-1
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
         """Launch the mean of ``flat`` over all groups; ``tag`` names this exchange uniquely.
-        ``exact``: send fp32 whatever the configured codec (for control exchanges).
-
-        Averagers that say ``exchanges_shards = True`` also take ``shards=`` (a
-        ``diloco.engine.shard_layout.ShardLayout``): ``flat`` is then this rank's shard of a
-        sharded model's fragment, laid out so, and the mean is of that shard, exchanged with the
-        ranks of the other groups that hold the same elements."""
+        ``exact``: send fp32 whatever the configured codec (for control exchanges). Capabilities
+        add keywords: ``weight=`` (``Weighted``), ``error_feedback=`` (``ErrorFed``), ``shards=``
+        (``ShardExchanging``)."""
         ...
 
     def all_reduce_mean(self, flat: torch.Tensor, *, round: int) -> torch.Tensor:
         """Blocking mean of ``flat`` (1-D fp32) over all groups; does not modify ``flat``."""
         ...
+
+
+# --- optional capabilities of an averager ---------------------------------------------------
+
+
+@runtime_checkable
+class Weighted(Protocol):
+    """When ``weighted``: ``start`` takes ``weight=`` (the contribution's inner steps) and the
+    mean is weighted by it."""
+
+    weighted: bool
+
+
+@runtime_checkable
+class Screening(Protocol):
+    """When ``screens_contributions``: a NaN/Inf contribution is refused by the averager (its
+    pending result says ``own_rejected``) instead of by the engine before it is sent."""
+
+    screens_contributions: bool
+
+
+@runtime_checkable
+class ShardExchanging(Protocol):
+    """When ``exchanges_shards``: ``start`` takes ``shards=`` (a
+    ``diloco.engine.shard_layout.ShardLayout``): ``flat`` is then this rank's shard of a sharded
+    model's fragment, laid out so, and the mean is of that shard, exchanged with the ranks of the
+    other groups that hold the same elements."""
+
+    exchanges_shards: bool
+
+
+@runtime_checkable
+class ErrorFed(Protocol):
+    """When ``error_feedback`` (its codec needs one: int2, sign1, topk): ``start`` takes
+    ``error_feedback=True`` from a caller that keeps the residual, and its pending result says
+    what the other groups decoded of the contribution (``Gathered``)."""
+
+    error_feedback: bool
+
+
+@runtime_checkable
+class Coded(Protocol):
+    """Runs a ``compress`` codec (``codec``: the one of its next exchange)."""
+
+    codec: Any
+
+
+@runtime_checkable
+class CodecSwitching(Coded, Protocol):
+    """Can switch codecs between exchanges (``--final-codec``, ``--codec auto``)."""
+
+    def set_codec(self, codec: Any) -> None:
+        """Run ``codec`` from the next ``start`` on (every group at the same exchange)."""
+        ...
+
+
+@runtime_checkable
+class Healing(Protocol):
+    """Fault tolerant: a group that joins a running job heals from a live one's state."""
+
+    def attach(self, engine: Any) -> bool:
+        """Called as the engine is built; True: call ``heal(engine)`` instead of agreeing on the
+        initial parameters."""
+        ...
+
+    def heal(self, engine: Any) -> None:
+        """Load a live member's engine state into ``engine`` and join its exchange (``adopt``)."""
+        ...
+
+
+@runtime_checkable
+class Observing(Protocol):
+    """Told after every engine step and ``close()`` what happened (metrics, round hashes)."""
+
+    def observe(self, engine: Any, events: list) -> None:
+        ...
+
+
+# --- optional facts of a pending result -----------------------------------------------------
+
+
+@runtime_checkable
+class Refusable(Protocol):
+    """``own_rejected``: the quorum refused this group's contribution (NaN/Inf or an outlier)."""
+
+    own_rejected: bool
+
+
+@runtime_checkable
+class Shared(Protocol):
+    """``own_share`` (after ``wait``): this group's share of the committed weighted mean (None:
+    1 / num_groups, an unweighted mean)."""
+
+    own_share: float | None
+
+
+@runtime_checkable
+class Gathered(Protocol):
+    """``sent`` (after ``wait``): what the other groups decoded of this group's contribution."""
+
+    sent: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The boolean capabilities an averager declares, as they are when read (``of``); an
+    undeclared one is False."""
+
+    weighted: bool = False
+    screens_contributions: bool = False
+    exchanges_shards: bool = False
+    error_feedback: bool = False
+
+    @classmethod
+    def of(cls, averager: object) -> "Capabilities":
+        return cls(weighted=isinstance(averager, Weighted) and bool(averager.weighted),
+                   screens_contributions=isinstance(averager, Screening) and bool(averager.screens_contributions),
+                   exchanges_shards=isinstance(averager, ShardExchanging) and bool(averager.exchanges_shards),
+                   error_feedback=isinstance(averager, ErrorFed) and bool(averager.error_feedback))
+
+
+def refused(pending: PendingMean) -> bool:
+    """Whether the quorum refused this group's contribution to ``pending`` (``Refusable``)."""
+    return isinstance(pending, Refusable) and bool(pending.own_rejected)
+
+
+def share_of(pending: PendingMean) -> float | None:
+    """This group's share of ``pending``'s committed mean (``Shared``); None: not said."""
+    return pending.own_share if isinstance(pending, Shared) else None
+
+
+def decoded(pending: PendingMean) -> torch.Tensor | None:
+    """What the other groups decoded of this group's contribution (``Gathered``); None: not said."""
+    return pending.sent if isinstance(pending, Gathered) else None
 
 
 class Done:

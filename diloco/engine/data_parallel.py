@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn as nn
 
-from diloco.engine.averaging import Averager
+from diloco.engine.averaging import Averager, Observing
 from diloco.engine.initial import InitialSync, agree
 from diloco.engine.outer_state import params_hash
 
@@ -74,9 +74,8 @@ class DataParallelAcrossGroups:
         return []
 
     def _observe(self) -> None:
-        observe = getattr(self.averager, "observe", None)
-        if observe is not None:
-            observe(self, [])
+        if isinstance(self.averager, Observing):
+            self.averager.observe(self, [])
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in self.model.named_parameters() if p.requires_grad}

@@ -58,7 +58,7 @@ def copy_from_first(averager: Averager, params: Sequence[torch.Tensor], *, tag: 
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     halves = torch.cat([bits >> 16, bits & 0xFFFF]).to(torch.float32)
-    if getattr(averager, "group_index", 0) != 0:
+    if averager.group_index != 0:
         halves.zero_()
     if shards is None:
         mean = _mean(averager, halves, tag)

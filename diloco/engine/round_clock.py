@@ -14,13 +14,17 @@ member it may count the steps it is behind without training them (``steps_behind
 
 A group of several ranks passes ``vote``: every rank calls it with its own verdict (an int) and it
 returns rank 0's (a broadcast), so every rank acts on the same step.
+
+``RoundTiming`` is the engine's API over its clock (progress, catch-up), which ``DiLoCo`` inherits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from diloco.engine.schedule import TimeRounds, round_over, time_progress
+from diloco.engine.events import SyncEvent
+from diloco.engine.fragment import Fragment
+from diloco.engine.schedule import SyncSchedule, TimeRounds, longest_round, round_over, time_progress
 
 
 class RoundClock:
@@ -113,3 +117,64 @@ class RoundClock:
             behind = int((self.clock() - committed_at) / self.step_seconds) - (inner_step - at_step)
             behind = max(0, min(behind, next_launch - inner_step - 1))
         return int(self.vote(behind)) if self.vote is not None else behind
+
+
+class RoundTiming:
+    """The engine's API over its ``round_clock`` (``DiLoCo`` inherits it): progress, rounds by
+    time, and a healer's catch-up."""
+
+    round_clock: RoundClock
+    time_rounds: TimeRounds | None
+    schedule: SyncSchedule
+    inner_step: int
+    fragments: list[Fragment]
+    rounds: list[int]
+    next_sync: list[int]
+    step: Callable[[], list[SyncEvent]]
+    _skipping: bool  # the step counted now was not trained (``skip_step``)
+
+    @property
+    def catching_up(self) -> bool:
+        """A group that healed into rounds of fixed H, until it launches its first exchange as a
+        member: ``steps_behind`` may say to count steps untrained (``skip_step``)."""
+        return self.round_clock.catch_up is not None
+
+    def steps_behind(self) -> int:
+        """How many inner steps this group trails the others by while ``catching_up``: the members
+        started their round when the exchange it joined committed, it only once its state transfer
+        ended. The steps they have made since, at this group's own step time, less the steps it
+        made; never the steps up to its next launch (it trains at least that one). 0 until it has
+        timed a step. In a group of several ranks, rank 0's count (``round_vote``), so every rank
+        skips alike; every rank calls it at every step of the catch-up."""
+        return self.round_clock.steps_behind(self.inner_step, min(self.next_sync))
+
+    def skip_step(self) -> list[SyncEvent]:
+        """Count one inner step this group did not train (``steps_behind``): the schedule moves
+        on as for a trained step, and its contributions weigh only the steps it trained."""
+        for frag in self.fragments:
+            frag.launched_at += 1
+        self._skipping = True
+        try:
+            return self.step()
+        finally:
+            self._skipping = False
+
+    @property
+    def max_round_steps(self) -> int | None:
+        """The most inner steps one fragment's exchange can carry under the schedule (the bound of
+        a contribution's weight, ``schedule.longest_round``); None when nothing bounds a round."""
+        return longest_round(self.schedule)
+
+    def progress(self) -> float:
+        """The job's progress in [0, 1]: with time rounds, rounds committed and this round's time
+        elapsed (``time_progress``, alike on every group); else inner steps over the schedule's
+        total steps (0 without one)."""
+        if self.time_rounds is not None:
+            return self.round_clock.progress(self.rounds[0])
+        total = getattr(self.schedule, "total_steps", None)
+        return min(self.inner_step / total, 1.0) if total else 0.0
+
+    @property
+    def rounds_done(self) -> bool:
+        """Time rounds: every round of every fragment has been launched (the training loop ends)."""
+        return self.time_rounds is not None and min(self.rounds) >= self.time_rounds.rounds

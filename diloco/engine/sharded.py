@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from diloco.engine.averaging import Averager
+from diloco.engine.averaging import Averager, Capabilities
 from diloco.engine.initial import InitialParamsMismatch, copy_from_first
 from diloco.engine.modes import INITIAL_SYNCS, InitialSync
 from diloco.engine.outer_state import OuterFragment
@@ -50,7 +50,7 @@ class ShardedState:
         params = [p for f in fragments for p in f.local_params]
         if not is_sharded(params):
             return None
-        if not getattr(averager, "exchanges_shards", False):
+        if not Capabilities.of(averager).exchanges_shards:
             raise ValueError(f"{type(averager).__name__} cannot exchange a sharded model's shards: use "
                              "diloco.connect(...) (or diloco.SingleGroup() for one group)")
         described = [describe(f.names, f.local_params) for f in fragments]

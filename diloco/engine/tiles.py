@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from diloco.engine.averaging import refused
+
 TILE = 64
 
 
@@ -76,9 +78,22 @@ class TileLayout:
         return out
 
 
+def fragment_layouts(shapes: Sequence[Sequence[Sequence[int]]], tile: int, chunk: int, *,
+                     sharded: bool) -> list[TileLayout]:
+    """SparseLoCo's layout of each fragment (``shapes``: its tensors'), for a codec whose chunks
+    hold ``chunk`` values; ValueError where the tiles cannot be its chunks (a sharded model)."""
+    if sharded:
+        raise ValueError("SparseLoCo's tiles need each group's whole tensors; with a sharded model use "
+                         "sparseloco(tile=None) (top-k over chunks of each rank's flat shards)")
+    if chunk != tile * tile:
+        raise ValueError(f"SparseLoCo's {tile}x{tile} tiles need the codec's chunk to be {tile * tile} values, "
+                         f"not {chunk} (--codec-block {tile * tile})")
+    return [TileLayout(s, tile) for s in shapes]
+
+
 class FromTiles:
-    """A pending mean exchanged in tile-major order: ``wait`` gives it back in the flat order.
-    Everything else (``own_rejected``, ``sent``, ...) is the wrapped pending result's."""
+    """A pending mean exchanged in tile-major order: ``wait`` gives it back in the flat order;
+    ``own_rejected`` is the wrapped pending result's."""
 
     def __init__(self, pending, layout: TileLayout) -> None:
         self._pending, self._layout = pending, layout
@@ -89,5 +104,7 @@ class FromTiles:
             self._value = self._layout.from_tiles(self._pending.wait())
         return self._value
 
-    def __getattr__(self, name: str):
-        return getattr(self._pending, name)
+    @property
+    def own_rejected(self) -> bool:
+        """The quorum refused this group's contribution (``averaging.Refusable``)."""
+        return refused(self._pending)

@@ -133,7 +133,11 @@ class QuorumAverager(StripedAverager):
     group joined a running job. ``heartbeat_interval_s``: seconds between heartbeats.
     ``round_timeout_s``: longest this rank keeps asking an unreachable coordinator.
     ``max_attempts``: attempts of one exchange, or of healing (each rolled back and retried in a
-    new quorum), before this rank gives up with ExchangeFailed; a lost group costs one or two."""
+    new quorum), before this rank gives up with ExchangeFailed; a lost group costs one or two.
+
+    To the engine, a ``StripedAverager`` that also weighs contributions, screens them and heals
+    (``Weighted``, ``Screening``, ``Healing`` of ``diloco.engine.averaging``); its pending results
+    say ``own_rejected``, ``own_share`` and ``sent`` (``Refusable``, ``Shared``, ``Gathered``)."""
 
     weighted = True  # the engine passes each contribution's weight (inner steps)
     screens_contributions = True  # NaN/Inf contributions go to the coordinator, which refuses them

@@ -43,7 +43,9 @@ class Membership(Protocol):
 
 class StripedAverager:
     """Averages a flat fp32 vector across groups through ``transport``, striped over ranks (or,
-    for a sharded model, shard by shard)."""
+    for a sharded model, shard by shard). An engine ``Averager`` (``diloco.engine.averaging``)
+    that exchanges shards, feeds errors back and switches codecs (``ShardExchanging``,
+    ``ErrorFed``, ``CodecSwitching``)."""
 
     exchanges_shards = True
 

@@ -199,7 +199,8 @@ def test_a_group_that_heals_into_overlapping_time_rounds_takes_the_members_grid(
     engine = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), averager=InProcessGroups(1, weighted=True)
                     .member(0), sync_every=TimeRounds(10.0, 5), mode="overlap", overlap_steps=1,
                     fragments=[["weight"], ["bias"]], clock=clock)
-    engine.rounds = [3, 2]  # as loaded from a member launching f1/r2 (fragment 0 launched its round 2 already)
+    for frag, launched in zip(engine.fragments, [3, 2]):  # as loaded from a member launching f1/r2 (fragment 0
+        frag.round = launched  # launched its round 2 already)
 
     class _Done:
         def wait(self):

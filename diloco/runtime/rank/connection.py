@@ -183,6 +183,8 @@ class GroupConnection:
         self._summary_reported = False
 
     # --- the averager protocol (the engine calls these) -------------------------------------
+    # ``diloco.engine.averaging.Averager`` and the capabilities of its QuorumAverager (Weighted,
+    # Screening, ShardExchanging, ErrorFed, CodecSwitching, Healing), forwarded; and Observing.
 
     @property
     def num_groups(self) -> int:
