@@ -237,9 +237,19 @@ def fault_config(args, *, trace: Path, entry: str, steps: int | None = None, unp
     return cfg.validate()
 
 
+def log_order(path: Path) -> tuple[int, int]:
+    """(group, incarnation) of a worker log, ``group-G.log`` then ``group-G.restart-K.log`` by K: the
+    order its lines were written in (as text, ``restart-10`` would sort before ``restart-2``)."""
+    m = re.fullmatch(r"group-(\d+)(?:\.restart-(\d+))?\.log", path.name)
+    if m is None:
+        raise ValueError(f"not a worker log's name: {path.name}")
+    return int(m[1]), int(m[2] or 0)
+
+
 def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
     """One job's record from its summary and its folder (run logs, step traces, kill times)."""
-    lines = [line for p in sorted((d / "run").glob("group-*.log")) for line in p.read_text(errors="replace").splitlines()]
+    logs = sorted((d / "run").glob("group-*.log"), key=log_order)
+    lines = [line for p in logs for line in p.read_text(errors="replace").splitlines()]
     commits = commits_from_logs(lines)
     ranges = ledger_from_logs(lines)
     check_numerator(commits, ranges)

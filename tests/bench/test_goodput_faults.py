@@ -303,3 +303,12 @@ def test_recount_says_which_old_figures_stand_and_bounds_the_others():
     assert after["bound"] == pytest.approx(980 / 1000)  # every sample the ledger has, over the twin's window
     assert gf.recount_pair(old_record("2026-11-26 18:00 UTC", 0.9, 20, 0))["bound"] == pytest.approx(0.9)
     assert gf.recount_pair(old_record("2026-11-26 18:00 UTC", 1.01, 20, 5))["status"] == "withdrawn"
+
+
+def test_worker_logs_are_read_in_the_order_they_were_written():
+    names = ["group-1.restart-10.log", "group-0.log", "group-1.restart-2.log", "group-1.log", "group-0.restart-1.log"]
+    ordered = sorted((Path(n) for n in names), key=gf.log_order)
+    assert [p.name for p in ordered] == ["group-0.log", "group-0.restart-1.log", "group-1.log",
+                                         "group-1.restart-2.log", "group-1.restart-10.log"]
+    with pytest.raises(ValueError, match="worker log"):
+        gf.log_order(Path("spare-0.log"))
