@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import codecs as _codecs  # noqa: F401  (registers the codecs)
 from . import frame
 from .codec import Codec, decode_parsed
 from .codec_table import _BY_ID, _BY_NAME, available_codecs, codec_name

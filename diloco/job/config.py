@@ -21,7 +21,7 @@ from typing import Any
 
 from diloco.engine.modes import INITIAL_SYNCS, MAX_FRAGMENTS, MODES
 from diloco.job.auto_choice import AUTO, AUTO_H, auto_problems
-from diloco.job.codec_config import make_codec, make_final_codec, plain_fp32
+from compress.codec_spec import CodecOptions, CodecSpec, codec_names
 
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
@@ -246,7 +246,9 @@ class TrainConfig:
 
 
 @dataclass
-class TransportConfig:
+class _Endpoint:
+    """The first options of ``[transport]``: where this rank listens, its links and their pipelining."""
+
     host: str = opt("127.0.0.1", "address this rank's data plane listens on and advertises", flag="--host")
     data_port: int = opt(
         0, "port this rank's data plane listens on: this + the rank's local rank (a fixed port a Service, "
@@ -266,24 +268,17 @@ class TransportConfig:
                           flag="--data-plane", choices=DATA_PLANES)
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
     chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
-    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0, lloyd4; int2, sign1 "
-                     "and topk with error feedback: each group's own frames are all-gathered; auto: codec, density, outer rule, "
-                     "H and mode chosen from the measured link and the convergence study, diloco/job/auto_choice.py)",
-                     flag="--codec")
-    codec_block: int = opt(0, "values per scale block of a blockwise codec, int2 or sign1, values per chunk of topk "
-                           "(0 = the codec's default)", flag="--codec-block")
-    topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
-                              "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
-    final_codec: str = opt("", "codec of each fragment's last exchange (e.g. int8 after --codec int2 or sign1): the "
-                           "error-feedback residuals go out with it, so the final model keeps what the low-bit "
-                           "frames held back; at its own defaults (--codec-block, --topk-density and --codec-fast "
-                           "apply to --codec only; --zstd to both) ('' = --codec to the end)", flag="--final-codec")
-    codec_fast: bool = opt(False, "4-bit codecs: take each block's nearest scale instead of searching its "
-                           "neighbours (2-5x faster encode, for links faster than a core encodes; a little "
-                           "more error: bench/pages/codecs.md)",
-                           flag="--codec-fast")
-    zstd: bool = opt(False, "zstd entropy stage on every frame", flag="--zstd")
-    zstd_level: int = opt(1, "zstd level", flag="--zstd-level")
+
+
+@dataclass
+class TransportConfig(CodecOptions, _Endpoint):
+    """``[transport]``: the endpoint's options, then the codec's (``compress.codec_spec.CodecOptions``,
+    whose fields and flags are spelled there), then probes, plans, TLS and the listener's guard."""
+
+    def codec_spec(self) -> CodecSpec:
+        """The codec these options name (its ``build()`` makes it; ``final()`` the last exchange's)."""
+        return CodecSpec.of(self)
+
     probe_bytes: int = opt(1 << 19, "bytes per bandwidth probe to each other group (0 = no probes: equal stripes, sorted ring)", flag="--probe-bytes")
     reprobe_every: int = opt(100, "re-measure bandwidths in the background every N exchanges (0 = only at start)", flag="--reprobe-every")
     plan_every: int = opt(8, "exchanges that share one plan (ring order, stripe shares) from the coordinator", flag="--plan-every")
@@ -372,6 +367,48 @@ class Config:
             problems.append(f"--schedule paced with --h {s.h} over --steps {steps}: {e}")
             return None
         return min(b - a for a, b in zip((0, *points), points))
+
+    def _codec_problems(self) -> list[str]:
+        """The codec's own checks (``CodecSpec.problems``) and the rules it shares with the outer rule and mode."""
+        o, s, tr = self.outer, self.sync, self.transport
+        spec = tr.codec_spec()
+        own = spec.problems()
+        if own:
+            return own
+        problems: list[str] = []
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                problems.append(msg)
+
+        feedback = spec.error_feedback
+        ef_codecs = ", ".join(codec_names(error_feedback=True))
+        need(not feedback or s.mode not in ("eager", "dp"),
+             f"--codec {tr.codec} needs error feedback, which --mode {s.mode} does not keep "
+             "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
+        need(o.residual_decay == 1.0 or feedback,
+             f"--residual-decay applies to codecs with error feedback ({ef_codecs}), not {tr.codec}"
+             + (" (auto chooses the codec)" if tr.codec == AUTO else ""))
+        if o.optimizer == "sparseloco":
+            need(feedback, f"--outer-optimizer sparseloco needs a codec with error feedback ({ef_codecs}), not "
+                           f"{tr.codec}: its residual stands in for outer momentum")
+            chunk = spec.params().get("chunk", 4096) if feedback else 4096
+            need(chunk == 4096, f"--outer-optimizer sparseloco takes top-k per 64x64 tile: --codec-block must be 4096 "
+                                f"(or 0), got {chunk}")
+            need(tr.chunk_bytes % (4 * 4096) == 0,
+                 f"--outer-optimizer sparseloco: --chunk-bytes must be a multiple of 16384 (whole tiles per frame), "
+                 f"got {tr.chunk_bytes}")
+            need(self.topology.parallel != "fsdp",
+                 "--outer-optimizer sparseloco takes top-k per 64x64 tile of each whole tensor, which a sharded "
+                 "group (--parallel fsdp) does not hold: use --parallel ddp, or from the Python API "
+                 "diloco.sparseloco(tile=None) (top-k over chunks of each rank's flat shard)")
+        if tr.final_codec:
+            need(tr.codec != AUTO and s.h != AUTO_H,
+                 "--final-codec with --codec auto or --h auto: auto chooses the codecs")
+            need(o.optimizer != "sparseloco", "--final-codec: SparseLoCo's rule keeps its residuals to the end")
+            need(s.mode not in ("eager", "dp"), f"--final-codec applies to modes with an outer step on a mean of "
+                 f"pseudo-gradients (blocking, overlap, delayed, co2), not {s.mode}")
+        return problems
 
     def validate(self) -> "Config":
         """Raise ConfigError naming every invalid setting; returns self."""
@@ -503,46 +540,7 @@ class Config:
              f"got {tc.checkpoint_keep}")
         need(0 <= tc.stop_after < tc.steps, f"--stop-after must be in [0, --steps ({tc.steps})), got {tc.stop_after}")
         problems += auto_problems(self)
-        try:
-            # plain fp32 (the default) needs no codec object: validating it imports no torch
-            codec = None if self.transport.codec == AUTO or plain_fp32(self.transport) else make_codec(self.transport)
-            need(not getattr(codec, "requires_error_feedback", False) or s.mode not in ("eager", "dp"),
-                 f"--codec {self.transport.codec} needs error feedback, which --mode {s.mode} does not keep "
-                 "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
-            need(o.residual_decay == 1.0 or getattr(codec, "requires_error_feedback", False),
-                 f"--residual-decay applies to codecs with error feedback (int2, sign1, topk), not {self.transport.codec}"
-                 + (" (auto chooses the codec)" if self.transport.codec == AUTO else ""))
-            need(self.transport.topk_density == 0.0 or self.transport.codec == "topk",
-                 f"--topk-density applies to --codec topk only, not {self.transport.codec}")
-            if o.optimizer == "sparseloco":
-                need(getattr(codec, "requires_error_feedback", False),
-                     f"--outer-optimizer sparseloco needs a codec with error feedback (--codec topk, int2 or sign1), not "
-                     f"{self.transport.codec}: its residual stands in for outer momentum")
-                need(getattr(codec, "chunk", 4096) == 4096,
-                     f"--outer-optimizer sparseloco takes top-k per 64x64 tile: --codec-block must be 4096 (or 0), "
-                     f"got {getattr(codec, 'chunk', None)}")
-                need(tr.chunk_bytes % (4 * 4096) == 0,
-                     f"--outer-optimizer sparseloco: --chunk-bytes must be a multiple of 16384 (whole tiles per frame), "
-                     f"got {tr.chunk_bytes}")
-                need(self.topology.parallel != "fsdp",
-                     "--outer-optimizer sparseloco takes top-k per 64x64 tile of each whole tensor, which a sharded "
-                     "group (--parallel fsdp) does not hold: use --parallel ddp, or from the Python API "
-                     "diloco.sparseloco(tile=None) (top-k over chunks of each rank's flat shard)")
-        except ValueError as e:
-            problems.append(f"--codec {self.transport.codec}: {e}")
-        if tr.final_codec:
-            try:
-                final = make_final_codec(tr)
-                need(not getattr(final, "requires_error_feedback", False),
-                     f"--final-codec {tr.final_codec} keeps a residual itself: the last exchange would leave one "
-                     "behind; use one without error feedback (fp32, bf16, int8, int4, ...)")
-            except ValueError as e:
-                problems.append(f"--final-codec {tr.final_codec}: {e}")
-            need(tr.codec != AUTO and s.h != AUTO_H,
-                 "--final-codec with --codec auto or --h auto: auto chooses the codecs")
-            need(o.optimizer != "sparseloco", "--final-codec: SparseLoCo's rule keeps its residuals to the end")
-            need(s.mode not in ("eager", "dp"), f"--final-codec applies to modes with an outer step on a mean of "
-                 f"pseudo-gradients (blocking, overlap, delayed, co2), not {s.mode}")
+        problems += self._codec_problems()
         need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")
         need(4096 <= tr.chunk_bytes <= 256 << 20, f"--chunk-bytes must be in [4096, 256 MiB], got {tr.chunk_bytes}")
         need(tr.probe_bytes >= 0, f"--probe-bytes must be >= 0, got {tr.probe_bytes}")

@@ -42,7 +42,6 @@ import torch.distributed as dist
 from diloco.engine.schedule import PacedSchedule, fixed_period
 from diloco.job import auto_choice
 from diloco.job.auto_choice import Choice
-from diloco.job.codec_config import make_codec
 from diloco.job.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
@@ -317,7 +316,7 @@ class AutoSchedule:
 def switch_codec(link: Any, engine: Any, cfg: Config, setting: auto_choice.Setting) -> None:
     """Run ``setting``'s codec from the next exchange on: the averager's codec, and the engine's
     residuals where error feedback starts or stops (``engine`` None: before the engine exists)."""
-    codec = make_codec(auto_choice.apply_choice(cfg, setting).transport)
+    codec = auto_choice.apply_choice(cfg, setting).transport.codec_spec().build()
     link.averager.set_codec(codec)
     link.averager.setting = setting.row
     if engine is not None:

@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from compress.codec_spec import CodecSpec
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.outer import by_name, co2
 from diloco.engine.schedule import FixedSchedule, PacedSchedule, QSRSchedule, SyncSchedule, TimeRounds
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job import auto_choice
-from diloco.job.codec_config import make_final_codec
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import (
     DEMO_ENTRY,
@@ -120,8 +120,13 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
         overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
         outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
         initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote(), clock=clock,
-        final_codec=make_final_codec(cfg.transport), residual_decay=o.residual_decay,
+        final_codec=_built(cfg.transport.codec_spec().final()), residual_decay=o.residual_decay,
     )
+
+
+def _built(spec: CodecSpec | None):
+    """The codec a spec names, or None for no spec."""
+    return None if spec is None else spec.build()
 
 
 def _group_round_vote():
