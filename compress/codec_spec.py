@@ -77,9 +77,18 @@ class Knob:
     takers: str = ""
 
 
-def option(default: Any, flag: str, help: str, knob: Knob | None = None, *, choices: tuple[str, ...] | None = None):
-    """A codec option: its default, flag, help text and the constructor parameter it sets."""
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "knob": knob})
+#: what ``--codec auto`` does with an option: the study's setting sets it (``diloco.job.auto_choice.Setting``
+#: has a field of its name), it must be left at its default, or the user's value is kept
+AUTO_SETS, AUTO_REFUSES, AUTO_KEEPS = "set", "default", "kept"
+
+
+def option(default: Any, flag: str, help: str, knob: Knob | None = None, *, auto: str = AUTO_REFUSES,
+           check: Callable[[Any], str | None] | None = None):
+    """A codec option: its default, flag, help text, the constructor parameter it sets (``knob``),
+    what ``--codec auto`` does with it (``auto``) and its own check (``check(value)``: the problem
+    in one sentence, or None)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": None, "knob": knob,
+                                            "auto": auto, "check": check})
 
 
 def _named(name: str) -> Callable[[str], str | None]:
@@ -98,27 +107,29 @@ def _codec_help() -> str:
 class CodecOptions:
     """The codec options of a job (``[transport]`` keys, ``diloco run`` flags)."""
 
-    codec: str = option("fp32", "--codec", _codec_help())
+    codec: str = option("fp32", "--codec", _codec_help(), auto=AUTO_SETS)
     codec_block: int = option(
         0, "--codec-block", "values per scale block of a blockwise codec, int2 or sign1, values per chunk of topk "
         "(0 = the codec's default)",
         Knob(lambda c: "chunk" if "chunk" in CODECS[c].params else "block_size" if "block_size" in CODECS[c].params
-             else None, unset=0, takers="the codecs with scale blocks or chunks"))
+             else None, unset=0, takers="the codecs with scale blocks or chunks"), auto=AUTO_SETS)
     topk_density: float = option(
         0.0, "--topk-density", "topk: fraction of each chunk's values sent, k = round(density * chunk) "
-        "(0 = the codec's default, k = 64 of 4096)", Knob(_named("density"), unset=0.0))
+        "(0 = the codec's default, k = 64 of 4096)", Knob(_named("density"), unset=0.0), auto=AUTO_SETS)
     final_codec: str = option(
         "", "--final-codec", "codec of each fragment's last exchange (e.g. int8 after --codec int2 or sign1): the "
         "error-feedback residuals go out with it, so the final model keeps what the low-bit frames held back; at its "
         "own defaults (--codec-block, --topk-density and --codec-fast apply to --codec only; --zstd to both) "
-        "('' = --codec to the end)")
+        "('' = --codec to the end)", auto=AUTO_SETS)
     codec_fast: bool = option(
         False, "--codec-fast", "4-bit codecs: take each block's nearest scale instead of searching its neighbours "
         "(2-5x faster encode, for links faster than a core encodes; a little more error: bench/pages/codecs.md)",
-        Knob(_named("search"), unset=False, convert=lambda fast: not fast, takers="the 4-bit codecs"))
+        Knob(_named("search"), unset=False, convert=lambda fast: not fast, takers="the 4-bit codecs"),
+        auto=AUTO_KEEPS)
     zstd: bool = option(False, "--zstd", "zstd entropy stage on every frame",
-                        Knob(lambda c: "zstd", unset=None, final=True))
-    zstd_level: int = option(1, "--zstd-level", "zstd level", Knob(lambda c: "zstd_level", unset=None, final=True))
+                        Knob(lambda c: "zstd", unset=None, final=True), auto=AUTO_SETS)
+    zstd_level: int = option(1, "--zstd-level", "zstd level", Knob(lambda c: "zstd_level", unset=None, final=True),
+                            auto=AUTO_KEEPS)
 
 
 def codec_options() -> list[Any]:
@@ -172,7 +183,7 @@ class CodecSpec(CodecOptions):
         """What keeps this spec from building, one sentence each (empty: it builds). Builds the codec
         (imports torch) to check the values' ranges unless every option is at its default."""
         out = []
-        for check in (_known_and_taken, _final_codec, _builds):
+        for check in (_option_checks, _known_and_taken, _final_codec, _builds):
             try:
                 check(self)
             except ValueError as e:
@@ -186,6 +197,14 @@ class CodecSpec(CodecOptions):
         from .registry import get_codec
 
         return get_codec(self.codec, **self.params())
+
+
+def _option_checks(s: CodecSpec) -> None:
+    for f in fields(CodecOptions):
+        check = f.metadata["check"]
+        problem = check(getattr(s, f.name)) if check else None
+        if problem:
+            raise ValueError(f"{f.metadata['flag']} {problem}")
 
 
 def _known_and_taken(s: CodecSpec) -> None:

@@ -28,7 +28,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-AUTO = "auto"
+from compress import codec_spec
+from compress.codec_spec import AUTO
+
 AUTO_H = -1  # the value of ``sync.h`` that stands for ``--h auto`` (0 stays an invalid H)
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
 #: a link re-measured this much faster or slower (relative) than the one decided on is a changed link
@@ -44,13 +46,13 @@ _CHOSEN = (("sync", "mode", "blocking", "--mode", "mode"), ("sync", "fragments",
            ("outer", "optimizer", "nesterov", "--outer-optimizer", "outer_optimizer"),
            ("outer", "lr", -1.0, "--outer-lr", "outer_lr"), ("outer", "momentum", -1.0, "--outer-momentum", "outer_momentum"),
            ("outer", "sparseloco_beta", 0.95, "--sparseloco-beta", "sparseloco_beta"),
-           ("transport", "topk_density", 0.0, "--topk-density", "topk_density"),
-           ("transport", "codec_block", 0, "--codec-block", "codec_block"),
            ("sync", "round_seconds", 0.0, "--round-seconds", None),
            ("sync", "paced_gamma", 0.5, "--paced-gamma", "paced_gamma"),
            ("outer", "residual_decay", 1.0, "--residual-decay", "residual_decay"),
-           ("transport", "zstd", False, "--zstd", "zstd"), ("transport", "final_codec", "", "--final-codec", "final_codec"),
-           ("outer", "alpha", -1.0, "--merge-alpha", "merge_alpha"))
+           ("outer", "alpha", -1.0, "--merge-alpha", "merge_alpha"),
+           # the codec's options, as its spec says auto treats them (compress.codec_spec)
+           *(("transport", f.name, f.default, f.metadata["flag"], f.name if f.metadata["auto"] == codec_spec.AUTO_SETS else None)
+             for f in codec_spec.codec_options() if f.name != "codec" and f.metadata["auto"] != codec_spec.AUTO_KEEPS))
 
 
 @dataclass(frozen=True)
