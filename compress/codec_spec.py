@@ -130,6 +130,10 @@ class CodecOptions:
                         Knob(lambda c: "zstd", unset=None, final=True), auto=AUTO_SETS)
     zstd_level: int = option(1, "--zstd-level", "zstd level", Knob(lambda c: "zstd_level", unset=None, final=True),
                             auto=AUTO_KEEPS)
+    topk_value_bits: int = option(
+        2, "--topk-value-bits", "topk: bits of each value sent, its sign and its level among 2^(bits-1) between the "
+        "chunk's smallest and largest kept magnitude (2 = SparseLoCo's; up to 8: finer values, more bytes)",
+        Knob(_named("value_bits"), unset=2), check=lambda bits: None if 1 <= bits <= 8 else f"must be in [1, 8], got {bits}")
 
 
 def codec_options() -> list[Any]:

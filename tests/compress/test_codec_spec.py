@@ -74,3 +74,51 @@ def test_the_spec_reads_and_checks_without_torch():
                "assert not CodecSpec().problems()\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --topk-value-bits: the option added by editing the spec alone (its field in CodecOptions)
+
+def test_topk_value_bits_is_a_flag_a_toml_key_and_listed_in_the_help():
+    import argparse
+
+    from diloco.job.config_parse import add_arguments, from_args, from_dict
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert "--topk-value-bits" in parser.format_help()
+    cfg = from_args(parser.parse_args(["--codec", "topk", "--topk-value-bits", "4"]))
+    assert cfg.transport.topk_value_bits == 4 and cfg.transport.codec_spec().build().value_bits == 4
+    assert from_dict({"transport": {"codec": "topk", "topk_value_bits": 8}}).validate().transport.topk_value_bits == 8
+    assert from_args(parser.parse_args([])).transport.codec_spec().params() == {"zstd": False, "zstd_level": 1}
+
+
+def test_topk_value_bits_buys_precision_with_bytes():
+    import torch
+
+    x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(0))
+    errors, sizes = [], []
+    for bits in (2, 4, 8):
+        codec = CodecSpec(codec="topk", topk_value_bits=bits).build()
+        frame = codec.encode(x)
+        back = compress.decode_frame(frame)
+        kept = back != 0
+        errors.append(float((back[kept] - x[kept]).norm() / x[kept].norm()))
+        sizes.append(len(frame))
+    assert errors[0] > errors[1] > errors[2] and sizes[0] < sizes[1] < sizes[2]
+    assert CodecSpec(codec="topk").build().params == CodecSpec(codec="topk", topk_value_bits=2).build().params
+
+
+def test_topk_value_bits_is_checked_where_it_does_not_apply():
+    from diloco.job.config import Config, ConfigError
+
+    for change, message in ((dict(codec="int8", topk_value_bits=4), "--topk-value-bits applies to --codec topk only, not int8"),
+                            (dict(codec="topk", topk_value_bits=9), "--topk-value-bits must be in [1, 8], got 9"),
+                            (dict(codec="auto", topk_value_bits=4), "leave them unset (got --topk-value-bits 4)")):
+        cfg = Config()
+        for key, value in change.items():
+            setattr(cfg.transport, key, value)
+        with pytest.raises(ConfigError) as e:
+            cfg.validate()
+        assert message in str(e.value)
+    spec = CodecSpec(codec="topk", topk_value_bits=4, final_codec="int8")
+    assert spec.final() == CodecSpec(codec="int8")  # the last exchange's codec at its own defaults
