@@ -31,7 +31,7 @@ from typing import Any
 from compress import codec_spec
 from compress.codec_spec import AUTO
 
-AUTO_H = -1  # the value of ``sync.h`` that stands for ``--h auto`` (0 stays an invalid H)
+AUTO_H = AUTO  # ``sync.h`` of ``--h auto``: the string "auto", as flags and files spell it
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
 #: a link re-measured this much faster or slower (relative) than the one decided on is a changed link
 RELINK_THRESHOLD = 0.3

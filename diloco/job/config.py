@@ -136,7 +136,7 @@ class OuterConfig:
 @dataclass
 class SyncConfig:
     schedule: str = opt("fixed", "how H (inner steps per sync) is chosen", flag="--schedule", choices=SCHEDULES)
-    h: int = opt(30, "H for 'fixed'; H_base for 'qsr'; for 'paced' the mean H (ceil(--steps / H) syncs); auto: "
+    h: int | str = opt(30, "H for 'fixed'; H_base for 'qsr'; for 'paced' the mean H (ceil(--steps / H) syncs); auto: "
                  "chosen with the codec from the measured link (diloco/job/auto_choice.py)", flag="--h")
     qsr_alpha: float = opt(
         -1.0, "QSR alpha: H = max(H_base, floor((alpha/lr)^gamma)); -1 = peak inner lr x H_base^(1/gamma) "
@@ -347,10 +347,7 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        out = dataclasses.asdict(self)
-        if self.sync.h == AUTO_H:  # as a file says it (config_parse.from_dict reads it back)
-            out["sync"]["h"] = AUTO
-        return out
+        return dataclasses.asdict(self)
 
     def _shortest_paced_period(self, problems: list[str]) -> int | None:
         """The shortest period of ``--schedule paced`` over this run (None, with the reason added to
@@ -476,12 +473,15 @@ class Config:
                 need(float(o.co2_penalty) >= 1.0, f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
             except ValueError:
                 problems.append(f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
-        need(s.h >= 1 or s.h == AUTO_H, f"--h must be >= 1 (inner steps per sync) or auto, got {s.h}")
+        h_auto = s.h == AUTO_H
+        need(h_auto or (isinstance(s.h, int) and not isinstance(s.h, bool) and s.h >= 1),
+             f"--h must be >= 1 (inner steps per sync) or auto, got {s.h!r}")
+        h_set = not h_auto and isinstance(s.h, int)  # the checks of H below: auto's run on the setting it decides
         need(s.qsr_alpha == -1.0 or 0.0 <= s.qsr_alpha <= 1.0,
              f"--qsr-alpha must be in [0, 1] (or -1 for peak lr x H_base^(1/gamma)), got {s.qsr_alpha}")
         need(s.qsr_gamma > 0, f"--qsr-gamma must be > 0, got {s.qsr_gamma}")
-        need(s.h_max == 0 or s.h_max >= s.h, f"--h-max must be 0 or >= --h ({s.h}), got {s.h_max}")
-        paced = s.schedule == "paced" and s.h != AUTO_H
+        need(s.h_max == 0 or not h_set or s.h_max >= s.h, f"--h-max must be 0 or >= --h ({s.h}), got {s.h_max}")
+        paced = s.schedule == "paced" and h_set
         if paced:
             need(s.h_max == 0, "--h-max bounds the fixed and QSR schedules, not 'paced' (its longest period is set "
                                "by --h and --paced-gamma)")
@@ -495,7 +495,7 @@ class Config:
             need(not self.train.entry_args, "--entry-args needs --entry (the demo takes no entry arguments)")
         else:
             need(":" in self.train.entry, f"--entry must look like package.module:function, got {self.train.entry!r}")
-        need(s.h == AUTO_H or s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
+        need(not h_set or s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
         need(s.overlap_steps >= 0, f"--overlap-steps must be >= 0, got {s.overlap_steps}")
         need(s.round_seconds >= 0, f"--round-seconds must be >= 0 (0 = rounds of H steps), got {s.round_seconds}")
         if s.round_seconds > 0:
@@ -506,7 +506,7 @@ class Config:
             need(not (self.train.checkpoint_every or self.train.stop_after),
                  "--round-seconds does not take --checkpoint-every or --stop-after yet: job checkpoints are taken "
                  "at an inner step every group reaches together, and with rounds by time groups run at their own step")
-        if s.mode == "overlap":
+        if s.mode == "overlap" and h_set:
             # the engine staggers the fragments over the first round, which the run's steps cap
             first = s.h if s.round_seconds > 0 else min(s.h, max(self.train.steps, 1))
             need(s.overlap_steps < first // s.fragments,
