@@ -40,6 +40,7 @@ import torch
 from .control import (COUNTERS, ControlClosed, codec_spec, credentials_spec, error_from_spec, recv_message,
                       send_message)
 from .errors import TransportError
+from .link_spec import check_link
 from .outputs import check_out, overlaps
 from .shaping import TokenBucket
 from .streams import SideStream, side_stream_for
@@ -177,8 +178,7 @@ class ProcessTransport:
     def __init__(self, link: str = "tcp", host: str = "127.0.0.1", port: int = 0, *, secret: Any,
                  timeout_s: float = 60.0, tls: TlsConfig | None = None, shaper: TokenBucket | None = None,
                  threads: int = 1, start_timeout_s: float = 120.0, **options: Any) -> None:
-        if link not in ("tcp", "grpc"):
-            raise ValueError(f"unknown link {link!r}: tcp or grpc")
+        check_link(link)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.timeout_s = float(timeout_s)

@@ -22,6 +22,7 @@ from typing import Any
 from diloco.engine.modes import INITIAL_SYNCS, MAX_FRAGMENTS, MODES
 from diloco.job.auto_choice import AUTO, AUTO_H, auto_problems
 from compress.codec_spec import CodecOptions, CodecSpec, codec_names
+from transport.link_spec import DATA_PLANES, link_names
 
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
@@ -32,8 +33,7 @@ CHAOS_KINDS = ("kill", "stall", "corrupt")  # diloco run --chaos-kinds
 BACKENDS = ("auto", "gloo", "nccl")
 PARALLELS = ("auto", "ddp", "fsdp")  # inside a group: replicate (DDP) or shard (FSDP2); auto: as the Task asks
 OUTER_DEVICES = ("model", "cpu")
-LINKS = ("tcp", "grpc")
-DATA_PLANES = ("thread", "process")
+LINKS = link_names()  # transport.link_spec.LINKS
 SYNC_MODES = (*MODES, "dp")  # dp: the data-parallel baseline, not an engine mode
 FRAGMENT_PATTERNS = ("strided", "sequential")
 
