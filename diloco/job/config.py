@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from diloco.engine.modes import INITIAL_SYNCS, MAX_FRAGMENTS, MODES
+from diloco.engine.outer_spec import OuterSpec, outer_rule_names
+from diloco.engine.schedule_spec import ScheduleSpec, schedule_names
 from diloco.job.auto_choice import AUTO, AUTO_H, auto_problems
 from compress.codec_spec import CodecOptions, CodecSpec, codec_names
 from transport.link_spec import DATA_PLANES, link_names
 
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
-SCHEDULES = ("fixed", "qsr", "paced")
+OUTER_OPTIMIZERS = outer_rule_names()  # diloco.engine.outer_spec.OUTER_RULES
+SCHEDULES = schedule_names()  # diloco.engine.schedule_spec.SCHEDULES
 LR_SCHEDULES = ("cosine", "constant")
 LOG_FORMATS = ("text", "json")
 CHAOS_KINDS = ("kill", "stall", "corrupt")  # diloco run --chaos-kinds
@@ -88,7 +90,7 @@ class OuterConfig:
         "nesterov", "outer optimizer on the pseudo-gradient; sparseloco: SparseLoCo's rule (outer SGD, no momentum, "
         "the error-feedback residual decayed by --sparseloco-beta, top-k per 64x64 tile; needs --codec topk or sign1)",
         flag="--outer-optimizer", choices=OUTER_OPTIMIZERS)
-    # -1: the sync mode's own default (diloco.engine.outer.MODE_DEFAULTS, measurements in its module doc):
+    # -1: the sync mode's own default (diloco.engine.modes.MODE_DEFAULTS, measurements in outer.py's doc):
     # a one-round-stale outer gradient under momentum 0.9 overshoots (eager: +11 % loss) or diverges (delayed)
     lr: float = opt(-1.0, "outer learning rate; -1 = the mode's default (0.7; sparseloco: 1.0)", flag="--outer-lr")
     momentum: float = opt(
@@ -110,27 +112,21 @@ class OuterConfig:
                                 "sparseloco's: decay of the residual, y = delta + decay*e; 1 sends every error later, "
                                 "0 drops each exchange's error (the codec runs biased)", flag="--residual-decay")
 
+    def spec(self) -> OuterSpec:
+        """The outer rule these options name (``diloco.engine.outer_spec``: its defaults, checks, build)."""
+        return OuterSpec(**{f.name: getattr(self, f.name) for f in fields(OuterSpec)})
+
     def outer_lr(self, mode: str) -> float:
         """The outer lr in force for a sync mode (not co2: --co2-lr; sparseloco: 1.0 by default)."""
-        from diloco.engine.outer import mode_lr
-
-        if self.lr >= 0:
-            return self.lr
-        return 1.0 if self.optimizer == "sparseloco" else mode_lr(mode)
+        return self.spec().lr_for(mode)
 
     def outer_momentum(self, mode: str) -> float:
         """The outer momentum in force for a sync mode (not co2: --co2-momentum; sparseloco: none)."""
-        from diloco.engine.outer import mode_momentum
-
-        if self.momentum >= 0:
-            return self.momentum
-        return 0.0 if self.optimizer == "sparseloco" else mode_momentum(mode)
+        return self.spec().momentum_for(mode)
 
     def merge_alpha(self, mode: str) -> float:
         """The merge factor in force for a sync mode."""
-        if self.alpha >= 0:
-            return self.alpha
-        return 0.5 if mode == "overlap" else 0.0
+        return self.spec().alpha_for(mode)
 
 
 @dataclass
@@ -169,9 +165,8 @@ class SyncConfig:
         """QSR's alpha in force: ``--qsr-alpha``, or for -1 the one that gives H = H_base at the peak
         inner lr (``peak_lr * H_base**(1/gamma)``), so H grows by (peak/lr)^gamma as the lr decays,
         whatever the lr's scale."""
-        if self.qsr_alpha >= 0:
-            return self.qsr_alpha
-        return peak_lr * self.h ** (1.0 / self.qsr_gamma)
+        return ScheduleSpec(h=self.h, qsr_alpha=self.qsr_alpha, qsr_gamma=self.qsr_gamma,
+                            peak_lr=peak_lr).qsr_alpha_in_force
 
 
 @dataclass
@@ -349,21 +344,14 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
-    def _shortest_paced_period(self, problems: list[str]) -> int | None:
-        """The shortest period of ``--schedule paced`` over this run (None, with the reason added to
-        ``problems``, when its syncs cannot be planned)."""
-        from diloco.engine.schedule import paced_sync_steps
-
-        s, steps = self.sync, self.train.steps
-        if s.h < 1 or steps < 1:
-            return None  # reported by their own checks
-        try:
-            points = paced_sync_steps(steps, -(-steps // s.h), s.paced_gamma, self.inner.lr_schedule,
-                                      self.inner.min_lr_ratio)
-        except ValueError as e:
-            problems.append(f"--schedule paced with --h {s.h} over --steps {steps}: {e}")
-            return None
-        return min(b - a for a, b in zip((0, *points), points))
+    def schedule_spec(self) -> ScheduleSpec:
+        """The sync schedule these options name (``--schedule``, ``--h`` and theirs, over ``--steps`` and the
+        inner lr's shape); with ``--h auto`` H is None until auto decides (``auto_choice.apply_choice``)."""
+        s, i = self.sync, self.inner
+        return ScheduleSpec(name=s.schedule, h=None if s.h == AUTO_H else s.h, total_steps=self.train.steps, h_max=s.h_max, qsr_alpha=s.qsr_alpha,
+                            qsr_gamma=s.qsr_gamma, paced_gamma=s.paced_gamma, round_seconds=s.round_seconds,
+                            peak_lr=i.lr, warmup_steps=i.warmup_steps, lr_schedule=i.lr_schedule,
+                            min_lr_ratio=i.min_lr_ratio)
 
     def _codec_problems(self) -> list[str]:
         """The codec's own checks (``CodecSpec.problems``) and the rules it shares with the outer rule and mode."""
@@ -452,43 +440,17 @@ class Config:
         need(i.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {i.warmup_steps}")
         need(0.0 <= i.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {i.min_lr_ratio}")
         need(i.grad_clip >= 0, f"--grad-clip must be >= 0, got {i.grad_clip}")
-        need(o.lr == -1.0 or o.lr > 0, f"--outer-lr must be > 0 (or -1 for the mode's default), got {o.lr}")
-        need(o.momentum == -1.0 or 0.0 <= o.momentum < 1.0,
-             f"--outer-momentum must be in [0, 1) (or -1 for the mode's default), got {o.momentum}")
-        need(o.alpha == -1.0 or 0.0 <= o.alpha <= 1.0, f"--merge-alpha must be in [0, 1] (or -1 for the mode's default), got {o.alpha}")
-        need(o.co2_lr > 0, f"--co2-lr must be > 0, got {o.co2_lr}")
-        need(0.0 <= o.co2_momentum < 1.0, f"--co2-momentum must be in [0, 1), got {o.co2_momentum}")
-        need(o.co2_clip >= 0, f"--co2-clip must be >= 0, got {o.co2_clip}")
-        need(0.0 <= o.sparseloco_beta <= 1.0, f"--sparseloco-beta must be in [0, 1], got {o.sparseloco_beta}")
-        need(0.0 <= o.residual_decay <= 1.0, f"--residual-decay must be in [0, 1], got {o.residual_decay}")
-        need(o.residual_decay == 1.0 or o.optimizer != "sparseloco",
-             "--residual-decay with --outer-optimizer sparseloco: its residual's decay is --sparseloco-beta")
-        if o.optimizer == "sparseloco":
-            need(o.momentum in (-1.0, 0.0), f"--outer-optimizer sparseloco takes no --outer-momentum (its residual "
-                                             f"stands in for it), got {o.momentum}")
-            need(s.mode in ("blocking", "overlap", "delayed"),
-                 f"--outer-optimizer sparseloco runs with --mode blocking, overlap or delayed, not {s.mode}")
-        if o.co2_penalty != "adaptive":
-            try:
-                need(float(o.co2_penalty) >= 1.0, f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
-            except ValueError:
-                problems.append(f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
+        problems += o.spec().problems(s.mode)
         h_auto = s.h == AUTO_H
         need(h_auto or (isinstance(s.h, int) and not isinstance(s.h, bool) and s.h >= 1),
              f"--h must be >= 1 (inner steps per sync) or auto, got {s.h!r}")
         h_set = not h_auto and isinstance(s.h, int)  # the checks of H below: auto's run on the setting it decides
-        need(s.qsr_alpha == -1.0 or 0.0 <= s.qsr_alpha <= 1.0,
-             f"--qsr-alpha must be in [0, 1] (or -1 for peak lr x H_base^(1/gamma)), got {s.qsr_alpha}")
-        need(s.qsr_gamma > 0, f"--qsr-gamma must be > 0, got {s.qsr_gamma}")
-        need(s.h_max == 0 or not h_set or s.h_max >= s.h, f"--h-max must be 0 or >= --h ({s.h}), got {s.h_max}")
+        schedule = self.schedule_spec()
+        problems += schedule.problems()
         paced = s.schedule == "paced" and h_set
-        if paced:
-            need(s.h_max == 0, "--h-max bounds the fixed and QSR schedules, not 'paced' (its longest period is set "
-                               "by --h and --paced-gamma)")
-            gamma_ok = math.isfinite(s.paced_gamma) and abs(s.paced_gamma) <= 4
-            need(gamma_ok or not math.isfinite(s.paced_gamma),  # (not finite: said above)
-                 f"--paced-gamma must be in [-4, 4], got {s.paced_gamma}")
-            shortest = self._shortest_paced_period(problems) if gamma_ok else None
+        shortest = None
+        if paced and s.h >= 1 and math.isfinite(s.paced_gamma) and not schedule.problems():
+            shortest = schedule.shortest_paced_period()
         need(1 <= s.fragments <= MAX_FRAGMENTS, f"--fragments must be in [1, {MAX_FRAGMENTS}], got {s.fragments}")
         if not self.train.entry:  # the demo GPT's fragments are its blocks
             need(m.n_layer >= s.fragments, f"--fragments ({s.fragments}) cannot exceed --n-layer ({m.n_layer})")
