@@ -1,8 +1,9 @@
 """The algorithm, free of processes and sockets: the DiLoCo engine and its sync modes, schedules,
 outer rules, fragments, error feedback, outer state and the averager interface it syncs through.
 
-A new outer rule goes in ``outer.py``; a new sync mode in ``diloco.py`` (named in ``modes.py``);
-a new schedule in ``schedule.py``. Nothing here imports the rest of ``diloco``.
+A new outer rule goes in ``outer.py`` (named in ``outer_spec.OUTER_RULES``); a new sync mode in
+``diloco.py`` (named in ``modes.py``); a new schedule in ``schedule.py`` (named in
+``schedule_spec.SCHEDULES``). Nothing here imports the rest of ``diloco``.
 """
 
 from importlib import import_module

@@ -88,7 +88,8 @@ class InnerConfig:
 class OuterConfig:
     optimizer: str = opt(
         "nesterov", "outer optimizer on the pseudo-gradient; sparseloco: SparseLoCo's rule (outer SGD, no momentum, "
-        "the error-feedback residual decayed by --sparseloco-beta, top-k per 64x64 tile; needs --codec topk or sign1)",
+        f"the error-feedback residual decayed by --sparseloco-beta, top-k per 64x64 tile; needs --codec "
+        f"{' or '.join(codec_names(error_feedback=True))})",
         flag="--outer-optimizer", choices=OUTER_OPTIMIZERS)
     # -1: the sync mode's own default (diloco.engine.modes.MODE_DEFAULTS, measurements in outer.py's doc):
     # a one-round-stale outer gradient under momentum 0.9 overshoots (eager: +11 % loss) or diverges (delayed)
@@ -108,7 +109,8 @@ class OuterConfig:
     co2_clip: float = opt(1.0, "CO2 element-wise outer-momentum clip (0 = off)", flag="--co2-clip")
     sparseloco_beta: float = opt(0.95, "sparseloco: decay of the error-feedback residual, y = delta + beta*e "
                                  "(Covenant-72B's 0.95)", flag="--sparseloco-beta")
-    residual_decay: float = opt(1.0, "codecs with error feedback (int2, sign1, topk) under an outer step other than "
+    residual_decay: float = opt(1.0, f"codecs with error feedback ({', '.join(codec_names(error_feedback=True))}) "
+                                "under an outer step other than "
                                 "sparseloco's: decay of the residual, y = delta + decay*e; 1 sends every error later, "
                                 "0 drops each exchange's error (the codec runs biased)", flag="--residual-decay")
 
