@@ -22,6 +22,7 @@ A fixed ``--codec`` or ``--h`` narrows the candidates to the study's settings wi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from compress import codec_spec
-from compress.codec_spec import AUTO
+from compress.codec_spec import AUTO, CodecSpec
 
 AUTO_H = AUTO  # ``sync.h`` of ``--h auto``: the string "auto", as flags and files spell it
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
@@ -53,6 +54,9 @@ _CHOSEN = (("sync", "mode", "blocking", "--mode", "mode"), ("sync", "fragments",
            # the codec's options, as its spec says auto treats them (compress.codec_spec)
            *(("transport", f.name, f.default, f.metadata["flag"], f.name if f.metadata["auto"] == codec_spec.AUTO_SETS else None)
              for f in codec_spec.codec_options() if f.name != "codec" and f.metadata["auto"] != codec_spec.AUTO_KEEPS))
+
+#: the codec options a setting holds (a field of ``Setting`` each)
+_SET_BY_STUDY = tuple(f for f in codec_spec.codec_options() if f.metadata["auto"] == codec_spec.AUTO_SETS)
 
 
 @dataclass(frozen=True)
@@ -85,9 +89,14 @@ class Setting:
     merge_alpha: float = -1.0  # -1: the mode's (0.5 in overlap)
 
     @property
-    def codec_options(self) -> tuple[str, float, int, bool]:
-        """What its codec is built from: name, top-k density, block size, zstd."""
-        return self.codec, self.topk_density, self.codec_block, self.zstd
+    def codec_options(self) -> tuple[Any, ...]:
+        """What its codec is built from: the codec options the study sets (``AUTO_SETS`` in
+        ``compress.codec_spec``: name, block size, top-k density, final codec, zstd)."""
+        return tuple(getattr(self, f.name) for f in _SET_BY_STUDY)
+
+    def codec_spec(self, base: CodecSpec) -> CodecSpec:
+        """The codec this setting runs: the job's codec options ``base`` with those the study set."""
+        return dataclasses.replace(base, **{f.name: getattr(self, f.name) for f in _SET_BY_STUDY})
 
     @property
     def label(self) -> str:
