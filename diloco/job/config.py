@@ -89,7 +89,7 @@ class OuterConfig:
     optimizer: str = opt(
         "nesterov", "outer optimizer on the pseudo-gradient; sparseloco: SparseLoCo's rule (outer SGD, no momentum, "
         f"the error-feedback residual decayed by --sparseloco-beta, top-k per 64x64 tile; needs --codec "
-        f"{' or '.join(codec_names(error_feedback=True))})",
+        f"{', '.join(codec_names(error_feedback=True)[:-1])} or {codec_names(error_feedback=True)[-1]})",
         flag="--outer-optimizer", choices=OUTER_OPTIMIZERS)
     # -1: the sync mode's own default (diloco.engine.modes.MODE_DEFAULTS, measurements in outer.py's doc):
     # a one-round-stale outer gradient under momentum 0.9 overshoots (eager: +11 % loss) or diverges (delayed)
