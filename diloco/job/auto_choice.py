@@ -56,7 +56,7 @@ _CHOSEN = (("sync", "mode", "blocking", "--mode", "mode"), ("sync", "fragments",
              for f in codec_spec.codec_options() if f.name != "codec" and f.metadata["auto"] != codec_spec.AUTO_KEEPS))
 
 #: the codec options a setting holds (a field of ``Setting`` each)
-_SET_BY_STUDY = tuple(f for f in codec_spec.codec_options() if f.metadata["auto"] == codec_spec.AUTO_SETS)
+CODEC_OPTIONS_SET = tuple(f for f in codec_spec.codec_options() if f.metadata["auto"] == codec_spec.AUTO_SETS)
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,11 @@ class Setting:
     def codec_options(self) -> tuple[Any, ...]:
         """What its codec is built from: the codec options the study sets (``AUTO_SETS`` in
         ``compress.codec_spec``: name, block size, top-k density, final codec, zstd)."""
-        return tuple(getattr(self, f.name) for f in _SET_BY_STUDY)
+        return tuple(getattr(self, f.name) for f in CODEC_OPTIONS_SET)
 
     def codec_spec(self, base: CodecSpec) -> CodecSpec:
         """The codec this setting runs: the job's codec options ``base`` with those the study set."""
-        return dataclasses.replace(base, **{f.name: getattr(self, f.name) for f in _SET_BY_STUDY})
+        return dataclasses.replace(base, **{f.name: getattr(self, f.name) for f in CODEC_OPTIONS_SET})
 
     @property
     def label(self) -> str:
