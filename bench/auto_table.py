@@ -22,13 +22,16 @@ import json
 import subprocess
 import sys
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # not bench/ itself: its transport.py would shadow the package
     sys.path.insert(0, str(ROOT))
 
 from bench.convergence_rows import study_rows
+from diloco.job.auto_choice import CODEC_OPTIONS_SET, Setting
 
 RESULTS = ROOT / "bench" / "results" / "convergence.json"
 TABLE = ROOT / "diloco" / "job" / "auto_table.json"
@@ -43,6 +46,14 @@ def _git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
+
+
+def _codec_options(row: Any, codec: str) -> dict[str, Any]:
+    """The codec options a setting holds (``auto_choice.CODEC_OPTIONS_SET``, as the codec spec says),
+    from the study's row: each under its own name, but the codec (the record's) and top-k's density
+    (the row's ``density``; 0: the codec's 64 of 4096)."""
+    known = {"codec": codec, "topk_density": (row.density or 64 / 4096) if codec == "topk" else 0.0}
+    return {f.name: known[f.name] if f.name in known else getattr(row, f.name) for f in CODEC_OPTIONS_SET}
 
 
 def build(records: list[dict], source_sha256: str = "") -> dict:
@@ -64,10 +75,8 @@ def build(records: list[dict], source_sha256: str = "") -> dict:
         costs = [r["eval_loss"] / base[r["seed"]] - 1.0 for r in recs if r["seed"] in base]
         if not costs:
             continue  # no fp32 baseline at this group count and seed to measure a cost against
-        entries.append({
+        entry = {
             "row": name,
-            "codec": first["codec"],
-            "topk_density": (row.density or 64 / 4096) if first["codec"] == "topk" else 0.0,  # 0: the codec's 64 of 4096
             "outer_optimizer": row.rule or "nesterov",
             "outer_lr": first["outer_lr"],
             "outer_momentum": first["outer_momentum"],
@@ -83,12 +92,11 @@ def build(records: list[dict], source_sha256: str = "") -> dict:
             "bits_per_param_per_step": round(sum(r["bits_per_param_per_step"] for r in recs) / len(recs), 6),
             "schedule": first["schedule"],
             "paced_gamma": row.paced_gamma,
-            "codec_block": row.codec_block,
-            "zstd": row.zstd,
             "residual_decay": row.residual_decay,
-            "final_codec": row.final_codec,
             "merge_alpha": row.merge_alpha,
-        })
+            **_codec_options(row, first["codec"]),
+        }
+        entries.append({f.name: entry[f.name] for f in fields(Setting)})  # in Setting's order
     dates = sorted({r["date"] for recs in by_row.values() for r in recs})
     return {
         "what": f"settings the convergence study measured at size {SIZE} (8,000 inner steps, a 2-layer d64 GPT); "

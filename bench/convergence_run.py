@@ -27,10 +27,7 @@ from diloco.demo import data as data_mod  # noqa: E402
 from diloco.engine.averaging import SingleGroup  # noqa: E402
 from diloco.exchange.fault_stats import FaultStats  # noqa: E402
 from diloco.exchange.striped import StripedAverager  # noqa: E402
-from diloco.job.config import (
-    Config,  # noqa: E402
-    make_codec,  # noqa: E402
-)
+from diloco.job.config import Config  # noqa: E402
 from diloco.demo import gpt_task  # noqa: E402
 from diloco.job.task import Task, TaskContext  # noqa: E402
 from diloco.runtime.launch.summary import bits_per_param_per_step  # noqa: E402
@@ -211,7 +208,7 @@ def run_in_process(cfg: Config) -> dict:
             if g_count == 1:
                 averagers.append(_Single(rec))
             else:
-                avg = _Averager(transports[g], members, group=g, rank=0, codec=make_codec(cfg.transport),
+                avg = _Averager(transports[g], members, group=g, rank=0, codec=cfg.transport.codec_spec().build(),
                                 timeout_s=cfg.transport.timeout_s, stripes_per_rank=cfg.transport.stripes_per_rank)
                 avg.recorder = rec
                 averagers.append(avg)

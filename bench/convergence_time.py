@@ -46,7 +46,6 @@ from bench.convergence_run import (
     study_task,
 )
 from diloco.engine.averaging import InProcessGroups
-from diloco.job.codec_config import make_codec
 from diloco.job.task import TaskContext
 from diloco.runtime.rank.train_loop import train
 from diloco.runtime.rank.worker import make_engine, make_inner_optimizer
@@ -152,7 +151,7 @@ def run_time_row(cfg, row: TimeRow) -> dict:
     rounds = math.ceil(cfg.train.steps / cfg.sync.h)
     seconds = g_count * cfg.train.steps / (rounds * sum(1 / s for s in row.speeds))
     groups = InProcessGroups(g_count, timeout_s=600, weighted=row.weighted,
-                             codec=None if row.codec == "fp32" else make_codec(cfg.transport))
+                             codec=None if row.codec == "fp32" else cfg.transport.codec_spec().build())
     posted: dict = {}
     lock = threading.Lock()
     clocks = [_Clock() for _ in range(g_count)]

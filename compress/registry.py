@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from . import frame
+from . import codecs, frame
 from .codec import Codec, decode_parsed
 from .codec_table import _BY_ID, _BY_NAME, available_codecs, codec_name
 from .errors import FrameError
+
+_REGISTERS = codecs.__name__  # importing the codecs package registers every codec in codec_table
+
 
 def get_codec(name: str, **params) -> Codec:
     """Build a codec by name, e.g. ``get_codec("int8", block_size=256, zstd=True)``.

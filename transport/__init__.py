@@ -13,7 +13,8 @@ process and dataplane (a transport run in a child process, `ProcessTransport`, a
 that process; control is their channel), ring (the all-reduce), gather (the all-gather mean, for
 error-feedback codecs), frames (codec frames, the raw fp32 fast path), partition (segments and
 chunks), outputs (checks on out= buffers), shaping (token bucket), plan (stripes), probe (ring order),
-faultproxy (a fault-injecting TCP relay for tests and benchmarks).
+faultproxy (a fault-injecting TCP relay for tests and benchmarks), link_spec (the link types by name and
+what an endpoint is built from, `LinkSpec`).
 """
 
 import importlib
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import CollectiveAborted, PeerAuthError, PeerDisconnected, TransportError, WireError
 from .faultproxy import FaultProxy
 from .identity import GroupKeys
+from .link_spec import LinkSpec, link_names
 from .plan import Stripe, StripePlan, stripe_plan
 from .probe import ring_order
 from .shaping import TokenBucket
@@ -45,6 +47,7 @@ __all__ = [
     "GroupKeys",
     "GrpcTransport",
     "Handle",
+    "LinkSpec",
     "PeerAuthError",
     "PeerDisconnected",
     "ProcessHandle",
@@ -56,6 +59,7 @@ __all__ = [
     "TokenBucket",
     "TransportError",
     "WireError",
+    "link_names",
     "ring_order",
     "stripe_plan",
 ]

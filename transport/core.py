@@ -19,6 +19,7 @@ from .identity import Credentials
 from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE
 from .frames import default_codec
 from .gather import RingAllGather, check_scales, reduce_in_order
+from .link_spec import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S
 from .links import LinkEndpoint, log
 from .outputs import check_out, overlaps
 from .pending import DEFAULT_MAX_PENDING_BYTES, DEFAULT_PENDING_TTL_TIMEOUTS, PendingFrames
@@ -27,23 +28,24 @@ from .shaping import TokenBucket
 from .streams import side_stream_for
 from .wire import MsgType
 
-DEFAULT_CHUNK_BYTES = 1 << 20  # measured: best of 64 KiB..4 MiB on loopback, see bench/pages/transport.md
 _FINISHED_TAGS_KEPT = 10_000
 _MAX_ABORT_BYTES = 4096  # an ABORT carries a reason of at most 4000 UTF-8 bytes
 
 
 class TransportBase(LinkEndpoint):
-    """Collectives over authenticated links; see `TcpTransport` for the parameters."""
+    """Collectives over authenticated links; see `TcpTransport` for the parameters (every link type
+    takes these keywords, ``transport.link_spec.LinkSpec`` holds them; the link's own: host, port,
+    tls, allow_plaintext, advertise)."""
 
     def __init__(
         self,
         *,
         secret: "bytes | Credentials",
-        timeout_s: float,
-        chunk_bytes: int,
-        connections_per_peer: int,
-        max_message_bytes: int,
-        shaper: TokenBucket | None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        connections_per_peer: int = 1,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        shaper: TokenBucket | None = None,
         pin_memory: bool | None = None,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,

@@ -29,12 +29,13 @@ import torch
 
 from .control import (COUNTERS, ControlClosed, codec_from_spec, credentials_from_spec, error_spec, recv_message,
                       send_message)
+from .link_spec import link_class
 
 log = logging.getLogger("transport.dataplane")
 
 
 def build_transport(spec: dict) -> Any:
-    """The link the init message describes (tcp or grpc), listening."""
+    """The link the init message describes (a name of ``link_spec.LINKS``), listening."""
     from .shaping import TokenBucket
     from .tls import TlsConfig
 
@@ -44,15 +45,7 @@ def build_transport(spec: dict) -> Any:
         kwargs["tls"] = TlsConfig(*spec["tls"])
     if spec.get("shaper"):
         kwargs["shaper"] = TokenBucket(*spec["shaper"])
-    if spec["link"] == "tcp":
-        from .tcp import TcpTransport
-
-        return TcpTransport(**kwargs)
-    if spec["link"] == "grpc":
-        from .grpclink import GrpcTransport
-
-        return GrpcTransport(**kwargs)
-    raise ValueError(f"unknown link {spec['link']!r}: tcp or grpc")
+    return link_class(spec["link"])(**kwargs)
 
 
 class DataPlaneServer:

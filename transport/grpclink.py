@@ -19,12 +19,8 @@ from typing import Any, Callable, Iterator, Sequence
 import grpc
 
 from .addresses import check_plaintext, split_address
-from .identity import Credentials
-from .core import DEFAULT_CHUNK_BYTES, TransportBase
-from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE
-from .pending import DEFAULT_MAX_PENDING_BYTES
+from .core import TransportBase
 from .errors import PeerDisconnected
-from .shaping import TokenBucket
 from .tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -197,45 +193,21 @@ class GrpcTransport(TransportBase):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        secret: "bytes | Credentials",
-        timeout_s: float = 60.0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        connections_per_peer: int = 1,
-        max_message_bytes: int = 256 << 20,
-        shaper: TokenBucket | None = None,
         tls: TlsConfig | None = None,
         allow_plaintext: bool = False,
         advertise: str | None = None,
-        pin_memory: bool | None = None,
-        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
-        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
-        max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
-        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        pending_ttl_s: float | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            secret=secret,
-            timeout_s=timeout_s,
-            chunk_bytes=chunk_bytes,
-            connections_per_peer=connections_per_peer,
-            max_message_bytes=max_message_bytes,
-            shaper=shaper,
-            pin_memory=pin_memory,
-            handshake_timeout_s=handshake_timeout_s,
-            max_unauthenticated=max_unauthenticated,
-            max_unauthenticated_per_source=max_unauthenticated_per_source,
-            max_pending_bytes=max_pending_bytes,
-            pending_ttl_s=pending_ttl_s,
-        )
+        super().__init__(**options)  # secret, timeouts, chunking and the guards: TransportBase's keywords
         try:
             check_plaintext("gRPC", host, tls, allow_plaintext)
             self._tls_pem = tls.read_pem() if tls else None
-            self._message_bytes = min(MESSAGE_BYTES, max_message_bytes)
+            self._message_bytes = min(MESSAGE_BYTES, self.max_message_bytes)
             limit = self._message_bytes + (1 << 10)
             self._options = [
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
-                ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),
+                ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
                 ("grpc.use_local_subchannel_pool", 1),  # a channel per connection really is its own TCP connection
             ]
             self._server = grpc.server(

@@ -164,7 +164,8 @@ class ProcessHandle:
 
 
 class ProcessTransport:
-    """A `TcpTransport` or `GrpcTransport` (``link``) running in a child process.
+    """A link of ``link_spec.LINKS`` (``link``, checked by the child: an unknown one raises ValueError) running
+    in a child process.
 
     Parameters are those of the link class (``host``, ``port``, ``secret``, ``timeout_s``,
     ``tls``, ``shaper``, ``connections_per_peer``, ``chunk_bytes`` and the listener's guards);
@@ -177,8 +178,6 @@ class ProcessTransport:
     def __init__(self, link: str = "tcp", host: str = "127.0.0.1", port: int = 0, *, secret: Any,
                  timeout_s: float = 60.0, tls: TlsConfig | None = None, shaper: TokenBucket | None = None,
                  threads: int = 1, start_timeout_s: float = 120.0, **options: Any) -> None:
-        if link not in ("tcp", "grpc"):
-            raise ValueError(f"unknown link {link!r}: tcp or grpc")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.timeout_s = float(timeout_s)

@@ -12,15 +12,12 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from .addresses import check_plaintext, split_address
 from .conn import close_socket
-from .identity import Credentials
-from .core import DEFAULT_CHUNK_BYTES, TransportBase
-from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE, Ticket
-from .pending import DEFAULT_MAX_PENDING_BYTES
-from .shaping import TokenBucket
+from .core import TransportBase
+from .guard import Ticket
 from .tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -66,38 +63,12 @@ class TcpTransport(TransportBase):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        secret: "bytes | Credentials",
-        timeout_s: float = 60.0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        connections_per_peer: int = 1,
-        max_message_bytes: int = 256 << 20,
-        shaper: TokenBucket | None = None,
         tls: TlsConfig | None = None,
         allow_plaintext: bool = False,
         advertise: str | None = None,
-        pin_memory: bool | None = None,
-        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
-        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
-        max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
-        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        pending_ttl_s: float | None = None,
-        dial_overrides: Mapping[str, str] | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            secret=secret,
-            timeout_s=timeout_s,
-            chunk_bytes=chunk_bytes,
-            connections_per_peer=connections_per_peer,
-            max_message_bytes=max_message_bytes,
-            shaper=shaper,
-            pin_memory=pin_memory,
-            handshake_timeout_s=handshake_timeout_s,
-            max_unauthenticated=max_unauthenticated,
-            max_unauthenticated_per_source=max_unauthenticated_per_source,
-            max_pending_bytes=max_pending_bytes,
-            pending_ttl_s=pending_ttl_s,
-            dial_overrides=dial_overrides,
-        )
+        super().__init__(**options)  # secret, timeouts, chunking and the guards: TransportBase's keywords
         try:
             check_plaintext("TCP", host, tls, allow_plaintext)
             self._server_ctx: ssl.SSLContext | None = tls.server_context() if tls else None

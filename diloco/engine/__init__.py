@@ -2,9 +2,10 @@
 (``fragment.py``) and sync modes (``sync_modes.py``), schedules, outer rules, error feedback, outer
 state and the averager contract it syncs through (``averaging.py``).
 
-A new outer rule goes in ``outer.py``; a new sync mode in ``sync_modes.py`` (named in ``modes.py``);
-a new schedule in ``schedule.py``; a new averager capability in ``averaging.py``. Nothing here
-imports the rest of ``diloco``.
+A new outer rule goes in ``outer.py`` (named in ``outer_spec.OUTER_RULES``); a new sync mode in
+``sync_modes.py`` (named in ``modes.py``); a new schedule in ``schedule.py`` (named in
+``schedule_spec.SCHEDULES``); a new averager capability in ``averaging.py``. Nothing here imports the
+rest of ``diloco``.
 """
 
 from importlib import import_module

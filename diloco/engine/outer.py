@@ -60,6 +60,8 @@ from typing import Callable
 
 import torch
 
+from diloco.engine.modes import CO2_DEFAULTS, MODE_DEFAULTS  # noqa: F401  (re-exported: the defaults' old home)
+
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
@@ -120,17 +122,6 @@ def sparseloco(lr: float = 1.0, beta: float = 0.95, tile: int | None = 64) -> Sp
     return SparseLoCo(lr, beta, tile)
 
 
-# Outer Nesterov (lr, momentum) each sync mode uses unless told otherwise; why: the module doc.
-MODE_DEFAULTS: dict[str, tuple[float, float]] = {
-    "blocking": (0.7, 0.9),
-    "overlap": (0.7, 0.9),
-    "eager": (0.7, 0.5),  # half of the update is one round stale: μ 0.9 overshoots
-    "delayed": (0.7, 0.0),  # all of it is: Nesterov 0.7/0.9 diverges
-}
-# CO2's own outer step: the authors' released defaults for <= 16 workers (docs/algorithms.md §5.1 [V]).
-CO2_DEFAULTS: dict = {"lr": 1.0, "momentum": 0.0, "clip": 1.0, "penalty": "adaptive"}
-
-
 def mode_lr(mode: str) -> float:
     """Default outer lr of a sync mode (``co2``: ``--co2-lr``'s)."""
     return CO2_DEFAULTS["lr"] if mode == "co2" else _mode(mode)[0]
@@ -154,22 +145,6 @@ def by_mode(mode: str) -> OuterOptimizerFactory:
     if mode == "co2":
         return co2()
     return nesterov(*_mode(mode))
-
-
-def by_name(name: str, lr: float, momentum: float, *, beta: float = 0.95) -> OuterOptimizerFactory:
-    """Factory for a configured outer optimizer name: ``nesterov``, ``sgd``, ``adam`` or
-    ``sparseloco`` (``beta``: its residual decay; it takes no momentum)."""
-    if name == "sparseloco":
-        if momentum:
-            raise ValueError(f"sparseloco takes no outer momentum (its residual stands in for it), got {momentum}")
-        return sparseloco(lr, beta)
-    if name == "nesterov":
-        return nesterov(lr, momentum)
-    if name == "sgd":
-        return sgd(lr, momentum)
-    if name == "adam":
-        return adam(lr)
-    raise ValueError(f"unknown outer optimizer {name!r}; choose nesterov, sgd, adam or sparseloco")
 
 
 class CO2Outer(torch.optim.Optimizer):

@@ -22,14 +22,17 @@ A fixed ``--codec`` or ``--h`` narrows the candidates to the study's settings wi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-AUTO = "auto"
-AUTO_H = -1  # the value of ``sync.h`` that stands for ``--h auto`` (0 stays an invalid H)
+from compress import codec_spec
+from compress.codec_spec import AUTO, CodecSpec
+
+AUTO_H = AUTO  # ``sync.h`` of ``--h auto``: the string "auto", as flags and files spell it
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
 #: a link re-measured this much faster or slower (relative) than the one decided on is a changed link
 RELINK_THRESHOLD = 0.3
@@ -44,13 +47,16 @@ _CHOSEN = (("sync", "mode", "blocking", "--mode", "mode"), ("sync", "fragments",
            ("outer", "optimizer", "nesterov", "--outer-optimizer", "outer_optimizer"),
            ("outer", "lr", -1.0, "--outer-lr", "outer_lr"), ("outer", "momentum", -1.0, "--outer-momentum", "outer_momentum"),
            ("outer", "sparseloco_beta", 0.95, "--sparseloco-beta", "sparseloco_beta"),
-           ("transport", "topk_density", 0.0, "--topk-density", "topk_density"),
-           ("transport", "codec_block", 0, "--codec-block", "codec_block"),
            ("sync", "round_seconds", 0.0, "--round-seconds", None),
            ("sync", "paced_gamma", 0.5, "--paced-gamma", "paced_gamma"),
            ("outer", "residual_decay", 1.0, "--residual-decay", "residual_decay"),
-           ("transport", "zstd", False, "--zstd", "zstd"), ("transport", "final_codec", "", "--final-codec", "final_codec"),
-           ("outer", "alpha", -1.0, "--merge-alpha", "merge_alpha"))
+           ("outer", "alpha", -1.0, "--merge-alpha", "merge_alpha"),
+           # the codec's options, as its spec says auto treats them (compress.codec_spec)
+           *(("transport", f.name, f.default, f.metadata["flag"], f.name if f.metadata["auto"] == codec_spec.AUTO_SETS else None)
+             for f in codec_spec.codec_options() if f.name != "codec" and f.metadata["auto"] != codec_spec.AUTO_KEEPS))
+
+#: the codec options a setting holds (a field of ``Setting`` each)
+CODEC_OPTIONS_SET = tuple(f for f in codec_spec.codec_options() if f.metadata["auto"] == codec_spec.AUTO_SETS)
 
 
 @dataclass(frozen=True)
@@ -83,9 +89,14 @@ class Setting:
     merge_alpha: float = -1.0  # -1: the mode's (0.5 in overlap)
 
     @property
-    def codec_options(self) -> tuple[str, float, int, bool]:
-        """What its codec is built from: name, top-k density, block size, zstd."""
-        return self.codec, self.topk_density, self.codec_block, self.zstd
+    def codec_options(self) -> tuple[Any, ...]:
+        """What its codec is built from: the codec options the study sets (``AUTO_SETS`` in
+        ``compress.codec_spec``: name, block size, top-k density, final codec, zstd)."""
+        return tuple(getattr(self, f.name) for f in CODEC_OPTIONS_SET)
+
+    def codec_spec(self, base: CodecSpec) -> CodecSpec:
+        """The codec this setting runs: the job's codec options ``base`` with those the study set."""
+        return dataclasses.replace(base, **{f.name: getattr(self, f.name) for f in CODEC_OPTIONS_SET})
 
     @property
     def label(self) -> str:

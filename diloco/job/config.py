@@ -20,20 +20,22 @@ from pathlib import Path
 from typing import Any
 
 from diloco.engine.modes import INITIAL_SYNCS, MAX_FRAGMENTS, MODES
+from diloco.engine.outer_spec import OuterSpec, outer_rule_names
+from diloco.engine.schedule_spec import ScheduleSpec, schedule_names
 from diloco.job.auto_choice import AUTO, AUTO_H, auto_problems
-from diloco.job.codec_config import make_codec, make_final_codec, plain_fp32
+from compress.codec_spec import CodecOptions, CodecSpec, codec_names
+from transport.link_spec import DATA_PLANES, link_names
 
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
-SCHEDULES = ("fixed", "qsr", "paced")
+OUTER_OPTIMIZERS = outer_rule_names()  # diloco.engine.outer_spec.OUTER_RULES
+SCHEDULES = schedule_names()  # diloco.engine.schedule_spec.SCHEDULES
 LR_SCHEDULES = ("cosine", "constant")
 LOG_FORMATS = ("text", "json")
 CHAOS_KINDS = ("kill", "stall", "corrupt")  # diloco run --chaos-kinds
 BACKENDS = ("auto", "gloo", "nccl")
 PARALLELS = ("auto", "ddp", "fsdp")  # inside a group: replicate (DDP) or shard (FSDP2); auto: as the Task asks
 OUTER_DEVICES = ("model", "cpu")
-LINKS = ("tcp", "grpc")
-DATA_PLANES = ("thread", "process")
+LINKS = link_names()  # transport.link_spec.LINKS
 SYNC_MODES = (*MODES, "dp")  # dp: the data-parallel baseline, not an engine mode
 FRAGMENT_PATTERNS = ("strided", "sequential")
 
@@ -102,9 +104,10 @@ class OuterConfig:
 
     optimizer: str = opt(
         "nesterov", "outer optimizer on the pseudo-gradient; sparseloco: SparseLoCo's rule (outer SGD, no momentum, "
-        "the error-feedback residual decayed by --sparseloco-beta, top-k per 64x64 tile; needs --codec topk or sign1)",
+        f"the error-feedback residual decayed by --sparseloco-beta, top-k per 64x64 tile; needs --codec "
+        f"{', '.join(codec_names(error_feedback=True)[:-1])} or {codec_names(error_feedback=True)[-1]})",
         flag="--outer-optimizer", choices=OUTER_OPTIMIZERS)
-    # -1: the sync mode's own default (diloco.engine.outer.MODE_DEFAULTS, measurements in its module doc):
+    # -1: the sync mode's own default (diloco.engine.modes.MODE_DEFAULTS, measurements in outer.py's doc):
     # a one-round-stale outer gradient under momentum 0.9 overshoots (eager: +11 % loss) or diverges (delayed)
     lr: float = opt(-1.0, "outer learning rate; -1 = the mode's default (0.7; sparseloco: 1.0)", flag="--outer-lr")
     momentum: float = opt(
@@ -122,31 +125,26 @@ class OuterConfig:
     co2_clip: float = opt(1.0, "CO2 element-wise outer-momentum clip (0 = off)", flag="--co2-clip")
     sparseloco_beta: float = opt(0.95, "sparseloco: decay of the error-feedback residual, y = delta + beta*e "
                                  "(Covenant-72B's 0.95)", flag="--sparseloco-beta")
-    residual_decay: float = opt(1.0, "codecs with error feedback (int2, sign1, topk) under an outer step other than "
+    residual_decay: float = opt(1.0, f"codecs with error feedback ({', '.join(codec_names(error_feedback=True))}) "
+                                "under an outer step other than "
                                 "sparseloco's: decay of the residual, y = delta + decay*e; 1 sends every error later, "
                                 "0 drops each exchange's error (the codec runs biased)", flag="--residual-decay")
 
+    def spec(self) -> OuterSpec:
+        """The outer rule these options name (``diloco.engine.outer_spec``: its defaults, checks, build)."""
+        return OuterSpec(**{f.name: getattr(self, f.name) for f in fields(OuterSpec)})
+
     def outer_lr(self, mode: str) -> float:
         """The outer lr in force for a sync mode (not co2: --co2-lr; sparseloco: 1.0 by default)."""
-        from diloco.engine.outer import mode_lr
-
-        if self.lr >= 0:
-            return self.lr
-        return 1.0 if self.optimizer == "sparseloco" else mode_lr(mode)
+        return self.spec().lr_for(mode)
 
     def outer_momentum(self, mode: str) -> float:
         """The outer momentum in force for a sync mode (not co2: --co2-momentum; sparseloco: none)."""
-        from diloco.engine.outer import mode_momentum
-
-        if self.momentum >= 0:
-            return self.momentum
-        return 0.0 if self.optimizer == "sparseloco" else mode_momentum(mode)
+        return self.spec().momentum_for(mode)
 
     def merge_alpha(self, mode: str) -> float:
         """The merge factor in force for a sync mode."""
-        if self.alpha >= 0:
-            return self.alpha
-        return 0.5 if mode == "overlap" else 0.0
+        return self.spec().alpha_for(mode)
 
 
 @dataclass
@@ -154,7 +152,7 @@ class SyncConfig:
     """When the groups exchange: H, its schedule, the sync mode and fragments."""
 
     schedule: str = opt("fixed", "how H (inner steps per sync) is chosen", flag="--schedule", choices=SCHEDULES)
-    h: int = opt(30, "H for 'fixed'; H_base for 'qsr'; for 'paced' the mean H (ceil(--steps / H) syncs); auto: "
+    h: int | str = opt(30, "H for 'fixed'; H_base for 'qsr'; for 'paced' the mean H (ceil(--steps / H) syncs); auto: "
                  "chosen with the codec from the measured link (diloco/job/auto_choice.py)", flag="--h")
     qsr_alpha: float = opt(
         -1.0, "QSR alpha: H = max(H_base, floor((alpha/lr)^gamma)); -1 = peak inner lr x H_base^(1/gamma) "
@@ -187,9 +185,8 @@ class SyncConfig:
         """QSR's alpha in force: ``--qsr-alpha``, or for -1 the one that gives H = H_base at the peak
         inner lr (``peak_lr * H_base**(1/gamma)``), so H grows by (peak/lr)^gamma as the lr decays,
         whatever the lr's scale."""
-        if self.qsr_alpha >= 0:
-            return self.qsr_alpha
-        return peak_lr * self.h ** (1.0 / self.qsr_gamma)
+        return ScheduleSpec(h=self.h, qsr_alpha=self.qsr_alpha, qsr_gamma=self.qsr_gamma,
+                            peak_lr=peak_lr).qsr_alpha_in_force
 
 
 @dataclass
@@ -268,8 +265,8 @@ class TrainConfig:
 
 
 @dataclass
-class TransportConfig:
-    """The data plane between groups: addresses, link, codec, bandwidth probes, TLS and limits."""
+class _Endpoint:
+    """The first options of ``[transport]``: where this rank listens, its links and their pipelining."""
 
     host: str = opt("127.0.0.1", "address this rank's data plane listens on and advertises", flag="--host")
     data_port: int = opt(
@@ -290,24 +287,19 @@ class TransportConfig:
                           flag="--data-plane", choices=DATA_PLANES)
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
     chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
-    codec: str = opt("fp32", "wire codec for pseudo-gradients (fp32, bf16, int8, int4, fp4-e2m1, fp4-e3m0, lloyd4; int2, sign1 "
-                     "and topk with error feedback: each group's own frames are all-gathered; auto: codec, density, outer rule, "
-                     "H and mode chosen from the measured link and the convergence study, diloco/job/auto_choice.py)",
-                     flag="--codec")
-    codec_block: int = opt(0, "values per scale block of a blockwise codec, int2 or sign1, values per chunk of topk "
-                           "(0 = the codec's default)", flag="--codec-block")
-    topk_density: float = opt(0.0, "topk: fraction of each chunk's values sent, k = round(density * chunk) "
-                              "(0 = the codec's default, k = 64 of 4096)", flag="--topk-density")
-    final_codec: str = opt("", "codec of each fragment's last exchange (e.g. int8 after --codec int2 or sign1): the "
-                           "error-feedback residuals go out with it, so the final model keeps what the low-bit "
-                           "frames held back; at its own defaults (--codec-block, --topk-density and --codec-fast "
-                           "apply to --codec only; --zstd to both) ('' = --codec to the end)", flag="--final-codec")
-    codec_fast: bool = opt(False, "4-bit codecs: take each block's nearest scale instead of searching its "
-                           "neighbours (2-5x faster encode, for links faster than a core encodes; a little "
-                           "more error: bench/pages/codecs.md)",
-                           flag="--codec-fast")
-    zstd: bool = opt(False, "zstd entropy stage on every frame", flag="--zstd")
-    zstd_level: int = opt(1, "zstd level", flag="--zstd-level")
+
+
+@dataclass
+class TransportConfig(CodecOptions, _Endpoint):
+    """The data plane between groups: addresses, link, codec, bandwidth probes, TLS and limits."""
+
+    # fields: the endpoint's (_Endpoint), the codec's (compress.codec_spec.CodecOptions, spelled there),
+    # then these
+
+    def codec_spec(self) -> CodecSpec:
+        """The codec these options name (its ``build()`` makes it; ``final()`` the last exchange's)."""
+        return CodecSpec.of(self)
+
     probe_bytes: int = opt(1 << 19, "bytes per bandwidth probe to each other group (0 = no probes: equal stripes, sorted ring)", flag="--probe-bytes")
     reprobe_every: int = opt(100, "re-measure bandwidths in the background every N exchanges (0 = only at start)", flag="--reprobe-every")
     plan_every: int = opt(8, "exchanges that share one plan (ring order, stripe shares) from the coordinator", flag="--plan-every")
@@ -378,26 +370,58 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        out = dataclasses.asdict(self)
-        if self.sync.h == AUTO_H:  # as a file says it (config_parse.from_dict reads it back)
-            out["sync"]["h"] = AUTO
-        return out
+        return dataclasses.asdict(self)
 
-    def _shortest_paced_period(self, problems: list[str]) -> int | None:
-        """The shortest period of ``--schedule paced`` over this run (None, with the reason added to
-        ``problems``, when its syncs cannot be planned)."""
-        from diloco.engine.schedule import paced_sync_steps
+    def schedule_spec(self) -> ScheduleSpec:
+        """The sync schedule these options name (``--schedule``, ``--h`` and theirs, over ``--steps`` and the
+        inner lr's shape); with ``--h auto`` H is None until auto decides (``auto_choice.apply_choice``)."""
+        s, i = self.sync, self.inner
+        return ScheduleSpec(name=s.schedule, h=None if s.h == AUTO_H else s.h, total_steps=self.train.steps, h_max=s.h_max, qsr_alpha=s.qsr_alpha,
+                            qsr_gamma=s.qsr_gamma, paced_gamma=s.paced_gamma, round_seconds=s.round_seconds,
+                            peak_lr=i.lr, warmup_steps=i.warmup_steps, lr_schedule=i.lr_schedule,
+                            min_lr_ratio=i.min_lr_ratio)
 
-        s, steps = self.sync, self.train.steps
-        if s.h < 1 or steps < 1:
-            return None  # reported by their own checks
-        try:
-            points = paced_sync_steps(steps, -(-steps // s.h), s.paced_gamma, self.inner.lr_schedule,
-                                      self.inner.min_lr_ratio)
-        except ValueError as e:
-            problems.append(f"--schedule paced with --h {s.h} over --steps {steps}: {e}")
-            return None
-        return min(b - a for a, b in zip((0, *points), points))
+    def _codec_problems(self) -> list[str]:
+        """The codec's own checks (``CodecSpec.problems``) and the rules it shares with the outer rule and mode."""
+        o, s, tr = self.outer, self.sync, self.transport
+        spec = tr.codec_spec()
+        own = spec.problems()
+        if own:
+            return own
+        problems: list[str] = []
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                problems.append(msg)
+
+        feedback = spec.error_feedback
+        ef_codecs = ", ".join(codec_names(error_feedback=True))
+        need(not feedback or s.mode not in ("eager", "dp"),
+             f"--codec {tr.codec} needs error feedback, which --mode {s.mode} does not keep "
+             "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
+        need(o.residual_decay == 1.0 or feedback,
+             f"--residual-decay applies to codecs with error feedback ({ef_codecs}), not {tr.codec}"
+             + (" (auto chooses the codec)" if tr.codec == AUTO else ""))
+        if o.optimizer == "sparseloco":
+            need(feedback, f"--outer-optimizer sparseloco needs a codec with error feedback ({ef_codecs}), not "
+                           f"{tr.codec}: its residual stands in for outer momentum")
+            chunk = spec.params().get("chunk", 4096) if feedback else 4096
+            need(chunk == 4096, f"--outer-optimizer sparseloco takes top-k per 64x64 tile: --codec-block must be 4096 "
+                                f"(or 0), got {chunk}")
+            need(tr.chunk_bytes % (4 * 4096) == 0,
+                 f"--outer-optimizer sparseloco: --chunk-bytes must be a multiple of 16384 (whole tiles per frame), "
+                 f"got {tr.chunk_bytes}")
+            need(self.topology.parallel != "fsdp",
+                 "--outer-optimizer sparseloco takes top-k per 64x64 tile of each whole tensor, which a sharded "
+                 "group (--parallel fsdp) does not hold: use --parallel ddp, or from the Python API "
+                 "diloco.sparseloco(tile=None) (top-k over chunks of each rank's flat shard)")
+        if tr.final_codec:
+            need(tr.codec != AUTO and s.h != AUTO_H,
+                 "--final-codec with --codec auto or --h auto: auto chooses the codecs")
+            need(o.optimizer != "sparseloco", "--final-codec: SparseLoCo's rule keeps its residuals to the end")
+            need(s.mode not in ("eager", "dp"), f"--final-codec applies to modes with an outer step on a mean of "
+                 f"pseudo-gradients (blocking, overlap, delayed, co2), not {s.mode}")
+        return problems
 
     def validate(self) -> "Config":
         """Raise ConfigError naming every invalid setting; returns self."""
@@ -444,47 +468,24 @@ class Config:
         need(i.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {i.warmup_steps}")
         need(0.0 <= i.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {i.min_lr_ratio}")
         need(i.grad_clip >= 0, f"--grad-clip must be >= 0, got {i.grad_clip}")
-        need(o.lr == -1.0 or o.lr > 0, f"--outer-lr must be > 0 (or -1 for the mode's default), got {o.lr}")
-        need(o.momentum == -1.0 or 0.0 <= o.momentum < 1.0,
-             f"--outer-momentum must be in [0, 1) (or -1 for the mode's default), got {o.momentum}")
-        need(o.alpha == -1.0 or 0.0 <= o.alpha <= 1.0, f"--merge-alpha must be in [0, 1] (or -1 for the mode's default), got {o.alpha}")
-        need(o.co2_lr > 0, f"--co2-lr must be > 0, got {o.co2_lr}")
-        need(0.0 <= o.co2_momentum < 1.0, f"--co2-momentum must be in [0, 1), got {o.co2_momentum}")
-        need(o.co2_clip >= 0, f"--co2-clip must be >= 0, got {o.co2_clip}")
-        need(0.0 <= o.sparseloco_beta <= 1.0, f"--sparseloco-beta must be in [0, 1], got {o.sparseloco_beta}")
-        need(0.0 <= o.residual_decay <= 1.0, f"--residual-decay must be in [0, 1], got {o.residual_decay}")
-        need(o.residual_decay == 1.0 or o.optimizer != "sparseloco",
-             "--residual-decay with --outer-optimizer sparseloco: its residual's decay is --sparseloco-beta")
-        if o.optimizer == "sparseloco":
-            need(o.momentum in (-1.0, 0.0), f"--outer-optimizer sparseloco takes no --outer-momentum (its residual "
-                                             f"stands in for it), got {o.momentum}")
-            need(s.mode in ("blocking", "overlap", "delayed"),
-                 f"--outer-optimizer sparseloco runs with --mode blocking, overlap or delayed, not {s.mode}")
-        if o.co2_penalty != "adaptive":
-            try:
-                need(float(o.co2_penalty) >= 1.0, f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
-            except ValueError:
-                problems.append(f"--co2-penalty must be 'adaptive' or a number >= 1, got {o.co2_penalty!r}")
-        need(s.h >= 1 or s.h == AUTO_H, f"--h must be >= 1 (inner steps per sync) or auto, got {s.h}")
-        need(s.qsr_alpha == -1.0 or 0.0 <= s.qsr_alpha <= 1.0,
-             f"--qsr-alpha must be in [0, 1] (or -1 for peak lr x H_base^(1/gamma)), got {s.qsr_alpha}")
-        need(s.qsr_gamma > 0, f"--qsr-gamma must be > 0, got {s.qsr_gamma}")
-        need(s.h_max == 0 or s.h_max >= s.h, f"--h-max must be 0 or >= --h ({s.h}), got {s.h_max}")
-        paced = s.schedule == "paced" and s.h != AUTO_H
-        if paced:
-            need(s.h_max == 0, "--h-max bounds the fixed and QSR schedules, not 'paced' (its longest period is set "
-                               "by --h and --paced-gamma)")
-            gamma_ok = math.isfinite(s.paced_gamma) and abs(s.paced_gamma) <= 4
-            need(gamma_ok or not math.isfinite(s.paced_gamma),  # (not finite: said above)
-                 f"--paced-gamma must be in [-4, 4], got {s.paced_gamma}")
-            shortest = self._shortest_paced_period(problems) if gamma_ok else None
+        problems += o.spec().problems(s.mode)
+        h_auto = s.h == AUTO_H
+        need(h_auto or (isinstance(s.h, int) and not isinstance(s.h, bool) and s.h >= 1),
+             f"--h must be >= 1 (inner steps per sync) or auto, got {s.h!r}")
+        h_set = not h_auto and isinstance(s.h, int)  # the checks of H below: auto's run on the setting it decides
+        schedule = self.schedule_spec()
+        problems += schedule.problems()
+        paced = s.schedule == "paced" and h_set
+        shortest = None
+        if paced and s.h >= 1 and math.isfinite(s.paced_gamma) and not schedule.problems():
+            shortest = schedule.shortest_paced_period()
         need(1 <= s.fragments <= MAX_FRAGMENTS, f"--fragments must be in [1, {MAX_FRAGMENTS}], got {s.fragments}")
         if not self.train.entry:  # the demo GPT's fragments are its blocks
             need(m.n_layer >= s.fragments, f"--fragments ({s.fragments}) cannot exceed --n-layer ({m.n_layer})")
             need(not self.train.entry_args, "--entry-args needs --entry (the demo takes no entry arguments)")
         else:
             need(":" in self.train.entry, f"--entry must look like package.module:function, got {self.train.entry!r}")
-        need(s.h == AUTO_H or s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
+        need(not h_set or s.h >= s.fragments, f"--h ({s.h}) must be >= --fragments ({s.fragments})")
         need(s.overlap_steps >= 0, f"--overlap-steps must be >= 0, got {s.overlap_steps}")
         need(s.round_seconds >= 0, f"--round-seconds must be >= 0 (0 = rounds of H steps), got {s.round_seconds}")
         if s.round_seconds > 0:
@@ -495,7 +496,7 @@ class Config:
             need(not (self.train.checkpoint_every or self.train.stop_after),
                  "--round-seconds does not take --checkpoint-every or --stop-after yet: job checkpoints are taken "
                  "at an inner step every group reaches together, and with rounds by time groups run at their own step")
-        if s.mode == "overlap":
+        if s.mode == "overlap" and h_set:
             # the engine staggers the fragments over the first round, which the run's steps cap
             first = s.h if s.round_seconds > 0 else min(s.h, max(self.train.steps, 1))
             need(s.overlap_steps < first // s.fragments,
@@ -529,46 +530,7 @@ class Config:
              f"got {tc.checkpoint_keep}")
         need(0 <= tc.stop_after < tc.steps, f"--stop-after must be in [0, --steps ({tc.steps})), got {tc.stop_after}")
         problems += auto_problems(self)
-        try:
-            # plain fp32 (the default) needs no codec object: validating it imports no torch
-            codec = None if self.transport.codec == AUTO or plain_fp32(self.transport) else make_codec(self.transport)
-            need(not getattr(codec, "requires_error_feedback", False) or s.mode not in ("eager", "dp"),
-                 f"--codec {self.transport.codec} needs error feedback, which --mode {s.mode} does not keep "
-                 "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
-            need(o.residual_decay == 1.0 or getattr(codec, "requires_error_feedback", False),
-                 f"--residual-decay applies to codecs with error feedback (int2, sign1, topk), not {self.transport.codec}"
-                 + (" (auto chooses the codec)" if self.transport.codec == AUTO else ""))
-            need(self.transport.topk_density == 0.0 or self.transport.codec == "topk",
-                 f"--topk-density applies to --codec topk only, not {self.transport.codec}")
-            if o.optimizer == "sparseloco":
-                need(getattr(codec, "requires_error_feedback", False),
-                     f"--outer-optimizer sparseloco needs a codec with error feedback (--codec topk, int2 or sign1), not "
-                     f"{self.transport.codec}: its residual stands in for outer momentum")
-                need(getattr(codec, "chunk", 4096) == 4096,
-                     f"--outer-optimizer sparseloco takes top-k per 64x64 tile: --codec-block must be 4096 (or 0), "
-                     f"got {getattr(codec, 'chunk', None)}")
-                need(tr.chunk_bytes % (4 * 4096) == 0,
-                     f"--outer-optimizer sparseloco: --chunk-bytes must be a multiple of 16384 (whole tiles per frame), "
-                     f"got {tr.chunk_bytes}")
-                need(self.topology.parallel != "fsdp",
-                     "--outer-optimizer sparseloco takes top-k per 64x64 tile of each whole tensor, which a sharded "
-                     "group (--parallel fsdp) does not hold: use --parallel ddp, or from the Python API "
-                     "diloco.sparseloco(tile=None) (top-k over chunks of each rank's flat shard)")
-        except ValueError as e:
-            problems.append(f"--codec {self.transport.codec}: {e}")
-        if tr.final_codec:
-            try:
-                final = make_final_codec(tr)
-                need(not getattr(final, "requires_error_feedback", False),
-                     f"--final-codec {tr.final_codec} keeps a residual itself: the last exchange would leave one "
-                     "behind; use one without error feedback (fp32, bf16, int8, int4, ...)")
-            except ValueError as e:
-                problems.append(f"--final-codec {tr.final_codec}: {e}")
-            need(tr.codec != AUTO and s.h != AUTO_H,
-                 "--final-codec with --codec auto or --h auto: auto chooses the codecs")
-            need(o.optimizer != "sparseloco", "--final-codec: SparseLoCo's rule keeps its residuals to the end")
-            need(s.mode not in ("eager", "dp"), f"--final-codec applies to modes with an outer step on a mean of "
-                 f"pseudo-gradients (blocking, overlap, delayed, co2), not {s.mode}")
+        problems += self._codec_problems()
         need(1 <= tr.connections <= 64, f"--connections must be in [1, 64], got {tr.connections}")
         need(4096 <= tr.chunk_bytes <= 256 << 20, f"--chunk-bytes must be in [4096, 256 MiB], got {tr.chunk_bytes}")
         need(tr.probe_bytes >= 0, f"--probe-bytes must be >= 0, got {tr.probe_bytes}")

@@ -46,12 +46,21 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
         for key, value in values.items():
             if key not in names:
                 raise ConfigError(f"unknown setting {section}.{key}; known: {', '.join(sorted(names))}")
-            if (section, key) == ("sync", "h") and value in (AUTO, AUTO_H):
-                if value == AUTO_H:
-                    raise ConfigError(f"sync.h: must be >= 1 or \"{AUTO}\", got {value}")
-                value = AUTO_H
+            if (section, key) == ("sync", "h"):
+                setattr(obj, key, _h_value(value))
+                continue
             setattr(obj, key, _coerce(value, names[key].type, f"{section}.{key}"))
     return cfg
+
+
+def _h_value(value: Any) -> int | str:
+    """``sync.h`` as a file gives it: inner steps per sync, or ``"auto"`` (a checkpoint written before
+    ``--h auto`` was stored as ``"auto"`` says ``"auto"`` too: ``Config.to_dict`` wrote it so)."""
+    if value == AUTO:
+        return AUTO_H
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"sync.h: must be >= 1 or \"{AUTO}\", got {value!r}")
+    return value
 
 
 def _read_file(path: str | Path) -> dict[str, Any]:
@@ -92,15 +101,15 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def parse_h(text: str) -> int:
-    """``--h``: inner steps per sync, or ``auto`` (stored as ``AUTO_H``)."""
+def parse_h(text: str) -> int | str:
+    """``--h``: inner steps per sync, or ``auto`` (stored as ``AUTO_H``, the string ``"auto"``)."""
     if text.strip().lower() == AUTO:
         return AUTO_H
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--h must be >= 1 (inner steps per sync) or auto, got {text!r}") from None
-    if value < 0:  # a negative H would read as auto's marker (AUTO_H); 0 is refused by Config.validate
+    if value < 0:  # 0 is refused by Config.validate
         raise argparse.ArgumentTypeError(f"--h must be >= 1 (inner steps per sync) or auto, got {text!r}")
     return value
 
@@ -140,9 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser, everyday: argparse._ArgumentG
 def _add_option(group: argparse._ActionsContainer, defaults: Config, section: str, f: Field) -> None:
     """The flag of option ``section.f``: its type, choices, metavar and help with key and default."""
     default = getattr(getattr(defaults, section), f.name)
-    kind = {"int": int, "float": float, "str": str, "bool": parse_bool}[f.type]
-    if (section, f.name) == ("sync", "h"):
-        kind = parse_h
+    kind = parse_h if (section, f.name) == ("sync", "h") else \
+        {"int": int, "float": float, "str": str, "bool": parse_bool}[f.type]
     shown = repr(default) if isinstance(default, str) else default
     group.add_argument(
         f.metadata["flag"], dest=f"{section}.{f.name}", type=kind, default=None,

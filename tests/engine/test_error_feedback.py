@@ -241,14 +241,13 @@ def test_striped_averager_over_real_links_keeps_groups_identical():
 
 
 def test_config_takes_sign1_and_topk_and_refuses_the_modes_that_keep_no_residual():
-    from diloco.job.codec_config import make_codec
     from diloco.job.config import Config, ConfigError
 
     cfg = Config()
     cfg.transport.codec = "sign1"
-    assert make_codec(cfg.validate().transport).name == "sign1"
+    assert cfg.validate().transport.codec_spec().build().name == "sign1"
     cfg.transport.codec, cfg.transport.codec_block, cfg.transport.topk_density = "topk", 1024, 0.015
-    codec = make_codec(cfg.validate().transport)
+    codec = cfg.validate().transport.codec_spec().build()
     assert (codec.name, codec.chunk, codec.k) == ("topk", 1024, 15)
     for mode in ("eager", "dp"):
         cfg.sync.mode = mode

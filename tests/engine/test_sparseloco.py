@@ -12,7 +12,8 @@ import compress
 from diloco.engine.averaging import SingleGroup
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.error_feedback import Residuals
-from diloco.engine.outer import by_name, sparseloco
+from diloco.engine.outer import sparseloco
+from diloco.engine.outer_spec import by_name
 from diloco.engine.schedule import QSRSchedule
 from diloco.engine.tiles import TileLayout
 from diloco.exchange.striped import StripedAverager

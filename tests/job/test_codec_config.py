@@ -5,7 +5,6 @@ import time
 import pytest
 import torch
 
-from diloco.job.codec_config import make_codec
 from diloco.job.config import Config
 
 
@@ -13,9 +12,9 @@ from diloco.job.config import Config
 def test_codec_fast_turns_the_scale_search_off_and_frames_stay_decodable(name):
     cfg = Config()
     cfg.transport.codec = name
-    searched = make_codec(cfg.validate().transport)
+    searched = cfg.validate().transport.codec_spec().build()
     cfg.transport.codec_fast = True
-    fast = make_codec(cfg.validate().transport)
+    fast = cfg.validate().transport.codec_spec().build()
     assert searched.params["search"] is True and fast.params["search"] is False
     x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(0)) * torch.rand(1 << 14) ** 4
     f_fast, f_searched = fast.encode(x), searched.encode(x)
@@ -30,9 +29,9 @@ def test_codec_fast_turns_the_scale_search_off_and_frames_stay_decodable(name):
 def test_codec_fast_encodes_faster():
     cfg = Config()
     cfg.transport.codec = "int4"
-    searched = make_codec(cfg.validate().transport)
+    searched = cfg.validate().transport.codec_spec().build()
     cfg.transport.codec_fast = True
-    fast = make_codec(cfg.validate().transport)
+    fast = cfg.validate().transport.codec_spec().build()
     x = torch.randn(1 << 22)  # the search is ~1/3 of an encode here: large enough to show above noise
     best = {fast: float("inf"), searched: float("inf")}
     for _ in range(7):  # interleaved, so a burst of load on a shared machine slows both alike

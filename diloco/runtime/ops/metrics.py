@@ -225,8 +225,7 @@ def describe_process(*, codec: str, codec_block: int, link: str, zstd: bool, chu
 def codec_ratio(codec: str, chunk_bytes: int, codec_block: int = 0) -> float:
     """fp32 bytes over frame bytes for one chunk of ``chunk_bytes`` of fp32 input, before zstd
     (``codec_block`` 0: the codec's default block)."""
-    import compress
+    from compress.codec_spec import CodecSpec
 
     count = max(chunk_bytes // 4, 1)
-    params = {"chunk" if codec == "topk" else "block_size": codec_block} if codec_block else {}  # as make_codec
-    return 4 * count / compress.get_codec(codec, **params).frame_size(count)
+    return 4 * count / CodecSpec(codec=codec, codec_block=codec_block).build().frame_size(count)

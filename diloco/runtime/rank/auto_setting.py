@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from compress.codec_spec import CodecSpec
 from diloco.engine.schedule import PacedSchedule, fixed_period
 from diloco.job import auto_choice
 from diloco.job.auto_choice import Choice
-from diloco.job.codec_config import make_codec
 from diloco.job.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device:
                           f"({dropped} fail its checks, e.g. SparseLoCo's tiles with --parallel fsdp)"
                           if dropped else "")) from None
     chosen = auto_choice.apply_choice(cfg, choice.setting).validate()
-    switch_codec(link, None, cfg, choice.setting)
+    switch_codec(link, None, cfg.transport.codec_spec(), choice.setting)
     link.auto = {"step_s_per_group": {str(g): s for g, s in steps.items()},
                  "table": f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"}
     _show(link, choice, bandwidth, version)
@@ -178,7 +178,7 @@ def join_setting(cfg: Config, link: Any, row: str, *, num_params: int, why: str,
     setting = running_setting(table, row, codec=None if codec_auto else cfg.transport.codec,
                               h=None if h_auto else cfg.sync.h)
     chosen = auto_choice.apply_choice(cfg, setting).validate()
-    switch_codec(link, None, chosen, setting)
+    switch_codec(link, None, chosen.transport.codec_spec(), setting)
     placeholder = Choice(setting, 0.0, 0.0, True, 0.0, 0.0, f"{setting.label}: {why}")
     link.auto = {"table": f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"}
     link.auto_choice = placeholder
@@ -231,7 +231,7 @@ class AutoSchedule:
     def take_setting(self, row: str) -> None:
         """A healer joins an exchange that runs setting ``row``: run its codec from that exchange
         on (the choice itself comes with the donor's state)."""
-        switch_codec(self.link, self.engine, self.cfg, running_setting(self.table, row))
+        switch_codec(self.link, self.engine, self.cfg.transport.codec_spec(), running_setting(self.table, row))
 
     def state_dict(self) -> dict:
         """The setting run now, the choice's numbers and the changes so far (plain values)."""
@@ -256,7 +256,7 @@ class AutoSchedule:
         self.codec_changes = [(int(a), str(b), float(c)) for a, b, c in state["codec_changes"]]
         self._seen_version, self._waiting = None, False
         if getattr(self.link.averager, "setting", row) != row:
-            switch_codec(self.link, self.engine, self.cfg, setting)
+            switch_codec(self.link, self.engine, self.cfg.transport.codec_spec(), setting)
         self.link.auto_choice = self.choice
         _show(self.link, self.choice, self.decided_bytes_per_s, -1)
         self._show_changes()
@@ -295,7 +295,7 @@ class AutoSchedule:
         self.link.averager.setting = new.row  # what the next exchanges ask their quorums with
         link_text = f"the slowest link moved to {8 * now / 1e6:.3g} Mbit/s (plan version {current[1]})"
         if new.codec_options != old.codec_options:
-            switch_codec(self.link, self.engine, self.cfg, new)
+            switch_codec(self.link, self.engine, self.cfg.transport.codec_spec(), new)
             self.codec_changes.append((step, new.label, now))
             log.warning("auto: %s: %s -> %s from the next exchange (step %d): %s", link_text, old.label, new.label,
                         step, choice.reason)
@@ -314,10 +314,11 @@ class AutoSchedule:
                                            for st, label, bw in self.codec_changes]
 
 
-def switch_codec(link: Any, engine: Any, cfg: Config, setting: auto_choice.Setting) -> None:
-    """Run ``setting``'s codec from the next exchange on: the averager's codec, and the engine's
-    residuals where error feedback starts or stops (``engine`` None: before the engine exists)."""
-    codec = make_codec(auto_choice.apply_choice(cfg, setting).transport)
+def switch_codec(link: Any, engine: Any, base: CodecSpec, setting: auto_choice.Setting) -> None:
+    """Run ``setting``'s codec (the job's codec options ``base`` with those the setting sets) from the
+    next exchange on: the averager's codec, and the engine's residuals where error feedback starts
+    or stops (``engine`` None: before the engine exists)."""
+    codec = setting.codec_spec(base).build()
     link.averager.set_codec(codec)
     link.averager.setting = setting.row
     if engine is not None:

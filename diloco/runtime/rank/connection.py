@@ -39,7 +39,6 @@ from diloco.coordinator.credentials import for_group
 from diloco.coordinator.waiting import waiting
 from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
 from diloco.exchange.quorum_averager import QuorumAverager
-from diloco.job.codec_config import make_codec
 from diloco.job.config import ConfigError, TransportConfig
 from diloco.runtime.rank.endpoint import (
     TOKEN_ENV,
@@ -86,7 +85,7 @@ def make_averager(t: TransportConfig, transport, membership, client, group: int,
     averager = QuorumAverager(
         transport, membership, client, group=group, rank=rank, incarnation=incarnation, heal=membership.heal,
         tokens_per_step=tokens_per_step, heartbeat_interval_s=heartbeat_timeout / 5,
-        codec=make_codec(t), timeout_s=t.timeout_s, plan_every=t.plan_every,
+        codec=t.codec_spec().build(), timeout_s=t.timeout_s, plan_every=t.plan_every,
         stripes_per_rank=t.stripes_per_rank, comm_device=device, process_group=process_group,
     )
     if not t.probe_bytes or len(addresses) < 2:
@@ -458,7 +457,7 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
     if codec is not None:
         t = dataclasses.replace(t, codec=codec)
     try:
-        make_codec(t)
+        t.codec_spec().build()
     except ValueError as e:
         raise ConfigError(f"codec {t.codec!r}: {e}") from None
     rank, size = _group_rank(process_group)

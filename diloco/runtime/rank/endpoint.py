@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import transport as transport_pkg
 from diloco.coordinator.credentials import group_token, parse_group_token
 from diloco.job.config import ConfigError, TransportConfig
 from transport.identity import GroupKeys
+from transport.link_spec import LinkSpec
 from transport.tls import TlsConfig
 
 SECRET_ENV = "DILOCO_SECRET"
@@ -105,20 +105,24 @@ def advertised_address(t: TransportConfig, local_rank: int) -> str | None:
 def make_transport(t: TransportConfig, secret: bytes | GroupKeys, local_rank: int = 0):
     """This rank's data-plane endpoint (tcp or grpc), listening on ``t.host`` (port ``--data-port`` +
     ``local_rank``, or one the kernel picks) and advertising ``advertised_address``, as configured."""
-    tls = TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None
-    port = t.data_port + local_rank if t.data_port else 0
-    options = dict(host=t.host, port=port, advertise=advertised_address(t, local_rank), secret=secret,
-                   timeout_s=t.timeout_s, tls=tls,
-                   allow_plaintext=t.plaintext, connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes,
-                   handshake_timeout_s=t.handshake_timeout, max_unauthenticated=t.max_unauthenticated,
-                   max_unauthenticated_per_source=t.max_unauthenticated_per_source,
-                   max_pending_bytes=t.max_pending_bytes)
+    return link_spec(t, local_rank).build(secret)
+
+
+def link_spec(t: TransportConfig, local_rank: int = 0) -> LinkSpec:
+    """The link settings of this rank's endpoint (``--link``, ``--data-plane`` and the endpoint's
+    flags): the one place a ``TransportConfig`` becomes a ``transport.link_spec.LinkSpec``."""
+    threads = 1
     if t.data_plane == "process":  # its codecs and sums get as many threads as this rank's own ops
         import torch
 
-        return transport_pkg.ProcessTransport(t.link, threads=torch.get_num_threads(), **options)
-    link = transport_pkg.TcpTransport if t.link == "tcp" else transport_pkg.GrpcTransport
-    return link(**options)
+        threads = torch.get_num_threads()
+    return LinkSpec(
+        link=t.link, host=t.host, port=t.data_port + local_rank if t.data_port else 0,
+        advertise=advertised_address(t, local_rank), timeout_s=t.timeout_s,
+        tls=TlsConfig(t.tls_cert, t.tls_key, t.tls_ca) if t.tls_cert else None, allow_plaintext=t.plaintext,
+        connections_per_peer=t.connections, chunk_bytes=t.chunk_bytes, handshake_timeout_s=t.handshake_timeout,
+        max_unauthenticated=t.max_unauthenticated, max_unauthenticated_per_source=t.max_unauthenticated_per_source,
+        max_pending_bytes=t.max_pending_bytes, data_plane=t.data_plane, threads=threads)
 
 
 def coordinator_tls(t: TransportConfig, coordinator: str) -> TlsConfig | None:

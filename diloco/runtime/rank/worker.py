@@ -33,13 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from compress.codec_spec import CodecSpec
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
-from diloco.engine.outer import by_name, co2
-from diloco.engine.schedule import FixedSchedule, PacedSchedule, QSRSchedule, SyncSchedule, TimeRounds
+from diloco.engine.schedule import SyncSchedule
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job import auto_choice
-from diloco.job.codec_config import make_final_codec
 from diloco.job.config import Config, ConfigError
 from diloco.job.task import (
     DEMO_ENTRY,
@@ -62,19 +61,7 @@ log = logging.getLogger(__name__)
 
 def make_schedule(cfg: Config) -> SyncSchedule:
     """The sync schedule a config asks for, capped at the run's total inner steps."""
-    s = cfg.sync
-    h_max = s.h_max or None
-    if s.round_seconds > 0:  # as many rounds as fixed H would run, each of round_seconds
-        return TimeRounds(s.round_seconds, math.ceil(cfg.train.steps / s.h))
-    if s.schedule == "qsr":
-        return QSRSchedule(
-            h_base=s.h, alpha=s.qsr_alpha_for(cfg.inner.lr), gamma=s.qsr_gamma,
-            warmup_steps=cfg.inner.warmup_steps, total_steps=cfg.train.steps, h_max=h_max,
-        )
-    if s.schedule == "paced":
-        return PacedSchedule(s.h, cfg.train.steps, gamma=s.paced_gamma, lr_schedule=cfg.inner.lr_schedule,
-                             min_ratio=cfg.inner.min_lr_ratio)
-    return FixedSchedule(s.h, total_steps=cfg.train.steps, h_max=h_max)
+    return cfg.schedule_spec().build()
 
 
 def make_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
@@ -101,19 +88,20 @@ def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, ave
     s, o = cfg.sync, cfg.outer
     if s.mode == "dp":
         return DataParallelAcrossGroups(model, averager, initial_sync=cfg.train.initial_sync)
-    if s.mode == "co2":
-        penalty = o.co2_penalty if o.co2_penalty == "adaptive" else float(o.co2_penalty)
-        outer = co2(o.co2_lr, o.co2_momentum, o.co2_clip, penalty)
-    else:
-        outer = by_name(o.optimizer, o.outer_lr(s.mode), o.outer_momentum(s.mode), beta=o.sparseloco_beta)
+    rule = o.spec()
     split = None if s.fragments == 1 else (fragments(model, s.fragments) if fragments else s.fragments)
     return DiLoCo(
         model, inner, averager=averager, sync_every=schedule or make_schedule(cfg), mode=s.mode, fragments=split,
-        overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=o.merge_alpha(s.mode),
-        outer_optimizer=outer, global_device="cpu" if o.device == "cpu" else "model",
+        overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=rule.alpha_for(s.mode),
+        outer_optimizer=rule.build(s.mode), global_device="cpu" if o.device == "cpu" else "model",
         initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote(), clock=clock,
-        final_codec=make_final_codec(cfg.transport), residual_decay=o.residual_decay,
+        final_codec=_built(cfg.transport.codec_spec().final()), residual_decay=o.residual_decay,
     )
+
+
+def _built(spec: CodecSpec | None):
+    """The codec a spec names, or None for no spec."""
+    return None if spec is None else spec.build()
 
 
 def _group_round_vote():
