@@ -89,6 +89,8 @@ def _sample(section: str, f: dataclasses.Field) -> tuple[str, object]:
         return ("yes", True) if not default else ("off", False)
     if f.type == "str":
         return "x,y", "x,y"
+    if f.type == "int | str":  # --h: a number or 'auto'
+        return ("auto", "auto") if default != "auto" else ("7", 7)
     step = {"int": 3, "float": 0.5}[f.type]
     return str(default + step), default + step
 
