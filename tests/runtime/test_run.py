@@ -164,7 +164,9 @@ def test_a_group_killed_with_no_restarts_left_stops_every_process(tmp_path):
             victims = [p for p in victims if "--group-id 1" in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
         time.sleep(0.5)
     assert victims, "group 1 never started"
-    time.sleep(8)  # let training begin
+    while time.monotonic() < deadline + 60 and "committed data samples" not in log.read_text(errors="replace"):
+        time.sleep(0.2)  # let training begin: group 1 committed an exchange
+    assert "committed data samples" in log.read_text(errors="replace"), "group 1 never trained"
     for p in victims:
         try:
             os.kill(p, 9)

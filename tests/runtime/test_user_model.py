@@ -120,7 +120,9 @@ def test_connect_gives_probes_plans_metrics_round_reports_and_summaries():
 
 
 def test_the_python_api_example_runs_as_two_processes():
-    env = {**os.environ, "DILOCO_SECRET": secrets.token_hex(32), "DILOCO_TOKEN": "t0ken"}
+    # one intra-op thread per process, as diloco run gives each worker: torch's default (every core)
+    # in two processes on a 2-core host made the example's 40 tiny steps take most of the test
+    env = {**os.environ, "DILOCO_SECRET": secrets.token_hex(32), "DILOCO_TOKEN": "t0ken", "OMP_NUM_THREADS": "1"}
     with CoordinatorServer(expected_groups=2, token="t0ken") as server:
         procs = [subprocess.Popen([sys.executable, str(REPO / "examples" / "train_api.py"),
                                    "--coordinator", server.address, "--group", str(g), "--steps", "40", "--h", "10"],
