@@ -42,7 +42,7 @@ class _Link:
 
 def _auto_config() -> Config:
     cfg = Config()
-    cfg.topology.groups, cfg.transport.codec, cfg.sync.h, cfg.transport.probe_bytes = 2, "auto", -1, 4096
+    cfg.topology.groups, cfg.transport.codec, cfg.sync.h, cfg.transport.probe_bytes = 2, "auto", ac.AUTO_H, 4096
     return cfg.validate()
 
 
