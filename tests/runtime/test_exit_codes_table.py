@@ -241,12 +241,25 @@ def test_ctrl_c_to_a_coordinator_before_the_job_finished_is_130():
 
 
 @pytest.mark.timeout(120)
+def _wait_for_sigterm_handler(pid: int, timeout_s: float = 30.0) -> None:
+    """Until process ``pid`` catches SIGTERM (its SigCgt mask in /proc): before, the interpreter
+    itself is still starting, and no program of its own can handle the signal."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} installed no SIGTERM handler in {timeout_s} s")
+
+
 def test_a_sigterm_while_the_coordinator_starts_is_restart_me_not_a_dropped_signal():
     """SIGTERM as soon as the process runs (a pod deleted while it starts): a container's PID 1
     without a handler drops it and is SIGKILLed (137, counted); diloco exits 75 at once instead."""
     proc = subprocess.Popen([sys.executable, "-m", "diloco", "coordinator", "--port", "0", "--groups", "2",
                              "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # the interpreter is up; the coordinator (grpc, its state) is still being imported
+    _wait_for_sigterm_handler(proc.pid)  # diloco's first line ran; the coordinator is still being imported
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == exit_codes.RESTART, (proc.returncode, err[-2000:])
