@@ -10,6 +10,7 @@ interface): that is how these tests tell a bound store from one on every interfa
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -101,7 +102,8 @@ def test_diloco_torchrun_binds_its_stores_and_the_workers_gloo_to_the_local_addr
                            "--nproc-per-node=2", "--max-restarts=0", "--monitor-interval=0.2", str(script)],
                           capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    seen = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("SEEN ")]
+    # the two ranks share the agent's stdout: their lines may run into each other
+    seen = [json.loads(found) for found in re.findall(r"SEEN (\{[^{}]*\})", proc.stdout)]
     assert sorted(s["rank"] for s in seen) == [0, 1], proc.stdout
     loopback = agent.interface_of("127.0.0.1")
     for s in seen:
