@@ -21,13 +21,14 @@ callers' calls are still answered at once.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from concurrent import futures
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import grpc
+
+from transport.addresses import is_loopback
 
 from . import credentials
 from .credentials import ADMIN_ONLY, GROUP_FIELDS, GROUP_HEADER, Caller
@@ -72,16 +73,6 @@ def read_tls(tls: PemFiles) -> tuple[bytes, bytes, bytes]:
         return tls.read_pem()
     except OSError as exc:
         raise ValueError(f"coordinator TLS: cannot read {exc.filename}: {exc.strerror}") from None
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP literals (the same rule as the data plane's)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(host: str, *, token: str | None, tls: PemFiles | None, allow_insecure: bool) -> None:
