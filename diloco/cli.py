@@ -354,18 +354,6 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         address = server.start()
     except CoordinatorError as e:
         raise config_mod.ConfigError(f"--host/--port: {e}") from None
-    print(f"diloco coordinator listening on {address} for {args.groups} groups", flush=True)
-    http = None
-    if args.metrics_port:
-        try:
-            http = coordinator_metrics.serve(server, host=args.host, port=args.metrics_port,
-                                             token=os.environ.get("DILOCO_TOKEN") or None,
-                                             certificates=server.tls_certificates)
-        except OSError as e:
-            server.stop(grace_s=0)
-            raise config_mod.ConfigError(f"--metrics-port {args.metrics_port} on {args.host}: {e}") from None
-        print(f"diloco coordinator metrics and status on http://{args.host}:{http.port} "
-              "(/metrics, /status, /healthz)", flush=True)
     stop = threading.Event()
     signals: list[int] = []
 
@@ -376,7 +364,18 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     finished = False
-    try:
+    http = None
+    try:  # from the first line a user sees, Ctrl-C ends it as below
+        print(f"diloco coordinator listening on {address} for {args.groups} groups", flush=True)
+        if args.metrics_port:
+            try:
+                http = coordinator_metrics.serve(server, host=args.host, port=args.metrics_port,
+                                                 token=os.environ.get("DILOCO_TOKEN") or None,
+                                                 certificates=server.tls_certificates)
+            except OSError as e:  # the finally below stops the server
+                raise config_mod.ConfigError(f"--metrics-port {args.metrics_port} on {args.host}: {e}") from None
+            print(f"diloco coordinator metrics and status on http://{args.host}:{http.port} "
+                  "(/metrics, /status, /healthz)", flush=True)
         summaries = wait_for_job(server, stop)
         if summaries is not None:
             finished = True
