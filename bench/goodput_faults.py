@@ -29,8 +29,9 @@ the job would lose almost nothing to a dead group, which real groups in their ow
 Faults (``--kinds``): kills, and stalls (``--stall-seconds`` of SIGSTOP of a random group's whole
 process tree, then SIGCONT: its links stay open and carry nothing, and it stops heartbeating, as a
 hung host or a stalled link would look to the others; longer than the heartbeat timeout, so the
-group is declared failed, wakes evicted, restarts and heals). ``downtime_s_per_kill`` covers both
-kinds. Corrupting links (kind ``corrupt``): ``diloco run``'s drill puts a relay
+group is declared failed; it heals when it wakes: in place, in the same process, for a group of
+one rank). ``downtime_s_per_kill`` (to the group's next step) and ``recovery_s_per_fault`` (to its
+next commit) cover both kinds. Corrupting links (kind ``corrupt``): ``diloco run``'s drill puts a relay
 (``transport.FaultProxy``) in front of every group's data plane (``diloco.runtime.launch.link_relays``),
 and a fault flips one bit of what a random group receives next: the frame fails its check, that
 exchange rolls back and runs again; nothing restarts.
@@ -178,6 +179,21 @@ def downtimes(kills: list[tuple[float, int]], traces: dict[int, list[float]], se
     return out
 
 
+def recoveries(faults: list[tuple[float, int]], commits: list[Commit], settle_s: float = 0.5) -> list[float]:
+    """Per fault (unix time s, group): seconds from the fault to the group's first range committed
+    after it (``commits``: ``commits_from_logs``), i.e. until it adds to the job again. Unlike
+    ``downtimes`` this covers what follows a freeze: the step the group runs when it wakes, being
+    declared failed, its heal, its first round. A commit logged within ``settle_s`` after ``t``
+    (the round the fault's victim had finished) does not count. A fault with no commit of its
+    group after it is left out (the list is then shorter than the faults)."""
+    out = []
+    for t, g in faults:
+        after = [c[0] for c in commits if c[1] == g and c[0] > t + settle_s]
+        if after:
+            out.append(min(after) - t)
+    return out
+
+
 def ledger_counts(ranges: dict[int, list[tuple[int, int]]]) -> dict[str, int]:
     """Samples committed, counted twice and left out over every group (``check_ledger``)."""
     checks = check_ledger(ranges).values()
@@ -259,6 +275,7 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
     traces = {int(p.name.split("-")[1]): sorted(float(x) for x in p.read_text().split())
               for p in (d / "trace").glob("group-*-rank-0.txt")}
     down = downtimes(kills, traces)
+    back = recoveries(kills, commits)
     f = s["fault"]
     stalls = f["stall_seconds"]
     rec = {
@@ -272,6 +289,7 @@ def fault_record(name: str, kw: dict, cfg: Config, s: dict, d: Path) -> dict:
         "committed_rounds": f["committed"], "stalls": len(stalls), "stall_s_sum": sum(stalls),
         "stall_s_median": statistics.median(stalls) if stalls else 0.0, "stall_s_max": max(stalls, default=0.0),
         "downtime_s_per_kill": down, "downtime_s_median": statistics.median(down) if down else None,
+        "recovery_s_per_fault": back, "recovery_s_median": statistics.median(back) if back else None,
         "committed_samples": counts["committed"], "committed_tokens": counts["committed"] * tokens_per_sample,
         "samples_twice": counts["twice"], "samples_left_out": counts["left_out"],
         "data_per_group": s.get("data_per_group"), "eval_loss": s["eval_loss"],
@@ -357,6 +375,8 @@ def run_pair(args, interval: float | None, run: Callable, chaos: Callable, repea
                                                                      tokens_per_sample=fault["tokens_per_sample"])}
     # group-time the faulty job's groups spent down (kill to first step after it) over its groups' window
     pair["downtime_share"] = sum(fault["downtime_s_per_kill"]) / (args.groups * pair["window_s"])
+    # the same, fault to the group's next commit (a frozen group's wake-up, eviction and heal included)
+    pair["recovery_share"] = sum(fault["recovery_s_per_fault"]) / (args.groups * pair["window_s"])
     # the exchanges a failure disturbed, first request to commit, over the window: every group waited
     pair["stall_share"] = fault["stall_s_sum"] / pair["window_s"]
     if args.equal_tokens and interval is not None:
@@ -368,7 +388,8 @@ def run_pair(args, interval: float | None, run: Callable, chaos: Callable, repea
     print(f"  -> goodput {100 * pair['goodput']:.1f} % of the fault-free twin over {pair['window_s']:.0f} s; "
           f"eval loss {100 * pair['eval_loss_vs_free_at_equal_steps']:+.2f} % at equal steps "
           f"({100 * pair['tokens_vs_free']:+.1f} % tokens); restarts kept groups down "
-          f"{100 * pair['downtime_share']:.1f} % of the group-time, stalls "
+          f"{100 * pair['downtime_share']:.1f} % of the group-time (to their next commit: "
+          f"{100 * pair['recovery_share']:.1f} %, median {fault['recovery_s_median']} s), stalls "
           f"{100 * pair['stall_share']:.1f} % of the window", flush=True)
     for rec in (fault, free):
         rec["commits"] = len(rec["commits"])  # the count in the JSON; the times were used above

@@ -78,6 +78,12 @@ def test_downtime_is_from_the_last_step_before_a_kill_to_the_first_after():
     assert gf.downtimes([(3.5, 2), (1.2, 5), (10.0, 5)], traces) == [27.0, 1.0]  # group 5 never came back
 
 
+def test_recovery_is_from_the_fault_to_the_groups_next_commit():
+    commits = [(1.0, 2, 0, 8), (3.2, 2, 8, 16), (9.0, 0, 0, 8), (12.0, 2, 16, 24), (13.0, 2, 24, 32)]
+    # group 2's commit at 3.2 s: the round it had finished when frozen at 3.0 s; group 5 never commits
+    assert gf.recoveries([(3.0, 2), (2.0, 0), (4.0, 5)], commits) == [9.0, 7.0]
+
+
 def test_ledger_counts_name_samples_twice_and_left_out():
     assert gf.ledger_counts({0: [(0, 10), (10, 20)], 1: [(0, 5)]}) == {"committed": 25, "twice": 0, "left_out": 0}
     assert gf.ledger_counts({0: [(0, 10), (5, 20)], 1: [(5, 8)]}) == {"committed": 28, "twice": 5, "left_out": 5}
@@ -112,6 +118,7 @@ def test_the_case_drills_only_the_faulty_job_of_each_pair_and_keeps_other_interv
             out[name] = {"commits": [(float(t), 0, t * per_s, (t + 1) * per_s) for t in range(1, 11)],
                          "eval_loss": 2.0, "committed_tokens": 10 * per_s * 32, "tokens_per_sample": 32,
                          "kills": 3 if "chaos" in kw else 0, "downtime_s_per_kill": [4.0, 5.0],
+                         "recovery_s_per_fault": [5.0, 6.0], "recovery_s_median": 5.5,
                          "stall_s_sum": 0.9, "samples_twice": 0, "samples_left_out": 0}
         return out
 
@@ -262,7 +269,7 @@ def test_repeats_run_each_intervals_pair_again_and_the_summary_spans_them():
                                    in kw else 100)) for t in range(1, 11)],
                        "eval_loss": 2.0, "committed_tokens": 11 * 100 * 32, "tokens_per_sample": 32,
                        "kills": 2 if "chaos" in kw else 0, "frozen": 1 if "chaos" in kw else 0,
-                       "downtime_s_per_kill": [], "stall_s_sum": 0.0, "samples_twice": 0, "samples_left_out": 0}
+                       "downtime_s_per_kill": [], "recovery_s_per_fault": [], "recovery_s_median": None, "stall_s_sum": 0.0, "samples_twice": 0, "samples_left_out": 0}
                 for name, kw in jobs.items()}
 
     args = argparse.Namespace(groups=4, intervals="30", faults=3, fault_steps=0, pace_ms=50.0, fault_h=20,

@@ -62,3 +62,28 @@ def test_corrupt_faults_need_groups_of_one_rank():
 
     assert cli.main(["run", "--groups", "2", "--ranks-per-group", "2", "--chaos", "1", "--chaos-kinds", "corrupt",
                      "--steps", "10", "--no-progress"]) == 2
+
+
+def test_a_frozen_group_of_one_rank_heals_in_place_without_a_restart(tmp_path):
+    """``--chaos-kinds stall``: a group frozen (SIGSTOP) for 2-3 heartbeat timeouts is declared
+    failed; when it wakes, its process joins the job again and heals from a live group, with no
+    exit and no restart; the groups end identical and every sample is trained once."""
+    import json
+
+    from diloco import cli
+
+    out, run = tmp_path / "summary.json", tmp_path / "run"
+    code = cli.main(["run", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
+                     "--eval-batches", "2", "--groups", "3", "--ranks-per-group", "1", "--steps", "1200", "--h", "10",
+                     "--chaos", "1", "--chaos-kinds", "stall", "--heartbeat-timeout", "1", "--quorum-grace", "0.5",
+                     "--timeout", "5", "--probe-bytes", "0", "--no-progress", "--json", str(out), "--run-dir", str(run)])
+    assert code == 0
+    s = json.loads(out.read_text())
+    f = s["fault"]
+    assert f["frozen"] == 1 and f["failures"] >= 1 and f["heals"] >= 1, f
+    assert f["restarts"] == f["kills"] == 0, f  # the same process healed: no exit, no restart
+    logs = "".join(p.read_text() for p in run.glob("group-*.log"))
+    assert "healing in place" in logs and "left the job" not in logs
+    assert not list(run.glob("group-*.restart-*.log"))
+    assert s["params_identical"]
+    assert all(d["twice"] == 0 and d["left_out"] == 0 for d in s["data_per_group"].values())

@@ -40,9 +40,10 @@ class DataFeed:
         if self.positions is None:
             return
         if self.source is None:
-            log.warning("group %d: healed with a plain train_batches iterator, which starts again from its first "
-                        "batch (its samples are trained twice); a diloco.job.data_source.DataSource continues at "
-                        "the group's committed position", self.group)
+            log.warning("group %d: healed with a plain train_batches iterator, which cannot go back to the group's "
+                        "committed position (a new process starts it again from its first batch, a heal in place "
+                        "goes on from where it was: samples trained twice or skipped); a "
+                        "diloco.job.data_source.DataSource continues at the group's committed position", self.group)
             return
         seek(self.source, self.positions.committed_samples())
         if self.rank == 0:  # rank 0 keeps the group's ledger

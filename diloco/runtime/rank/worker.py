@@ -203,48 +203,73 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         auto = any(auto_choice.is_auto(cfg))  # the codec until it is decided: fp32 (the decision's exchange is exact)
         settings = dataclasses.replace(cfg.transport, codec="fp32") if cfg.transport.codec == auto_choice.AUTO else \
             cfg.transport
-        link = connect(coordinator, group, secret=secret, settings=settings, metrics_port=cfg.train.metrics_port,
-                       heartbeat_timeout=cfg.fault.heartbeat_timeout)
-        link.progress_every_s = cfg.train.progress_every
-        joined = time.monotonic()
-        if resume is not None and resume_unless_healing:
-            if link.membership.heal:
-                log.info("the job is running: group %d heals from a live group (its checkpoints in %s are not "
-                         "read)", group, resume)
-            else:  # the job (re)starts here: every group resumes from its checkpoints
-                point = job_checkpoint.find(resume, group=group)
-                restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
-        schedule = None  # --codec/--h auto joining a running job or resuming one: built before the engine
-        if auto:
-            num_params = sum(p.numel() for p in group_parallel.bare(ddp).parameters())
-            running = _running_auto_setting(restored, link, group)
-            if running is None:  # every group starts: measure, agree, decide
-                cfg, _ = auto_setting.decide(cfg, link, model=ddp, task=task, device=device, group=group,
-                                             num_params=num_params)
-            else:
-                cfg, schedule = auto_setting.join_setting(cfg, link, running[0], num_params=num_params, why=running[1],
-                                                          base_schedule=make_schedule)
-        try:
-            # a group joining a running job heals here
-            engine = make_engine(cfg, model, inner, link, task.fragments, schedule=schedule)
-            if auto and schedule is None:
-                auto_setting.install_auto_schedule(engine, link, cfg)  # what auto chose follows the re-probed link
-            _log_startup(started, built, joined, healed=link.membership.heal)
-        except JobFinished as e:
-            late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
-            if rank == 0:
-                link.averager.call_coordinator("summary", lambda: link.client.report_summary(group, late))
-            return late
-        if restored is not None:  # every group resumes from the same step, or all refuse
-            rank_state.agree_on_step(link, restored.step, tag=f"resume/{restored.step}")
-            log.info("resumed from %s at step %d", restored.path.parent, restored.step)
-        return train_loop.train(cfg, group, rank, device, ddp, task, inner, engine, link, restored)
+        job_cfg, heals = cfg, 0
+        while True:  # a single-rank group declared failed heals in place: it joins again (see below)
+            link = connect(coordinator, group, secret=secret, settings=settings, metrics_port=cfg.train.metrics_port,
+                           heartbeat_timeout=cfg.fault.heartbeat_timeout)
+            link.progress_every_s = cfg.train.progress_every
+            joined = time.monotonic()
+            if resume is not None and resume_unless_healing:
+                if link.membership.heal:
+                    log.info("the job is running: group %d heals from a live group (its checkpoints in %s are not "
+                             "read)", group, resume)
+                else:  # the job (re)starts here: every group resumes from its checkpoints
+                    point = job_checkpoint.find(resume, group=group)
+                    restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
+            schedule = None  # --codec/--h auto joining a running job or resuming one: built before the engine
+            if auto:
+                num_params = sum(p.numel() for p in group_parallel.bare(ddp).parameters())
+                running = _running_auto_setting(restored, link, group)
+                if running is None:  # every group starts: measure, agree, decide
+                    cfg, _ = auto_setting.decide(cfg, link, model=ddp, task=task, device=device, group=group,
+                                                 num_params=num_params)
+                else:
+                    cfg, schedule = auto_setting.join_setting(cfg, link, running[0], num_params=num_params,
+                                                              why=running[1], base_schedule=make_schedule)
+            try:
+                # a group joining a running job heals here
+                engine = make_engine(cfg, model, inner, link, task.fragments, schedule=schedule)
+                if auto and schedule is None:
+                    auto_setting.install_auto_schedule(engine, link, cfg)  # what auto chose follows the re-probed link
+                _log_startup(started, built, joined, healed=link.membership.heal)
+            except JobFinished as e:
+                late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
+                if rank == 0:
+                    link.averager.call_coordinator("summary", lambda: link.client.report_summary(group, late))
+                return late
+            if restored is not None:  # every group resumes from the same step, or all refuse
+                rank_state.agree_on_step(link, restored.step, tag=f"resume/{restored.step}")
+                log.info("resumed from %s at step %d", restored.path.parent, restored.step)
+            try:
+                return train_loop.train(cfg, group, rank, device, ddp, task, inner, engine, link, restored)
+            except GroupEvicted as e:
+                if not heals_in_place(world, heals, cfg.fault.max_restarts):
+                    raise
+                heals += 1
+                log.warning("group %d was declared failed (%s): healing in place (%d of --max-restarts %d): this "
+                            "process joins the job again and takes a live group's state, as a restart would, "
+                            "without one", group, e, heals, cfg.fault.max_restarts)
+                engine.abandon()
+                link.close(failed=True)
+                link = None
+                started = built = time.monotonic()
+                cfg, restored, resume = job_cfg, None, None
+                inner = make_inner_optimizer(cfg, model)  # a fresh one, as a restarted group's
     finally:
         if sigterm_handler is not None:
             signal.signal(signal.SIGTERM, sigterm_handler)
         if link is not None:
             link.close()
         dist.destroy_process_group()
+
+
+def heals_in_place(group_size: int, heals: int, max_heals: int) -> bool:
+    """Whether a group declared failed while it trained (a freeze, a pause longer than the
+    heartbeat timeout) joins the job again in the same process instead of exiting 75 to be
+    restarted: only a group of one rank (the ranks of a larger group would have to agree to,
+    and a restart by torchrun's agent keeps them in step), and at most ``max_heals`` times
+    (``--max-restarts``; then it exits 75 and its supervisor decides)."""
+    return group_size == 1 and heals < max_heals
 
 
 def _log_startup(started: float, built: float, joined: float, *, healed: bool) -> None:
