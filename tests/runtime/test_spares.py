@@ -72,12 +72,18 @@ def test_a_spare_imports_the_jobs_task_module_ahead_and_serves_even_when_it_cann
 
     (tmp_path / "warm_probe_entry.py").write_text("def task(ctx):\n    raise AssertionError('never called')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    import transport.link_spec
+
+    links = []
+    monkeypatch.setattr(transport.link_spec, "link_class", lambda name: links.append(name))
     cfg = Config()
     cfg.train.entry = "warm_probe_entry:task"
+    cfg.transport.link = "grpc"
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_dict()))
     assert "warm_probe_entry" not in sys.modules
     assert spare.warm(str(path)) == [] and "warm_probe_entry" in sys.modules and "torch._dynamo" in sys.modules
+    assert links == ["grpc"]  # the job's link type, with the ring beneath it
     cfg.train.entry = "warm_probe_missing:task"
     path.write_text(json.dumps(cfg.to_dict()))
     (problem,) = spare.warm(str(path))

@@ -53,7 +53,8 @@ def _read_assignment(line: str) -> dict[str, Any]:
 def warm(config_path: str | None) -> list[str]:
     """Import what a worker of the job in ``config_path`` (``diloco run``'s resolved config, JSON)
     would import as it starts: torch.distributed, the worker, ``torch._dynamo`` (DDP's constructor
-    imports it), the task's entry module and, for the bundled corpus, its package. Returns what
+    imports it), the job's link type (``--link``: its module and the ring beneath it), the task's
+    entry module and, for the bundled corpus, its package. Returns what
     could not be warmed, one line each: the worker meets and reports it when it starts."""
     import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -65,9 +66,11 @@ def warm(config_path: str | None) -> list[str]:
     from diloco.demo import data
     from diloco.job.config_parse import from_dict
     from diloco.job.task import DEMO_ENTRY, load_entry
+    from transport.link_spec import link_class
 
     try:
         cfg = from_dict(json.loads(Path(config_path).read_text()))
+        link_class(cfg.transport.link)  # the link's module and the ring, framing and auth beneath it
         load_entry(cfg.train.entry or DEMO_ENTRY)
         if not cfg.data.path:
             data.shakespeare_dir()
