@@ -81,7 +81,7 @@ def make_inner_optimizer(i: InnerConfig, model: nn.Module) -> torch.optim.Optimi
 
 def make_engine(model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None, *, sync: SyncConfig,
                 outer: OuterSpec, outer_device: str, schedule: SyncSchedule, final_codec: CodecSpec | None,
-                initial_sync: bool, clock: Callable[[], float] = time.monotonic):
+                initial_sync: bool, clock: Callable[[], float] = time.monotonic) -> DiLoCo | DataParallelAcrossGroups:
     """The engine the specs ask for: ``DiLoCo`` in ``sync``'s mode (the config's ``sync`` section), or
     data parallel. ``outer``: the outer rule (``OuterConfig.spec()``), its fp32 global copy on
     ``outer_device`` (``--outer-device``); ``schedule``: the sync schedule (``Config.schedule_spec().build()``);
