@@ -33,7 +33,7 @@ from diloco.job.task import Task, TaskContext  # noqa: E402
 from diloco.runtime.launch.summary import bits_per_param_per_step  # noqa: E402
 from diloco.runtime.rank.endpoint import group_keys, make_transport  # noqa: E402
 from diloco.runtime.rank.train_loop import evaluate, train
-from diloco.runtime.rank.worker import make_engine, make_inner_optimizer  # noqa: E402
+from diloco.runtime.rank.worker import engine_options, make_engine, make_inner_optimizer  # noqa: E402
 
 ENTRY = "bench.convergence_run:study_task"  # this file, importable with the repository root on the path
 EVAL_BATCH = 16  # sequences per eval batch, whatever a row's batch per group
@@ -201,7 +201,7 @@ def run_in_process(cfg: Config) -> dict:
                               args={}, config=cfg)
             task = study_task(ctx)  # what build_task(cfg.train.entry, ctx) returns, without the import
             tasks.append(task)
-            inners.append(make_inner_optimizer(cfg, task.model))
+            inners.append(make_inner_optimizer(cfg.inner, task.model))
             rec = _Recorder(g, transports[g], task)
             rec.every = cfg.train.log_every
             recorders.append(rec)
@@ -217,7 +217,7 @@ def run_in_process(cfg: Config) -> dict:
 
         def group_thread(g: int) -> None:
             try:
-                engine = make_engine(cfg, tasks[g].model, inners[g], averagers[g], tasks[g].fragments)
+                engine = make_engine(tasks[g].model, inners[g], averagers[g], tasks[g].fragments, **engine_options(cfg))
                 recorders[g].engine = engine
                 # groups other than 0 skip the evals, as ranks other than 0 do in a real job
                 summaries[g] = train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],

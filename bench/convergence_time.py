@@ -48,7 +48,7 @@ from bench.convergence_run import (
 from diloco.engine.averaging import InProcessGroups
 from diloco.job.task import TaskContext
 from diloco.runtime.rank.train_loop import train
-from diloco.runtime.rank.worker import make_engine, make_inner_optimizer
+from diloco.runtime.rank.worker import engine_options, make_engine, make_inner_optimizer
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "convergence.json"
 
@@ -163,7 +163,7 @@ def run_time_row(cfg, row: TimeRow) -> dict:
         task = study_task(ctx)
         task.loss = _timed_loss(task.loss, clocks[g], row.speeds[g])
         tasks.append(task)
-        inners.append(make_inner_optimizer(cfg, task.model))
+        inners.append(make_inner_optimizer(cfg.inner, task.model))
         link = _Link(g, None, task)
         links.append(link)
         member = _ClockedMember(groups.member(g), clocks[g], posted, lock)
@@ -176,7 +176,8 @@ def run_time_row(cfg, row: TimeRow) -> dict:
         try:
             timed = copy.deepcopy(cfg)
             timed.sync.round_seconds = seconds if row.timed else 0.0  # TimeRounds(seconds, ceil(steps / H))
-            engine = make_engine(timed, tasks[g].model, inners[g], members[g], tasks[g].fragments, clock=clocks[g])
+            engine = make_engine(tasks[g].model, inners[g], members[g], tasks[g].fragments, clock=clocks[g],
+                                 **engine_options(timed))
             links[g].engine = engine
             summaries[g] = train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
                                   engine, links[g])

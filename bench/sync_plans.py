@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     syncs = -(-cfg.train.steps // row.h)  # what the fixed H runs
     points = plan_points(a.plan, steps=cfg.train.steps, syncs=syncs, lr_schedule=cfg.inner.lr_schedule,
                          min_ratio=cfg.inner.min_lr_ratio)
-    worker.make_schedule = lambda _cfg: PlannedSyncs(points)  # make_engine takes its schedule from here
+    worker.make_schedule = lambda _cfg: PlannedSyncs(points)  # engine_options (make_engine's schedule) reads it here
     torch.set_num_threads(1)
     rec = make_record(size, row, a.seed, cfg, run_in_process(cfg))
     out = {"plan": a.plan, "row": a.row, "size": a.size, "seed": a.seed, "eval_loss": rec["eval_loss"],

@@ -55,7 +55,7 @@ def test_a_schedule_loaded_from_a_donors_state_decides_as_the_donor_does():
 
     def schedule(link, choice, **kw):
         return AutoSchedule(FixedSchedule(choice.setting.h, total_steps=10_000), link, choice, table, num_params=n,
-                            step_s=step, groups=2, cfg=cfg, codec_fixed=False, **kw)
+                            step_s=step, groups=2, codec=cfg.transport.codec_spec(), codec_fixed=False, **kw)
 
     donor = schedule(donor_link, start)
     donor_link.pin(2, 2e4)  # a slow link: another codec and H

@@ -282,7 +282,7 @@ def test_with_codec_auto_groups_switch_codec_and_h_at_the_same_exchange_and_stay
         model = models[i]
         engine = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), averager=members[i], sync_every=100)
         engine.schedule = AutoSchedule(engine.schedule, links[i], start, table, num_params=n, step_s=0.1, groups=2,
-                                       engine=engine, cfg=Config(), codec_fixed=False, h_fixed=False)
+                                       engine=engine, codec=Config().transport.codec_spec(), codec_fixed=False, h_fixed=False)
         return engine
 
     engines = build_in_threads(make, 2)

@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -164,15 +163,14 @@ def running_setting(table: auto_choice.AutoTable, row: str, *, codec: str | None
     return setting
 
 
-def join_setting(cfg: Config, link: Any, row: str, *, num_params: int, why: str,
-                 base_schedule: Callable[[Config], Any]) -> tuple[Config, AutoSchedule]:
+def join_setting(cfg: Config, link: Any, row: str, *, num_params: int, why: str) -> tuple[Config, AutoSchedule]:
     """``--codec auto`` / ``--h auto`` in a group that joins a running job (it heals) or resumes one
     from its checkpoints: no measurement and no new decision; the group runs the setting the job
     runs (``row``: the coordinator's, or the checkpoint's), and the engine's state, as it is
     loaded (the donor's or the checkpoint's), brings the choice's numbers and the changes so far.
     Returns the config to build the engine with and the schedule to build it with (waiting for
-    that state). ``why``: where ``row`` comes from, for the log. ``base_schedule(cfg)``: the
-    schedule a config of fixed H runs (its total steps and cap are kept)."""
+    that state), around the chosen config's own schedule (its total steps and cap are kept).
+    ``why``: where ``row`` comes from, for the log."""
     codec_auto, h_auto = auto_choice.is_auto(cfg)
     table = runnable_table(cfg, auto_choice.load_table())
     setting = running_setting(table, row, codec=None if codec_auto else cfg.transport.codec,
@@ -182,9 +180,9 @@ def join_setting(cfg: Config, link: Any, row: str, *, num_params: int, why: str,
     placeholder = Choice(setting, 0.0, 0.0, True, 0.0, 0.0, f"{setting.label}: {why}")
     link.auto = {"table": f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"}
     link.auto_choice = placeholder
-    schedule = AutoSchedule(base_schedule(chosen), link, placeholder, table, num_params=num_params, step_s=0.0,
-                            groups=cfg.topology.groups, cfg=chosen, codec_fixed=not codec_auto, h_fixed=not h_auto,
-                            waiting=True)
+    schedule = AutoSchedule(chosen.schedule_spec().build(), link, placeholder, table, num_params=num_params,
+                            step_s=0.0, groups=cfg.topology.groups, codec=chosen.transport.codec_spec(),
+                            codec_fixed=not codec_auto, h_fixed=not h_auto, waiting=True)
     link.averager.on_setting = schedule.take_setting
     link.auto_schedule = schedule
     log.info("auto: this group joins the job on %s (%s); the rest of the choice comes with the engine's state",
@@ -196,7 +194,8 @@ class AutoSchedule:
     """A ``SyncSchedule`` whose H, and with ``--codec auto`` the codec, follow the link (see the
     module doc); wraps the run's fixed schedule and keeps its total steps. ``engine``: the
     engine it schedules (its residuals follow the codec; None: H only, or bound as the engine is
-    built, ``bind``). ``cfg``: the config the job runs (what a new codec is built from).
+    built, ``bind``). ``codec``: the codec options the job runs (the chosen config's
+    ``TransportConfig.codec_spec()``: what a new codec is built from).
     ``codec_fixed`` / ``h_fixed``: what the user fixed (``--codec X --h auto``, ``--codec auto --h N``).
 
     Its state (``state_dict``: the setting, the link it was decided on, the changes) is part of the
@@ -204,13 +203,13 @@ class AutoSchedule:
     built before that state is loaded (a healer, a resume): nothing is re-decided until it is."""
 
     def __init__(self, base: Any, link: Any, choice: Choice, table: auto_choice.AutoTable, *, num_params: int,
-                 step_s: float, groups: int, engine: Any = None, cfg: Config | None = None,
+                 step_s: float, groups: int, engine: Any = None, codec: CodecSpec | None = None,
                  codec_fixed: bool = True, h_fixed: bool = False, waiting: bool = False) -> None:
-        if not codec_fixed and cfg is None:
-            raise ValueError("a codec that follows the link needs the config")
+        if not codec_fixed and codec is None:
+            raise ValueError("a codec that follows the link needs the job's codec options")
         self.base, self.link, self.choice, self.table = base, link, choice, table
         self.num_params, self.step_s, self.groups = num_params, step_s, groups
-        self.engine, self.cfg, self.codec_fixed, self.h_fixed = engine, cfg, codec_fixed, h_fixed
+        self.engine, self.codec, self.codec_fixed, self.h_fixed = engine, codec, codec_fixed, h_fixed
         self.decided_bytes_per_s = choice.link_bytes_per_s
         self.total_steps = getattr(base, "total_steps", None)
         self.h_max = getattr(base, "h_max", None)
@@ -231,7 +230,7 @@ class AutoSchedule:
     def take_setting(self, row: str) -> None:
         """A healer joins an exchange that runs setting ``row``: run its codec from that exchange
         on (the choice itself comes with the donor's state)."""
-        switch_codec(self.link, self.engine, self.cfg.transport.codec_spec(), running_setting(self.table, row))
+        switch_codec(self.link, self.engine, self.codec, running_setting(self.table, row))
 
     def state_dict(self) -> dict:
         """The setting run now, the choice's numbers and the changes so far (plain values)."""
@@ -256,7 +255,7 @@ class AutoSchedule:
         self.codec_changes = [(int(a), str(b), float(c)) for a, b, c in state["codec_changes"]]
         self._seen_version, self._waiting = None, False
         if getattr(self.link.averager, "setting", row) != row:
-            switch_codec(self.link, self.engine, self.cfg.transport.codec_spec(), setting)
+            switch_codec(self.link, self.engine, self.codec, setting)
         self.link.auto_choice = self.choice
         _show(self.link, self.choice, self.decided_bytes_per_s, -1)
         self._show_changes()
@@ -295,7 +294,7 @@ class AutoSchedule:
         self.link.averager.setting = new.row  # what the next exchanges ask their quorums with
         link_text = f"the slowest link moved to {8 * now / 1e6:.3g} Mbit/s (plan version {current[1]})"
         if new.codec_options != old.codec_options:
-            switch_codec(self.link, self.engine, self.cfg.transport.codec_spec(), new)
+            switch_codec(self.link, self.engine, self.codec, new)
             self.codec_changes.append((step, new.label, now))
             log.warning("auto: %s: %s -> %s from the next exchange (step %d): %s", link_text, old.label, new.label,
                         step, choice.reason)
@@ -335,14 +334,14 @@ def _show(link: Any, choice: Choice, bandwidth: float, version: int) -> None:
                                "reason": choice.reason})
 
 
-def install_auto_schedule(engine: Any, link: Any, cfg: Config) -> AutoSchedule | None:
+def install_auto_schedule(engine: Any, link: Any, codec: CodecSpec) -> AutoSchedule | None:
     """With ``--h auto`` and/or ``--codec auto`` (as given, before the choice): what was left to
-    auto follows the link for the rest of the run. ``cfg``: the config the job runs (chosen)."""
+    auto follows the link for the rest of the run. ``codec``: the codec options the job runs (chosen)."""
     inputs = getattr(link, "auto_inputs", None)
     if inputs is None or not hasattr(engine, "schedule"):
         return None
     schedule = AutoSchedule(engine.schedule, link, link.auto_choice, inputs["table"], num_params=inputs["num_params"],
-                            step_s=inputs["step_s"], groups=inputs["groups"], engine=engine, cfg=cfg,
+                            step_s=inputs["step_s"], groups=inputs["groups"], engine=engine, codec=codec,
                             codec_fixed=inputs["codec"] is not None, h_fixed=inputs["h"] is not None)
     engine.schedule = schedule
     link.auto_schedule = schedule

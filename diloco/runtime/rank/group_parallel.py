@@ -16,22 +16,22 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco.job.config import Config, ConfigError
+from diloco.job.config import ConfigError
 from diloco.job.fsdp import shard_model
 from diloco.job.task import Task
 
 
-def wants_sharding(cfg: Config, task: Task) -> bool:
-    """Whether this job shards the task's model inside each group."""
-    parallel = cfg.topology.parallel
+def wants_sharding(parallel: str, task: Task) -> bool:
+    """Whether a job of ``--parallel parallel`` shards the task's model inside each group."""
     return parallel == "fsdp" or (parallel == "auto" and task.shard is not None)
 
 
-def wrap(cfg: Config, task: Task, model: nn.Module, device: torch.device) -> nn.Module:
-    """The model as the inner steps run it: DDP around it, or the model itself sharded in place."""
-    if not wants_sharding(cfg, task):
+def wrap(task: Task, model: nn.Module, device: torch.device, *, parallel: str, mode: str) -> nn.Module:
+    """The model as the inner steps run it under ``--parallel parallel --mode mode``: DDP around
+    it, or the model itself sharded in place."""
+    if not wants_sharding(parallel, task):
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.sync.mode == "dp":
+    if mode == "dp":
         raise ConfigError("the task asks for sharding (Task.shard), which --mode dp cannot average: pass "
                           "--parallel ddp or another --mode")
     return shard_model(model, None if task.shard is True else task.shard)

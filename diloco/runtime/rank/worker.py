@@ -36,10 +36,11 @@ import torch.nn as nn
 from compress.codec_spec import CodecSpec
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
+from diloco.engine.outer_spec import OuterSpec
 from diloco.engine.schedule import SyncSchedule
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job import auto_choice
-from diloco.job.config import Config, ConfigError
+from diloco.job.config import Config, ConfigError, InnerConfig, SyncConfig
 from diloco.job.task import (
     DEMO_ENTRY,
     TaskContext,
@@ -54,7 +55,7 @@ from diloco.runtime.rank.connection import GroupConnection, connect
 from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV, read_secret
 from diloco.runtime.rank.train_loop import WorkerError
 
-__all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "main", "make_engine", "run_worker"]
+__all__ = ["SECRET_ENV", "TOKEN_ENV", "WorkerError", "engine_options", "main", "make_engine", "run_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,8 @@ def make_schedule(cfg: Config) -> SyncSchedule:
     return cfg.schedule_spec().build()
 
 
-def make_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    """Inner optimizer; weight decay on matrices only (not biases, norms)."""
-    i = cfg.inner
+def make_inner_optimizer(i: InnerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The inner optimizer of ``i`` (``Config.inner``); weight decay on matrices only (not biases, norms)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": i.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -79,24 +79,35 @@ def make_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer
     raise ConfigError(f"unknown inner optimizer {i.optimizer!r}")
 
 
-def make_engine(cfg: Config, model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None,
-                clock: Callable[[], float] = time.monotonic, schedule: SyncSchedule | None = None):
-    """The engine a config asks for: ``DiLoCo`` in the configured mode, or data parallel.
+def make_engine(model: nn.Module, inner: torch.optim.Optimizer, averager, fragments=None, *, sync: SyncConfig,
+                outer: OuterSpec, outer_device: str, schedule: SyncSchedule, final_codec: CodecSpec | None,
+                initial_sync: bool, clock: Callable[[], float] = time.monotonic) -> DiLoCo | DataParallelAcrossGroups:
+    """The engine the specs ask for: ``DiLoCo`` in ``sync``'s mode (the config's ``sync`` section), or
+    data parallel. ``outer``: the outer rule (``OuterConfig.spec()``), its fp32 global copy on
+    ``outer_device`` (``--outer-device``); ``schedule``: the sync schedule (``Config.schedule_spec().build()``);
+    ``final_codec``: the last exchange's codec (``CodecSpec.final()``, None: the run's own);
     ``fragments(model, P)``: the task's split for ``--fragments`` (default: ``partition``).
-    ``clock``: what rounds by time (``--round-seconds``) measure their seconds on. ``schedule``:
-    the sync schedule (default ``make_schedule(cfg)``)."""
-    s, o = cfg.sync, cfg.outer
+    ``clock``: what rounds by time (``--round-seconds``) measure their seconds on.
+    ``engine_options(cfg)`` gives all of them from a whole config."""
+    s = sync
     if s.mode == "dp":
-        return DataParallelAcrossGroups(model, averager, initial_sync=cfg.train.initial_sync)
-    rule = o.spec()
+        return DataParallelAcrossGroups(model, averager, initial_sync=initial_sync)
     split = None if s.fragments == 1 else (fragments(model, s.fragments) if fragments else s.fragments)
     return DiLoCo(
-        model, inner, averager=averager, sync_every=schedule or make_schedule(cfg), mode=s.mode, fragments=split,
-        overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=rule.alpha_for(s.mode),
-        outer_optimizer=rule.build(s.mode), global_device="cpu" if o.device == "cpu" else "model",
-        initial_sync=cfg.train.initial_sync, round_vote=_group_round_vote(), clock=clock,
-        final_codec=_built(cfg.transport.codec_spec().final()), residual_decay=o.residual_decay,
+        model, inner, averager=averager, sync_every=schedule, mode=s.mode, fragments=split,
+        overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=outer.alpha_for(s.mode),
+        outer_optimizer=outer.build(s.mode), global_device="cpu" if outer_device == "cpu" else "model",
+        initial_sync=initial_sync, round_vote=_group_round_vote(), clock=clock,
+        final_codec=_built(final_codec), residual_decay=outer.residual_decay,
     )
+
+
+def engine_options(cfg: Config) -> dict:
+    """``make_engine``'s settings from a whole config (benchmarks and tests that hold one):
+    ``make_engine(model, inner, averager, **engine_options(cfg))``."""
+    return {"sync": cfg.sync, "outer": cfg.outer.spec(), "outer_device": cfg.outer.device,
+            "schedule": make_schedule(cfg), "final_codec": cfg.transport.codec_spec().final(),
+            "initial_sync": cfg.train.initial_sync}
 
 
 def _built(spec: CodecSpec | None):
@@ -197,8 +208,9 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                           data_path=cfg.data.path, args=parse_entry_args(cfg.train.entry_args), config=cfg)
         task = build_task(cfg.train.entry or DEMO_ENTRY, ctx)
         model = task.model.to(device)
-        ddp = group_parallel.wrap(cfg, task, model, device)  # DDP, or the model sharded in place (--parallel fsdp)
-        inner = make_inner_optimizer(cfg, model)
+        # DDP, or the model sharded in place (--parallel fsdp)
+        ddp = group_parallel.wrap(task, model, device, parallel=cfg.topology.parallel, mode=cfg.sync.mode)
+        inner = make_inner_optimizer(cfg.inner, model)
         built = time.monotonic()
         auto = any(auto_choice.is_auto(cfg))  # the codec until it is decided: fp32 (the decision's exchange is exact)
         settings = dataclasses.replace(cfg.transport, codec="fp32") if cfg.transport.codec == auto_choice.AUTO else \
@@ -225,12 +237,15 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                                                  num_params=num_params)
                 else:
                     cfg, schedule = auto_setting.join_setting(cfg, link, running[0], num_params=num_params,
-                                                              why=running[1], base_schedule=make_schedule)
+                                                              why=running[1])
             try:
                 # a group joining a running job heals here
-                engine = make_engine(cfg, model, inner, link, task.fragments, schedule=schedule)
+                engine = make_engine(model, inner, link, task.fragments, sync=cfg.sync, outer=cfg.outer.spec(),
+                                     outer_device=cfg.outer.device, schedule=schedule or cfg.schedule_spec().build(),
+                                     final_codec=cfg.transport.codec_spec().final(), initial_sync=cfg.train.initial_sync)
                 if auto and schedule is None:
-                    auto_setting.install_auto_schedule(engine, link, cfg)  # what auto chose follows the re-probed link
+                    # what auto chose follows the re-probed link
+                    auto_setting.install_auto_schedule(engine, link, cfg.transport.codec_spec())
                 _log_startup(started, built, joined, healed=link.membership.heal)
             except JobFinished as e:
                 late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
@@ -254,7 +269,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                 link = None
                 started = built = time.monotonic()
                 cfg, restored, resume = job_cfg, None, None
-                inner = make_inner_optimizer(cfg, model)  # a fresh one, as a restarted group's
+                inner = make_inner_optimizer(cfg.inner, model)  # a fresh one, as a restarted group's
     finally:
         if sigterm_handler is not None:
             signal.signal(signal.SIGTERM, sigterm_handler)
