@@ -23,7 +23,7 @@ ALLOWED = {
     "exchange": {"coordinator", "engine"},
     "runtime": {"job", "demo", "exchange", "coordinator", "engine"},
 }
-TOP_LEVEL_MODULES = {"__init__", "__main__", "cli"}  # diloco/*.py besides the sub-packages
+TOP_LEVEL_MODULES = {"__init__", "__main__", "cli", "cli_parser"}  # diloco/*.py besides the sub-packages
 # inside diloco/runtime/: which of its sub-packages each one may import (besides itself)
 RUNTIME_ALLOWED = {
     "ops": set(),
