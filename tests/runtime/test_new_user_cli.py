@@ -16,7 +16,7 @@ import pytest
 
 from diloco import cli
 from diloco.runtime.checkpoints import checkpoint_index
-from diloco.runtime.launch import launcher, run_lock
+from diloco.runtime.launch import graceful_stop, launcher, run_lock
 from diloco.runtime.rank import user_errors
 from diloco.job.config import Config
 from diloco_helpers import free_port_range
@@ -209,18 +209,18 @@ def test_ctrl_c_during_start_up_stops_at_once_with_130(tmp_path):
 
 
 def test_a_stop_past_its_deadline_names_the_checkpoint_written_after_the_signal(monkeypatch):
-    stop = launcher._Stop(server=None, timeout_s=lambda: 30.0)  # type: ignore[arg-type]
+    stop = graceful_stop.GracefulStop(server=None, timeout_s=lambda: 30.0)  # type: ignore[arg-type]
     stop.signal_name, stop.timeout_s, stop.checkpoint_before = "SIGINT", 30.0, 20
     newest = {"step": 30}
-    monkeypatch.setattr(launcher.job_checkpoint, "latest_complete_step", lambda root: newest["step"])
-    text = launcher.overdue_message(stop, "/ck", Path("/logs"))
+    monkeypatch.setattr(graceful_stop.job_checkpoint, "latest_complete_step", lambda root: newest["step"])
+    text = graceful_stop.overdue_message(stop, "/ck", Path("/logs"))
     assert "after they wrote a complete checkpoint at step 30" in text and "resume: diloco run --resume /ck" in text
     assert "did not checkpoint" not in text
     newest["step"] = 20  # nothing new since the signal: the older one is named
-    text = launcher.overdue_message(stop, "/ck", Path("/logs"))
+    text = graceful_stop.overdue_message(stop, "/ck", Path("/logs"))
     assert "did not checkpoint" in text and "older checkpoint (step 20): diloco run --resume /ck" in text
     newest["step"] = None
-    assert "no complete checkpoint to resume from" in launcher.overdue_message(stop, "/ck", Path("/logs"))
+    assert "no complete checkpoint to resume from" in graceful_stop.overdue_message(stop, "/ck", Path("/logs"))
 
 
 def test_the_cli_exits_130_for_a_run_stopped_by_a_signal(monkeypatch, tmp_path, capsys):

@@ -20,11 +20,9 @@ import json
 import logging
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ from diloco.runtime.checkpoints.job_checkpoint import ResumePoint
 from diloco.runtime.launch import preflight, spare
 from diloco.runtime.launch.agent import PARENT_ENV
 from diloco.runtime.launch.chaos import ChaosMonkey
+from diloco.runtime.launch.graceful_stop import GracefulStop, auto_stop_timeout, overdue_message, trained_since
 from diloco.runtime.launch.link_relays import CorruptingRelays
 from diloco.runtime.launch.summary import fault_summary, human_bytes, summarize
 from diloco.runtime.launch.supervise import GroupFailed, Supervisor
@@ -48,7 +47,6 @@ from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV, coordinator_tls,
 
 
 STOP_GRACE_S = 3.0  # a hard stop: SIGTERM, then SIGKILL what is left after this long
-STOP_TIMEOUT_BOUNDS_S = (30.0, 300.0)  # the automatic graceful-stop deadline: 3 rounds, within these
 STATUS_TOKEN_FILE = "coordinator-token"  # in the run dir: what diloco status --token-file reads
 
 
@@ -319,9 +317,9 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
                                                             cfg_path),
                             assign=assign)
     start_step = resume.step if resume is not None else 0
-    stop = _Stop(server, lambda: stop_timeout_s if stop_timeout_s is not None else _auto_stop_timeout(
+    stop = GracefulStop(server, lambda: stop_timeout_s if stop_timeout_s is not None else auto_stop_timeout(
         server.snapshot(), time.perf_counter() - started),
-        trained=lambda: _trained_since(server.snapshot(), start_step),
+        trained=lambda: trained_since(server.snapshot(), start_step),
         newest_checkpoint=lambda: job_checkpoint.latest_complete_step(cfg.train.checkpoint_dir))
     stop.install()
     try:
@@ -396,91 +394,6 @@ def job_lost_message(lost: str, cfg: Config) -> str:
     how = (f"resume: diloco run --resume {root} (newest complete step: {step})" if step is not None
            else f"no complete job checkpoint under {root or '(no --checkpoint-dir)'}: start again")
     return f"{lost}\n{how}; exit {exit_codes.describe(exit_codes.RESTART)}"
-
-
-def overdue_message(stop: "_Stop", root: str, out_dir: Path) -> str:
-    """``diloco run``'s words when a graceful stop passed its deadline: the complete checkpoint the
-    groups wrote after the signal (and how to resume from it), or that they wrote none."""
-    newest = job_checkpoint.latest_complete_step(root) if root else None
-    late = f"the groups did not stop within {stop.timeout_s:.0f} s of the {stop.signal_name} (--stop-timeout)"
-    if newest is not None and newest != stop.checkpoint_before:
-        return (f"{late}, after they wrote a complete checkpoint at step {newest}; stopped every process (logs in "
-                f"{out_dir})\nresume: diloco run --resume {root}")
-    how = (f"resume from the older checkpoint (step {newest}): diloco run --resume {root}" if newest is not None
-           else "no complete checkpoint to resume from: start again")
-    return f"{late} and did not checkpoint; stopped every process (logs in {out_dir})\n{how}"
-
-
-class _Stop:
-    """``diloco run``'s answer to SIGINT and SIGTERM (main thread only; elsewhere it does nothing).
-
-    The first asks every group, through the coordinator, to checkpoint at its next exchange and
-    stop, and starts the deadline ``timeout_s()``; a second raises KeyboardInterrupt (the run then
-    ends every process at once). Once ``ending`` is set, a signal only sets ``hurry`` (SIGKILL
-    without waiting out the grace period): nothing can interrupt the ending of the processes.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, server: CoordinatorServer, timeout_s: Callable[[], float],
-                 trained: Callable[[], bool] = lambda: True,
-                 newest_checkpoint: Callable[[], int | None] = lambda: None) -> None:
-        self.server, self._timeout = server, timeout_s
-        self._trained, self._newest_checkpoint = trained, newest_checkpoint
-        self.signal_name: str | None = None  # the first signal's (SIGINT, SIGTERM)
-        self.checkpoint_before: int | None = None  # the newest complete checkpoint when it came
-        self.ending, self.hurry = threading.Event(), threading.Event()
-        self.deadline: float | None = None
-        self.timeout_s = 0.0
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-    def overdue(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
-
-    def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.ending.is_set():
-            self.hurry.set()
-            return
-        if self.deadline is None:
-            self.signal_name = name
-            if not self._trained():  # nothing to lose: no checkpoint is needed to start again
-                logging.getLogger("diloco.run").warning(
-                    "%s during start-up: nothing was trained yet, so no checkpoint is needed; stopping now", name)
-                raise KeyboardInterrupt
-            self.checkpoint_before = self._newest_checkpoint()
-            self.timeout_s = self._timeout()
-            self.deadline = time.monotonic() + self.timeout_s
-            logging.getLogger("diloco.run").warning(
-                "%s: every group checkpoints at its next exchange and stops (within %.0f s; %s again: stop now)",
-                name, self.timeout_s, "Ctrl-C" if signum == signal.SIGINT else name)
-            self.server.request_stop(f"{name} to diloco run")
-            return
-        raise KeyboardInterrupt
-
-
-def _trained_since(snapshot: dict, start_step: int) -> bool:
-    """True once any group reported an inner step past ``start_step`` (the job's start, or the
-    step it resumed from): before that a stop loses nothing."""
-    return any(int(p.get("step", 0)) > start_step for p in snapshot.get("progress", {}).values())
-
-
-def _auto_stop_timeout(snapshot: dict, elapsed_s: float) -> float:
-    """The graceful-stop deadline when none is given: three rounds at the pace so far (start-up
-    included), within ``STOP_TIMEOUT_BOUNDS_S``."""
-    rounds = int(snapshot.get("rounds_state", {}).get("committed_training", 0))
-    per_round = elapsed_s / max(rounds, 1)
-    low, high = STOP_TIMEOUT_BOUNDS_S
-    return min(max(3.0 * per_round, low), high)
 
 
 def _job_progress(snapshot: dict, steps: int) -> float:
