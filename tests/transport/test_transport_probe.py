@@ -146,9 +146,9 @@ def test_two_ranks_probing_each_other_on_a_slow_link_take_turns_and_read_it_righ
     reads its link as a probe alone does. On a slow link a big probe takes longer than the resend
     interval by itself: only the warm-up is resent, and no probe is sent again and again (at
     2 Mbit/s resending every unanswered probe never finished)."""
-    import transport.links as links
+    import transport.link_probes as link_probes
 
-    monkeypatch.setattr(links, "PROBE_RESEND_S", 0.2)
+    monkeypatch.setattr(link_probes, "PROBE_RESEND_S", 0.2)
     rate, nbytes = 1e6, 1 << 18  # 0.26 s per big probe, beyond the 0.2 s resend interval
     for attempt in range(3):  # without turns, 2 of 3 misread by 20x or more
         with transports(g=1, timeout_s=60.0, shaper=TokenBucket(rate, 16 << 10)) as (a,), \
@@ -166,7 +166,7 @@ def test_two_ranks_probing_each_other_on_a_slow_link_take_turns_and_read_it_righ
         assert all(0.4 * rate < r < 1.5 * rate for r in rates.values()), (attempt, rates)
         # a loaded machine may make one side measure again with 4x the bytes (the probe's own rule);
         # resending every unanswered probe flooded the link for the whole deadline (60 s at 1 MB/s)
-        assert sent < 6 * 2 * links.PROBE_PAIRS * nbytes, f"{sent} bytes: probes were sent again and again"
+        assert sent < 6 * 2 * link_probes.PROBE_PAIRS * nbytes, f"{sent} bytes: probes were sent again and again"
 
 
 def test_a_probe_gives_way_only_to_a_peer_that_is_probing_it_and_never_waits_for_ever() -> None:
