@@ -100,21 +100,17 @@ def outer_problems(cfg: Config) -> list[str]:
     return cfg.outer.spec().problems(cfg.sync.mode)
 
 
-def sync_problems(cfg: Config) -> list[str]:
+@_collect
+def sync_problems(cfg: Config, need: Need) -> None:
     """H, the schedule, fragments, overlap and rounds by time, against the steps and the model."""
-    found: list[str] = []
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            found.append(msg)
-
     m, s, train = cfg.model, cfg.sync, cfg.train
     h_auto = s.h == AUTO_H
     need(h_auto or (isinstance(s.h, int) and not isinstance(s.h, bool) and s.h >= 1),
          f"--h must be >= 1 (inner steps per sync) or auto, got {s.h!r}")
     h_set = not h_auto and isinstance(s.h, int)  # the checks of H below: auto's run on the setting it decides
     schedule = cfg.schedule_spec()
-    found += schedule.problems()
+    for problem in schedule.problems():
+        need(False, problem)
     paced = s.schedule == "paced" and h_set
     shortest = None
     if paced and s.h >= 1 and math.isfinite(s.paced_gamma) and not schedule.problems():
@@ -146,7 +142,6 @@ def sync_problems(cfg: Config) -> list[str]:
             need(s.overlap_steps < shortest // s.fragments,
                  f"--overlap-steps ({s.overlap_steps}) must be < the shortest paced period / P "
                  f"({shortest // max(s.fragments, 1)})")
-    return found
 
 
 @_collect
@@ -183,19 +178,16 @@ def train_problems(cfg: Config, need: Need) -> None:
     need(0 <= tc.stop_after < tc.steps, f"--stop-after must be in [0, --steps ({tc.steps})), got {tc.stop_after}")
 
 
-def codec_problems(cfg: Config) -> list[str]:
+@_collect
+def codec_problems(cfg: Config, need: Need) -> None:
     """The codec's own checks (``CodecSpec.problems``) and the rules it shares with the outer rule and mode."""
     o, s, tr = cfg.outer, cfg.sync, cfg.transport
     spec = tr.codec_spec()
     own = spec.problems()
+    for problem in own:
+        need(False, problem)
     if own:
-        return own
-    found: list[str] = []
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            found.append(msg)
-
+        return
     feedback = spec.error_feedback
     ef_codecs = ", ".join(codec_names(error_feedback=True))
     need(not feedback or s.mode not in ("eager", "dp"),
@@ -223,7 +215,6 @@ def codec_problems(cfg: Config) -> list[str]:
         need(o.optimizer != "sparseloco", "--final-codec: SparseLoCo's rule keeps its residuals to the end")
         need(s.mode not in ("eager", "dp"), f"--final-codec applies to modes with an outer step on a mean of "
              f"pseudo-gradients (blocking, overlap, delayed, co2), not {s.mode}")
-    return found
 
 
 @_collect

@@ -102,11 +102,11 @@ def make_engine(model: nn.Module, inner: torch.optim.Optimizer, averager, fragme
     )
 
 
-def engine_options(cfg: Config) -> dict:
-    """``make_engine``'s settings from a whole config (benchmarks and tests that hold one):
-    ``make_engine(model, inner, averager, **engine_options(cfg))``."""
+def engine_options(cfg: Config, schedule: SyncSchedule | None = None) -> dict:
+    """``make_engine``'s settings from a whole config: ``make_engine(model, inner, averager,
+    **engine_options(cfg))``. ``schedule``: one built already (``--codec/--h auto``), else the config's."""
     return {"sync": cfg.sync, "outer": cfg.outer.spec(), "outer_device": cfg.outer.device,
-            "schedule": make_schedule(cfg), "final_codec": cfg.transport.codec_spec().final(),
+            "schedule": schedule or make_schedule(cfg), "final_codec": cfg.transport.codec_spec().final(),
             "initial_sync": cfg.train.initial_sync}
 
 
@@ -240,9 +240,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                                                               why=running[1])
             try:
                 # a group joining a running job heals here
-                engine = make_engine(model, inner, link, task.fragments, sync=cfg.sync, outer=cfg.outer.spec(),
-                                     outer_device=cfg.outer.device, schedule=schedule or cfg.schedule_spec().build(),
-                                     final_codec=cfg.transport.codec_spec().final(), initial_sync=cfg.train.initial_sync)
+                engine = make_engine(model, inner, link, task.fragments, **engine_options(cfg, schedule=schedule))
                 if auto and schedule is None:
                     # what auto chose follows the re-probed link
                     auto_setting.install_auto_schedule(engine, link, cfg.transport.codec_spec())
