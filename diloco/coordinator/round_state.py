@@ -192,18 +192,35 @@ class RoundState(Liveness):
         self.frontier = 0  # a job that starts here starts at its first exchange
 
     def _sweep(self) -> None:
-        """Besides the heartbeat timeout: a group the grace window left out that has been silent for
-        two heartbeat intervals since is failed now (lock held). It was late and went quiet: dead,
-        most likely, and every exchange that waits a window for it costs the others that window."""
+        """Besides the heartbeat timeout, with a grace window (``--quorum-grace``) a group silent for
+        two heartbeat intervals is failed now (lock held) when it is a member of an exchange in flight
+        (its quorum formed, not yet decided: every other member's collective waits on it), or the
+        window left it out and it has been silent since (it was late and went quiet). Dead or frozen,
+        most likely; the others would otherwise wait out the heartbeat timeout (or a window per
+        exchange) for it, and the operator who set a window asked them not to."""
         super()._sweep()
-        if not self._behind:
+        if not self.quorum_grace_s:
             return
         heard, silence = self._heard(), self._silence()
+        interval = f"two heartbeat intervals: {2 * self.heartbeat_timeout_s / 5:g}s"
         for g in [g for g, behind in self._behind.items() if behind and g not in heard]:
             self._fail_group(g, f"missed exchange {min(self._behind[g])}: its quorum formed without this group once "
                                 f"the {self.quorum_grace_s:g}s grace window (--quorum-grace) ended, and it has been "
-                                f"silent for {silence.get(g, 0.0):.1f}s since (two heartbeat intervals: "
-                                f"{2 * self.heartbeat_timeout_s / 5:g}s); it heals into a later exchange")
+                                f"silent for {silence.get(g, 0.0):.1f}s since ({interval}); it heals into a later exchange")
+        for g, q in self._in_flight_members().items():
+            if g not in heard and g in silence:
+                self._fail_group(g, f"silent for {silence[g]:.1f}s ({interval}) while exchange {q.exchange} (quorum "
+                                    f"{q.id}), whose members all wait on it, was in flight: with a grace window "
+                                    "(--quorum-grace) the others do not wait out the heartbeat timeout; it heals into "
+                                    "a later exchange")
+
+    def _in_flight_members(self) -> dict[int, rounds.Quorum]:
+        """Group -> the undecided quorum of this coordinator it is a member of (lock held)."""
+        out: dict[int, rounds.Quorum] = {}
+        for q, meta in self._quorums.values():
+            if q.id not in self._decisions and not meta.get("orphan"):
+                out.update({g: q for g in q.groups if g not in self._summaries})
+        return out
 
     def _silence(self) -> dict[int, float]:
         """Group -> seconds since its most silent rank was last heard from (lock held)."""

@@ -149,7 +149,10 @@ def test_a_left_out_group_that_went_silent_is_failed_when_the_exchange_commits()
     run_exchange(state, (0, 1, 2), 0)
     got: dict = {}
     threads = [ask_in_thread(state, g, 1, got) for g in (0, 1)]
-    clock.now += 30.0  # group 2: silent for 30 s, more than two heartbeat intervals (24 s)
+    clock.now += 20.0
+    for g in (0, 1):  # their heartbeats run on while they wait
+        state.heartbeat(HeartbeatRequest(g, 0, 5))
+    clock.now += 10.0  # group 2: silent for 30 s, more than two heartbeat intervals (24 s)
     for t in threads:
         t.join(timeout=5)
     assert got[0].left_out == {2: ("10.0.2.0:7000",)}
@@ -301,3 +304,30 @@ def test_a_restarted_coordinator_waits_for_every_member_to_rejoin_even_with_a_sh
     wait(state, clock, MIN_REJOIN_GRACE_S + 0.5)
     alone.join(timeout=10)
     assert sorted(got[0].members) == [0] and not got[0].evicted, got
+
+
+@pytest.mark.parametrize("grace", [0.5, 0.0])
+def test_a_member_silent_while_its_exchange_is_in_flight_is_failed_with_a_window_only(grace):
+    state, clock = formed(3, heartbeat_timeout_s=60.0, quorum_grace_s=grace)
+    run_exchange(state, (0, 1, 2), 0)
+    got: dict = {}
+    for t in [ask_in_thread(state, g, 1, got) for g in (0, 1, 2)]:
+        t.join(timeout=5)
+    assert sorted(got[0].members) == [0, 1, 2]  # exchange 1 is in flight; group 2 freezes in its ring
+    clock.now += 20.0
+    for g in (0, 1):
+        state.heartbeat(HeartbeatRequest(g, 0, 5))
+    assert state.snapshot()["rounds_state"]["live_groups"] == [0, 1, 2]  # 20 s: under two intervals (24 s)
+    clock.now += 10.0
+    for g in (0, 1):  # 30 s silent: the others' calls sweep
+        state.heartbeat(HeartbeatRequest(g, 0, 5))
+    rs = state.snapshot()["rounds_state"]
+    if not grace:  # without a window only the heartbeat timeout (60 s) fails a member
+        assert rs["live_groups"] == [0, 1, 2] and not rs["failed_groups"]
+        return
+    assert rs["live_groups"] == [0, 1]
+    why = rs["failed_groups"][2]
+    assert "silent for 30.0s" in why and "exchange 1" in why and got[0].id in why and "--quorum-grace" in why
+    vote(state, got, (0, 1))  # the attempt the frozen member was in rolls back; the others go on without it
+    again = run_exchange(state, (0, 1), 1)
+    assert sorted(again[0].members) == [0, 1] and again[0].id != got[0].id
