@@ -1,4 +1,4 @@
-"""bench/goodput_faults.py: commit records read back from real worker log lines (each committed range
+"""bench/goodput_ledger.py and bench/goodput_faults.py: commit records read back from real worker log lines (each committed range
 once, as the ledger counts it: a healer's re-logged rounds are not counted again), the common window,
 goodput of a faulty job against its twin and its checks against the ledger, restart down-times, the
 ledger's counts, interval parsing, repeats."""
@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 gf = importlib.import_module("bench.goodput_faults")
+gl = importlib.import_module("bench.goodput_ledger")
 
 from diloco.exchange.data_positions import DataPositions, ledger_from_logs
 from diloco.runtime.ops.logs import JsonFormatter, TextFormatter
@@ -44,7 +45,7 @@ def test_commits_are_read_back_from_the_workers_own_log_lines_with_their_times(c
     lines = worker_lines(caplog, 3, 0, [("f0/r0", {3: 16.0, 1: 8.0}), ("f0/r1", {3: 8.0}), ("ctl", {3: 8.0})], t0)
     lines += worker_lines(caplog, 3, 1, [("f0/r0", {3: 16.0})], t0)  # rank 1's copy: not counted
     lines.append("2026-01-01T00:00:00.000Z INFO x [worker group 3 rank 0] something else")
-    commits = gf.commits_from_logs(lines)
+    commits = gl.commits_from_logs(lines)
     # 16 weight / 8 per step = 2 steps x 8 samples; then 1 step; a control exchange carries no data
     assert commits == [(at(t0), 3, 0, 16), (at(t0 + 1), 3, 16, 24)]
 
@@ -52,9 +53,9 @@ def test_commits_are_read_back_from_the_workers_own_log_lines_with_their_times(c
 def test_goodput_counts_commits_in_the_common_window_only():
     free = [(10.0, 0, 0, 100), (20.0, 0, 100, 200), (30.0, 0, 200, 300), (40.0, 0, 300, 400)]
     fault = [(15.0, 1, 0, 100), (25.0, 1, 100, 150), (35.0, 1, 150, 250), (50.0, 1, 250, 350)]
-    assert gf.common_window({"a": free, "b": fault}) == (15.0, 40.0)
-    assert gf.committed_between(fault, 15.0, 40.0) == 150  # (15, 40]: the commit at 15 opened the window
-    r = gf.pair_result({"commits": fault, "eval_loss": 2.02, "committed_tokens": 350 * 4},
+    assert gl.common_window({"a": free, "b": fault}) == (15.0, 40.0)
+    assert gl.committed_between(fault, 15.0, 40.0) == 150  # (15, 40]: the commit at 15 opened the window
+    r = gl.pair_result({"commits": fault, "eval_loss": 2.02, "committed_tokens": 350 * 4},
                        {"commits": free, "eval_loss": 2.0, "committed_tokens": 400 * 4}, together=True,
                        tokens_per_sample=4)
     assert r["window_s"] == 25.0
@@ -62,31 +63,31 @@ def test_goodput_counts_commits_in_the_common_window_only():
     assert r["goodput"] == pytest.approx(0.5)
     assert r["eval_loss_vs_free_at_equal_steps"] == pytest.approx(0.01)
     assert r["tokens_vs_free"] == pytest.approx(-0.125)
-    apart = gf.pair_result({"commits": fault, "eval_loss": 1.0, "committed_tokens": 350 * 4},
+    apart = gl.pair_result({"commits": fault, "eval_loss": 1.0, "committed_tokens": 350 * 4},
                            {"commits": free, "eval_loss": 1.0, "committed_tokens": 400 * 4}, together=False,
                            tokens_per_sample=4)
     assert apart["goodput"] == pytest.approx((250 / 35) / (300 / 30))  # each over its own window
     with pytest.raises(ValueError, match="committed nothing"):
-        gf.common_window({"a": free, "b": []})
+        gl.common_window({"a": free, "b": []})
     with pytest.raises(ValueError, match="do not overlap"):
-        gf.common_window({"a": free[:2], "b": [(30.0, 1, 0, 1), (40.0, 1, 1, 2)]})
+        gl.common_window({"a": free[:2], "b": [(30.0, 1, 0, 1), (40.0, 1, 1, 2)]})
 
 
 def test_downtime_is_from_the_last_step_before_a_kill_to_the_first_after():
     traces = {2: [1.0, 2.0, 3.0, 3.55, 30.0, 31.0], 5: [1.0, 2.0]}
     # group 2's step at 3.55 s: the dying process's last, started between the decision and the signal
-    assert gf.downtimes([(3.5, 2), (1.2, 5), (10.0, 5)], traces) == [27.0, 1.0]  # group 5 never came back
+    assert gl.downtimes([(3.5, 2), (1.2, 5), (10.0, 5)], traces) == [27.0, 1.0]  # group 5 never came back
 
 
 def test_recovery_is_from_the_fault_to_the_groups_next_commit():
     commits = [(1.0, 2, 0, 8), (3.2, 2, 8, 16), (9.0, 0, 0, 8), (12.0, 2, 16, 24), (13.0, 2, 24, 32)]
     # group 2's commit at 3.2 s: the round it had finished when frozen at 3.0 s; group 5 never commits
-    assert gf.recoveries([(3.0, 2), (2.0, 0), (4.0, 5)], commits) == [9.0, 7.0]
+    assert gl.recoveries([(3.0, 2), (2.0, 0), (4.0, 5)], commits) == [9.0, 7.0]
 
 
 def test_ledger_counts_name_samples_twice_and_left_out():
-    assert gf.ledger_counts({0: [(0, 10), (10, 20)], 1: [(0, 5)]}) == {"committed": 25, "twice": 0, "left_out": 0}
-    assert gf.ledger_counts({0: [(0, 10), (5, 20)], 1: [(5, 8)]}) == {"committed": 28, "twice": 5, "left_out": 5}
+    assert gl.ledger_counts({0: [(0, 10), (10, 20)], 1: [(0, 5)]}) == {"committed": 25, "twice": 0, "left_out": 0}
+    assert gl.ledger_counts({0: [(0, 10), (5, 20)], 1: [(5, 8)]}) == {"committed": 28, "twice": 5, "left_out": 5}
 
 
 def test_intervals_parse_and_bad_ones_say_why():
@@ -188,24 +189,24 @@ def test_a_healers_relogged_rounds_count_once_at_their_first_line(caplog, format
     lines = healed_job_lines(caplog, t0, formatter)
     relogs = [line for line in lines if "from the donor's table" in line]
     assert len(relogs) == 5  # rounds 0-4 of group 3 logged again: 4 of them were logged already
-    commits = gf.commits_from_logs(lines)
+    commits = gl.commits_from_logs(lines)
     group3 = [(t, a, b) for t, g, a, b in commits if g == 3]
     # rounds 0-3 at their commit lines; round 4 at the heal (its first line); round 5 after it
     assert group3 == [(at(t0 + r), 16 * r, 16 * (r + 1)) for r in range(4)] + [
         (at(t0 + 10 + 4), 64, 80), (at(t0 + 20), 80, 96)]
     assert sum(b - a for _, g, a, b in commits if g == 5) == 96
     ranges = ledger_from_logs(lines)
-    gf.check_numerator(commits, ranges)  # the numerator sums to the ledger, group by group
-    assert gf.ledger_counts(ranges) == {"committed": 192, "twice": 0, "left_out": 0}
+    gl.check_numerator(commits, ranges)  # the numerator sums to the ledger, group by group
+    assert gl.ledger_counts(ranges) == {"committed": 192, "twice": 0, "left_out": 0}
 
 
 def test_the_window_holds_no_more_than_the_job_committed_and_the_bench_says_so_otherwise(caplog):
     t0 = 1_800_000_000.0
     lines = healed_job_lines(caplog, t0)
-    commits = gf.commits_from_logs(lines)
-    committed = gf.ledger_counts(ledger_from_logs(lines))["committed"] * 32
+    commits = gl.commits_from_logs(lines)
+    committed = gl.ledger_counts(ledger_from_logs(lines))["committed"] * 32
     free = [(t0 - 1 + i, 0, 16 * i, 16 * (i + 1)) for i in range(40)]
-    r = gf.pair_result({"commits": commits, "eval_loss": 1.0, "committed_tokens": committed},
+    r = gl.pair_result({"commits": commits, "eval_loss": 1.0, "committed_tokens": committed},
                        {"commits": free, "eval_loss": 1.0, "committed_tokens": 40 * 16 * 32}, together=True,
                        tokens_per_sample=32)
     assert r["tokens_in_window"] <= committed
@@ -213,16 +214,16 @@ def test_the_window_holds_no_more_than_the_job_committed_and_the_bench_says_so_o
     assert r["tokens_in_window"] == (192 - 32) * 32
     # the numerator as it was: every committed-range line, a healer's again-logged rounds included
     every_line = sorted((t, g, a, b) for t, g, a, b in (
-        (gf._line_time(line), *gf._ledger_record(line)[:3]) for line in lines))
+        (gl._line_time(line), *gf._ledger_record(line)[:3]) for line in lines))
     assert len(every_line) == len(commits) + 4
-    with pytest.raises(gf.CountError, match="counted twice"):
-        gf.pair_result({"commits": every_line, "eval_loss": 1.0, "committed_tokens": committed},
+    with pytest.raises(gl.CountError, match="counted twice"):
+        gl.pair_result({"commits": every_line, "eval_loss": 1.0, "committed_tokens": committed},
                        {"commits": free, "eval_loss": 1.0, "committed_tokens": 40 * 16 * 32}, together=True,
                        tokens_per_sample=32)
-    with pytest.raises(gf.CountError, match="numerator and the ledger disagree, .* 3: \\(160, 96\\)"):
-        gf.check_numerator(every_line, ledger_from_logs(lines))
-    with pytest.raises(gf.CountError, match="5: \\(0, 96\\)"):  # a group the numerator lacks
-        gf.check_numerator([c for c in commits if c[1] != 5], ledger_from_logs(lines))
+    with pytest.raises(gl.CountError, match="numerator and the ledger disagree, .* 3: \\(160, 96\\)"):
+        gl.check_numerator(every_line, ledger_from_logs(lines))
+    with pytest.raises(gl.CountError, match="5: \\(0, 96\\)"):  # a group the numerator lacks
+        gl.check_numerator([c for c in commits if c[1] != 5], ledger_from_logs(lines))
 
 
 def test_a_resume_drops_the_rounds_after_its_checkpoint_from_the_numerator_as_from_the_ledger(caplog):
@@ -244,7 +245,7 @@ def test_a_resume_drops_the_rounds_after_its_checkpoint_from_the_numerator_as_fr
         for r in (2, 3):
             resumed.commit(f"f0/r{r}", weights)
     lines += logged(caplog, 3, 0, t0 + 10, resume)
-    commits = gf.commits_from_logs(lines)
+    commits = gl.commits_from_logs(lines)
     # rounds 2-3 of the job before the resume were lost with it; their ranges count from their commits after it
     assert commits == [(at(t0), 3, 0, 16), (at(t0 + 1), 3, 16, 32),
                        (at(t0 + 11), 3, 32, 48), (at(t0 + 12), 3, 48, 64)]
@@ -253,8 +254,8 @@ def test_a_resume_drops_the_rounds_after_its_checkpoint_from_the_numerator_as_fr
 
 def test_a_committed_range_line_without_a_time_is_an_error_not_skipped():
     line = "[worker group 3 rank 0] group 3 committed data samples [0, 16) at f0/r0"
-    with pytest.raises(gf.CountError, match="without a readable time"):
-        gf.commits_from_logs([line])
+    with pytest.raises(gl.CountError, match="without a readable time"):
+        gl.commits_from_logs([line])
 
 
 def test_repeats_run_each_intervals_pair_again_and_the_summary_spans_them():
@@ -287,10 +288,10 @@ def test_repeats_run_each_intervals_pair_again_and_the_summary_spans_them():
 
 def test_the_timed_ranges_must_be_the_ledgers_or_the_bench_stops(caplog, monkeypatch):
     lines = healed_job_lines(caplog, 1_800_000_000.0)
-    real = gf.ledger_from_logs
-    monkeypatch.setattr(gf, "ledger_from_logs", lambda ls: {g: r[:-1] for g, r in real(ls).items()})
-    with pytest.raises(gf.CountError, match="group 3: the timed ranges \\(6\\) are not the ledger's \\(5\\)"):
-        gf.commits_from_logs(lines)
+    real = gl.ledger_from_logs
+    monkeypatch.setattr(gl, "ledger_from_logs", lambda ls: {g: r[:-1] for g, r in real(ls).items()})
+    with pytest.raises(gl.CountError, match="group 3: the timed ranges \\(6\\) are not the ledger's \\(5\\)"):
+        gl.commits_from_logs(lines)
 
 
 def old_record(date: str, goodput: float, fault_heals: int, free_heals: int) -> dict:
@@ -310,6 +311,10 @@ def test_recount_says_which_old_figures_stand_and_bounds_the_others():
     assert after["bound"] == pytest.approx(980 / 1000)  # every sample the ledger has, over the twin's window
     assert gf.recount_pair(old_record("2026-11-26 18:00 UTC", 0.9, 20, 0))["bound"] == pytest.approx(0.9)
     assert gf.recount_pair(old_record("2026-11-26 18:00 UTC", 1.01, 20, 5))["status"] == "withdrawn"
+    counted = old_record("2026-11-28 16:00 UTC", 1.01, 20, 5)
+    for job in ("fault_job", "free_job"):  # a record of the ledger's count says how many commit lines it read
+        counted[job]["commit_lines"] = 1000
+    assert gf.recount_pair(counted)["status"] == "exact"
 
 
 def test_worker_logs_are_read_in_the_order_they_were_written():
