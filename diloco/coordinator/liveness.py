@@ -252,6 +252,18 @@ class Liveness:
             self._fail_group(key[0], f"rank {key[1]} sent nothing for {now - heard[key]:.1f}s "
                                      f"(heartbeat_timeout_s={self.heartbeat_timeout_s:g})")
 
+    def _silence(self) -> dict[int, float]:
+        """Group -> seconds since its most silent rank was last heard from (lock held)."""
+        now, out = self._clock(), {}
+        for (g, _), t in self._last_heard.items():
+            out[g] = max(out.get(g, 0.0), now - t)
+        return out
+
+    def _heard(self) -> set[int]:
+        """Groups every rank of which was heard from within two heartbeat intervals (lock held)."""
+        limit = 2 * self.heartbeat_timeout_s / 5
+        return {g for g, silent in self._silence().items() if silent <= limit}
+
     def _fail_group(self, g: int, reason: str) -> None:
         """Take group ``g`` out of the job (lock held): its waiting calls are answered, every quorum
         and vote goes on without it, and it must join again (as a healer) to come back."""

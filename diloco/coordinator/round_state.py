@@ -222,13 +222,6 @@ class RoundState(Liveness):
                 out.update({g: q for g in q.groups if g not in self._summaries})
         return out
 
-    def _silence(self) -> dict[int, float]:
-        """Group -> seconds since its most silent rank was last heard from (lock held)."""
-        now, out = self._clock(), {}
-        for (g, _), t in self._last_heard.items():
-            out[g] = max(out.get(g, 0.0), now - t)
-        return out
-
     def _grace_left(self, exchange: int) -> float:
         """Seconds until the grace window of ``exchange``'s next attempt ends (a wake-up time;
         infinite without a window or before its first ask; at least 1 ms)."""
@@ -248,11 +241,6 @@ class RoundState(Liveness):
         """Groups that count in quorums: joined, not failed, not healing, not finished."""
         return {g for g in self._members if self._complete(g) and g not in self._group_failed
                 and g not in self._healing and g not in self._summaries}
-
-    def _heard(self) -> set[int]:
-        """Groups every rank of which was heard from within two heartbeat intervals (lock held)."""
-        limit = 2 * self.heartbeat_timeout_s / 5
-        return {g for g, silent in self._silence().items() if silent <= limit}
 
     def _group_asks(self, exchange: int) -> dict[int, rounds.Ask]:
         """Groups every rank of which asked for ``exchange``, as rank 0 put it."""
