@@ -30,8 +30,19 @@ _POLL_S = 0.25  # how often a waiting call re-checks liveness and whether its ca
 MAX_EVENTS_KEPT = 1024  # failures, rejections, rollbacks kept for snapshots, oldest dropped first
 #: after a coordinator restart, the least time given to every member to rejoin before a quorum forms
 #: without one (seconds): a rank's channel redials within client.MAX_RECONNECT_BACKOFF_MS and then
-#: heartbeats (NOT_FOUND: rejoin) within a fifth of the heartbeat timeout
+#: heartbeats (NOT_FOUND: rejoin) within one heartbeat interval
 MIN_REJOIN_GRACE_S = 5.0
+#: ranks heartbeat this many times per heartbeat timeout; a group silent for two of those intervals
+#: is no longer *heard*: a grace window does not wait for it, and as a member of an exchange in
+#: flight it is failed (``round_state``). Frequent enough that a frozen member is noticed in a small
+#: part of the timeout (0.4 s at 3 s), sparse enough to cost nothing (one small call a second per
+#: rank at the default 15 s).
+HEARTBEATS_PER_TIMEOUT = 15
+
+
+def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
+    """Seconds between a rank's heartbeats for a coordinator's ``heartbeat_timeout_s``."""
+    return heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT
 
 
 class Liveness:
@@ -259,9 +270,13 @@ class Liveness:
             out[g] = max(out.get(g, 0.0), now - t)
         return out
 
+    def _heard_limit_s(self) -> float:
+        """Seconds of silence after which a group is no longer heard: two heartbeat intervals."""
+        return 2 * heartbeat_interval_s(self.heartbeat_timeout_s)
+
     def _heard(self) -> set[int]:
         """Groups every rank of which was heard from within two heartbeat intervals (lock held)."""
-        limit = 2 * self.heartbeat_timeout_s / 5
+        limit = self._heard_limit_s()
         return {g for g, silent in self._silence().items() if silent <= limit}
 
     def _fail_group(self, g: int, reason: str) -> None:

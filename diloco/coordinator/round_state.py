@@ -202,7 +202,7 @@ class RoundState(Liveness):
         if not self.quorum_grace_s:
             return
         heard, silence = self._heard(), self._silence()
-        interval = f"two heartbeat intervals: {2 * self.heartbeat_timeout_s / 5:g}s"
+        interval = f"two heartbeat intervals: {self._heard_limit_s():g}s"
         for g in [g for g, behind in self._behind.items() if behind and g not in heard]:
             self._fail_group(g, f"missed exchange {min(self._behind[g])}: its quorum formed without this group once "
                                 f"the {self.quorum_grace_s:g}s grace window (--quorum-grace) ended, and it has been "
@@ -223,12 +223,15 @@ class RoundState(Liveness):
         return out
 
     def _grace_left(self, exchange: int) -> float:
-        """Seconds until the grace window of ``exchange``'s next attempt ends (a wake-up time;
-        infinite without a window or before its first ask; at least 1 ms)."""
+        """Seconds until the grace window of ``exchange``'s next attempt ends, or until a live group
+        it waits for falls silent for two heartbeat intervals (``rounds.window_closed``): a wake-up
+        time; infinite without a window or before it starts; at least 1 ms."""
         start = self._grace_from.get(exchange)
         if not self.quorum_grace_s or start is None:
             return float("inf")
-        return max(start + self.quorum_grace_s - self._clock(), 0.001)
+        asked, silence, limit = self._book.asks.get(exchange, {}), self._silence(), self._heard_limit_s()
+        quiet = [limit - silence[g] for g in self._live() if g not in asked and silence.get(g, limit + 1) <= limit]
+        return max(min([start + self.quorum_grace_s - self._clock(), *quiet]), 0.001)
 
     def _awaited(self, exchange: int) -> str:
         asked = set(self._book.asks.get(exchange, {}))
@@ -309,7 +312,7 @@ class RoundState(Liveness):
             heard = self._heard()
             training = self._counts["committed_training"] > 0  # before it, start-up skew is no fault
             start = self._majority_asked(exchange, asks, awaited & heard)
-            patient = rounds.patient_groups(self._healed_at, exchange, self._silence(), 2 * self.heartbeat_timeout_s / 5)
+            patient = rounds.patient_groups(self._healed_at, exchange, self._silence(), self._heard_limit_s())
             if training and start is not None and self._clock() - start > self.vote_timeout_s:
                 for g in sorted(g for g in awaited & live if g not in asks and g not in patient):
                     self._fail_group(g, f"stuck: heard from, but it did not ask for exchange {exchange} within "

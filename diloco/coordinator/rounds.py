@@ -16,11 +16,12 @@ group's word decide for the others, and no rule breaks a tie by group id.
 * with a grace window (``grace_s`` > 0), the quorum also forms once ``grace_s`` seconds passed
   (``waited_s``) since the groups that asked became a strict majority of the live groups still
   heard from (``heartbeating``: a group silent for two heartbeat intervals is not counted; the
-  caller starts the clock then, so one group asking early cannot start it), with the groups that
-  asked by then if they are still that majority: one group never forms a quorum while another live
-  group heartbeats, and a member asking far ahead waits alone. The live groups that had not asked
-  are *left out* (``Quorum.left_out``): they stay members, and once E commits they take its
-  committed mean at weight 0 (they *catch up*; the caller decides this). Control exchanges (the
+  caller starts the clock then, so one group asking early cannot start it), or at once while the
+  window runs when none of the groups it waits for is still heard from (``window_closed``), with
+  the groups that asked by then if they are still that majority: one group never forms a quorum
+  while another live group heartbeats, and a member asking far ahead waits alone. The live groups
+  that had not asked are *left out* (``Quorum.left_out``): they stay members, and once E commits
+  they take its committed mean at weight 0 (they *catch up*; the caller decides this). Control exchanges (the
   initial agreement, a final reconcile: ``healable`` False, agreed like the values below) wait for
   every live group, and the caller applies no window before the job's first training commit. A
   group that healed in an earlier exchange and has not asked for a later one yet is waited for past
@@ -184,6 +185,18 @@ def grace_over(waited_s: float | None, grace_s: float) -> bool:
     return grace_s > 0 and waited_s is not None and waited_s >= grace_s
 
 
+def window_closed(missing: Collection[int], waited_s: float | None, grace_s: float,
+                  heartbeating: Collection[int] | None) -> bool:
+    """True once an exchange may form without the live groups ``missing`` (that have not asked):
+    its grace window ended (``grace_over``), or the window runs (``grace_s`` > 0, ``waited_s`` not
+    None) and none of them is ``heartbeating`` any more: the window waits for a late group that is
+    alive, not for one that has gone silent (frozen or dead)."""
+    if grace_over(waited_s, grace_s):
+        return True
+    return (grace_s > 0 and waited_s is not None and heartbeating is not None
+            and not any(g in heartbeating for g in missing))
+
+
 def patient_groups(healed_at: Mapping[int, int], exchange: int, silent_s: Mapping[int, float],
                    limit_s: float) -> set[int]:
     """The groups a grace window does not cut from ``exchange``: healed in an earlier exchange
@@ -210,8 +223,9 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
 
     ``asks``: the groups every rank of which asked (HEAL for healers). ``live``: the groups that
     count as members (joined, not failed, not healing) — a live group that has not asked is waited
-    for, until the grace window ends (``grace_over(waited_s, grace_s)``; ``waited_s``: seconds
-    since the first group asked for this attempt); it is then left out (``Quorum.left_out``),
+    for, until the grace window ends (``window_closed``: ``grace_over(waited_s, grace_s)``, or none
+    of the missing groups is ``heartbeating``; ``waited_s``: seconds since the groups that asked
+    became a majority); it is then left out (``Quorum.left_out``),
     unless it is ``patient`` (waited for regardless of the window), the exchange is a control
     exchange, or the groups that asked are not a strict majority of the live groups that asked or
     are ``heartbeating`` (None: every live group counts).
@@ -220,7 +234,8 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
     ``rejected``: contributions the caller's screen refused (group -> reason).
     """
     missing = sorted(g for g in live if g not in asks)
-    if missing and (not grace_over(waited_s, grace_s) or any(g in patient for g in missing)):
+    if missing and (not window_closed(missing, waited_s, grace_s, heartbeating)
+                    or any(g in patient for g in missing)):
         return None
     regular = {g: a for g, a in asks.items() if a.exchange != HEAL}
     if not regular:

@@ -324,7 +324,7 @@ class FaultConfig:
 
     heartbeat_timeout: float = opt(
         15.0, "seconds without a message from any rank of a group before the group is declared failed "
-        "and left out of the next quorum (ranks heartbeat every fifth of it)", flag="--heartbeat-timeout",
+        "and left out of the next quorum (ranks heartbeat every fifteenth of it)", flag="--heartbeat-timeout",
     )
     min_groups: int = opt(1, "fewest groups an exchange may run with; below it the survivors wait", flag="--min-groups")
     quorum_grace: float = opt(

@@ -56,8 +56,8 @@ def test_a_member_that_asks_first_waits_alone_and_is_never_a_quorum_of_one():
     early = ask_in_thread(state, 2, 1, got)
     for _ in range(4):
         clock.now += 5.0
-        state.heartbeat(HeartbeatRequest(0, 0, 5))
-        state.heartbeat(HeartbeatRequest(1, 0, 5))
+        for g in range(3):  # the early one heartbeats while it waits, as a rank's heartbeat thread does
+            state.heartbeat(HeartbeatRequest(g, 0, 5))
         time.sleep(0.3)
     assert got == {} and live(state) == [0, 1, 2]
     second = ask_in_thread(state, 0, 1, got)  # now a majority asked: the window starts

@@ -23,6 +23,7 @@ from diloco.coordinator.rounds import (
     job_lost,
     job_lost_message,
     patient_groups,
+    window_closed,
 )
 from diloco.coordinator.state import CoordinatorState
 from diloco.runtime.ops.status import format_status
@@ -50,6 +51,43 @@ def test_once_the_grace_window_ends_the_groups_that_asked_form_the_quorum_withou
     assert dict(q.weights) == {0: 10.0, 1: 30.0} and 2 not in q.weights  # its work is not counted
     every = decide({**asks, 2: ask()}, {0, 1, 2}, waited_s=0.1, **kw)  # all asked: no need to wait
     assert every.groups == (0, 1, 2) and every.left_out == ()
+
+
+def test_the_window_waits_for_a_late_group_that_heartbeats_not_for_one_that_went_silent():
+    """A group frozen or killed while it trained closes the window at once (issue 46, goodput):
+    the others waited the whole window for it before; a late group still heard from is waited for."""
+    asks = {0: ask(), 1: ask()}
+    kw = {"next_exchange": 5, "min_groups": 1, "attempt": 0, "quorum_id": "q", "grace_s": 0.5}
+    assert decide(asks, {0, 1, 2}, waited_s=0.01, heartbeating={0, 1, 2}, **kw) is None  # alive: waited for
+    q = decide(asks, {0, 1, 2}, waited_s=0.01, heartbeating={0, 1}, **kw)  # silent: not waited for
+    assert q.groups == (0, 1) and q.left_out == (2,)
+    assert decide({0: ask()}, {0, 1, 2, 3}, waited_s=0.01, heartbeating={0, 1}, **kw) is None  # 1 still heard
+    assert decide(asks, {0, 1, 2}, waited_s=None, heartbeating={0, 1}, **kw) is None  # no window yet
+    assert decide(asks, {0, 1, 2}, waited_s=0.01, heartbeating={0, 1}, patient={2}, **kw) is None  # healed
+    assert decide(asks, {0, 1, 2}, waited_s=1e6, heartbeating={0, 1}, **{**kw, "grace_s": 0.0}) is None  # no window
+    assert window_closed([2], 0.01, 0.5, {0, 1}) and not window_closed([2], 0.01, 0.5, {2})
+    assert not window_closed([2], 0.01, 0.5, None) and window_closed([2], 0.5, 0.5, {2})
+
+
+def test_a_group_that_falls_silent_while_the_window_runs_is_not_waited_for_to_its_end():
+    """On the coordinator: two of three ask, the third's last heartbeat was 7 s ago (heartbeat
+    timeout 60 s: two intervals are 8 s) and the window is 30 s; the quorum forms once the third
+    has been silent for 8 s, 1 s after the window opened, not 30 s later."""
+    state, clock = formed(3, heartbeat_timeout_s=60.0, quorum_grace_s=30.0)
+    run_exchange(state, (0, 1, 2), 0)
+    clock.now += 7.0
+    for g in (0, 1):
+        state.heartbeat(HeartbeatRequest(g, 0, 5))
+    got: dict = {}
+    threads = [ask_in_thread(state, g, 1, got) for g in (0, 1)]
+    time.sleep(0.6)
+    assert got == {}  # group 2 is still heard from (7 s): the window waits for it
+    clock.now += 1.5
+    for t in threads:
+        t.join(timeout=5)
+    assert sorted(got[0].members) == [0, 1] and list(got[0].left_out) == [2]
+    left = [e for e in state.snapshot()["rounds_state"]["events"] if e["kind"] == "left_out"]
+    assert left[-1]["groups"] == [2] and left[-1]["waited_s"] == pytest.approx(1.5)  # of a 30 s window
 
 
 def test_the_grace_window_keeps_min_groups_and_waits_for_a_group_that_just_healed():
@@ -149,10 +187,10 @@ def test_a_left_out_group_that_went_silent_is_failed_when_the_exchange_commits()
     run_exchange(state, (0, 1, 2), 0)
     got: dict = {}
     threads = [ask_in_thread(state, g, 1, got) for g in (0, 1)]
-    clock.now += 20.0
+    clock.now += 6.0
     for g in (0, 1):  # their heartbeats run on while they wait
         state.heartbeat(HeartbeatRequest(g, 0, 5))
-    clock.now += 10.0  # group 2: silent for 30 s, more than two heartbeat intervals (24 s)
+    clock.now += 4.0  # group 2: silent for 10 s, more than two heartbeat intervals (8 s)
     for t in threads:
         t.join(timeout=5)
     assert got[0].left_out == {2: ("10.0.2.0:7000",)}
@@ -314,12 +352,12 @@ def test_a_member_silent_while_its_exchange_is_in_flight_is_failed_with_a_window
     for t in [ask_in_thread(state, g, 1, got) for g in (0, 1, 2)]:
         t.join(timeout=5)
     assert sorted(got[0].members) == [0, 1, 2]  # exchange 1 is in flight; group 2 freezes in its ring
-    clock.now += 20.0
+    clock.now += 6.0
     for g in (0, 1):
         state.heartbeat(HeartbeatRequest(g, 0, 5))
-    assert state.snapshot()["rounds_state"]["live_groups"] == [0, 1, 2]  # 20 s: under two intervals (24 s)
-    clock.now += 10.0
-    for g in (0, 1):  # 30 s silent: the others' calls sweep
+    assert state.snapshot()["rounds_state"]["live_groups"] == [0, 1, 2]  # 6 s: under two intervals (8 s)
+    clock.now += 4.0
+    for g in (0, 1):  # 10 s silent: the others' calls sweep
         state.heartbeat(HeartbeatRequest(g, 0, 5))
     rs = state.snapshot()["rounds_state"]
     if not grace:  # without a window only the heartbeat timeout (60 s) fails a member
@@ -327,7 +365,7 @@ def test_a_member_silent_while_its_exchange_is_in_flight_is_failed_with_a_window
         return
     assert rs["live_groups"] == [0, 1]
     why = rs["failed_groups"][2]
-    assert "silent for 30.0s" in why and "exchange 1" in why and got[0].id in why and "--quorum-grace" in why
+    assert "silent for 10.0s" in why and "exchange 1" in why and got[0].id in why and "--quorum-grace" in why
     vote(state, got, (0, 1))  # the attempt the frozen member was in rolls back; the others go on without it
     again = run_exchange(state, (0, 1), 1)
     assert sorted(again[0].members) == [0, 1] and again[0].id != got[0].id

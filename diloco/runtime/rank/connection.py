@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from diloco.coordinator import CoordinatorClient, CoordinatorError
 from diloco.coordinator.credentials import for_group
+from diloco.coordinator.liveness import heartbeat_interval_s
 from diloco.coordinator.waiting import waiting
 from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
 from diloco.exchange.quorum_averager import QuorumAverager
@@ -84,7 +85,7 @@ def make_averager(t: TransportConfig, transport, membership, client, group: int,
     addresses = {g: membership.ranks(g) for g in membership.groups}
     averager = QuorumAverager(
         transport, membership, client, group=group, rank=rank, incarnation=incarnation, heal=membership.heal,
-        tokens_per_step=tokens_per_step, heartbeat_interval_s=heartbeat_timeout / 5,
+        tokens_per_step=tokens_per_step, heartbeat_interval_s=heartbeat_interval_s(heartbeat_timeout),
         codec=t.codec_spec().build(), timeout_s=t.timeout_s, plan_every=t.plan_every,
         stripes_per_rank=t.stripes_per_rank, comm_device=device, process_group=process_group,
     )
@@ -448,7 +449,7 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
     the same fields as the ``--host``, ``--link``, ``--tls-*`` ... flags); its TLS files also
     secure the coordinator calls when the coordinator is not on loopback (``coordinator_tls``). ``metrics_port``:
     serve Prometheus metrics on this port + the local rank, on ``settings.host`` (0 = off). ``heartbeat_timeout``: the
-    coordinator's (seconds; this rank heartbeats every fifth of it). ``tokens_per_step``: what one
+    coordinator's (seconds; this rank heartbeats every fifteenth of it). ``tokens_per_step``: what one
     inner step of this group weighs in the mean (default: its number of ranks). Every rank of every
     group calls it; it returns once every expected group has joined (or, when the job already runs,
     once this group's ranks have: the engine then heals the group into the job).
