@@ -32,12 +32,14 @@ MAX_EVENTS_KEPT = 1024  # failures, rejections, rollbacks kept for snapshots, ol
 #: without one (seconds): a rank's channel redials within client.MAX_RECONNECT_BACKOFF_MS and then
 #: heartbeats (NOT_FOUND: rejoin) within one heartbeat interval
 MIN_REJOIN_GRACE_S = 5.0
-#: ranks heartbeat this many times per heartbeat timeout; a group silent for two of those intervals
-#: is no longer *heard*: a grace window does not wait for it, and as a member of an exchange in
-#: flight it is failed (``round_state``). Frequent enough that a frozen member is noticed in a small
-#: part of the timeout (0.4 s at 3 s), sparse enough to cost nothing (one small call a second per
-#: rank at the default 15 s).
+#: ranks heartbeat this many times per heartbeat timeout; a group silent for ``SILENT_INTERVALS`` of
+#: those intervals is no longer *heard*: a grace window does not wait for it, and as a member of an
+#: exchange in flight it is failed (``round_state``). Frequent enough that a frozen member is noticed
+#: in a small part of the timeout (0.6 s at 3 s), sparse enough to cost nothing (one small call a
+#: second per rank at the default 15 s); three intervals, so one heartbeat late by up to two
+#: intervals (a busy host) is not silence.
 HEARTBEATS_PER_TIMEOUT = 15
+SILENT_INTERVALS = 3
 
 
 def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
@@ -271,11 +273,11 @@ class Liveness:
         return out
 
     def _heard_limit_s(self) -> float:
-        """Seconds of silence after which a group is no longer heard: two heartbeat intervals."""
-        return 2 * heartbeat_interval_s(self.heartbeat_timeout_s)
+        """Seconds of silence after which a group is no longer heard: three heartbeat intervals."""
+        return SILENT_INTERVALS * heartbeat_interval_s(self.heartbeat_timeout_s)
 
     def _heard(self) -> set[int]:
-        """Groups every rank of which was heard from within two heartbeat intervals (lock held)."""
+        """Groups every rank of which was heard from within three heartbeat intervals (lock held)."""
         limit = self._heard_limit_s()
         return {g for g, silent in self._silence().items() if silent <= limit}
 

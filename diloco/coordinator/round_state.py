@@ -193,7 +193,7 @@ class RoundState(Liveness):
 
     def _sweep(self) -> None:
         """Besides the heartbeat timeout, with a grace window (``--quorum-grace``) a group silent for
-        two heartbeat intervals is failed now (lock held) when it is a member of an exchange in flight
+        three heartbeat intervals is failed now (lock held) when it is a member of an exchange in flight
         (its quorum formed, not yet decided: every other member's collective waits on it), or the
         window left it out and it has been silent since (it was late and went quiet). Dead or frozen,
         most likely; the others would otherwise wait out the heartbeat timeout (or a window per
@@ -202,7 +202,7 @@ class RoundState(Liveness):
         if not self.quorum_grace_s:
             return
         heard, silence = self._heard(), self._silence()
-        interval = f"two heartbeat intervals: {self._heard_limit_s():g}s"
+        interval = f"three heartbeat intervals: {self._heard_limit_s():g}s"
         for g in [g for g, behind in self._behind.items() if behind and g not in heard]:
             self._fail_group(g, f"missed exchange {min(self._behind[g])}: its quorum formed without this group once "
                                 f"the {self.quorum_grace_s:g}s grace window (--quorum-grace) ended, and it has been "
@@ -224,7 +224,7 @@ class RoundState(Liveness):
 
     def _grace_left(self, exchange: int) -> float:
         """Seconds until the grace window of ``exchange``'s next attempt ends, or until a live group
-        it waits for falls silent for two heartbeat intervals (``rounds.window_closed``): a wake-up
+        it waits for falls silent for three heartbeat intervals (``rounds.window_closed``): a wake-up
         time; infinite without a window or before it starts; at least 1 ms."""
         start = self._grace_from.get(exchange)
         if not self.quorum_grace_s or start is None:

@@ -15,7 +15,7 @@ group's word decide for the others, and no rule breaks a tie by group id.
   (the caller refuses asks beyond it);
 * with a grace window (``grace_s`` > 0), the quorum also forms once ``grace_s`` seconds passed
   (``waited_s``) since the groups that asked became a strict majority of the live groups still
-  heard from (``heartbeating``: a group silent for two heartbeat intervals is not counted; the
+  heard from (``heartbeating``: a group silent for three heartbeat intervals is not counted; the
   caller starts the clock then, so one group asking early cannot start it), or at once while the
   window runs when none of the groups it waits for is still heard from (``window_closed``), with
   the groups that asked by then if they are still that majority: one group never forms a quorum

@@ -451,7 +451,8 @@ class QuorumAverager(StripedAverager):
                     self.group, self.rank)
 
     def _heartbeat_loop(self, interval_s: float) -> None:
-        """Heartbeats, every ``interval_s`` (every RING_CHECK_S at most while rings run). Each
+        """Heartbeats, every ``interval_s`` from one's start to the next's (every RING_CHECK_S at
+        most while rings run). Each
         names the oldest quorum whose rings run here; when the coordinator says that quorum can
         no longer commit (a member failed or started again), its rings are aborted at once: this
         rank votes no and retries in the next quorum instead of waiting for the rings' deadline.
@@ -459,9 +460,10 @@ class QuorumAverager(StripedAverager):
         leaves at its next call (``GroupEvicted``)."""
         wait = interval_s
         while not self._closed.wait(wait):
+            sent = time.monotonic()
             with self._rings_lock:
                 quorum = next(iter(self._running), "")
-            wait = min(interval_s, RING_CHECK_S) if quorum else interval_s
+            period = min(interval_s, RING_CHECK_S) if quorum else interval_s
             try:
                 lost = self.client.heartbeat(self.group, self.rank, self.step, self.incarnation, quorum)
                 if lost:
@@ -482,6 +484,9 @@ class QuorumAverager(StripedAverager):
                         return
             except ValueError:  # the channel was closed under us: we are closing
                 return
+            # the next one is due a period after this one started: a slow call does not stretch the
+            # silence the coordinator sees (it counts three periods as silent)
+            wait = max(sent + period - time.monotonic(), 0.0)
 
     @property
     def evicted_reason(self) -> str | None:

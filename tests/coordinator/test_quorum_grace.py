@@ -70,18 +70,18 @@ def test_the_window_waits_for_a_late_group_that_heartbeats_not_for_one_that_went
 
 
 def test_a_group_that_falls_silent_while_the_window_runs_is_not_waited_for_to_its_end():
-    """On the coordinator: two of three ask, the third's last heartbeat was 7 s ago (heartbeat
-    timeout 60 s: two intervals are 8 s) and the window is 30 s; the quorum forms once the third
-    has been silent for 8 s, 1 s after the window opened, not 30 s later."""
+    """On the coordinator: two of three ask, the third's last heartbeat was 11 s ago (heartbeat
+    timeout 60 s: three intervals are 12 s) and the window is 30 s; the quorum forms once the third
+    has been silent for 12 s, 1 s after the window opened, not 30 s later."""
     state, clock = formed(3, heartbeat_timeout_s=60.0, quorum_grace_s=30.0)
     run_exchange(state, (0, 1, 2), 0)
-    clock.now += 7.0
+    clock.now += 11.0
     for g in (0, 1):
         state.heartbeat(HeartbeatRequest(g, 0, 5))
     got: dict = {}
     threads = [ask_in_thread(state, g, 1, got) for g in (0, 1)]
     time.sleep(0.6)
-    assert got == {}  # group 2 is still heard from (7 s): the window waits for it
+    assert got == {}  # group 2 is still heard from (11 s): the window waits for it
     clock.now += 1.5
     for t in threads:
         t.join(timeout=5)
@@ -187,10 +187,10 @@ def test_a_left_out_group_that_went_silent_is_failed_when_the_exchange_commits()
     run_exchange(state, (0, 1, 2), 0)
     got: dict = {}
     threads = [ask_in_thread(state, g, 1, got) for g in (0, 1)]
-    clock.now += 6.0
+    clock.now += 8.0
     for g in (0, 1):  # their heartbeats run on while they wait
         state.heartbeat(HeartbeatRequest(g, 0, 5))
-    clock.now += 4.0  # group 2: silent for 10 s, more than two heartbeat intervals (8 s)
+    clock.now += 6.0  # group 2: silent for 14 s, more than three heartbeat intervals (12 s)
     for t in threads:
         t.join(timeout=5)
     assert got[0].left_out == {2: ("10.0.2.0:7000",)}
@@ -352,12 +352,12 @@ def test_a_member_silent_while_its_exchange_is_in_flight_is_failed_with_a_window
     for t in [ask_in_thread(state, g, 1, got) for g in (0, 1, 2)]:
         t.join(timeout=5)
     assert sorted(got[0].members) == [0, 1, 2]  # exchange 1 is in flight; group 2 freezes in its ring
-    clock.now += 6.0
+    clock.now += 8.0
     for g in (0, 1):
         state.heartbeat(HeartbeatRequest(g, 0, 5))
-    assert state.snapshot()["rounds_state"]["live_groups"] == [0, 1, 2]  # 6 s: under two intervals (8 s)
-    clock.now += 4.0
-    for g in (0, 1):  # 10 s silent: the others' calls sweep
+    assert state.snapshot()["rounds_state"]["live_groups"] == [0, 1, 2]  # 8 s: under three intervals (12 s)
+    clock.now += 6.0
+    for g in (0, 1):  # 14 s silent: the others' calls sweep
         state.heartbeat(HeartbeatRequest(g, 0, 5))
     rs = state.snapshot()["rounds_state"]
     if not grace:  # without a window only the heartbeat timeout (60 s) fails a member
@@ -365,7 +365,7 @@ def test_a_member_silent_while_its_exchange_is_in_flight_is_failed_with_a_window
         return
     assert rs["live_groups"] == [0, 1]
     why = rs["failed_groups"][2]
-    assert "silent for 10.0s" in why and "exchange 1" in why and got[0].id in why and "--quorum-grace" in why
+    assert "silent for 14.0s" in why and "exchange 1" in why and got[0].id in why and "--quorum-grace" in why
     vote(state, got, (0, 1))  # the attempt the frozen member was in rolls back; the others go on without it
     again = run_exchange(state, (0, 1), 1)
     assert sorted(again[0].members) == [0, 1] and again[0].id != got[0].id
