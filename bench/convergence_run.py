@@ -32,7 +32,7 @@ from diloco.demo import gpt_task  # noqa: E402
 from diloco.job.task import Task, TaskContext  # noqa: E402
 from diloco.runtime.launch.summary import bits_per_param_per_step  # noqa: E402
 from diloco.runtime.rank.endpoint import group_keys, make_transport  # noqa: E402
-from diloco.runtime.rank.train_loop import evaluate, train
+from diloco.runtime.rank.train_loop import LoopOptions, evaluate, train
 from diloco.runtime.rank.worker import engine_options, make_engine, make_inner_optimizer  # noqa: E402
 
 ENTRY = "bench.convergence_run:study_task"  # this file, importable with the repository root on the path
@@ -220,7 +220,8 @@ def run_in_process(cfg: Config) -> dict:
                 engine = make_engine(tasks[g].model, inners[g], averagers[g], tasks[g].fragments, **engine_options(cfg))
                 recorders[g].engine = engine
                 # groups other than 0 skip the evals, as ranks other than 0 do in a real job
-                summaries[g] = train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
+                summaries[g] = train(LoopOptions.of(cfg),
+                                     g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
                                       engine, recorders[g])
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                 errors.append(e)

@@ -47,7 +47,7 @@ from bench.convergence_run import (
 )
 from diloco.engine.averaging import InProcessGroups
 from diloco.job.task import TaskContext
-from diloco.runtime.rank.train_loop import train
+from diloco.runtime.rank.train_loop import LoopOptions, train
 from diloco.runtime.rank.worker import engine_options, make_engine, make_inner_optimizer
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "convergence.json"
@@ -179,7 +179,8 @@ def run_time_row(cfg, row: TimeRow) -> dict:
             engine = make_engine(tasks[g].model, inners[g], members[g], tasks[g].fragments, clock=clocks[g],
                                  **engine_options(timed))
             links[g].engine = engine
-            summaries[g] = train(cfg, g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
+            summaries[g] = train(LoopOptions.of(cfg),
+                                 g, 0 if g == 0 else 1, cpu, _Model(tasks[g].model), tasks[g], inners[g],
                                   engine, links[g])
             summaries[g].update(round_steps=list(getattr(engine, "round_steps", [])), inner_steps=engine.inner_step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller

@@ -297,6 +297,20 @@ def link_changed(decided_bytes_per_s: float, measured_bytes_per_s: float,
     return abs(measured_bytes_per_s - decided_bytes_per_s) > threshold * decided_bytes_per_s
 
 
+def running_setting(table: AutoTable, row: str, *, codec: str | None = None, h: int | None = None) -> Setting:
+    """The table's setting named ``row`` (the one a running job or a checkpoint runs), with the
+    ``codec`` and ``h`` the user fixed (None: auto); ValueError when this table lacks it or the
+    flags exclude it."""
+    setting = table.named(row)
+    if setting is None:
+        raise ValueError(f"the job runs the auto setting {row!r}, which this auto table ({table.size}, {table.commit}) "
+                         "does not hold (or this config cannot run): start every group with the same version and flags")
+    if codec not in (None, setting.codec) or h not in (None, setting.h):
+        raise ValueError(f"the job runs {setting.label} (auto setting {row!r}), which these flags exclude "
+                         f"(--codec {codec or 'auto'}, --h {h or 'auto'})")
+    return setting
+
+
 def is_auto(cfg: Any) -> tuple[bool, bool]:
     """(codec auto, H auto) of a ``Config``."""
     return cfg.transport.codec == AUTO, cfg.sync.h == AUTO_H

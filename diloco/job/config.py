@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from diloco.engine.modes import INITIAL_SYNCS, MODES
+from diloco.engine.schedule import SyncSchedule
 from diloco.engine.outer_spec import OuterSpec, outer_rule_names
 from diloco.engine.schedule_spec import ScheduleSpec, schedule_names
 from diloco.job import config_checks
@@ -385,6 +386,14 @@ class Config:
                             qsr_gamma=s.qsr_gamma, paced_gamma=s.paced_gamma, round_seconds=s.round_seconds,
                             peak_lr=i.lr, warmup_steps=i.warmup_steps, lr_schedule=i.lr_schedule,
                             min_lr_ratio=i.min_lr_ratio)
+
+    def engine_options(self, schedule: SyncSchedule | None = None) -> dict[str, Any]:
+        """``make_engine``'s settings (``diloco.runtime.rank.worker``), built from these options:
+        ``make_engine(model, inner, averager, **cfg.engine_options())``. ``schedule``: one built
+        already (``--codec/--h auto``, a planned one), else this config's (``schedule_spec().build()``)."""
+        return {"sync": self.sync, "outer": self.outer.spec(), "outer_device": self.outer.device,
+                "schedule": schedule or self.schedule_spec().build(),
+                "final_codec": self.transport.codec_spec().final(), "initial_sync": self.train.initial_sync}
 
     def validate(self) -> "Config":
         """Raise ConfigError naming every invalid setting (``diloco.job.config_checks``); returns self."""

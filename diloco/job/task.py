@@ -55,6 +55,14 @@ class TaskContext:
     args: dict[str, str] = field(default_factory=dict)  # --entry-args KEY=VALUE,...
     config: Config | None = None  # the whole configuration
 
+    @classmethod
+    def for_job(cls, cfg: Config, group: int, rank: int, group_size: int, device: torch.device) -> TaskContext:
+        """The context of rank ``rank`` (of ``group_size``) of group ``group`` on ``device`` in the job ``cfg``
+        describes: the one place a job's config becomes what an entry function knows."""
+        return cls(group=group, num_groups=cfg.topology.groups, rank=rank, group_size=group_size, device=device,
+                   seed=cfg.train.seed, steps=cfg.train.steps, batch_size=cfg.data.batch_size,
+                   data_path=cfg.data.path, args=parse_entry_args(cfg.train.entry_args), config=cfg)
+
 
 @dataclass
 class Task:

@@ -23,6 +23,7 @@ from diloco.job.config import Config, ConfigError
 from diloco.job.task import Task, TaskError
 from diloco.runtime.checkpoints import job_checkpoint, rank_state
 from diloco.runtime.checkpoints.checkpoint import CheckpointError
+from diloco.runtime.checkpoints.job_checkpoint import CheckpointOptions
 from diloco.runtime.launch import launcher
 from diloco.runtime.rank import train_loop
 
@@ -89,7 +90,8 @@ def test_n_steps_checkpoint_fresh_objects_n_steps_equals_2n_steps(tmp_path, mode
 
     def save(i):
         g = first[i]
-        keeper = job_checkpoint.JobCheckpointer(cfg, group=i, rank=0, group_size=1, engine=g.engine, model=g.model,
+        keeper = job_checkpoint.JobCheckpointer(CheckpointOptions.of(cfg),
+                                                group=i, rank=0, group_size=1, engine=g.engine, model=g.model,
                                                 inner=g.inner, task=g.task, link=g.engine.averager)
         keeper.save(n, loss_ema=1.0)
 
@@ -310,7 +312,8 @@ def test_checkpointer_writes_periodically_stops_at_stop_after_on_agreement_and_a
     cfg = job_config(groups=1, checkpoint_every=4, stop_after=10, checkpoint_dir=str(tmp_path))
     model, inner, engine = single(cfg)
     link = FakeLink()
-    keeper = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+    keeper = job_checkpoint.JobCheckpointer(CheckpointOptions.of(cfg),
+                                            group=0, rank=0, group_size=1, engine=engine, model=model,
                                             inner=inner, task=None, link=link)
 
     def after(step):
@@ -339,16 +342,19 @@ def test_checkpointer_writes_periodically_stops_at_stop_after_on_agreement_and_a
     assert not after(14) and not after(15) and after(16)
     assert job_checkpoint.complete_steps(tmp_path)[-1] == 16
     with pytest.raises(ConfigError, match="not after"):
-        job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+        job_checkpoint.JobCheckpointer(CheckpointOptions.of(cfg),
+                                       group=0, rank=0, group_size=1, engine=engine, model=model,
                                        inner=inner, task=None, link=link, start_step=10)
     # a group that healed into the job at step s does what the others do after s: checkpoint, stop
     for start, stops in ((10, True), (8, False), (9, False)):
         engine.inner_step = start
-        healer = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+        healer = job_checkpoint.JobCheckpointer(CheckpointOptions.of(cfg),
+                                                group=0, rank=0, group_size=1, engine=engine, model=model,
                                                 inner=inner, task=None, link=link, start_step=start, healed=True)
         assert healer.catch_up(loss_ema=None) is stops
         assert healer.last == (None if start == 9 else job_checkpoint.step_path(tmp_path, start))
-    resumed = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+    resumed = job_checkpoint.JobCheckpointer(CheckpointOptions.of(cfg),
+                                             group=0, rank=0, group_size=1, engine=engine, model=model,
                                              inner=inner, task=None, link=link, start_step=4)
     assert resumed.catch_up(loss_ema=None) is False and resumed.last is None
     # a stop agreed in the exchange that started the job (SIGTERM during start-up): stop before the
@@ -357,7 +363,8 @@ def test_checkpointer_writes_periodically_stops_at_stop_after_on_agreement_and_a
     cfg.train.checkpoint_dir = str(tmp_path / "early")
     for start in (0, 4):
         engine.inner_step = start
-        early = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+        early = job_checkpoint.JobCheckpointer(CheckpointOptions.of(cfg),
+                                               group=0, rank=0, group_size=1, engine=engine, model=model,
                                                inner=inner, task=None, link=link, start_step=start)
         assert early.catch_up(loss_ema=None) is True
         assert early.last == job_checkpoint.step_path(tmp_path / "early", start)
@@ -464,7 +471,8 @@ def test_an_auto_jobs_checkpoint_holds_the_setting_it_runs_at_that_step(tmp_path
     model, inner, engine = single(cfg)
     link = FakeLink()
     link.auto_schedule = SimpleNamespace(choice=SimpleNamespace(setting=now))
-    keeper = job_checkpoint.JobCheckpointer(cfg, group=0, rank=0, group_size=1, engine=engine, model=model,
+    keeper = job_checkpoint.JobCheckpointer(CheckpointOptions.of(cfg),
+                                            group=0, rank=0, group_size=1, engine=engine, model=model,
                                             inner=inner, task=None, link=link)
     engine.inner_step = 4
     keeper.after_step(4, loss_ema=None)

@@ -127,7 +127,8 @@ def load_rank(folder: str | Path, cfg: Config, group: int, rank: int) -> RankChe
         saved = from_dict(state["config"])
     except (ConfigError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: bad config: {e}") from e
-    diffs = math_differences(saved, as_checkpoint_ran(cfg, state, path))
+    ran = as_checkpoint_ran(cfg, state, path)  # the config to compare: the setting it ran, with auto
+    diffs = math_differences(saved, ran)
     if diffs:
         raise CheckpointError(f"{path}: saved by a different job:\n  " + "\n  ".join(diffs))
     return RankCheckpoint(path, state)
@@ -158,6 +159,25 @@ def as_checkpoint_ran(cfg: Config, state: dict, path: Path) -> Config:
     return auto_choice.apply_choice(cfg, setting).validate()
 
 
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What ``JobCheckpointer`` reads of a job's settings, built by the worker from its config."""
+
+    root: str  # --checkpoint-dir ("": none, which a checkpointer refuses)
+    every: int  # --checkpoint-every (0: no periodic checkpoints)
+    stop_after: int  # --stop-after (0: none)
+    keep: int  # --checkpoint-keep: complete steps kept
+    steps: int  # --steps: none is written after the last
+    config: Config  # the job's config as it runs: what each checkpoint records (and a resume compares)
+
+    @classmethod
+    def of(cls, cfg: Config) -> CheckpointOptions:
+        """The checkpoint options of the job ``cfg`` (as it runs: after ``--codec/--h auto`` chose)."""
+        t = cfg.train
+        return cls(root=t.checkpoint_dir, every=t.checkpoint_every, stop_after=t.stop_after, keep=t.checkpoint_keep,
+                   steps=t.steps, config=cfg)
+
+
 class JobCheckpointer:
     """The worker's checkpoints: when to write one, when to stop, and the writing.
 
@@ -168,18 +188,18 @@ class JobCheckpointer:
     periodic checkpoint. Nothing is written after the last step (``--save`` has the final model).
     """
 
-    def __init__(self, cfg: Config, *, group: int, rank: int, group_size: int, engine: Any, model: torch.nn.Module,
-                 inner: torch.optim.Optimizer, task: Any, link: Any, device: torch.device | None = None,
-                 start_step: int = 0, initial_eval_loss: float = math.nan, healed: bool = False) -> None:
-        t = cfg.train
-        if not t.checkpoint_dir:
+    def __init__(self, opts: CheckpointOptions, *, group: int, rank: int, group_size: int, engine: Any,
+                 model: torch.nn.Module, inner: torch.optim.Optimizer, task: Any, link: Any,
+                 device: torch.device | None = None, start_step: int = 0, initial_eval_loss: float = math.nan,
+                 healed: bool = False) -> None:
+        if not opts.root:
             raise ConfigError("--checkpoint-every / --stop-after need --checkpoint-dir (diloco run sets one)")
-        if t.stop_after and (t.stop_after < start_step or t.stop_after == start_step and not healed):
-            raise ConfigError(f"--stop-after {t.stop_after} is not after the checkpoint's step {start_step}")
+        if opts.stop_after and (opts.stop_after < start_step or opts.stop_after == start_step and not healed):
+            raise ConfigError(f"--stop-after {opts.stop_after} is not after the checkpoint's step {start_step}")
         self.start_step, self.healed = start_step, healed
-        self.cfg, self.root = cfg, Path(t.checkpoint_dir)
-        self.every, self.stop_after, self.keep = t.checkpoint_every, t.stop_after, t.checkpoint_keep
-        self.steps, self.group, self.rank, self.group_size = t.steps, group, rank, group_size
+        self.cfg, self.root = opts.config, Path(opts.root)
+        self.every, self.stop_after, self.keep = opts.every, opts.stop_after, opts.keep
+        self.steps, self.group, self.rank, self.group_size = opts.steps, group, rank, group_size
         self.engine, self.model, self.inner, self.task = engine, model, inner, task
         self.link, self.device = link, device
         self.initial_eval_loss = initial_eval_loss

@@ -114,71 +114,63 @@ def runnable_table(cfg: Config, table: auto_choice.AutoTable) -> auto_choice.Aut
     return auto_choice.AutoTable(table.size, table.study_dates, table.commit, table.regenerate, tuple(keep))
 
 
-def decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device: torch.device, group: int,
-           num_params: int) -> tuple[Config, Choice]:
-    """Measure, agree and choose (see the module doc); returns the config to run and the choice.
-    Switches ``link``'s averager to the chosen codec; logs the choice and shows it in the metrics
-    and progress reports."""
-    codec_auto, h_auto = auto_choice.is_auto(cfg)
-    own = measure_step_seconds(model, task, device)
-    steps = agree_step_seconds(link, own, group=group, groups=cfg.topology.groups, device=device)
-    version, bandwidth = slowest_link_now(link)
-    study = auto_choice.load_table()
-    table = runnable_table(cfg, study)
-    try:
-        choice = auto_choice.choose(table, num_params=num_params, link_bytes_per_s=bandwidth, step_s=max(steps.values()),
-                                    groups=cfg.topology.groups, codec=None if codec_auto else cfg.transport.codec,
-                                    h=None if h_auto else cfg.sync.h)
-    except ValueError as e:
-        dropped = len(study.entries) - len(table.entries)
-        raise ConfigError(f"--codec/--h auto: {e}" + (f" among the {len(table.entries)} this job's config can run "
-                          f"({dropped} fail its checks, e.g. SparseLoCo's tiles with --parallel fsdp)"
-                          if dropped else "")) from None
-    chosen = auto_choice.apply_choice(cfg, choice.setting).validate()
-    switch_codec(link, None, cfg.transport.codec_spec(), choice.setting)
-    link.auto = {"step_s_per_group": {str(g): s for g, s in steps.items()},
-                 "table": f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"}
-    _show(link, choice, bandwidth, version)
-    link.auto_choice = choice
-    link.auto_inputs = {"table": table, "num_params": num_params, "step_s": max(steps.values()),
-                        "groups": cfg.topology.groups, "codec": None if codec_auto else cfg.transport.codec,
-                        "h": None if h_auto else cfg.sync.h}
-    link.auto_bandwidth = bandwidth
-    log.info("auto: %s", choice.reason, extra={"auto": link.auto})
-    return chosen, choice
-
-
 def running_setting(table: auto_choice.AutoTable, row: str, *, codec: str | None = None,
                     h: int | None = None) -> auto_choice.Setting:
-    """The table's setting named ``row`` (the one a running job or a checkpoint runs), with the
-    ``codec`` and ``h`` the user fixed (None: auto); ConfigError when this table lacks it or the
-    flags exclude it."""
-    setting = table.named(row)
-    if setting is None:
-        raise ConfigError(f"the job runs the auto setting {row!r}, which this auto table ({table.size}, {table.commit}) "
-                          "does not hold (or this config cannot run): start every group with the same version and flags")
-    if codec not in (None, setting.codec) or h not in (None, setting.h):
-        raise ConfigError(f"the job runs {setting.label} (auto setting {row!r}), which these flags exclude "
-                          f"(--codec {codec or 'auto'}, --h {h or 'auto'})")
-    return setting
+    """``auto_choice.running_setting``, refused as a ConfigError."""
+    try:
+        return auto_choice.running_setting(table, row, codec=codec, h=h)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
-def join_setting(cfg: Config, link: Any, row: str, *, num_params: int, why: str) -> tuple[Config, AutoSchedule]:
-    """``--codec auto`` / ``--h auto`` in a group that joins a running job (it heals) or resumes one
-    from its checkpoints: no measurement and no new decision; the group runs the setting the job
-    runs (``row``: the coordinator's, or the checkpoint's), and the engine's state, as it is
-    loaded (the donor's or the checkpoint's), brings the choice's numbers and the changes so far.
-    Returns the config to build the engine with and the schedule to build it with (waiting for
-    that state), around the chosen config's own schedule (its total steps and cap are kept).
-    ``why``: where ``row`` comes from, for the log."""
+def settle(cfg: Config, link: Any, running: tuple[str, str] | None, *, model: torch.nn.Module, task: Any,
+           device: torch.device, group: int, num_params: int) -> tuple[Config, AutoSchedule | None]:
+    """``--codec auto`` / ``--h auto`` before the engine. ``running`` None: every group starts, so this
+    one measures, agrees and chooses (see the module doc). Else (row, where from) of the setting a
+    running job (this group heals) or its checkpoints (it resumes) runs: no measurement and no new
+    decision; the group runs that setting, and the engine's state, as it is loaded (the donor's or
+    the checkpoint's), brings the choice's numbers and the changes so far. Switches ``link``'s
+    averager to the setting's codec; logs it and shows it in the metrics and progress reports.
+    Returns the config to build the engine with and, when the group joins, the schedule to build it
+    with (waiting for that state), around the chosen config's own schedule (its total steps and cap kept)."""
     codec_auto, h_auto = auto_choice.is_auto(cfg)
-    table = runnable_table(cfg, auto_choice.load_table())
-    setting = running_setting(table, row, codec=None if codec_auto else cfg.transport.codec,
-                              h=None if h_auto else cfg.sync.h)
+    codec, h = None if codec_auto else cfg.transport.codec, None if h_auto else cfg.sync.h
+    if running is None:
+        own = measure_step_seconds(model, task, device)
+        steps = agree_step_seconds(link, own, group=group, groups=cfg.topology.groups, device=device)
+        version, bandwidth = slowest_link_now(link)
+    study = auto_choice.load_table()
+    table = runnable_table(cfg, study)
+    if running is None:
+        try:
+            choice = auto_choice.choose(table, num_params=num_params, link_bytes_per_s=bandwidth,
+                                        step_s=max(steps.values()), groups=cfg.topology.groups, codec=codec, h=h)
+        except ValueError as e:
+            dropped = len(study.entries) - len(table.entries)
+            raise ConfigError(f"--codec/--h auto: {e}" + (f" among the {len(table.entries)} this job's config can "
+                              f"run ({dropped} fail its checks, e.g. SparseLoCo's tiles with --parallel fsdp)"
+                              if dropped else "")) from None
+        setting = choice.setting
+    else:
+        try:
+            setting = auto_choice.running_setting(table, running[0], codec=codec, h=h)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     chosen = auto_choice.apply_choice(cfg, setting).validate()
+    described = f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"
+    if running is None:
+        switch_codec(link, None, cfg.transport.codec_spec(), setting)
+        link.auto = {"step_s_per_group": {str(g): s for g, s in steps.items()}, "table": described}
+        _show(link, choice, bandwidth, version)
+        link.auto_choice = choice
+        link.auto_inputs = {"table": table, "num_params": num_params, "step_s": max(steps.values()),
+                            "groups": cfg.topology.groups, "codec": codec, "h": h}
+        link.auto_bandwidth = bandwidth
+        log.info("auto: %s", choice.reason, extra={"auto": link.auto})
+        return chosen, None
     switch_codec(link, None, chosen.transport.codec_spec(), setting)
-    placeholder = Choice(setting, 0.0, 0.0, True, 0.0, 0.0, f"{setting.label}: {why}")
-    link.auto = {"table": f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"}
+    placeholder = Choice(setting, 0.0, 0.0, True, 0.0, 0.0, f"{setting.label}: {running[1]}")
+    link.auto = {"table": described}
     link.auto_choice = placeholder
     schedule = AutoSchedule(chosen.schedule_spec().build(), link, placeholder, table, num_params=num_params,
                             step_s=0.0, groups=cfg.topology.groups, codec=chosen.transport.codec_spec(),
@@ -186,7 +178,7 @@ def join_setting(cfg: Config, link: Any, row: str, *, num_params: int, why: str)
     link.averager.on_setting = schedule.take_setting
     link.auto_schedule = schedule
     log.info("auto: this group joins the job on %s (%s); the rest of the choice comes with the engine's state",
-             setting.label, why)
+             setting.label, running[1])
     return chosen, schedule
 
 

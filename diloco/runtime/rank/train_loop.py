@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -19,7 +20,7 @@ import torch.nn as nn
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.schedule import inner_lr
 from diloco.exchange.data_positions import merged
-from diloco.job.config import Config, ConfigError
+from diloco.job.config import Config, ConfigError, InnerConfig
 from diloco.job.task import DEMO_ENTRY, Task, batch_items, to_device
 from diloco.runtime.checkpoints import checkpoint, job_checkpoint, rank_state
 from diloco.runtime.ops import exit_codes
@@ -32,6 +33,29 @@ log = logging.getLogger("diloco.runtime.rank.worker")
 
 class WorkerError(RuntimeError):
     """A worker cannot start or continue; the message says why."""
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """What the training loop reads of a job's settings, built by the worker from its config."""
+
+    steps: int  # --steps: inner steps of the whole job
+    inner: InnerConfig  # the inner optimizer's lr schedule and gradient clipping (``Config.inner``)
+    log_every: int  # --log-every: a progress report every this many steps
+    stop_grace: float  # --stop-grace: seconds a SIGTERM's checkpoint may take
+    entry: str  # the task's --entry, as the summary names it
+    save: str  # --save: the file of the final global model ("": none)
+    checkpoints: job_checkpoint.CheckpointOptions | None  # job checkpoints (None: none)
+    config: Config  # the job's config as it runs: what --save records
+
+    @classmethod
+    def of(cls, cfg: Config) -> LoopOptions:
+        """The loop's options in the job ``cfg`` (as it runs: after ``--codec/--h auto`` chose)."""
+        t = cfg.train
+        checkpoints = job_checkpoint.CheckpointOptions.of(cfg) if t.checkpoint_every or t.stop_after or \
+            t.checkpoint_dir else None
+        return cls(steps=t.steps, inner=cfg.inner, log_every=t.log_every, stop_grace=t.stop_grace,
+                   entry=t.entry or DEMO_ENTRY, save=t.save, checkpoints=checkpoints, config=cfg)
 
 
 def _restore(restored: job_checkpoint.RankCheckpoint, **objects) -> rank_state.Progress:
@@ -87,14 +111,15 @@ def on_sigterm(keeper: job_checkpoint.JobCheckpointer | None, stop_grace_s: floa
     signal.signal(signal.SIGTERM, handler)
 
 
-def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Module, task: Task,
+def train(opts: LoopOptions, group: int, rank: int, device: torch.device, ddp: nn.Module, task: Task,
           inner: torch.optim.Optimizer, engine, link: GroupConnection,
           restored: job_checkpoint.RankCheckpoint | None = None) -> dict:
     """Run this rank's inner steps to the end of the job (or to a stop with a job checkpoint),
-    then evaluate and return its summary. ``restored``: a job checkpoint to continue from
-    (None: the job's start, or a group that just healed into it)."""
-    c = cfg.inner
-    steps = cfg.train.steps
+    then evaluate and return its summary. ``opts``: the job's settings the loop reads;
+    ``restored``: a job checkpoint to continue from (None: the job's start, or a group that just
+    healed into it)."""
+    c = opts.inner
+    steps = opts.steps
     data_parallel = isinstance(engine, DataParallelAcrossGroups)
     eval_global = functools.partial(evaluate, group_parallel.bare(ddp), task, device)
     feed = data_feed.DataFeed(task.train_batches, getattr(link.averager, "positions", None), group=group, rank=rank)
@@ -116,12 +141,12 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
         link.periods = list(progress.periods)  # H of the rounds before the checkpoint, for the summary
         feed.resumed(restored.state)
     keeper = None
-    if not timed and (cfg.train.checkpoint_every or cfg.train.stop_after or cfg.train.checkpoint_dir):
+    if not timed and opts.checkpoints is not None:
         keeper = job_checkpoint.JobCheckpointer(
-            cfg, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
+            opts.checkpoints, group=group, rank=rank, group_size=link.group_size, engine=engine, model=group_parallel.bare(ddp), inner=inner,
             task=task, link=link, device=device, start_step=start_step, initial_eval_loss=initial_eval,
             healed=restored is None and link.fault_stats.healed)
-    on_sigterm(keeper, cfg.train.stop_grace)  # says what it does either way; run_worker puts the old handler back
+    on_sigterm(keeper, opts.stop_grace)  # says what it does either way; run_worker puts the old handler back
     stopped_at = start_step if keeper is not None and keeper.catch_up(loss_ema=loss_ema) else None
     t = start_step
     while stopped_at is None and (not engine.rounds_done if timed else t < steps):
@@ -166,7 +191,7 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
         last = engine.rounds_done if timed else t + 1 == steps
         if last:
             events = engine.close()
-        if (t + 1) % cfg.train.log_every == 0 or last or events:
+        if (t + 1) % opts.log_every == 0 or last or events:
             link.report_progress(loss=loss_ema, step=t + 1, steps=steps, lr=nxt,
                                  tokens_per_step=(items_per_batch or 0) * link.group_size)
         if keeper is not None and keeper.after_step(t + 1, loss_ema=loss_ema):
@@ -192,19 +217,18 @@ def train(cfg: Config, group: int, rank: int, device: torch.device, ddp: nn.Modu
     if feed.positions is not None:  # this incarnation's committed data ranges (diloco.exchange.data_positions)
         extra.update(data_ledger=merged(feed.positions.ledger),
                      data_unit="samples" if feed.positions.samples_per_step else "steps")
+    whole = group_parallel.global_model_to_save(engine, ddp, rank) if opts.save and group == 0 and \
+        stopped_at is None else None  # sharded: every rank of the group takes part; rank 0 gets it
     summary = link.summary(
         engine, eval_loss=eval_loss, initial_eval_loss=initial_eval, final_train_loss=loss_ema,
-        tokens=(stopped_at or t) * (items_per_batch or 0) * link.group_size, entry=cfg.train.entry or DEMO_ENTRY,
-        **extra,
+        tokens=(stopped_at or t) * (items_per_batch or 0) * link.group_size, entry=opts.entry, **extra,
     )
-    whole = group_parallel.global_model_to_save(engine, ddp, rank) if cfg.train.save and group == 0 and \
-        stopped_at is None else None  # sharded: every rank of the group takes part; rank 0 gets it
     if whole is not None:
-        checkpoint.save(cfg.train.save, {
-            "global": whole, "config": cfg.to_dict(),
+        checkpoint.save(opts.save, {
+            "global": whole, "config": opts.config.to_dict(),
             "inner_steps": steps, "eval_loss": eval_loss, "param_hash": summary["param_hash"],
         })
-        summary["checkpoint"] = cfg.train.save
+        summary["checkpoint"] = opts.save
     return summary
 
 

@@ -41,12 +41,7 @@ from diloco.engine.schedule import SyncSchedule
 from diloco.exchange.quorum_averager import GroupEvicted, JobFinished
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, InnerConfig, SyncConfig
-from diloco.job.task import (
-    DEMO_ENTRY,
-    TaskContext,
-    build_task,
-    parse_entry_args,
-)
+from diloco.job.task import DEMO_ENTRY, TaskContext, build_task
 from diloco.runtime.checkpoints import job_checkpoint, rank_state
 from diloco.runtime.ops import exit_codes
 from diloco.runtime.rank import (auto_setting, cpu_threads, device_placement, group_parallel, kernels, train_loop,
@@ -103,11 +98,9 @@ def make_engine(model: nn.Module, inner: torch.optim.Optimizer, averager, fragme
 
 
 def engine_options(cfg: Config, schedule: SyncSchedule | None = None) -> dict:
-    """``make_engine``'s settings from a whole config: ``make_engine(model, inner, averager,
-    **engine_options(cfg))``. ``schedule``: one built already (``--codec/--h auto``), else the config's."""
-    return {"sync": cfg.sync, "outer": cfg.outer.spec(), "outer_device": cfg.outer.device,
-            "schedule": schedule or make_schedule(cfg), "final_codec": cfg.transport.codec_spec().final(),
-            "initial_sync": cfg.train.initial_sync}
+    """``make_engine``'s settings from a whole config (``Config.engine_options``), the schedule
+    ``make_schedule``'s unless one is given (``--codec/--h auto``)."""
+    return cfg.engine_options(schedule or make_schedule(cfg))
 
 
 def _built(spec: CodecSpec | None):
@@ -187,30 +180,27 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         raise ConfigError(f"torchrun started {world} ranks but the config gives group {group} {cfg.topology.sizes()[group]}")
     if (cfg.train.checkpoint_every or cfg.train.stop_after) and not cfg.train.checkpoint_dir:
         raise ConfigError("--checkpoint-every and --stop-after need --checkpoint-dir (diloco run sets one)")
-    threads, why = cpu_threads.threads_per_rank(cfg.topology.threads_per_rank, os.environ)
-    torch.set_num_threads(threads)
-    kind, sentence = kernels.describe(cfg.transport.codec)
-    log.info("torch threads: %d (%s); %s", threads, why, sentence, extra={"threads": threads, "kernels": kind})
     backend = _resolve_backend(cfg.topology.backend)
     device = _device(backend, local_rank, group=group, rank=rank)
     secret = read_secret()
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm_handler = signal.getsignal(signal.SIGTERM) if main_thread else None
     _init_group(backend, datetime.timedelta(seconds=cfg.transport.timeout_s))
+    threads, why = cpu_threads.threads_per_rank(cfg.topology.threads_per_rank, os.environ)
+    torch.set_num_threads(threads)
+    kind, sentence = kernels.describe(cfg.transport.codec)
+    log.info("torch threads: %d (%s); %s", threads, why, sentence, extra={"threads": threads, "kernels": kind})
     link = None
     try:
         restored = None
         if resume is not None and not resume_unless_healing:  # read and check the file before joining the job
             point = job_checkpoint.find(resume, group=group)
             restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
-        ctx = TaskContext(group=group, num_groups=cfg.topology.groups, rank=rank, group_size=world, device=device,
-                          seed=cfg.train.seed, steps=cfg.train.steps, batch_size=cfg.data.batch_size,
-                          data_path=cfg.data.path, args=parse_entry_args(cfg.train.entry_args), config=cfg)
+        ctx = TaskContext.for_job(cfg, group, rank, world, device)
         task = build_task(cfg.train.entry or DEMO_ENTRY, ctx)
         model = task.model.to(device)
         # DDP, or the model sharded in place (--parallel fsdp)
         ddp = group_parallel.wrap(task, model, device, parallel=cfg.topology.parallel, mode=cfg.sync.mode)
-        inner = make_inner_optimizer(cfg.inner, model)
         built = time.monotonic()
         auto = any(auto_choice.is_auto(cfg))  # the codec until it is decided: fp32 (the decision's exchange is exact)
         settings = dataclasses.replace(cfg.transport, codec="fp32") if cfg.transport.codec == auto_choice.AUTO else \
@@ -231,16 +221,14 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
             schedule = None  # --codec/--h auto joining a running job or resuming one: built before the engine
             if auto:
                 num_params = sum(p.numel() for p in group_parallel.bare(ddp).parameters())
-                running = _running_auto_setting(restored, link, group)
-                if running is None:  # every group starts: measure, agree, decide
-                    cfg, _ = auto_setting.decide(cfg, link, model=ddp, task=task, device=device, group=group,
-                                                 num_params=num_params)
-                else:
-                    cfg, schedule = auto_setting.join_setting(cfg, link, running[0], num_params=num_params,
-                                                              why=running[1])
+                running = _running_auto_setting(restored, link, group)  # None: every group starts and decides
+                cfg, schedule = auto_setting.settle(cfg, link, running, model=ddp, task=task, device=device,
+                                                    group=group, num_params=num_params)
             try:
                 # a group joining a running job heals here
-                engine = make_engine(model, inner, link, task.fragments, **engine_options(cfg, schedule=schedule))
+                options = cfg.engine_options(schedule)
+                inner = make_inner_optimizer(job_cfg.inner, model)  # a fresh one after a heal, as a restarted group's
+                engine = make_engine(model, inner, link, task.fragments, **options)
                 if auto and schedule is None:
                     # what auto chose follows the re-probed link
                     auto_setting.install_auto_schedule(engine, link, cfg.transport.codec_spec())
@@ -253,8 +241,9 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
             if restored is not None:  # every group resumes from the same step, or all refuse
                 rank_state.agree_on_step(link, restored.step, tag=f"resume/{restored.step}")
                 log.info("resumed from %s at step %d", restored.path.parent, restored.step)
+            opts = train_loop.LoopOptions.of(cfg)  # what the loop reads of the config as it runs
             try:
-                return train_loop.train(cfg, group, rank, device, ddp, task, inner, engine, link, restored)
+                return train_loop.train(opts, group, rank, device, ddp, task, inner, engine, link, restored)
             except GroupEvicted as e:
                 if not heals_in_place(world, heals, cfg.fault.max_restarts):
                     raise
@@ -267,7 +256,6 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                 link = None
                 started = built = time.monotonic()
                 cfg, restored, resume = job_cfg, None, None
-                inner = make_inner_optimizer(cfg.inner, model)  # a fresh one, as a restarted group's
     finally:
         if sigterm_handler is not None:
             signal.signal(signal.SIGTERM, sigterm_handler)
