@@ -225,13 +225,16 @@ class RoundState(Liveness):
     def _grace_left(self, exchange: int) -> float:
         """Seconds until the grace window of ``exchange``'s next attempt ends, or until a live group
         it waits for falls silent for three heartbeat intervals (``rounds.window_closed``): a wake-up
-        time; infinite without a window or before it starts; at least 1 ms."""
+        time; infinite without a window, before it starts or before the job's first training commit
+        (no window applies then), and once the window passed (the caller's poll and every ask,
+        failure and answer wake it then: no busy wait); at least 1 ms."""
         start = self._grace_from.get(exchange)
-        if not self.quorum_grace_s or start is None:
+        if not self.quorum_grace_s or start is None or not self._counts["committed_training"]:
             return float("inf")
-        asked, silence, limit = self._book.asks.get(exchange, {}), self._silence(), self._heard_limit_s()
-        quiet = [limit - silence[g] for g in self._live() if g not in asked and silence.get(g, limit + 1) <= limit]
-        return max(min([start + self.quorum_grace_s - self._clock(), *quiet]), 0.001)
+        asked, silence, limit = set(self._group_asks(exchange)), self._silence(), self._heard_limit_s()
+        left = start + self.quorum_grace_s - self._clock()
+        wakes = [limit - silence[g] for g in self._live() if g not in asked and silence.get(g, limit + 1) <= limit]
+        return max(min(([left] if left > 0 else []) + wakes, default=float("inf")), 0.001)
 
     def _awaited(self, exchange: int) -> str:
         asked = set(self._book.asks.get(exchange, {}))
