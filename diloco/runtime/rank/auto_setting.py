@@ -126,60 +126,75 @@ def running_setting(table: auto_choice.AutoTable, row: str, *, codec: str | None
 def settle(cfg: Config, link: Any, running: tuple[str, str] | None, *, model: torch.nn.Module, task: Any,
            device: torch.device, group: int, num_params: int) -> tuple[Config, AutoSchedule | None]:
     """``--codec auto`` / ``--h auto`` before the engine. ``running`` None: every group starts, so this
-    one measures, agrees and chooses (see the module doc). Else (row, where from) of the setting a
-    running job (this group heals) or its checkpoints (it resumes) runs: no measurement and no new
-    decision; the group runs that setting, and the engine's state, as it is loaded (the donor's or
-    the checkpoint's), brings the choice's numbers and the changes so far. Switches ``link``'s
-    averager to the setting's codec; logs it and shows it in the metrics and progress reports.
+    one measures, agrees and chooses (``_decide``, see the module doc). Else (row, where from) of the
+    setting a running job (this group heals) or its checkpoints (it resumes) runs (``_join``).
     Returns the config to build the engine with and, when the group joins, the schedule to build it
-    with (waiting for that state), around the chosen config's own schedule (its total steps and cap kept)."""
+    with (None when it decided)."""
     codec_auto, h_auto = auto_choice.is_auto(cfg)
     codec, h = None if codec_auto else cfg.transport.codec, None if h_auto else cfg.sync.h
     if running is None:
-        own = measure_step_seconds(model, task, device)
-        steps = agree_step_seconds(link, own, group=group, groups=cfg.topology.groups, device=device)
-        version, bandwidth = slowest_link_now(link)
+        return _decide(cfg, link, model=model, task=task, device=device, group=group, num_params=num_params,
+                       codec=codec, h=h), None
+    return _join(cfg, link, running, num_params=num_params, codec=codec, h=h)
+
+
+def _decide(cfg: Config, link: Any, *, model: torch.nn.Module, task: Any, device: torch.device, group: int,
+            num_params: int, codec: str | None, h: int | None) -> Config:
+    """Measure, agree and choose; switches ``link``'s averager to the chosen codec, logs the choice
+    and shows it in the metrics and progress reports; returns the config to run."""
+    own = measure_step_seconds(model, task, device)
+    steps = agree_step_seconds(link, own, group=group, groups=cfg.topology.groups, device=device)
+    version, bandwidth = slowest_link_now(link)
     study = auto_choice.load_table()
     table = runnable_table(cfg, study)
-    if running is None:
-        try:
-            choice = auto_choice.choose(table, num_params=num_params, link_bytes_per_s=bandwidth,
-                                        step_s=max(steps.values()), groups=cfg.topology.groups, codec=codec, h=h)
-        except ValueError as e:
-            dropped = len(study.entries) - len(table.entries)
-            raise ConfigError(f"--codec/--h auto: {e}" + (f" among the {len(table.entries)} this job's config can "
-                              f"run ({dropped} fail its checks, e.g. SparseLoCo's tiles with --parallel fsdp)"
-                              if dropped else "")) from None
-        setting = choice.setting
-    else:
-        try:
-            setting = auto_choice.running_setting(table, running[0], codec=codec, h=h)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    try:
+        choice = auto_choice.choose(table, num_params=num_params, link_bytes_per_s=bandwidth,
+                                    step_s=max(steps.values()), groups=cfg.topology.groups, codec=codec, h=h)
+    except ValueError as e:
+        dropped = len(study.entries) - len(table.entries)
+        raise ConfigError(f"--codec/--h auto: {e}" + (f" among the {len(table.entries)} this job's config can "
+                          f"run ({dropped} fail its checks, e.g. SparseLoCo's tiles with --parallel fsdp)"
+                          if dropped else "")) from None
+    chosen = auto_choice.apply_choice(cfg, choice.setting).validate()
+    switch_codec(link, None, cfg.transport.codec_spec(), choice.setting)
+    link.auto = {"step_s_per_group": {str(g): s for g, s in steps.items()}, "table": _described(table)}
+    _show(link, choice, bandwidth, version)
+    link.auto_choice = choice
+    link.auto_inputs = {"table": table, "num_params": num_params, "step_s": max(steps.values()),
+                        "groups": cfg.topology.groups, "codec": codec, "h": h}
+    link.auto_bandwidth = bandwidth
+    log.info("auto: %s", choice.reason, extra={"auto": link.auto})
+    return chosen
+
+
+def _join(cfg: Config, link: Any, running: tuple[str, str], *, num_params: int, codec: str | None,
+          h: int | None) -> tuple[Config, AutoSchedule]:
+    """A group that joins a running job or resumes one runs ``running``'s setting, without a new
+    decision: the engine's state, as it is loaded (the donor's or the checkpoint's), brings the
+    choice's numbers and the changes so far. Returns the config and the schedule to build the
+    engine with (waiting for that state), around the chosen config's own schedule (its total steps
+    and cap kept)."""
+    row, why = running
+    table = runnable_table(cfg, auto_choice.load_table())
+    setting = running_setting(table, row, codec=codec, h=h)
     chosen = auto_choice.apply_choice(cfg, setting).validate()
-    described = f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"
-    if running is None:
-        switch_codec(link, None, cfg.transport.codec_spec(), setting)
-        link.auto = {"step_s_per_group": {str(g): s for g, s in steps.items()}, "table": described}
-        _show(link, choice, bandwidth, version)
-        link.auto_choice = choice
-        link.auto_inputs = {"table": table, "num_params": num_params, "step_s": max(steps.values()),
-                            "groups": cfg.topology.groups, "codec": codec, "h": h}
-        link.auto_bandwidth = bandwidth
-        log.info("auto: %s", choice.reason, extra={"auto": link.auto})
-        return chosen, None
     switch_codec(link, None, chosen.transport.codec_spec(), setting)
-    placeholder = Choice(setting, 0.0, 0.0, True, 0.0, 0.0, f"{setting.label}: {running[1]}")
-    link.auto = {"table": described}
+    placeholder = Choice(setting, 0.0, 0.0, True, 0.0, 0.0, f"{setting.label}: {why}")
+    link.auto = {"table": _described(table)}
     link.auto_choice = placeholder
     schedule = AutoSchedule(chosen.schedule_spec().build(), link, placeholder, table, num_params=num_params,
                             step_s=0.0, groups=cfg.topology.groups, codec=chosen.transport.codec_spec(),
-                            codec_fixed=not codec_auto, h_fixed=not h_auto, waiting=True)
+                            codec_fixed=codec is not None, h_fixed=h is not None, waiting=True)
     link.averager.on_setting = schedule.take_setting
     link.auto_schedule = schedule
     log.info("auto: this group joins the job on %s (%s); the rest of the choice comes with the engine's state",
-             setting.label, running[1])
+             setting.label, why)
     return chosen, schedule
+
+
+def _described(table: auto_choice.AutoTable) -> str:
+    """The table as the metrics and the log name it: its size, study dates and commit."""
+    return f"{table.size} ({', '.join(table.study_dates)}, {table.commit})"
 
 
 class AutoSchedule:
