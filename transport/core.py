@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -36,6 +36,8 @@ class TransportBase(LinkEndpoint):
     """Collectives over authenticated links; see `TcpTransport` for the parameters (every link type
     takes these keywords, ``transport.link_spec.LinkSpec`` holds them; the link's own: host, port,
     tls, allow_plaintext, advertise)."""
+
+    reports_final = True  # all_reduce takes on_final
 
     def __init__(
         self,
@@ -125,6 +127,7 @@ class TransportBase(LinkEndpoint):
         out: torch.Tensor | None = None,
         groups: list[int] | None = None,
         finite: bool = False,
+        on_final: Callable[[int, int], None] | None = None,
     ) -> Handle:
         """Start a ring all-reduce of the 1-D float32 tensor x; `Handle.wait()` gives the mean.
 
@@ -147,6 +150,10 @@ class TransportBase(LinkEndpoint):
         address a peer claims (any holder of the credentials can claim any address).
         finite: refuse (abort on) a received frame that holds NaN or Inf: for vectors that are
         finite by construction, so a broken or hostile neighbour cannot slip them in.
+        on_final: called as ``on_final(lo, hi)`` from the collective's thread once ``out[lo:hi]``
+        holds its final mean (each element once, before `Handle.wait()` returns), so the caller
+        can use it while the rest is on the wire; it must be quick and must not raise. Not called
+        for a ring of one member or an empty vector.
         """
         groups, codec, timeout = self._check_collective(x, ring, index, codec, timeout_s, out, groups)
         xs = x.detach().contiguous()  # stays on its device: a GPU tensor is encoded on the GPU
@@ -156,7 +163,8 @@ class TransportBase(LinkEndpoint):
             h._finish(out.copy_(mean) if out is not None else mean, None)
             return h
         op = RingAllReduce(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out,
-                           stream=side_stream_for(xs), groups=groups if self.group is not None else None, finite=finite)
+                           stream=side_stream_for(xs), groups=groups if self.group is not None else None, finite=finite,
+                           on_final=on_final)
         return self._start(op)
 
     def all_gather_mean(

@@ -109,8 +109,10 @@ class RingAllReduce:
         stream: SideStream | None = None,
         groups: list[int] | None = None,
         finite: bool = False,
+        on_final: Any = None,
     ) -> None:
         self.core = core
+        self.on_final = on_final  # on_final(lo, hi): out[lo:hi] is final (TransportBase.all_reduce)
         self.out = out
         self.device = x.device
         self.stream = stream  # CUDA: the side stream this collective runs on (transport.streams)
@@ -418,6 +420,7 @@ class RingAllReduce:
             self.core._pool.put(msg.payload)
             if owner:
                 self._send(MsgType.AG, msg.seg, msg.chunk, self._encode_mean(s.div_(self._g), out[a:b]))
+                self._final(a, b)
             else:
                 self._send(MsgType.RS, msg.seg, msg.chunk, self.codec.encode(s))
             return
@@ -429,6 +432,7 @@ class RingAllReduce:
             torch.div(v, self._g, out=out[a:b])
             self.core._pool.put(msg.payload)
             self._send_in_place(MsgType.AG, msg.seg, msg.chunk, out[a:b])
+            self._final(a, b)
             return
         self._raw.seal(msg.payload)
         self._send(MsgType.RS, msg.seg, msg.chunk, msg.payload, recycle=True)
@@ -446,6 +450,13 @@ class RingAllReduce:
             self._send(MsgType.AG, msg.seg, msg.chunk, msg.payload, recycle=True)
         else:
             self.core._pool.put(msg.payload)
+        self._final(a, b)
+
+    def _final(self, a: int, b: int) -> None:
+        """out[a:b] holds its final mean: tell the caller (``on_final``), after the frame that
+        carries it on was queued."""
+        if self.on_final is not None:
+            self.on_final(a, b)
 
     def _stall_reason(self, rs_todo: set, ag_todo: set) -> str:
         if not rs_todo and not ag_todo:

@@ -8,7 +8,8 @@ bit-identical on every group. ``start(flat, tag=...)`` launches the exchange and
 The contract is written here: ``Averager`` (what every averager has), and optional capabilities,
 each a ``runtime_checkable`` Protocol the engine checks with ``isinstance`` before it uses their
 members: ``Weighted``, ``Screening``, ``ShardExchanging``, ``ErrorFed``, ``Coded``/``CodecSwitching``,
-``Healing``, ``Observing``; a pending result may say ``Refusable``, ``Shared``, ``Gathered``. The
+``StreamsFinal``, ``Healing``, ``Observing``; a pending result may say ``Refusable``, ``Shared``,
+``Gathered``, ``Attempted``. The
 engine uses no other member of an averager (``tests/engine/test_averager_contract.py``).
 
 ``SingleGroup`` is the trivial averager; ``InProcessGroups`` simulates several groups as threads of
@@ -120,6 +121,23 @@ class Healing(Protocol):
         ...
 
 
+class FinalRanges(Protocol):
+    """A callback told ``(attempt, mean, lo, hi)`` from the averager's threads as ``mean[lo:hi]``
+    becomes final in attempt ``attempt`` (1, 2, ...: a rolled-back attempt's ranges are
+    superseded by the next one's); each range once per attempt, not necessarily all of them."""
+
+    def __call__(self, attempt: int, mean: torch.Tensor, lo: int, hi: int) -> None: ...
+
+
+@runtime_checkable
+class StreamsFinal(Protocol):
+    """When ``streams_final``: ``start`` takes ``on_final=`` (a ``FinalRanges``), and the pending
+    result says which attempt committed (``Attempted``): the engine steps those ranges while the
+    rest of the mean is on the wire (``diloco.engine.streamed_outer``)."""
+
+    streams_final: bool
+
+
 @runtime_checkable
 class Observing(Protocol):
     """Told after every engine step and ``close()`` what happened (metrics, round hashes)."""
@@ -153,6 +171,14 @@ class Gathered(Protocol):
     sent: torch.Tensor | None
 
 
+@runtime_checkable
+class Attempted(Protocol):
+    """``final_attempt`` (after ``wait``): the attempt whose ranges ``on_final`` reported the
+    committed mean of (None: none of them)."""
+
+    final_attempt: int | None
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """The boolean capabilities an averager declares, as they are when read (``of``); an
@@ -162,13 +188,15 @@ class Capabilities:
     screens_contributions: bool = False
     exchanges_shards: bool = False
     error_feedback: bool = False
+    streams_final: bool = False
 
     @classmethod
     def of(cls, averager: object) -> "Capabilities":
         return cls(weighted=isinstance(averager, Weighted) and bool(averager.weighted),
                    screens_contributions=isinstance(averager, Screening) and bool(averager.screens_contributions),
                    exchanges_shards=isinstance(averager, ShardExchanging) and bool(averager.exchanges_shards),
-                   error_feedback=isinstance(averager, ErrorFed) and bool(averager.error_feedback))
+                   error_feedback=isinstance(averager, ErrorFed) and bool(averager.error_feedback),
+                   streams_final=isinstance(averager, StreamsFinal) and bool(averager.streams_final))
 
 
 def refused(pending: PendingMean) -> bool:
@@ -179,6 +207,11 @@ def refused(pending: PendingMean) -> bool:
 def share_of(pending: PendingMean) -> float | None:
     """This group's share of ``pending``'s committed mean (``Shared``); None: not said."""
     return pending.own_share if isinstance(pending, Shared) else None
+
+
+def final_attempt(pending: PendingMean) -> int | None:
+    """The attempt of ``pending`` whose final ranges were reported (``Attempted``); None: none."""
+    return pending.final_attempt if isinstance(pending, Attempted) else None
 
 
 def decoded(pending: PendingMean) -> torch.Tensor | None:

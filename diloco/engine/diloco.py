@@ -169,6 +169,7 @@ class DiLoCo(FragmentViews, RoundTiming):
         #: the sync mode's steps (``diloco.engine.sync_modes``)
         self.sync = sync_mode(self, self.overlap_steps)
         self._weighted, self._screened = can.weighted, can.screens_contributions
+        self._streams = can.streams_final  # the outer step runs range by range as the mean arrives
         self._observer = averager if isinstance(averager, Observing) else None
         #: sign1/topk: each fragment's residual of what this group's exchanges have not delivered yet
         self.feedback = Feedback.for_rule(rule, residual_decay, on=can.error_feedback,
@@ -303,9 +304,9 @@ class DiLoCo(FragmentViews, RoundTiming):
             self._reset_local(frag)
         return mean, flight
 
-    def _apply(self, frag: Fragment, update: torch.Tensor | None, round: int) -> SyncEvent:
+    def _apply(self, frag: Fragment, update: torch.Tensor | None, round: int, attempt: int | None = None) -> SyncEvent:
         if update is not None:
-            frag.outer_step(update)
+            frag.outer_step(update, attempt)
             self._changed()
         frag.merge_into_model(self.merge_alpha)
         return self._event(frag, round, "commit", delta_norm=None if update is None else self._norm(update))
@@ -359,6 +360,11 @@ class DiLoCo(FragmentViews, RoundTiming):
     def _launch(self, frag: Fragment, delta: torch.Tensor) -> SyncEvent:
         extra = {"weight": float(self.inner_step - frag.launched_at)} if self._weighted else {}
         extra.update(self._shards(frag))
+        if frag.streamed is not None:
+            frag.streamed.begin()
+            if self._streams and self.sync.streams and frag.feeds_ranges and self.feedback.residuals is None \
+                    and self.sharded is None:
+                extra["on_final"] = frag.streamed.on_final
         return self._launched(frag, self.feedback.start(self.averager, frag.index, delta, tag=frag.tag, **extra))
 
     def _launched(self, frag: Fragment, pending: PendingMean) -> SyncEvent:

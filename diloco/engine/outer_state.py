@@ -16,6 +16,7 @@ import xxhash
 from compress.fingerprint import fingerprint
 from diloco.engine.outer import OuterOptimizerFactory, nesterov
 from diloco.engine.shard_layout import local_view
+from diloco.engine.streamed_outer import StreamedOuter, streamable
 
 
 class OuterFragment:
@@ -53,6 +54,8 @@ class OuterFragment:
             for p in views
         ]
         self.optimizer = (outer_optimizer or nesterov())(self.global_params)
+        #: an SGD-family outer rule steps range by range, with exactly rounded operations (streamed_outer)
+        self.streamed = StreamedOuter(self.global_params, self.optimizer) if streamable(self.optimizer) else None
         #: elements of the whole fragment; ``local_numel``: those this rank holds (the same unless sharded)
         self.numel = sum(p.numel() for p in self.local_params)
         self.local_numel = sum(p.numel() for p in self.global_params)
@@ -96,11 +99,22 @@ class OuterFragment:
             done.synchronize()
         self._copies_to_device = []
 
+    @property
+    def feeds_ranges(self) -> bool:
+        """Whether final ranges of an exchange's mean can be stepped as they arrive (``on_final``):
+        an SGD-family rule on a global copy in host memory that no queued copy reads (not staged)."""
+        return self.streamed is not None and not self.staged and self.global_params[0].device.type == "cpu"
+
     @torch.no_grad()
-    def outer_step(self, mean_delta: torch.Tensor) -> None:
+    def outer_step(self, mean_delta: torch.Tensor, attempt: int | None = None) -> None:
         """Use ``mean_delta`` (flat fp32) as the gradient of the global copy and step. The
         gradients are views of ``mean_delta`` (no copy); an outer optimizer must not write into
-        its gradients (torch's do not, except with ``maximize=True``, which is refused)."""
+        its gradients (torch's do not, except with ``maximize=True``, which is refused). An
+        SGD-family rule takes the ranges of ``attempt`` already stepped (``streamed.on_final``)."""
+        if self.streamed is not None:
+            self._settle()
+            self.streamed.commit(mean_delta.to(device=self.global_params[0].device, dtype=torch.float32), attempt)
+            return
         if mean_delta.numel() != self.local_numel:
             raise ValueError(f"pseudo-gradient has {mean_delta.numel()} values, fragment {self.local_numel}")
         if any(group.get("maximize") for group in self.optimizer.param_groups):
@@ -135,6 +149,8 @@ class OuterFragment:
     @torch.no_grad()
     def load_flat_global(self, flat: torch.Tensor) -> None:
         self._settle()
+        if self.streamed is not None:
+            self.streamed.begin()  # ranges stepped from the old values are void
         offset = 0
         for g in self.global_params:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -152,6 +168,8 @@ class OuterFragment:
         if missing:
             raise KeyError(f"checkpoint lacks global parameters: {sorted(missing)[:5]}")
         self._settle()
+        if self.streamed is not None:
+            self.streamed.begin()
         for n, g in zip(self.names, self.global_params):
             src = state["global"][n]
             if src.shape != g.shape:

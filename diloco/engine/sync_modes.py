@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from diloco.engine.averaging import Averager, refused, share_of
+from diloco.engine.averaging import Averager, final_attempt, refused, share_of
 from diloco.engine.events import SyncEvent
 from diloco.engine.fragment import Fragment, InFlight
 from diloco.engine.modes import MODES
@@ -42,8 +42,9 @@ class Host(Protocol):
         contribution has reset the fragment's local state)."""
         ...
 
-    def _apply(self, frag: Fragment, update: torch.Tensor | None, round: int) -> SyncEvent:
-        """Outer step on ``update`` (None: none), merge into the model; the commit event."""
+    def _apply(self, frag: Fragment, update: torch.Tensor | None, round: int, attempt: int | None = None) -> SyncEvent:
+        """Outer step on ``update`` (None: none), merge into the model; the commit event.
+        ``attempt``: the attempt of the exchange whose final ranges were already stepped."""
         ...
 
     def _reset_local(self, frag: Fragment) -> None:
@@ -68,6 +69,7 @@ class SyncMode:
     round_grid = False  # rounds by time on a fixed grid (no barrier at a launch): ``RoundClock(overlap=)``
     error_feedback = True  # runs with a codec that needs error feedback
     final_codec = True  # runs a final codec for its last exchange
+    streams = False  # its outer step is the landed mean's, stepped range by range as the mean arrives
 
     def __init__(self, host: Host, tau: int) -> None:
         self.host, self.tau = host, tau
@@ -100,11 +102,11 @@ class Overlap(SyncMode):
     the outer step, merged with α."""
 
     default_tau, takes_tau, default_alpha = 1, True, 0.5
-    time_rounds = round_grid = True
+    time_rounds = round_grid = streams = True
 
     def commit(self, frag: Fragment) -> SyncEvent:
         mean, flight = self.host._land(frag)
-        event = self.host._apply(frag, mean, flight.round)
+        event = self.host._apply(frag, mean, flight.round, final_attempt(flight.pending))
         if refused(flight.pending):
             self.host._reset_local(frag)
         return event

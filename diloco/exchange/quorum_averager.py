@@ -195,11 +195,13 @@ class QuorumAverager(StripedAverager):
         return self._needs_heal
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
-              error_feedback: bool = False, shards=None) -> QuorumPending:
+              error_feedback: bool = False, shards=None, on_final=None) -> QuorumPending:
         """Ask for this exchange's quorum and launch it; the result is voted on and retried in the
         background. ``weight``: inner steps since this fragment's last exchange.
-        ``error_feedback``, ``shards``: see ``StripedAverager.start`` (the committed attempt's
-        ``sent``; a sharded fragment: the quorum sees its whole size and its whole norm)."""
+        ``error_feedback``, ``shards``, ``on_final``: see ``StripedAverager.start`` (the committed
+        attempt's ``sent``; a sharded fragment: the quorum sees its whole size and its whole norm;
+        final ranges are reported per attempt, and the pending result's ``final_attempt`` says
+        which one committed)."""
         if self._evicted is not None:
             raise self.departure()
         gather = self.gathers(exact, error_feedback)
@@ -221,7 +223,7 @@ class QuorumAverager(StripedAverager):
         if resp.healers and resp.donor == self.group and engine is not None:
             self._transfer.serve(resp, {**engine.state_dict(), "data_positions": self.positions.state()})
         return QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather,
-                              shards=shards)
+                              shards=shards, on_final=on_final)
 
     def weight_cap(self) -> float:
         """The most tokens one rank of this group can contribute to one exchange under the engine's
@@ -371,11 +373,12 @@ class QuorumAverager(StripedAverager):
             return equal_plan(sizes)
 
     def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool, gather: bool = False, shards=None,
-                  codec=None):
+                  codec=None, on_final=None):
         """One attempt: this rank's stripes of the weighted contribution, among the quorum's groups.
         ``gather``: all-gathers of each group's own encoded contribution, weighted on arrival
         (error feedback: ``sent`` is then what the others decoded of ``src``, or of zeros when
         this group's weight is 0). ``codec``: the exchange's (default the averager's now).
+        ``on_final(out, lo, hi)``: see ``StripedAverager.launch``.
         Returns (out, stripe plan, group index, ok, why, sent)."""
         scale = weighted_scale(resp.weights, self.group)
         sent = scales = None
@@ -389,7 +392,7 @@ class QuorumAverager(StripedAverager):
         plan = self._plan(resp)
         sp, me, handles = self.launch(x, out, plan, {g: list(a) for g, a in resp.members.items()},
                                       tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales,
-                                      shards=shards, codec=codec)
+                                      shards=shards, codec=codec, on_final=on_final)
         why, auth = "", None
         with self._rings_lock:
             self._running[resp.id] = [h for _, h in handles]

@@ -32,11 +32,14 @@ class QuorumPending:
 
     def __init__(self, avg, src: torch.Tensor, ask: QuorumRequest | None, resp: QuorumResponse,
                  device, *, exact: bool = False, asked: float | None = None, gather: bool = False,
-                 shards=None) -> None:
+                 shards=None, on_final=None) -> None:
         self._avg, self._src, self._ask, self._resp, self._device = avg, src, ask, resp, device
         self._exact = exact
         self._shards = shards
         self._gather = gather
+        self._on_final = on_final  # FinalRanges: told each attempt's final ranges (StripedAverager.start)
+        #: after ``wait``: the attempt that committed, whose final ranges ``on_final`` was told
+        self.final_attempt: int | None = None
         self._codec = avg.codec  # every attempt of this exchange uses the codec it started with
         #: error feedback: after ``wait``, what the other groups decoded of this group's contribution
         #: in the attempt that committed (each rank's stripes, shared in the group)
@@ -84,10 +87,11 @@ class QuorumPending:
                 log.warning("group %d: the quorum refused this group's contribution to %s: %s", avg.group,
                             resp.tag, resp.rejected[avg.group])
             out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather, self._shards,
-                                                            self._codec)
+                                                       self._codec, self._reporter(attempts))
             decision = avg.vote(resp, ok, why)
             if decision.committed:
                 self._committed = resp
+                self.final_attempt = attempts
                 self.committed_at = time.monotonic()
                 avg.stats.record(resp.exchange, time.perf_counter() - self._started, attempts, len(resp.members))
                 self.own_share = own_share(resp.weights, avg.group)
@@ -101,6 +105,11 @@ class QuorumPending:
             if attempts >= avg.max_attempts:
                 raise avg._gave_up(f"exchange {resp.tag}", attempts, decision.reason)
             resp = avg.retry_quorum(self._ask)
+
+    def _reporter(self, attempt: int):
+        """``run_rings``' ``on_final`` for ``attempt``: the caller's, told which attempt it is."""
+        on_final = self._on_final
+        return None if on_final is None else (lambda out, lo, hi: on_final(attempt, out, lo, hi))
 
     def _catch_up(self, resp: QuorumResponse) -> torch.Tensor | None:
         """The grace window left this group out of this exchange, which committed without it:

@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from diloco.engine.averaging import FinalRanges
 from diloco.engine.shard_layout import ShardLayout
 from diloco.engine.shard_reduce import sum_of_squares
 from diloco.exchange.network_plan import NetworkPlan, equal_plan
@@ -79,6 +80,8 @@ class StripedAverager:
         self.process_group = process_group
         self.comm_device = torch.device(comm_device)
         self.num_groups = len(sizes)
+        #: ``start`` takes ``on_final`` (the transport's rings report final ranges of the mean)
+        self.streams_final = bool(getattr(transport, "reports_final", False))
         self.exchanges = 0
         self._stripe_plans: dict[tuple[NetworkPlan, int], StripePlan] = {}
         self._shard_plans: dict[tuple, ShardExchangePlan] = {}
@@ -134,13 +137,16 @@ class StripedAverager:
         return sorted(self.membership.groups).index(self.group)
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False,
-              error_feedback: bool = False, shards: ShardLayout | None = None) -> "_StripedPending":
+              error_feedback: bool = False, shards: ShardLayout | None = None,
+              on_final: FinalRanges | None = None) -> "_StripedPending":
         """Launch the cross-group rings of this rank's stripes; every rank of the group calls it,
         in the same order as every other rank of every group. ``exact``: fp32 on the wire
         whatever ``codec`` is (control exchanges such as the initial-parameter check).
         ``error_feedback``: the caller keeps a residual (required for a codec that needs one);
         the pending result's ``sent`` then says what the other groups decoded of ``flat``.
-        ``shards``: ``flat`` is this rank's shard of a sharded fragment laid out so (module doc)."""
+        ``shards``: ``flat`` is this rank's shard of a sharded fragment laid out so (module doc).
+        ``on_final``: told ``on_final(1, mean, lo, hi)`` as ``mean[lo:hi]`` of this rank's own
+        stripes becomes final (``FinalRanges``; its attempt is always 1 here)."""
         gather = self.gathers(exact, error_feedback)
         plan = self.plans(self.exchanges)
         self.exchanges += 1
@@ -149,7 +155,8 @@ class StripedAverager:
         out = torch.empty_like(src)
         sent = torch.empty_like(src) if gather else None
         addresses = {g: self.membership.ranks(g) for g in plan.groups}
-        sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact, sent=sent, shards=shards)
+        sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact, sent=sent, shards=shards,
+                                      on_final=None if on_final is None else (lambda m, lo, hi: on_final(1, m, lo, hi)))
         return _StripedPending(self, out, sp, me, handles, flat.device, sent=sent)
 
     def gathers(self, exact: bool, error_feedback: bool) -> bool:
@@ -167,7 +174,7 @@ class StripedAverager:
     def launch(self, src: torch.Tensor, out: torch.Tensor, plan: NetworkPlan, addresses: dict[int, list[str]],
                *, tag: str, exact: bool = False, sent: torch.Tensor | None = None,
                scales: dict[int, float] | None = None, shards: ShardLayout | None = None,
-               codec=None) -> tuple[Plan, int, list]:
+               codec=None, on_final: Callable[[torch.Tensor, int, int], None] | None = None) -> tuple[Plan, int, list]:
         """Start the rings of this rank's stripes of ``src`` among ``plan.groups`` (data-plane
         ``addresses`` by group, by rank); each writes its stripe of the mean into ``out``.
         With ``sent`` the rings are all-gathers of each group's own encoded stripe, and each
@@ -175,6 +182,8 @@ class StripedAverager:
         group's weight in their mean (by group id; default 1). ``shards``: ``src`` is this
         rank's shard laid out so; ``out`` and ``sent`` are then in the plan's exchange order
         until ``land`` puts them back. ``codec``: the exchange's (default this averager's now).
+        ``on_final(out, lo, hi)``: ``out[lo:hi]`` is final (the all-reduce of unsharded stripes
+        reports it as it goes; the other exchanges do not).
         Returns the stripe plan, this group's index in ``plan.groups`` and the ring handles."""
         codec = self.codec if codec is None else codec
         me = plan.groups.index(self.group)
@@ -202,11 +211,13 @@ class StripedAverager:
                 ))
                 for s in mine if s.size
             ]
+        streamed = on_final is not None and shards is None and self.streams_final
         handles = [
             (s, self.transport.all_reduce(
                 src[s.start : s.stop], ring_of(s), index,
                 tag=f"{tag}/s{s.index}", codec=None if exact else codec, timeout_s=self.timeout_s,
                 out=out[s.start : s.stop], groups=ring_groups, finite=not exact,
+                **({"on_final": _offset(on_final, out, s.start)} if streamed else {}),
             ))
             for s in mine if s.size
         ]
@@ -245,6 +256,12 @@ class StripedAverager:
         return buf
 
 
+def _offset(on_final: Callable[[torch.Tensor, int, int], None], out: torch.Tensor, start: int) \
+        -> Callable[[int, int], None]:
+    """A stripe's ring reports ranges of its stripe; the caller hears them in ``out``'s terms."""
+    return lambda lo, hi: on_final(out, start + lo, start + hi)
+
+
 class _StripedPending:
     """Cross-group rings in flight; ``wait`` collects them and shares the stripes in the group.
     With error feedback, ``sent`` (after ``wait``) is the whole of what the other groups
@@ -256,6 +273,7 @@ class _StripedPending:
         self._sent = sent
         self.sent: torch.Tensor | None = None
         self._value: torch.Tensor | None = None
+        self.final_attempt = 1  # the attempt whose ranges ``on_final`` reported (there is one)
 
     def wait(self) -> torch.Tensor:
         if self._value is None:

@@ -23,7 +23,7 @@ from diloco.engine.schedule import FixedSchedule
 
 #: every member ``Averager`` and its capabilities name
 DECLARED = {"num_groups", "group_index", "start", "all_reduce_mean", "weighted", "screens_contributions",
-            "exchanges_shards", "error_feedback", "codec", "set_codec", "attach", "heal", "observe"}
+            "exchanges_shards", "error_feedback", "streams_final", "codec", "set_codec", "attach", "heal", "observe"}
 
 
 class Minimal:

@@ -36,7 +36,7 @@ class _Host:
     def _land(self, frag):
         return frag.land()
 
-    def _apply(self, frag, update, round):
+    def _apply(self, frag, update, round, attempt=None):
         self.applied.append((round, None if update is None else update.tolist()))
         return ("commit", round)
 

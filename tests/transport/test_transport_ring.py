@@ -152,3 +152,29 @@ def test_segment_and_chunk_bounds_cover_the_vector() -> None:
             for a, b in segs:
                 cs = chunk_bounds(a, b, 3)
                 assert sum(d - c for c, d in cs) == b - a and all(0 < d - c <= 3 for c, d in cs)
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8"])
+def test_on_final_reports_each_element_once_with_its_final_value(name: str, backend: str) -> None:
+    """The ranges a ring reports as final (``on_final``) cover the vector once per member, each
+    before ``wait()`` returns, and hold then what the mean ends as."""
+    codec = compress.get_codec(name)
+    gen = torch.Generator().manual_seed(11)
+    n, g = 3001, 3
+    xs = [torch.randn(n, generator=gen) for _ in range(g)]
+    outs = [torch.empty(n) for _ in range(g)]
+    seen: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(g)]
+    with transports(backend=backend, g=g, chunk_bytes=512) as ts:
+        ring = [t.address for t in ts]
+        handles = [t.all_reduce(x, ring, i, tag="final", codec=codec, out=outs[i],
+                                on_final=lambda lo, hi, i=i: seen[i].append((lo, hi, outs[i][lo:hi].clone())))
+                   for i, (t, x) in enumerate(zip(ts, xs))]
+        for h in handles:
+            h.wait()
+    for i in range(g):
+        ranges = sorted((lo, hi) for lo, hi, _ in seen[i])
+        assert len(ranges) > g, "one range per segment at least: chunks are reported as they land"
+        assert [lo for lo, _ in ranges] == [0] + [hi for _, hi in ranges[:-1]] and ranges[-1][1] == n
+        for lo, hi, values in seen[i]:
+            assert torch.equal(values, outs[i][lo:hi])
+        assert torch.equal(outs[i], outs[0])

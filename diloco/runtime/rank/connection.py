@@ -205,9 +205,14 @@ class GroupConnection:
         self.averager.heal(engine)
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
-              error_feedback: bool = False, shards=None):
+              error_feedback: bool = False, shards=None, on_final=None):
         return self.averager.start(flat, tag=tag, exact=exact, weight=weight, error_feedback=error_feedback,
-                                   shards=shards)
+                                   shards=shards, on_final=on_final)
+
+    @property
+    def streams_final(self) -> bool:
+        """``start`` takes ``on_final`` (``diloco.engine.averaging.StreamsFinal``)."""
+        return self.averager.streams_final
 
     @property
     def error_feedback(self) -> bool:

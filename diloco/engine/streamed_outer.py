@@ -1,0 +1,163 @@
+"""The outer step of an SGD-family outer rule, taken range by range while the mean still arrives.
+
+A blocking sync used to wait for the whole mean, then step the outer optimizer over the whole
+fragment, then copy it into the model: two passes over the model after the last byte came in. The
+rings know earlier which parts of the mean are final (the owner's chunk once it divided the sum, the
+others' chunks as the all-gather brings them), and tell the averager's caller (``on_final``). For
+``torch.optim.SGD`` (momentum, Nesterov or neither; no dampening, weight decay or ``maximize``) the
+step is element-wise, so each final range is stepped as soon as it is known, in the ring's thread,
+while later chunks are still on the wire.
+
+A range is stepped into scratch copies (θ', v'), never into the global copy itself: the exchange
+may still be rolled back (a member's rings failed, or its vote said no) and retried with another
+quorum. When the exchange commits, ``commit`` steps the ranges no ring reported (another rank's
+stripes, shared inside the group afterwards; or every range, for an averager that reports none)
+and swaps the scratch in.
+
+Each element is computed with exactly rounded operations only (a product, then a sum; no fused
+multiply-add), so its value does not depend on which range it was stepped in, on how torch splits
+the loop across threads or vector lanes, or on whether a ring reported it: every group gets the
+same bits whatever its ranks, stripes or threads. torch's own ``SGD.step`` fuses ``a + α·b`` in its
+vector loop and not in its tail, so it differs from this in the last bit of some elements; the
+engine uses this rule for every outer step of such an optimizer, streamed or not.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+
+def streamable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a ``torch.optim.SGD`` whose step is element-wise with no state but
+    its momentum buffer: no dampening, weight decay or ``maximize``; one parameter group."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return False
+    g = optimizer.param_groups[0]
+    return not g["dampening"] and not g["weight_decay"] and not g["maximize"]
+
+
+@torch.no_grad()
+def sgd_range(theta: torch.Tensor, buf: torch.Tensor | None, u: torch.Tensor, *, lr: float, momentum: float,
+              nesterov: bool, theta_out: torch.Tensor, buf_out: torch.Tensor | None) -> None:
+    """One SGD step of ``theta`` by gradient ``u`` (1-D views of equal length), written to
+    ``theta_out`` and, with momentum, the new momentum buffer to ``buf_out`` (``buf`` None: the
+    first step, which starts the buffer at ``u``); the same rule as ``torch.optim.SGD``:
+    ``v ← μ·v + u``; ``g = u + μ·v`` (Nesterov) or ``v``; ``θ ← θ − lr·g``."""
+    if momentum:
+        assert buf_out is not None
+        if buf is None:
+            buf_out.copy_(u)
+        else:
+            torch.mul(buf, momentum, out=buf_out)
+            buf_out.add_(u)
+        if nesterov:
+            step = torch.mul(buf_out, momentum)
+            step.add_(u)
+        else:
+            step = buf_out.clone()
+    else:
+        step = u.clone()
+    step.mul_(lr)
+    torch.sub(theta, step, out=theta_out)
+
+
+class StreamedOuter:
+    """The outer step of one fragment's global copy (``params``) under an SGD optimizer
+    (``streamable``), range by range (see the module doc). ``feed`` takes final ranges of the
+    mean, from any thread; ``commit`` finishes the step with the whole mean and makes it the new
+    state; ``begin`` starts a new exchange."""
+
+    def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.SGD) -> None:
+        if not streamable(optimizer):
+            raise ValueError("a streamed outer step needs torch.optim.SGD without dampening, weight decay or maximize")
+        self.params = list(params)
+        self.optimizer = optimizer
+        self.numel = sum(p.numel() for p in self.params)
+        ends, total = [], 0
+        for p in self.params:
+            total += p.numel()
+            ends.append(total)
+        self._ends = ends  # each parameter's end in the flat vector
+        self._theta: list[torch.Tensor] | None = None  # scratch θ', v' (made on first use, reused)
+        self._buf: list[torch.Tensor] | None = None
+        self._lock = threading.Lock()
+        self._done: dict[int, list[tuple[int, int]]] = {}  # attempt -> ranges stepped in it
+
+    def begin(self) -> None:
+        """A new exchange starts: nothing of it is stepped yet."""
+        with self._lock:
+            self._done.clear()
+
+    def on_final(self, attempt: int, mean: torch.Tensor, lo: int, hi: int) -> None:
+        """``mean[lo:hi]`` is final in ``attempt`` of the exchange: step that range into the
+        scratch (a later attempt steps its ranges again from the same state)."""
+        self._scratch()
+        self._step(mean, lo, hi)
+        with self._lock:
+            self._done.setdefault(attempt, []).append((lo, hi))
+
+    @torch.no_grad()
+    def commit(self, mean: torch.Tensor, attempt: int | None) -> None:
+        """The exchange committed with ``mean`` (1-D fp32, the whole fragment), the result of
+        ``attempt`` (None: no ranges came from it): step what is left, then take the new state."""
+        if mean.numel() != self.numel:
+            raise ValueError(f"pseudo-gradient has {mean.numel()} values, fragment {self.numel}")
+        self._scratch()
+        with self._lock:
+            done = sorted(self._done.get(attempt, [])) if attempt is not None else []
+            self._done.clear()
+        at = 0
+        for lo, hi in done + [(self.numel, self.numel)]:
+            if lo > at:
+                self._step(mean, at, lo)
+            at = max(at, hi)
+        self._swap()
+
+    def _scratch(self) -> None:
+        if self._theta is None:
+            with self._lock:
+                if self._theta is None:
+                    self._buf = [_like(p) for p in self.params] if self._momentum() else None
+                    self._theta = [_like(p) for p in self.params]
+
+    def _momentum(self) -> float:
+        return float(self.optimizer.param_groups[0]["momentum"])
+
+    def _step(self, mean: torch.Tensor, lo: int, hi: int) -> None:
+        """Step flat range [lo, hi), cut at the parameters' boundaries."""
+        group = self.optimizer.param_groups[0]
+        lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
+        start = 0
+        for i, end in enumerate(self._ends):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                p = self.params[i]
+                buf = self.optimizer.state.get(p, {}).get("momentum_buffer") if mu else None
+                sl = slice(a - start, b - start)
+                sgd_range(p.view(-1)[sl], None if buf is None else buf.view(-1)[sl], mean[a:b], lr=lr, momentum=mu,
+                          nesterov=nesterov, theta_out=self._theta[i].view(-1)[sl],
+                          buf_out=None if self._buf is None else self._buf[i].view(-1)[sl])
+            start = end
+            if start >= hi:
+                break
+
+    def _swap(self) -> None:
+        """θ' and v' become the global copy and the momentum buffers; the old ones, the scratch."""
+        assert self._theta is not None
+        for i, p in enumerate(self.params):
+            old = p.data
+            p.data = self._theta[i]
+            self._theta[i] = old
+            if self._buf is not None:
+                state = self.optimizer.state[p]
+                previous = state.get("momentum_buffer")
+                state["momentum_buffer"] = self._buf[i]
+                self._buf[i] = previous if previous is not None else _like(p)
+
+
+def _like(p: torch.Tensor) -> torch.Tensor:
+    """Scratch for ``p`` that can take its place: page-locked where ``p`` is (a staged global copy)."""
+    return torch.empty(p.shape, dtype=p.dtype, device=p.device, pin_memory=p.device.type == "cpu" and p.is_pinned())

@@ -1,0 +1,157 @@
+"""The outer step range by range (``diloco.engine.streamed_outer``): the same bits whatever ranges
+were stepped while the mean arrived, in which threads, or in attempts rolled back before."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from diloco import DiLoCo
+from diloco.engine.averaging import Done, InProcessGroups
+from diloco.engine.streamed_outer import StreamedOuter, sgd_range, streamable
+
+RULES = {
+    "nesterov": dict(lr=0.7, momentum=0.9, nesterov=True),
+    "momentum": dict(lr=0.5, momentum=0.8),
+    "sgd": dict(lr=1.0),
+}
+
+
+def _params(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for shape in [(7, 13), (1,), (300,), (2, 3, 5)]]
+
+
+def _cuts(n: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    edges = sorted({0, n, *torch.randint(0, n, (9,), generator=gen).tolist()})
+    return list(zip(edges, edges[1:]))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_streamed_ranges_give_the_bits_of_one_whole_step(rule: str) -> None:
+    """Three rounds: each steps random ranges from two threads, a rolled-back attempt's garbage
+    first; the result equals stepping the whole mean at the commit, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    streamed, whole = _params(0), _params(0)
+    a = StreamedOuter(streamed, torch.optim.SGD(streamed, **RULES[rule]))
+    b = StreamedOuter(whole, torch.optim.SGD(whole, **RULES[rule]))
+    n = a.numel
+    for _ in range(3):
+        mean = torch.randn(n, generator=gen)
+        a.begin()
+        garbage = torch.full((n,), 1e6)
+        for lo, hi in _cuts(n, gen):
+            a.on_final(1, garbage, lo, hi)  # attempt 1, rolled back
+        cuts = _cuts(n, gen)[:-1]  # attempt 2 reports all but its last range (another rank's stripe)
+        threads = [threading.Thread(target=lambda part=part: [a.on_final(2, mean, lo, hi) for lo, hi in part])
+                   for part in (cuts[0::2], cuts[1::2])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        a.commit(mean, 2)
+        b.commit(mean, None)
+        for x, y in zip(streamed, whole):
+            assert torch.equal(x, y)
+    assert all(torch.equal(a.optimizer.state[x].get("momentum_buffer", torch.zeros(1)),
+                           b.optimizer.state[y].get("momentum_buffer", torch.zeros(1))) for x, y in zip(streamed, whole))
+
+
+def test_one_step_is_torch_sgd_up_to_rounding_and_independent_of_the_cut() -> None:
+    gen = torch.Generator().manual_seed(5)
+    theta, buf, u = (torch.randn(10_003, generator=gen) for _ in range(3))
+    whole_theta, whole_buf = torch.empty_like(theta), torch.empty_like(buf)
+    sgd_range(theta, buf, u, lr=0.7, momentum=0.9, nesterov=True, theta_out=whole_theta, buf_out=whole_buf)
+    pieces_theta, pieces_buf = torch.empty_like(theta), torch.empty_like(buf)
+    for lo, hi in [(0, 1), (1, 17), (17, 5000), (5000, 10_003)]:  # odd cuts: vector tails in the middle
+        sgd_range(theta[lo:hi], buf[lo:hi], u[lo:hi], lr=0.7, momentum=0.9, nesterov=True,
+                  theta_out=pieces_theta[lo:hi], buf_out=pieces_buf[lo:hi])
+    assert torch.equal(whole_theta, pieces_theta) and torch.equal(whole_buf, pieces_buf)
+    ref = theta.clone().requires_grad_(False)
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    opt.state[ref]["momentum_buffer"] = buf.clone()
+    ref.grad = u
+    opt.step()
+    torch.testing.assert_close(whole_theta, ref, rtol=0, atol=1e-6)
+
+
+def test_only_sgd_without_extra_state_is_streamed() -> None:
+    p = [torch.zeros(3, requires_grad=True)]
+    assert streamable(torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True))
+    assert not streamable(torch.optim.SGD(p, lr=0.7, momentum=0.9, dampening=0.1))
+    assert not streamable(torch.optim.SGD(p, lr=0.7, weight_decay=0.01))
+    assert not streamable(torch.optim.SGD(p, lr=0.7, maximize=True))
+    assert not streamable(torch.optim.Adam(p, lr=1e-3))
+    with pytest.raises(ValueError, match="SGD"):
+        StreamedOuter(p, torch.optim.Adam(p, lr=1e-3))
+
+
+class _Streaming:
+    """One of InProcessGroups' members that reports the mean's final ranges as a ring would: a
+    rolled-back attempt's garbage, then the committed attempt's ranges, some left unreported."""
+
+    streams_final = True
+
+    def __init__(self, member, seed: int) -> None:
+        self.member, self.gen = member, torch.Generator().manual_seed(seed)
+        self.reported = 0
+        self.num_groups, self.group_index = member.num_groups, member.group_index
+
+    def all_reduce_mean(self, flat, *, round):
+        return self.member.all_reduce_mean(flat, round=round)
+
+    def start(self, flat, *, tag, exact=False, on_final=None):
+        mean = self.member.start(flat, tag=tag, exact=exact).wait()
+        pending = Done(mean)
+        if on_final is not None:
+            n = mean.numel()
+            for lo, hi in _cuts(n, self.gen):
+                on_final(1, torch.full_like(mean, float("nan")), lo, hi)
+            for lo, hi in _cuts(n, self.gen)[1:]:
+                on_final(2, mean, lo, hi)
+                self.reported += hi - lo
+            pending.final_attempt = 2
+        return pending
+
+
+def _train(averagers, mode: str) -> list[list[torch.Tensor]]:
+    results = [None] * len(averagers)
+
+    def run(i: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + i)
+        with DiLoCo(model, opt, averager=averagers[i], sync_every=3, mode=mode) as engine:
+            for _ in range(12):
+                x = torch.randn(8, 6, generator=gen)
+                nn.functional.mse_loss(model(x), x[:, :2]).backward()
+                opt.step()
+                opt.zero_grad()
+                engine.step()
+        results[i] = [p.detach().clone() for p in model.parameters()]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("mode", ["blocking", "overlap"])
+def test_an_engine_fed_final_ranges_ends_where_one_that_was_not_does(mode: str) -> None:
+    groups = InProcessGroups(2)
+    plain = _train([groups.member(i) for i in range(2)], mode)
+    again = InProcessGroups(2)
+    wrapped = [_Streaming(again.member(i), seed=i) for i in range(2)]
+    streamed = _train(wrapped, mode)
+    assert all(w.reported > 0 for w in wrapped)
+    for a, b in zip(plain, streamed):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    for x, y in zip(*streamed):
+        assert torch.equal(x, y)
