@@ -310,6 +310,45 @@ def summarize(case: dict, warmup: int) -> dict:
     return row
 
 
+PHASES = ["delta", "hash", "norm", "quorum", "rings", "vote", "land", "outer", "merge"]
+
+
+def report(paths: list[str]) -> str:
+    """Markdown tables from records of this bench: per link and group count, the sync from the last
+    group's arrival (median over members, rounds and repeats; the repeats' medians beside it) for
+    Gloo and each project codec, the ratio to Gloo's, and the project's phases (medians)."""
+    cases = [c for path in paths for c in json.loads(Path(path).read_text())["cases"]]
+    keys = sorted({(c["link"], c["groups"]) for c in cases}, key=lambda k: (list(LINKS).index(k[0]), k[1]))
+    lines = ["| link | G | sync | after last arrival, s (median [min, max]) | per repeat | / Gloo | wire floor, s |"
+             " " + " | ".join(PHASES) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(PHASES)]
+    for link, g in keys:
+        here = [c for c in cases if (c["link"], c["groups"]) == (link, g)]
+        gloo = [c for c in here if c["backend"] == "gloo"]
+        gloo_all = [x for c in gloo for x in sync_after_last(c, WARMUP)]
+        base = statistics.median(gloo_all) if gloo_all else None
+        for name in dict.fromkeys(("gloo", *(c["codec"] for c in here if c["backend"] == "diloco"))):
+            mine = gloo if name == "gloo" else [c for c in here if c["backend"] == "diloco" and c["codec"] == name]
+            if not mine:
+                continue
+            xs = [x for c in mine for x in sync_after_last(c, WARMUP)]
+            per = ", ".join(f"{statistics.median(sync_after_last(c, WARMUP)):.3f}" for c in mine)
+            med = statistics.median(xs)
+            ratio = "" if base is None else f"{med / base:.2f}"
+            floor = summarize(mine[0], WARMUP).get("wire_floor_s")
+            spans = [] if name == "gloo" else [statistics.median(r["spans"].get(k, 0.0) for c in mine
+                                                                 for m in c["members"] for r in m["rounds"][WARMUP:])
+                                               for k in PHASES]
+            label = "Gloo DiLoCo" if name == "gloo" else f"diloco {name}"
+            lines.append(f"| {link} | {g} | {label} | {med:.3f} [{min(xs):.3f}, {max(xs):.3f}] | {per} | {ratio} | "
+                         f"{'' if floor is None else f'{floor:.3f}'} | "
+                         + " | ".join(f"{v:.3f}" for v in spans) + (" |" if spans else " |" * len(PHASES)))
+    return "\n".join(lines)
+
+
+WARMUP = 1  # rounds every record of this bench leaves out (--warmup's default)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--member", help=argparse.SUPPRESS)
@@ -328,7 +367,11 @@ def main() -> None:
     ap.add_argument("--case-timeout", type=float, default=900.0)
     ap.add_argument("--logs", default="/tmp/sync_stall_logs")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of these records and exit")
     args = ap.parse_args()
+    if args.report:
+        print(report(args.report))
+        return
     if args.member:
         _member_main(json.loads(args.member))
         return

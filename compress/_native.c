@@ -615,6 +615,49 @@ static PyObject *fingerprint32(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(f);
 }
 
+/* One SGD step of n fp32 values, each product and sum rounded on its own (built with
+ * -ffp-contract=off: no fused multiply-add), so the bits equal the torch path of
+ * diloco/engine/streamed_outer.py:sgd_range element by element:
+ *   v' = first ? u : mu*v + u;   g = nesterov ? mu*v' + u : v';   theta' = theta - lr*g
+ * (mu == 0: theta' = theta - lr*u, no buffer). */
+static void sgd_values(const float *theta, const float *buf, const float *u, float *theta_out, float *buf_out,
+                       int64_t n, float lr, float mu, int nesterov) {
+    for (int64_t i = 0; i < n; i++) {
+        float g = u[i];
+        if (mu != 0.0f) {
+            float v = buf ? mu * buf[i] : 0.0f;
+            v = buf ? v + u[i] : u[i];
+            buf_out[i] = v;
+            if (nesterov) {
+                float t = mu * v;
+                g = t + u[i];
+            } else {
+                g = v;
+            }
+        }
+        float s = lr * g;
+        theta_out[i] = theta[i] - s;
+    }
+}
+
+static PyObject *sgd_step(PyObject *self, PyObject *args) {
+    unsigned long long pt, pb, pu, pto, pbo;
+    Py_ssize_t n;
+    double lr, mu;
+    int nesterov;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKKKnddp", &pt, &pb, &pu, &pto, &pbo, &n, &lr, &mu, &nesterov)) return NULL;
+    if (n < 0 || (mu != 0.0 && pbo == 0)) {
+        PyErr_SetString(PyExc_ValueError, "sgd_step: negative length, or momentum without a buffer to write");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sgd_values((const float *)(uintptr_t)pt, (const float *)(uintptr_t)pb, (const float *)(uintptr_t)pu,
+               (float *)(uintptr_t)pto, (float *)(uintptr_t)pbo, n, (float)lr, (float)mu, nesterov);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "int8 blockwise encode: scales and codes (0 ok, 1 non-finite)"},
     {"decode8", decode8, METH_VARARGS, "int8 blockwise decode: codes x their block's scale"},
@@ -622,6 +665,7 @@ static PyMethodDef methods[] = {
     {"decode4s", decode4s, METH_VARARGS, "4-bit layout-2 decode: anchors x scale table x levels"},
     {"has_nibble", has_nibble, METH_VARARGS, "whether packed 4-bit codes hold a given nibble"},
     {"fingerprint32", fingerprint32, METH_VARARGS, "compress.fingerprint's sum over uint32 words"},
+    {"sgd_step", sgd_step, METH_VARARGS, "one SGD step of fp32 values, products and sums rounded apart"},
     {NULL, NULL, 0, NULL},
 };
 

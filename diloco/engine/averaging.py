@@ -124,7 +124,8 @@ class Healing(Protocol):
 class FinalRanges(Protocol):
     """A callback told ``(attempt, mean, lo, hi)`` from the averager's threads as ``mean[lo:hi]``
     becomes final in attempt ``attempt`` (1, 2, ...: a rolled-back attempt's ranges are
-    superseded by the next one's); each range once per attempt, not necessarily all of them."""
+    superseded by the next one's); each range once per attempt, not necessarily all of them, and
+    every range of an attempt before any of the next one's."""
 
     def __call__(self, attempt: int, mean: torch.Tensor, lo: int, hi: int) -> None: ...
 

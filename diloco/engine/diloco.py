@@ -265,6 +265,8 @@ class DiLoCo(FragmentViews, RoundTiming):
             self._hook = None
         for frag in self.fragments:
             frag.in_flight = None
+            if frag.streamed is not None:
+                frag.streamed.stop()
         self.finished = True
 
     def __enter__(self) -> "DiLoCo":

@@ -5,8 +5,10 @@ fragment, then copy it into the model: two passes over the model after the last 
 rings know earlier which parts of the mean are final (the owner's chunk once it divided the sum, the
 others' chunks as the all-gather brings them), and tell the averager's caller (``on_final``). For
 ``torch.optim.SGD`` (momentum, Nesterov or neither; no dampening, weight decay or ``maximize``) the
-step is element-wise, so each final range is stepped as soon as it is known, in the ring's thread,
-while later chunks are still on the wire.
+step is element-wise, so each final range is stepped as soon as it is known, while later chunks are
+still on the wire: by a thread of its own, which the rings only hand the range to (stepped in the
+rings' threads, its work and its interpreter-lock waits sat in the rings' pipeline and made a
+loopback sync slower, not faster: bench/pages/sync_stall.md).
 
 A range is stepped into scratch copies (θ', v'), never into the global copy itself: the exchange
 may still be rolled back (a member's rings failed, or its vote said no) and retried with another
@@ -24,10 +26,21 @@ engine uses this rule for every outer step of such an optimizer, streamed or not
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from typing import Sequence
 
 import torch
+
+try:  # the C kernel (compress/_native.c: sgd_step), where it is built; the same bits as the torch path
+    from compress import _native
+
+    _KERNEL = getattr(_native, "sgd_step", None)
+except ImportError:
+    _KERNEL = None
+#: False forces the torch path (tests compare the two); COMPRESS_NATIVE=0 sets it at import
+USE_KERNEL = os.environ.get("COMPRESS_NATIVE", "1") != "0"
 
 
 def streamable(optimizer: torch.optim.Optimizer) -> bool:
@@ -45,7 +58,16 @@ def sgd_range(theta: torch.Tensor, buf: torch.Tensor | None, u: torch.Tensor, *,
     """One SGD step of ``theta`` by gradient ``u`` (1-D views of equal length), written to
     ``theta_out`` and, with momentum, the new momentum buffer to ``buf_out`` (``buf`` None: the
     first step, which starts the buffer at ``u``); the same rule as ``torch.optim.SGD``:
-    ``v ← μ·v + u``; ``g = u + μ·v`` (Nesterov) or ``v``; ``θ ← θ − lr·g``."""
+    ``v ← μ·v + u``; ``g = u + μ·v`` (Nesterov) or ``v``; ``θ ← θ − lr·g``. On the host, one
+    pass of a C kernel (interpreter lock released once) where it is built."""
+    views = (theta, u, theta_out) + (() if buf is None else (buf,)) + (() if buf_out is None else (buf_out,))
+    if any(t.numel() != theta.numel() for t in views):
+        raise ValueError(f"sgd_range: views of {[t.numel() for t in views]} values, want equal lengths")
+    if _KERNEL is not None and USE_KERNEL and all(_plain_cpu(t) for t in views) \
+            and (buf_out is not None or not momentum):
+        _KERNEL(theta.data_ptr(), 0 if buf is None else buf.data_ptr(), u.data_ptr(), theta_out.data_ptr(),
+                0 if buf_out is None else buf_out.data_ptr(), theta.numel(), float(lr), float(momentum), bool(nesterov))
+        return
     if momentum:
         assert buf_out is not None
         if buf is None:
@@ -64,11 +86,18 @@ def sgd_range(theta: torch.Tensor, buf: torch.Tensor | None, u: torch.Tensor, *,
     torch.sub(theta, step, out=theta_out)
 
 
+def _plain_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+IDLE_S = 30.0  # a stepping thread given nothing for this long ends (what it missed, commit steps)
+
+
 class StreamedOuter:
     """The outer step of one fragment's global copy (``params``) under an SGD optimizer
-    (``streamable``), range by range (see the module doc). ``feed`` takes final ranges of the
+    (``streamable``), range by range (see the module doc). ``on_final`` takes final ranges of the
     mean, from any thread; ``commit`` finishes the step with the whole mean and makes it the new
-    state; ``begin`` starts a new exchange."""
+    state; ``begin`` starts a new exchange; ``stop`` ends the stepping thread (an abandoned one)."""
 
     def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.SGD) -> None:
         if not streamable(optimizer):
@@ -85,19 +114,51 @@ class StreamedOuter:
         self._buf: list[torch.Tensor] | None = None
         self._lock = threading.Lock()
         self._done: dict[int, list[tuple[int, int]]] = {}  # attempt -> ranges stepped in it
+        self._ranges: queue.SimpleQueue | None = None  # the stepping thread's work; None: no thread runs
+        self._worker: threading.Thread | None = None
 
     def begin(self) -> None:
-        """A new exchange starts: nothing of it is stepped yet."""
+        """A new exchange starts: nothing of it is stepped yet (ranges of the last one still
+        queued are dropped)."""
+        self.stop()
         with self._lock:
             self._done.clear()
 
     def on_final(self, attempt: int, mean: torch.Tensor, lo: int, hi: int) -> None:
-        """``mean[lo:hi]`` is final in ``attempt`` of the exchange: step that range into the
-        scratch (a later attempt steps its ranges again from the same state)."""
-        self._scratch()
-        self._step(mean, lo, hi)
+        """``mean[lo:hi]`` is final in ``attempt`` of the exchange: queue that range for the
+        stepping thread, which steps it into the scratch (a later attempt steps its ranges again
+        from the same state). Called from the rings' threads; returns at once."""
         with self._lock:
-            self._done.setdefault(attempt, []).append((lo, hi))
+            if self._ranges is None:
+                self._ranges = queue.SimpleQueue()
+                self._worker = threading.Thread(target=self._run, args=(self._ranges,), name="outer-step", daemon=True)
+                self._worker.start()
+            self._ranges.put((attempt, mean, lo, hi))
+
+    def stop(self) -> None:
+        """Let the stepping thread finish what is queued and end (nothing more is stepped)."""
+        with self._lock:
+            ranges, worker, self._ranges, self._worker = self._ranges, self._worker, None, None
+        if ranges is not None and worker is not None:
+            ranges.put(None)
+            worker.join()
+
+    def _run(self, ranges: queue.SimpleQueue) -> None:
+        self._scratch()
+        while True:
+            try:
+                item = ranges.get(timeout=IDLE_S)
+            except queue.Empty:  # an exchange nobody commits (abandoned): end; a late range starts another
+                with self._lock:
+                    if self._ranges is ranges:
+                        self._ranges = self._worker = None
+                return
+            if item is None:
+                return
+            attempt, mean, lo, hi = item
+            self._step(mean, lo, hi)
+            with self._lock:
+                self._done.setdefault(attempt, []).append((lo, hi))
 
     @torch.no_grad()
     def commit(self, mean: torch.Tensor, attempt: int | None) -> None:
@@ -105,6 +166,7 @@ class StreamedOuter:
         ``attempt`` (None: no ranges came from it): step what is left, then take the new state."""
         if mean.numel() != self.numel:
             raise ValueError(f"pseudo-gradient has {mean.numel()} values, fragment {self.numel}")
+        self.stop()  # every range reported so far is stepped
         self._scratch()
         with self._lock:
             done = sorted(self._done.get(attempt, [])) if attempt is not None else []

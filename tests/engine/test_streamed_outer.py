@@ -119,10 +119,13 @@ class _Streaming:
 
 def _train(averagers, mode: str) -> list[list[torch.Tensor]]:
     results = [None] * len(averagers)
+    models = []
+    for _ in averagers:  # built here: torch's global generator is shared by the threads
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)))
 
     def run(i: int) -> None:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+        model = models[i]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + i)
         with DiLoCo(model, opt, averager=averagers[i], sync_every=3, mode=mode) as engine:
@@ -155,3 +158,30 @@ def test_an_engine_fed_final_ranges_ends_where_one_that_was_not_does(mode: str) 
             assert torch.equal(x, y)
     for x, y in zip(*streamed):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("first", [True, False])
+def test_the_c_kernel_gives_the_torch_paths_bits(rule: str, first: bool, monkeypatch) -> None:
+    import diloco.engine.streamed_outer as so
+
+    if so._KERNEL is None:
+        pytest.skip("compress/_native.c is not built here (pip install -e . builds it)")
+    gen = torch.Generator().manual_seed(9)
+    n = 100_003
+    theta, buf, u = (torch.randn(n, generator=gen) * 3 for _ in range(3))
+    kw = RULES[rule]
+    mu = kw.get("momentum", 0.0)
+    outs = []
+    for use in (True, False):
+        monkeypatch.setattr(so, "USE_KERNEL", use)
+        t_out, b_out = torch.empty(n), torch.empty(n) if mu else None
+        sgd_range(theta, None if first or not mu else buf, u, lr=kw["lr"], momentum=mu,
+                  nesterov=kw.get("nesterov", False), theta_out=t_out, buf_out=b_out)
+        outs.append((t_out, b_out))
+    assert torch.equal(outs[0][0], outs[1][0])
+    if mu:
+        assert torch.equal(outs[0][1], outs[1][1])
+    with pytest.raises(ValueError, match="equal lengths"):
+        sgd_range(theta, buf, u[:-1], lr=0.7, momentum=0.9, nesterov=True, theta_out=torch.empty(n),
+                  buf_out=torch.empty(n))
