@@ -34,6 +34,11 @@ CANCEL_CHECK_S = 0.25  # how often a dial waiting for its channel checks whether
 #: Largest gRPC message, in bytes: writes are split into messages of at most this size, so the
 #: receive limit (and what gRPC buffers for a stream that has not authenticated) stays small.
 MESSAGE_BYTES = 1 << 20
+#: A write's last message may be this much longer than MESSAGE_BYTES instead of leaving a short
+#: message of its own: a 1 MiB ring chunk (the default chunk_bytes) plus its envelope and frame
+#: header (a few hundred bytes) then travels as one gRPC message, not two (each costs thread hand-offs and
+#: gRPC's per-message work on both sides). The receive limit is MESSAGE_BYTES + MESSAGE_SLACK.
+MESSAGE_SLACK = 1 << 10
 #: Bytes a stream may deliver before its handshake is done (the handshake needs a few hundred);
 #: past them its reader waits, so gRPC's flow control holds the sender back.
 PREAUTH_BYTES = 4096
@@ -43,9 +48,10 @@ class StreamSocket:
     """A socket-like byte stream over one gRPC stream: writes become messages, reads drain them."""
 
     def __init__(self, outbox: "queue.SimpleQueue[bytes | None]", inbound: Iterator[bytes], on_close: Callable[[], None],
-                 message_bytes: int = MESSAGE_BYTES) -> None:
+                 message_bytes: int = MESSAGE_BYTES, slack_bytes: int = MESSAGE_SLACK) -> None:
         self._outbox = outbox
-        self._message_bytes = message_bytes  # writes are split into gRPC messages of at most this
+        self._message_bytes = message_bytes  # writes are split into gRPC messages of this size ...
+        self._slack_bytes = slack_bytes  # ... the last one up to this much longer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._buf = memoryview(b"")
         self._timeout: float | None = None
@@ -99,25 +105,28 @@ class StreamSocket:
         self.send_buffers([data])
 
     def send_buffers(self, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
-        """Send buffers back to back as gRPC messages of at most message_bytes bytes, each
-        copied once out of them (no joined copy of the whole message first)."""
+        """Send buffers back to back as gRPC messages of message_bytes bytes, the last one of at
+        most message_bytes + slack_bytes, each copied once out of them (no joined copy of the
+        whole message first)."""
         if self._closed or self._broken:
             raise BrokenPipeError(self._broken or "stream closed")
-        step = self._message_bytes
+        views = [memoryview(b).cast("B") for b in buffers]
+        left = sum(len(v) for v in views)
+        step, last = self._message_bytes, self._message_bytes + self._slack_bytes
+        want = step if left > last else left  # the size of the message being filled
         pending: list[memoryview] = []
         size = 0
-        for b in buffers:
-            view = memoryview(b).cast("B")
+        for view in views:
             while view:
-                take = view[:step - size]
+                take = view[:want - size]
                 pending.append(take)
                 size += len(take)
                 view = view[len(take):]
-                if size == step:
+                if size == want:
                     self._outbox.put(b"".join(pending))
+                    left -= size
                     pending, size = [], 0
-        if pending:
-            self._outbox.put(b"".join(pending))
+                    want = step if left > last else left
 
     def _take(self, n: int) -> memoryview:
         """Up to n bytes of the current message (the next one once it is used up); empty at EOF."""
@@ -183,9 +192,10 @@ class GrpcTransport(TransportBase):
     Against hostile peers: each call is admitted like a TCP connection (caps on unauthenticated
     calls per listener and per source address, whole-handshake deadline `handshake_timeout_s`,
     also used as gRPC's own TLS/HTTP2 handshake timeout); over a cap a call ends at once with
-    RESOURCE_EXHAUSTED. Writes travel as gRPC messages of at most min(MESSAGE_BYTES,
-    max_message_bytes) bytes, which is also the receive limit, and a call delivers at most
-    PREAUTH_BYTES before it has authenticated (its reader then waits, holding the sender back).
+    RESOURCE_EXHAUSTED. Writes travel as gRPC messages of min(MESSAGE_BYTES, max_message_bytes)
+    bytes, a write's last one up to MESSAGE_SLACK longer (that sum is also the receive limit),
+    and a call delivers at most PREAUTH_BYTES before it has authenticated (its reader then
+    waits, holding the sender back).
     """
 
     def __init__(
@@ -203,7 +213,7 @@ class GrpcTransport(TransportBase):
             check_plaintext("gRPC", host, tls, allow_plaintext)
             self._tls_pem = tls.read_pem() if tls else None
             self._message_bytes = min(MESSAGE_BYTES, self.max_message_bytes)
-            limit = self._message_bytes + (1 << 10)
+            limit = self._message_bytes + MESSAGE_SLACK
             self._options = [
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),

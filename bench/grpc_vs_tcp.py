@@ -1,0 +1,148 @@
+"""gRPC link against TCP link on loopback: one ring all-reduce of an fp32 vector between G members
+(each a spawned process on 127.0.0.1), as a ratio to the TCP link measured in the same run.
+
+Cases run round-robin (rounds x cases), so a shared machine's load falls on all of them alike;
+every member reports each repetition's wall time (the slowest member's counts) and its CPU time.
+``--trees`` runs the gRPC link of several code trees (a before/after pair from ``git archive``)
+against the TCP link of the first tree:
+
+    python bench/grpc_vs_tcp.py                                         # this tree, 64 MiB, G=2
+    git archive OLD | tar -x -C /tmp/before
+    python bench/grpc_vs_tcp.py --trees /tmp/before,. --rounds 4 --reps 5
+
+``--profile DIR`` records member 0 of every case with ``perf record -g`` (all threads, native
+frames) over the timed repetitions; ``perf report -i DIR/grpc-1-r0.perf -n --no-children --sort
+dso --stdio -g none`` then splits its CPU by library (needs perf).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SECRET = b"bench-secret"
+HERE = Path(__file__).resolve().parent
+
+
+def _member(conn, cfg: dict) -> None:
+    sys.path.insert(0, cfg["tree"])
+    sys.path.insert(1, str(HERE))
+    from benchutil import bench_codec, pin_malloc
+
+    pin_malloc()
+    import torch
+
+    torch.set_num_threads(1)
+    from transport import TcpTransport
+    from transport.grpclink import GrpcTransport
+
+    cls = GrpcTransport if cfg["backend"] == "grpc" else TcpTransport
+    t = cls("127.0.0.1", 0, secret=SECRET, timeout_s=120, chunk_bytes=cfg["chunk_bytes"])
+    conn.send((t.address, os.getpid()))
+    ring = conn.recv()
+    codec = bench_codec(cfg["codec"])
+    x = torch.randn(cfg["n"], generator=torch.Generator().manual_seed(cfg["index"]))
+    out = torch.empty_like(x)
+    for rep in range(cfg["reps"] + 1):  # the first one also sets up the connections
+        conn.recv()  # go
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        t.all_reduce(x, ring, cfg["index"], tag=f"rep{rep}", codec=codec, out=out).wait()
+        conn.send((time.perf_counter() - t0, time.process_time() - cpu0))
+    conn.recv()  # close once every member is done
+    t.close()
+
+
+def ring_case(tree: str, backend: str, g: int, n: int, reps: int, chunk_bytes: int, codec: str,
+              profile: Path | None) -> tuple[list[float], list[float]]:
+    """Per-rep seconds (slowest member) and CPU seconds (busiest member) of one case."""
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for i in range(g):
+        a, b = ctx.Pipe()
+        cfg = dict(tree=tree, backend=backend, n=n, reps=reps, chunk_bytes=chunk_bytes, codec=codec, index=i)
+        p = ctx.Process(target=_member, args=(b, cfg), daemon=True)
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    hello = [c.recv() for c in pipes]
+    for c in pipes:
+        c.send([h[0] for h in hello])
+    spy = None
+    secs, cpus = [], []
+    for rep in range(reps + 1):
+        if rep == 1 and profile is not None:
+            spy = subprocess.Popen(["perf", "record", "-F", "1999", "-g", "-p", str(hello[0][1]), "-o", str(profile)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
+        for c in pipes:
+            c.send("go")
+        res = [c.recv() for c in pipes]
+        if rep:
+            secs.append(max(r[0] for r in res))
+            cpus.append(max(r[1] for r in res))
+    if spy is not None:
+        spy.send_signal(2)
+        spy.wait(30)
+    for c in pipes:
+        c.send("close")
+    for p in procs:
+        p.join(30)
+    return secs, cpus
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", default=".", help="comma-separated code trees; gRPC runs from each, TCP from the first")
+    ap.add_argument("--mib", type=int, default=64, help="vector size in MiB of fp32")
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5, help="timed all-reduces per case and round (after one warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="passes over the cases")
+    ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    ap.add_argument("--codec", default="fp32")
+    ap.add_argument("--no-tcp", action="store_true", help="gRPC cases only")
+    ap.add_argument("--profile", type=Path, help="folder for perf recordings of each case's member 0")
+    a = ap.parse_args()
+    trees = [str(Path(t).resolve()) for t in a.trees.split(",")]
+    cases = ([] if a.no_tcp else [("tcp", trees[0])]) + [("grpc", t) for t in trees]
+    n = (a.mib << 20) // 4
+    if a.profile is not None:
+        if shutil.which("perf") is None:
+            sys.exit("--profile needs perf")
+        a.profile.mkdir(parents=True, exist_ok=True)
+    times: dict[tuple, list[float]] = {c: [] for c in cases}
+    cpu: dict[tuple, list[float]] = {c: [] for c in cases}
+    t_start = time.perf_counter()
+    for rnd in range(a.rounds):
+        for k, (backend, tree) in enumerate(cases):
+            prof = a.profile / f"{backend}-{k}-r{rnd}.perf" if a.profile is not None else None
+            s, c = ring_case(tree, backend, a.groups, n, a.reps, a.chunk_bytes, a.codec, prof)
+            times[(backend, tree)] += s
+            cpu[(backend, tree)] += c
+            print(f"round {rnd} {backend:4s} {tree}: median {statistics.median(s) * 1e3:6.1f} ms "
+                  f"(min {min(s) * 1e3:.1f}, max {max(s) * 1e3:.1f}), CPU {statistics.median(c) * 1e3:.0f} ms", flush=True)
+    print(f"\n{a.mib} MiB fp32 vector, G={a.groups}, chunk {a.chunk_bytes >> 10} KiB, codec {a.codec}, "
+          f"{a.rounds} rounds x {a.reps} reps, {time.perf_counter() - t_start:.0f} s, load {os.getloadavg()[0]:.2f}")
+    base = None if a.no_tcp else statistics.median(times[cases[0]])
+    for c in cases:
+        s = sorted(times[c])
+        med = statistics.median(s)
+        q1, q3 = s[len(s) // 4], s[(3 * len(s)) // 4]
+        ratio = f"  {med / base:.2f}x tcp" if base else ""
+        print(f"{c[0]:4s} {c[1]}: median {med * 1e3:6.1f} ms, IQR {q1 * 1e3:.1f}-{q3 * 1e3:.1f}, "
+              f"min {s[0] * 1e3:.1f}, max {s[-1] * 1e3:.1f}; member CPU median {statistics.median(cpu[c]) * 1e3:.0f} ms{ratio}")
+    if base:  # per-round ratios: the spread of the ratio itself
+        per_round = len(times[cases[0]]) // a.rounds
+        for c in cases[1:]:
+            rs = [statistics.median(times[c][i * per_round:(i + 1) * per_round])
+                  / statistics.median(times[cases[0]][i * per_round:(i + 1) * per_round]) for i in range(a.rounds)]
+            print(f"  {c[0]} {c[1]} / tcp per round: " + ", ".join(f"{r:.2f}" for r in rs))
+
+
+if __name__ == "__main__":
+    main()
