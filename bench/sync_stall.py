@@ -15,10 +15,13 @@ wrappers, ``_Spans``): Δ, state hash, contribution norm, the coordinator's quor
 copies), the outer step, the merge back into the model; and the CPU seconds the whole process used
 during the stall (all threads: the data plane's included) against its wall time.
 
-    python bench/sync_stall.py --groups 2,3 --links loopback,veth,1gbit --codecs fp32,int8 --rounds 6 \\
-        --json bench/results/sync_stall.json
+    python bench/sync_stall.py --groups 2,3 --links loopback,veth,1gbit --codecs fp32,int8,fp32@grpc \\
+        --rounds 4 --h 10 --json bench/results/sync_stall_before.json
+    python bench/sync_stall.py --report bench/results/sync_stall_before.json
 
-Writes a JSON record (every round of every member) and prints a table.
+Writes a JSON record (every round of every member) and prints a line per case; ``--report``
+prints the tables of bench/pages/sync_stall.md. bench/results/sync_stall_ab.json holds the
+before/after runs of that page (the same harness on two trees, interleaved).
 """
 from __future__ import annotations
 
@@ -349,6 +352,30 @@ def report(paths: list[str]) -> str:
 WARMUP = 1  # rounds every record of this bench leaves out (--warmup's default)
 
 
+def ab_report(path: str) -> str:
+    """The before/after table of a record of interleaved runs on two trees (sync_stall_ab.json):
+    per link and group count, each run's Gloo and project sync after the last arrival (medians)
+    and their ratio, and the ratios' mean per tree."""
+    record = json.loads(Path(path).read_text())
+    trees = list(dict.fromkeys(run["tree"] for run in record["runs"]))
+    rows: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = {}
+    for run in record["runs"]:
+        for c in run["cases"]:
+            if c["backend"] == "gloo":
+                mine = [d for d in run["cases"] if d["backend"] == "diloco" and d["codec"] == "fp32"
+                        and (d["link"], d["groups"]) == (c["link"], c["groups"])]
+                if mine:
+                    pair = (statistics.median(sync_after_last(c, WARMUP)), statistics.median(sync_after_last(mine[0], WARMUP)))
+                    rows.setdefault((c["link"], c["groups"]), {}).setdefault(run["tree"], []).append(pair)
+    head = " | ".join(f"{t}: Gloo / diloco fp32, s (ratio), per run" for t in trees)
+    lines = [f"| link | G | {head} | ratio, mean of runs |", "|---|---|" + "---|" * len(trees) + "---|"]
+    for (link, g), by_tree in rows.items():
+        cells = [", ".join(f"{a:.3f} / {b:.3f} ({b / a:.2f})" for a, b in by_tree.get(t, [])) for t in trees]
+        means = " -> ".join(f"{statistics.mean(b / a for a, b in by_tree[t]):.2f}" for t in trees if t in by_tree)
+        lines.append(f"| {link} | {g} | " + " | ".join(cells) + f" | {means} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--member", help=argparse.SUPPRESS)
@@ -368,9 +395,13 @@ def main() -> None:
     ap.add_argument("--logs", default="/tmp/sync_stall_logs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of these records and exit")
+    ap.add_argument("--ab-report", metavar="JSON", help="print the before/after table of sync_stall_ab.json and exit")
     args = ap.parse_args()
     if args.report:
         print(report(args.report))
+        return
+    if args.ab_report:
+        print(ab_report(args.ab_report))
         return
     if args.member:
         _member_main(json.loads(args.member))
