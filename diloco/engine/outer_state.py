@@ -103,7 +103,12 @@ class OuterFragment:
     def feeds_ranges(self) -> bool:
         """Whether final ranges of an exchange's mean can be stepped as they arrive (``on_final``):
         an SGD-family rule on a global copy in host memory that no queued copy reads (not staged)."""
-        return self.streamed is not None and not self.staged and self.global_params[0].device.type == "cpu"
+        return self._steps_sgd() and not self.staged and self.global_params[0].device.type == "cpu"
+
+    def _steps_sgd(self) -> bool:
+        """SGD's rule is stepped here (``streamed``), not by the optimizer: checked at every use, as
+        a loaded state may have changed the optimizer's settings."""
+        return self.streamed is not None and streamable(self.optimizer)
 
     @torch.no_grad()
     def outer_step(self, mean_delta: torch.Tensor, attempt: int | None = None) -> None:
@@ -111,7 +116,7 @@ class OuterFragment:
         gradients are views of ``mean_delta`` (no copy); an outer optimizer must not write into
         its gradients (torch's do not, except with ``maximize=True``, which is refused). An
         SGD-family rule takes the ranges of ``attempt`` already stepped (``streamed.on_final``)."""
-        if self.streamed is not None:
+        if self._steps_sgd():
             self._settle()
             self.streamed.commit(mean_delta.to(device=self.global_params[0].device, dtype=torch.float32), attempt)
             return

@@ -97,7 +97,13 @@ class StreamedOuter:
     """The outer step of one fragment's global copy (``params``) under an SGD optimizer
     (``streamable``), range by range (see the module doc). ``on_final`` takes final ranges of the
     mean, from any thread; ``commit`` finishes the step with the whole mean and makes it the new
-    state; ``begin`` starts a new exchange; ``stop`` ends the stepping thread (an abandoned one)."""
+    state; ``begin`` starts a new exchange; ``stop`` ends the stepping thread and takes no more
+    ranges until the next ``begin`` (an exchange abandoned, or committed).
+
+    Ranges go to scratch copies θ', v' (two more copies of the fragment, made when the first range
+    arrives), which the commit swaps in: the global tensors keep their identity but not their
+    storage (a view taken of one before a commit does not follow it). A commit with no range
+    stepped steps in place and needs no scratch."""
 
     def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.SGD) -> None:
         if not streamable(optimizer):
@@ -116,6 +122,7 @@ class StreamedOuter:
         self._done: dict[int, list[tuple[int, int]]] = {}  # attempt -> ranges stepped in it
         self._ranges: queue.SimpleQueue | None = None  # the stepping thread's work; None: no thread runs
         self._worker: threading.Thread | None = None
+        self._open = False  # takes ranges (from begin() to stop())
 
     def begin(self) -> None:
         """A new exchange starts: nothing of it is stepped yet (ranges of the last one still
@@ -123,12 +130,15 @@ class StreamedOuter:
         self.stop()
         with self._lock:
             self._done.clear()
+            self._open = True
 
     def on_final(self, attempt: int, mean: torch.Tensor, lo: int, hi: int) -> None:
         """``mean[lo:hi]`` is final in ``attempt`` of the exchange: queue that range for the
         stepping thread, which steps it into the scratch (a later attempt steps its ranges again
         from the same state). Called from the rings' threads; returns at once."""
         with self._lock:
+            if not self._open:  # a ring still running after its exchange was abandoned or committed
+                return
             if self._ranges is None:
                 self._ranges = queue.SimpleQueue()
                 self._worker = threading.Thread(target=self._run, args=(self._ranges,), name="outer-step", daemon=True)
@@ -136,9 +146,10 @@ class StreamedOuter:
             self._ranges.put((attempt, mean, lo, hi))
 
     def stop(self) -> None:
-        """Let the stepping thread finish what is queued and end (nothing more is stepped)."""
+        """Let the stepping thread finish what is queued and end; take no more ranges."""
         with self._lock:
             ranges, worker, self._ranges, self._worker = self._ranges, self._worker, None, None
+            self._open = False
         if ranges is not None and worker is not None:
             ranges.put(None)
             worker.join()
@@ -148,7 +159,7 @@ class StreamedOuter:
         while True:
             try:
                 item = ranges.get(timeout=IDLE_S)
-            except queue.Empty:  # an exchange nobody commits (abandoned): end; a late range starts another
+            except queue.Empty:  # an exchange nobody commits: end; a late range starts another
                 with self._lock:
                     if self._ranges is ranges:
                         self._ranges = self._worker = None
@@ -156,7 +167,7 @@ class StreamedOuter:
             if item is None:
                 return
             attempt, mean, lo, hi = item
-            self._step(mean, lo, hi)
+            self._step(mean, lo, hi, in_place=False)
             with self._lock:
                 self._done.setdefault(attempt, []).append((lo, hi))
 
@@ -167,29 +178,33 @@ class StreamedOuter:
         if mean.numel() != self.numel:
             raise ValueError(f"pseudo-gradient has {mean.numel()} values, fragment {self.numel}")
         self.stop()  # every range reported so far is stepped
-        self._scratch()
         with self._lock:
             done = sorted(self._done.get(attempt, [])) if attempt is not None else []
             self._done.clear()
+        if not done:
+            self._step(mean, 0, self.numel, in_place=True)
+            return
+        self._scratch()
         at = 0
         for lo, hi in done + [(self.numel, self.numel)]:
             if lo > at:
-                self._step(mean, at, lo)
+                self._step(mean, at, lo, in_place=False)
             at = max(at, hi)
         self._swap()
 
     def _scratch(self) -> None:
-        if self._theta is None:
-            with self._lock:
-                if self._theta is None:
-                    self._buf = [_like(p) for p in self.params] if self._momentum() else None
-                    self._theta = [_like(p) for p in self.params]
+        with self._lock:
+            if self._theta is None:
+                self._theta = [_like(p) for p in self.params]
+            if self._buf is None and self._momentum():
+                self._buf = [_like(p) for p in self.params]
 
     def _momentum(self) -> float:
         return float(self.optimizer.param_groups[0]["momentum"])
 
-    def _step(self, mean: torch.Tensor, lo: int, hi: int) -> None:
-        """Step flat range [lo, hi), cut at the parameters' boundaries."""
+    def _step(self, mean: torch.Tensor, lo: int, hi: int, *, in_place: bool) -> None:
+        """Step flat range [lo, hi), cut at the parameters' boundaries: into the scratch, or
+        (``in_place``: whole parameters) into the global copy and its momentum buffers."""
         group = self.optimizer.param_groups[0]
         lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
         start = 0
@@ -197,11 +212,20 @@ class StreamedOuter:
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 p = self.params[i]
-                buf = self.optimizer.state.get(p, {}).get("momentum_buffer") if mu else None
+                buf = self.optimizer.state[p].get("momentum_buffer") if mu else None
                 sl = slice(a - start, b - start)
+                if in_place:
+                    theta_out = p.view(-1)[sl]
+                    if mu and buf is None:
+                        buf_out = _like(p)
+                        self.optimizer.state[p]["momentum_buffer"] = buf_out
+                    buf_out = None if not mu else self.optimizer.state[p]["momentum_buffer"]
+                else:
+                    assert self._theta is not None and (self._buf is not None or not mu)
+                    theta_out = self._theta[i].view(-1)[sl]
+                    buf_out = None if not mu else self._buf[i]
                 sgd_range(p.view(-1)[sl], None if buf is None else buf.view(-1)[sl], mean[a:b], lr=lr, momentum=mu,
-                          nesterov=nesterov, theta_out=self._theta[i].view(-1)[sl],
-                          buf_out=None if self._buf is None else self._buf[i].view(-1)[sl])
+                          nesterov=nesterov, theta_out=theta_out, buf_out=None if buf_out is None else buf_out.view(-1)[sl])
             start = end
             if start >= hi:
                 break
@@ -209,11 +233,12 @@ class StreamedOuter:
     def _swap(self) -> None:
         """θ' and v' become the global copy and the momentum buffers; the old ones, the scratch."""
         assert self._theta is not None
+        mu = self._momentum()
         for i, p in enumerate(self.params):
             old = p.data
             p.data = self._theta[i]
             self._theta[i] = old
-            if self._buf is not None:
+            if mu and self._buf is not None:
                 state = self.optimizer.state[p]
                 previous = state.get("momentum_buffer")
                 state["momentum_buffer"] = self._buf[i]

@@ -185,3 +185,45 @@ def test_the_c_kernel_gives_the_torch_paths_bits(rule: str, first: bool, monkeyp
     with pytest.raises(ValueError, match="equal lengths"):
         sgd_range(theta, buf, u[:-1], lr=0.7, momentum=0.9, nesterov=True, theta_out=torch.empty(n),
                   buf_out=torch.empty(n))
+
+
+def test_a_commit_with_nothing_streamed_steps_in_place_and_keeps_no_scratch() -> None:
+    params = _params(1)
+    s = StreamedOuter(params, torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
+    storage = [p.data_ptr() for p in params]
+    mean = torch.randn(s.numel, generator=torch.Generator().manual_seed(2))
+    s.begin()
+    s.commit(mean, None)
+    assert s._theta is None and s._buf is None  # no copies of the fragment held
+    assert [p.data_ptr() for p in params] == storage
+    s.begin()
+    s.stop()  # abandoned: a ring still reporting is not taken
+    s.on_final(1, mean, 0, s.numel)
+    assert s._worker is None and s._theta is None
+
+
+def test_settings_a_loaded_state_changes_are_followed() -> None:
+    """The optimizer's settings are read at every step: a state loaded with momentum where there was
+    none starts its buffer; one with weight decay steps through torch's own rule."""
+    from diloco.engine.outer_state import OuterFragment
+
+    gen = torch.Generator().manual_seed(4)
+    local = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    frag = OuterFragment(["a", "b"], local, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    twin = [g.detach().clone() for g in frag.global_params]
+    twin_opt = torch.optim.SGD(twin, lr=1.0)
+    for settings in ({"momentum": 0.9, "nesterov": True}, {"momentum": 0.9, "weight_decay": 0.1}):
+        for opt in (frag.optimizer, twin_opt):
+            state = opt.state_dict()
+            state["param_groups"][0].update(settings)
+            opt.load_state_dict(state)
+        mean = torch.randn(frag.local_numel, generator=gen)
+        frag.outer_step(mean)
+        offset = 0
+        for t in twin:
+            t.grad = mean[offset:offset + t.numel()].view_as(t)
+            offset += t.numel()
+        twin_opt.step()
+        for g, t in zip(frag.global_params, twin):
+            torch.testing.assert_close(g, t, rtol=0, atol=1e-6)
+    assert not frag.feeds_ranges  # weight decay: nothing is stepped as it arrives
