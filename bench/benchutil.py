@@ -78,3 +78,19 @@ def bench_codec(spec: str):
     if variant not in ("", "fast"):
         raise ValueError(f"unknown codec variant {variant!r} in {spec!r} (known: NAME/fast)")
     return compress.get_codec(name, search=False) if variant else compress.get_codec(name)
+
+
+def spawn_members(member, cfgs: list[dict]) -> tuple[list, list]:
+    """One spawned process per config, each running ``member(pipe_end, cfg)``; returns this
+    side's pipe ends and the processes (daemons), in the configs' order."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for cfg in cfgs:
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=member, args=(b, cfg), daemon=True)
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    return pipes, procs

@@ -17,7 +17,6 @@ dso --stdio -g none`` then splits its CPU by library (needs perf).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -28,6 +27,8 @@ from pathlib import Path
 
 SECRET = b"bench-secret"
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from benchutil import spawn_members  # noqa: E402
 
 
 def _member(conn, cfg: dict) -> None:
@@ -61,15 +62,8 @@ def _member(conn, cfg: dict) -> None:
 def ring_case(tree: str, backend: str, g: int, n: int, reps: int, chunk_bytes: int, codec: str,
               profile: Path | None) -> tuple[list[float], list[float]]:
     """Per-rep seconds (slowest member) and CPU seconds (busiest member) of one case."""
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for i in range(g):
-        a, b = ctx.Pipe()
-        cfg = dict(tree=tree, backend=backend, n=n, reps=reps, chunk_bytes=chunk_bytes, codec=codec, index=i)
-        p = ctx.Process(target=_member, args=(b, cfg), daemon=True)
-        p.start()
-        pipes.append(a)
-        procs.append(p)
+    pipes, procs = spawn_members(_member, [dict(tree=tree, backend=backend, n=n, reps=reps, chunk_bytes=chunk_bytes,
+                                                codec=codec, index=i) for i in range(g)])
     hello = [c.recv() for c in pipes]
     for c in pipes:
         c.send([h[0] for h in hello])

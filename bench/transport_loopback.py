@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 
-from benchutil import GlooBaseline, bench_codec, pin_malloc
+from benchutil import GlooBaseline, bench_codec, pin_malloc, spawn_members
 
 SECRET = b"bench-secret"
 BLOCK = 1 << 20
@@ -165,16 +165,9 @@ def _gloo_member(conn, cfg: dict) -> None:
 def ring_case(backend: str, g: int, n: int, reps: int, chunk_bytes: int, conns: int, tls: list | None, codec: str,
               pin: bool = False, fresh_out: bool = False, finite: bool = False) -> dict:
     """One loopback case: every member a spawned process on 127.0.0.1; best of reps (slowest member)."""
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for i in range(g):
-        a, b = ctx.Pipe()
-        cfg = dict(backend=backend, groups=g, n=n, reps=reps, chunk_bytes=chunk_bytes, conns=conns, tls=tls, codec=codec, index=i,
-                   pin_malloc=pin, fresh_out=fresh_out, finite=finite)
-        p = ctx.Process(target=_member, args=(b, cfg), daemon=True)
-        p.start()
-        pipes.append(a)
-        procs.append(p)
+    pipes, procs = spawn_members(_member, [dict(backend=backend, groups=g, n=n, reps=reps, chunk_bytes=chunk_bytes,
+                                                conns=conns, tls=tls, codec=codec, index=i, pin_malloc=pin,
+                                                fresh_out=fresh_out, finite=finite) for i in range(g)])
     ring = [c.recv() for c in pipes]
     for c in pipes:
         c.send(ring)

@@ -216,10 +216,8 @@ class StreamedOuter:
                 sl = slice(a - start, b - start)
                 if in_place:
                     theta_out = p.view(-1)[sl]
-                    if mu and buf is None:
-                        buf_out = _like(p)
-                        self.optimizer.state[p]["momentum_buffer"] = buf_out
-                    buf_out = None if not mu else self.optimizer.state[p]["momentum_buffer"]
+                    buf_out = None if not mu else buf if buf is not None else \
+                        self.optimizer.state[p].setdefault("momentum_buffer", _like(p))
                 else:
                     assert self._theta is not None and (self._buf is not None or not mu)
                     theta_out = self._theta[i].view(-1)[sl]
