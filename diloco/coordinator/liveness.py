@@ -265,6 +265,17 @@ class Liveness:
             self._fail_group(key[0], f"rank {key[1]} sent nothing for {now - heard[key]:.1f}s "
                                      f"(heartbeat_timeout_s={self.heartbeat_timeout_s:g})")
 
+    def group_exited(self, g: int, reason: str) -> bool:
+        """Fail group ``g`` now because the launcher saw its process tree end (killed, crashed):
+        the others' quorums, votes and ring retries go on without waiting for its heartbeats to
+        stop. True if this failed it; False if it was failed already, never joined, or finished
+        (sent its summary). Only the launcher that started the group calls this, in process."""
+        with self._cond:
+            if g in self._summaries or g in self._group_failed or g not in self._incarnations:
+                return False
+            self._fail_group(g, reason)
+            return True
+
     def _silence(self) -> dict[int, float]:
         """Group -> seconds since its most silent rank was last heard from (lock held)."""
         now, out = self._clock(), {}

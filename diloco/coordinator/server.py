@@ -299,6 +299,11 @@ class CoordinatorServer:
 
     # --- gRPC plumbing ------------------------------------------------------------------------
 
+    def group_exited(self, group: int, reason: str) -> bool:
+        """The launcher saw ``group``'s process tree end: fail it at once (``Liveness.group_exited``).
+        In process only: no RPC carries this, so no member can declare another one dead."""
+        return self._state.group_exited(group, reason)
+
     def request_stop(self, reason: str = "") -> None:
         """Ask every group to checkpoint and stop after its next exchange (also an RPC)."""
         self._state.request_stop(reason)

@@ -87,16 +87,49 @@ def test_the_supervisor_restarts_a_group_only_for_a_fault(code, restarted):
         started.append((g, attempt))
         return _Group(g, code if (g, attempt) == (1, 0) else None)
 
-    sup = Supervisor(spawn, groups=2, max_restarts=3)
+    told: list[tuple[int, str, int]] = []  # the coordinator is told before the group starts again
+    sup = Supervisor(spawn, groups=2, max_restarts=3, on_exit=lambda g, why: told.append((g, why, len(started))))
     sup.start()
     if restarted:
         assert sup.poll(live={0, 1}, progress=0.5) is False
         assert started[-1] == (1, 1) and sup.failures[0]["code"] == code
+        assert told == [(1, f"its process exited with code {exit_codes.describe(code)}", 2)]
     else:
         with pytest.raises(GroupFailed, match="which a restart would repeat") as info:
             sup.poll(live={0, 1}, progress=0.5)
         assert info.value.code == code and "the last words" in str(info.value)
-        assert started == [(0, 0), (1, 0)]
+        assert started == [(0, 0), (1, 0)] and told == []  # the job ends: nobody waits for group 1
+
+
+def test_a_group_that_finished_is_not_reported_and_a_drill_s_kill_is_reported_at_once():
+    from diloco.runtime.launch.chaos import ChaosPlan
+
+    class KillGroupOnce:  # the drill's decision, without its random timing
+        down: set[int] = set()
+
+        def tick(self, now, *, live, running, progress):
+            self.down = {1}
+            return ChaosPlan(kill=[1] if 1 in running else [])
+
+    procs = {0: subprocess.Popen([sys.executable, "-c", "pass"]),  # finishes: exit 0
+             1: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])}
+    procs[0].wait()
+    told: list[tuple[int, str]] = []
+    sup = Supervisor(lambda g, a: _Group(g, None), groups=2, max_restarts=3, chaos=KillGroupOnce(),
+                     on_exit=lambda g, why: told.append((g, why)))
+    try:
+        sup.start()
+        for g, proc in procs.items():
+            sup.procs[g].proc = proc
+        sup.poll(live={0, 1}, progress=0.5)
+        assert procs[1].poll() == -signal.SIGKILL and sup.finished == {0}
+        assert told == [(1, "its process was killed (SIGKILL, the fault drill)")]
+        sup.poll(live={0}, progress=0.5)  # the killed group is down, not exited again
+        assert len(told) == 1
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
 
 RANK_SCRIPT = textwrap.dedent("""

@@ -315,7 +315,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
                             corrupt_link=relays.corrupt if relays is not None else None, spares=cfg.fault.spares,
                             start_spare=lambda: spare.start(spare_env, out_dir / f"spare-{next(spares_started)}.log",
                                                             cfg_path),
-                            assign=assign)
+                            assign=assign, on_exit=server.group_exited)
     start_step = resume.step if resume is not None else 0
     stop = GracefulStop(server, lambda: stop_timeout_s if stop_timeout_s is not None else auto_stop_timeout(
         server.snapshot(), time.perf_counter() - started),

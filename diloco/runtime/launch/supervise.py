@@ -55,6 +55,9 @@ class Supervisor:
     spares: int = 0
     start_spare: Callable[[], Any] | None = None
     assign: Callable[[Any, int, int], GroupProcess] | None = None
+    #: told at once when a group's process tree ended for a fault (group, why), before it is
+    #: started again: the coordinator fails it then instead of after its heartbeats stop
+    on_exit: Callable[[int, str], Any] | None = None
     procs: dict[int, GroupProcess] = field(default_factory=dict)
     restarts: dict[int, int] = field(default_factory=dict)  # failures restarted, per group
     attempts: dict[int, int] = field(default_factory=dict)
@@ -122,6 +125,7 @@ class Supervisor:
                 raise GroupFailed(f"group {g} exited with code {exit_codes.describe(code)} and was restarted "
                                   f"{self.max_restarts} time(s) already (--max-restarts); last lines of "
                                   f"{p.log_path}:\n{p.tail()}", code)
+            self._exited(g, f"its process exited with code {exit_codes.describe(code)}")
             self.restarts[g] = self.restarts.get(g, 0) + 1
             self.failures.append({"group": g, "code": code, "at_s": round(time.monotonic() - self.started, 3),
                                   "log": str(p.log_path)})
@@ -131,6 +135,7 @@ class Supervisor:
             plan = self.chaos.tick(time.monotonic(), live=live, running=running, progress=progress)
             for g in plan.kill:
                 kill_tree(self.procs[g].proc)
+                self._exited(g, "its process was killed (SIGKILL, the fault drill)")
                 self.kills.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
             for g in plan.restart:
                 self._spawn(g)
@@ -145,6 +150,10 @@ class Supervisor:
                 self.corrupt_link(g)
                 self.corrupted.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
         return len(self.finished) == self.groups and not down
+
+    def _exited(self, g: int, why: str) -> None:
+        if self.on_exit is not None:
+            self.on_exit(g, why)
 
     def all_procs(self) -> list[Any]:
         """Every process tree this supervisor started and may still run: groups and spares (``proc``)."""
