@@ -20,11 +20,8 @@ Once both are done the healer loads the state and applies the committed mean lik
 a fetch that failed after the commit heals again in the next quorum. The inner optimizer starts fresh: its moments belong to the group's own past data, and a group that
 was down for a while is better served by a few steps of warm-up than by stale moments.
 
-Liveness: a background thread heartbeats the coordinator. After a coordinator restart (NOT_FOUND)
-it rejoins with this group's incarnation and next exchange, so the new coordinator rebuilds the
-membership from the members; a FAILED_PRECONDITION (this group was declared failed or evicted)
-stops the group at its next exchange with ``GroupEvicted``: restart it (torchrun
-``--max-restarts``, or ``diloco run``'s supervisor) and it heals.
+Liveness: a background thread heartbeats the coordinator, and calls to it are retried, rejoined after
+its restart, and turned into ``GroupEvicted`` when it says this group is out (``diloco.exchange.liveness``).
 """
 
 from __future__ import annotations
@@ -40,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from compress.finite import all_finite
-from diloco.coordinator import CoordinatorError
 from diloco.coordinator.messages import (
     CommitRequest,
     CommitResponse,
@@ -52,6 +48,7 @@ from diloco.engine.averaging import Done
 from diloco.exchange.data_positions import DataPositions
 from diloco.exchange.fault_stats import FaultStats
 from diloco.exchange.healing import StateTransfer
+from diloco.exchange.liveness import CoordinatorRetry, GroupEvicted, Heartbeat, JobHalted
 from diloco.exchange.network_plan import NetworkPlan, equal_plan, plan_from_table
 from diloco.exchange.quorum_pending import QuorumPending, RolledBack
 from diloco.exchange.shard_healing import (
@@ -64,22 +61,6 @@ from transport import CollectiveAborted, TransportError
 from transport.errors import auth_cause
 
 log = logging.getLogger(__name__)
-
-RETRYABLE = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED")
-#: seconds between heartbeats while rings run: how soon rings wait no more for a member the
-#: coordinator declared failed (a heartbeat names the oldest running quorum; see _heartbeat_loop)
-RING_CHECK_S = 1.0
-
-
-class GroupEvicted(RuntimeError):
-    """The coordinator took this group out of the job (declared failed, out of step, or its state
-    differed). Restart the group's processes: they join again and heal."""
-
-
-class JobHalted(RuntimeError):
-    """The coordinator halted the job: its members differ (state hash, setting, size, weight cap)
-    with no majority, again, so no group can be trusted over another. A restart would meet the
-    same halted coordinator: the rank stops with exit 2 and the message naming the groups."""
 
 
 class ExchangeFailed(RuntimeError):
@@ -94,36 +75,6 @@ class ExchangeFailed(RuntimeError):
 
 class JobFinished(RuntimeError):
     """This group joined too late: the job's groups have finished; there is nothing to heal into."""
-
-
-class _Retry:
-    """Calls the coordinator until it answers: retries while it is unreachable or busy (with
-    backoff, up to ``limit_s``), rejoins it after a restart (NOT_FOUND), and turns "this group is
-    out" (FAILED_PRECONDITION) into GroupEvicted."""
-
-    def __init__(self, averager: QuorumAverager, limit_s: float) -> None:
-        self.avg, self.limit_s = averager, limit_s
-
-    def __call__(self, what: str, call, *, on_not_found=None):
-        deadline = time.monotonic() + self.limit_s
-        delay, rejoined = 0.1, False
-        while True:
-            try:
-                return call()
-            except CoordinatorError as e:
-                if e.code == "FAILED_PRECONDITION":
-                    raise (JobHalted if e.halted else GroupEvicted)(f"group {self.avg.group}: {e}") from None
-                if e.code == "NOT_FOUND" and not rejoined:
-                    rejoined = True
-                    self.avg.rejoin()
-                    continue
-                if e.code == "NOT_FOUND" and on_not_found is not None:
-                    return on_not_found(e)
-                if e.code not in RETRYABLE or time.monotonic() > deadline:
-                    raise
-                log.warning("%s: coordinator did not answer (%s); retrying in %.1fs", what, e.code, delay)
-                time.sleep(delay)
-                delay = min(2 * delay, 5.0)
 
 
 class QuorumAverager(StripedAverager):
@@ -174,16 +125,12 @@ class QuorumAverager(StripedAverager):
         #: not an exchange (the first bandwidth probe) gives up on it
         self.evicted = threading.Event()
         self.round_timeout_s = round_timeout_s
-        self._retry = _Retry(self, round_timeout_s)
+        self._retry = CoordinatorRetry(self, round_timeout_s)
         self._rejoin_lock = threading.Lock()
         self._transfer = StateTransfer(transport, client, self._retry, self.stats, group=group, rank=rank,
                                        group_size=self.group_size, timeout_s=self.timeout_s)
-        self._rings_lock = threading.Lock()
-        self._running: dict[str, list] = {}  # quorum id -> the handles of this rank's rings in it, oldest first
-        self._closed = threading.Event()
-        self._heartbeats = threading.Thread(target=self._heartbeat_loop, args=(heartbeat_interval_s,),
-                                            name=f"heartbeat[{group}/{rank}]", daemon=True)
-        self._heartbeats.start()
+        #: heartbeats the coordinator and aborts this rank's rings of a quorum that can no longer commit
+        self.heartbeat = Heartbeat(self, heartbeat_interval_s)
 
     # --- engine hooks -------------------------------------------------------------------------
 
@@ -394,11 +341,7 @@ class QuorumAverager(StripedAverager):
                                       tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales,
                                       shards=shards, codec=codec, on_final=on_final)
         why, auth = "", None
-        with self._rings_lock:
-            self._running[resp.id] = [h for _, h in handles]
-            evicted = self._evicted  # a heartbeat refused since: it found no rings here to abort
-        if evicted is not None:
-            self._abort_rings(resp.id, evicted)
+        self.heartbeat.track(resp.id, [h for _, h in handles])
         try:
             for s, h in handles:
                 try:
@@ -409,8 +352,7 @@ class QuorumAverager(StripedAverager):
                     auth = auth or auth_cause(e)
                     why = why or str(e)[:400]
         finally:
-            with self._rings_lock:
-                self._running.pop(resp.id, None)
+            self.heartbeat.done(resp.id)
         # attempts in a row that a failed handshake (a wrong secret or certificate) aborted here: when
         # every attempt was one, giving up says so (exit 2: no restart mends it; a corrupting link fails
         # some handshakes too, never every attempt's)
@@ -453,44 +395,6 @@ class QuorumAverager(StripedAverager):
         log.warning("group %d rank %d: rejoined the coordinator, which no longer knew this rank (restarted?)",
                     self.group, self.rank)
 
-    def _heartbeat_loop(self, interval_s: float) -> None:
-        """Heartbeats, every ``interval_s`` from one's start to the next's (every RING_CHECK_S at
-        most while rings run). Each
-        names the oldest quorum whose rings run here; when the coordinator says that quorum can
-        no longer commit (a member failed or started again), its rings are aborted at once: this
-        rank votes no and retries in the next quorum instead of waiting for the rings' deadline.
-        When it says this group was declared failed, every ring here is aborted and the group
-        leaves at its next call (``GroupEvicted``)."""
-        wait = interval_s
-        while not self._closed.wait(wait):
-            sent = time.monotonic()
-            with self._rings_lock:
-                quorum = next(iter(self._running), "")
-            period = min(interval_s, RING_CHECK_S) if quorum else interval_s
-            try:
-                lost = self.client.heartbeat(self.group, self.rank, self.step, self.incarnation, quorum)
-                if lost:
-                    self._abort_rings(quorum, lost)
-            except CoordinatorError as e:
-                if e.code == "FAILED_PRECONDITION":  # declared failed (e.g. woken from a freeze): the
-                    self.leave(str(e), halted=e.halted)  # others left its exchanges, so its rings would wait in vain
-                    with self._rings_lock:
-                        running = list(self._running)
-                    for q in running:
-                        self._abort_rings(q, str(e))
-                elif e.code == "NOT_FOUND":
-                    try:
-                        self.rejoin()
-                    except CoordinatorError as again:
-                        log.warning("rejoining the coordinator failed: %s", again)
-                    except GroupEvicted:  # a healer: _evicted says so at its next call
-                        return
-            except ValueError:  # the channel was closed under us: we are closing
-                return
-            # the next one is due a period after this one started: a slow call does not stretch the
-            # silence the coordinator sees (it counts three periods as silent)
-            wait = max(sent + period - time.monotonic(), 0.0)
-
     @property
     def evicted_reason(self) -> str | None:
         """Why the coordinator told this group to leave; None while it has not."""
@@ -509,16 +413,7 @@ class QuorumAverager(StripedAverager):
         why = self._evicted or "the coordinator told this group to leave"
         return JobHalted(f"group {self.group}: {why}") if self._halted else GroupEvicted(why)
 
-    def _abort_rings(self, quorum: str, why: str) -> None:
-        with self._rings_lock:
-            handles = self._running.pop(quorum, [])
-        if handles:
-            log.warning("group %d rank %d: aborting the rings of %s: %s", self.group, self.rank, quorum, why)
-            self.stats.aborted_lost += 1
-        for h in handles:
-            h.abort(f"the coordinator says: {why}")
-
     def close(self) -> None:
         """Stop heartbeating; wait briefly for state transfers this rank serves."""
-        self._closed.set()
+        self.heartbeat.close()
         self._transfer.join(self.timeout_s)

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 import diloco
 from diloco.coordinator import CoordinatorServer
-from diloco.exchange.quorum_averager import ExchangeFailed, GroupEvicted
+from diloco.exchange.liveness import GroupEvicted
+from diloco.exchange.quorum_averager import ExchangeFailed
 from diloco.job.config import TransportConfig
 from transport import FaultProxy
 
@@ -64,7 +65,7 @@ class Group:
         """Like SIGKILL: the links and the coordinator channel close with nothing said."""
         self.killed.set()
         if self.link is not None:
-            self.link.averager._closed.set()
+            self.link.averager.heartbeat.close()
             self.link.transport.close(flush_timeout_s=0)
             self.link.client.close()
 
@@ -196,7 +197,7 @@ def test_a_member_frozen_in_an_exchange_costs_the_others_its_heartbeat_timeout_n
 
         def frozen(src, resp, *args, **kwargs):
             if resp.exchange >= 3:
-                averager._closed.set()  # no heartbeats either
+                averager.heartbeat.close()  # no heartbeats either
                 thaw.wait(120)
                 raise RuntimeError("thawed")
             return run_rings(src, resp, *args, **kwargs)
