@@ -8,7 +8,8 @@ import time
 from types import SimpleNamespace
 
 from diloco.exchange.network_plan import BandwidthMonitor
-from diloco.runtime.rank.connection import GroupConnection, _Reprobe
+from diloco.runtime.rank.averager_setup import Reprobe
+from diloco.runtime.rank.connection import GroupConnection
 
 
 class _Closable:
@@ -29,7 +30,7 @@ def test_close_does_not_wait_for_a_reprobe_in_flight():
 
     averager = _Closable(exchanges=5)
     monitor = BandwidthMonitor(measure, lambda rates: None)
-    reprobe = _Reprobe(monitor, averager, every=1)
+    reprobe = Reprobe(monitor, averager, every=1)
     transport, client, metrics = _Closable(timeout_s=60.0), _Closable(), _Closable()
     link = GroupConnection(transport=transport, client=client, membership=SimpleNamespace(), averager=averager,
                            reprobe=reprobe, metrics=metrics, group=0, rank=0, group_size=1)

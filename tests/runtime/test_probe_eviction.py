@@ -14,9 +14,9 @@ import pytest
 
 from diloco.coordinator import CoordinatorError
 from diloco.coordinator.membership import Membership
-from diloco.exchange.quorum_averager import GroupEvicted
+from diloco.exchange.liveness import GroupEvicted
 from diloco.job.config import TransportConfig
-from diloco.runtime.rank import connection
+from diloco.runtime.rank import averager_setup
 from transport import TcpTransport
 
 SECRET = b"probe-eviction-test-secret-01234"
@@ -53,7 +53,7 @@ def test_the_first_probe_of_a_healer_ends_when_the_coordinator_tells_its_group_t
     (exit 75: restart and join anew) within a few heartbeats, not at the probe's deadline, and the
     averager it built stops heartbeating."""
     unanswered = threading.Event()
-    monkeypatch.setattr(connection, "measure_rates", lambda *a, **kw: unanswered.wait(60.0) or {0: 1e6})
+    monkeypatch.setattr(averager_setup, "measure_rates", lambda *a, **kw: unanswered.wait(60.0) or {0: 1e6})
     client = _Coordinator(error)
     settings = TransportConfig(host="127.0.0.1", timeout_s=60.0, probe_bytes=4096)
     with TcpTransport("127.0.0.1", 0, secret=SECRET, timeout_s=5.0) as t:
@@ -61,8 +61,8 @@ def test_the_first_probe_of_a_healer_ends_when_the_coordinator_tells_its_group_t
         started = time.monotonic()
         try:
             with pytest.raises(GroupEvicted, match=says) as info:
-                connection.make_averager(settings, t, membership, client, 1, 0, "cpu", incarnation="again",
-                                         heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
+                averager_setup.make_averager(settings, t, membership, client, 1, 0, "cpu", incarnation="again",
+                                             heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
         finally:
             unanswered.set()
         took = time.monotonic() - started
@@ -78,10 +78,10 @@ def test_unless_evicted_returns_the_work_or_raises_its_error_while_the_group_sta
     class Staying:
         evicted, evicted_reason = threading.Event(), None
 
-    assert connection.unless_evicted(lambda: {1: 2.5e6}, Staying()) == {1: 2.5e6}
+    assert averager_setup.unless_evicted(lambda: {1: 2.5e6}, Staying()) == {1: 2.5e6}
 
     def fails():
         raise ConnectionResetError("probe to 10.0.0.2:29500 failed: reset")
 
     with pytest.raises(ConnectionResetError, match="reset"):
-        connection.unless_evicted(fails, Staying())
+        averager_setup.unless_evicted(fails, Staying())

@@ -26,21 +26,18 @@ import logging
 import os
 import secrets
 import sys
-import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from diloco.coordinator import CoordinatorClient, CoordinatorError
 from diloco.coordinator.credentials import for_group
-from diloco.coordinator.liveness import heartbeat_interval_s
 from diloco.coordinator.waiting import waiting
-from diloco.exchange.network_plan import BandwidthMonitor, measure_rates
 from diloco.exchange.quorum_averager import QuorumAverager
 from diloco.job.config import ConfigError, TransportConfig
+from diloco.runtime.rank.averager_setup import Reprobe, make_averager
 from diloco.runtime.rank.endpoint import (
     TOKEN_ENV,
     ConnectError,
@@ -53,86 +50,9 @@ from diloco.runtime.ops.metrics import WIRE_COUNTERS, WorkerMetrics, read_counte
 from transport.identity import GroupKeys
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: seconds close() gives a background re-probe to end once the links are closed
 REPROBE_CLOSE_S = 1.0
-
-
-class _Reprobe:
-    """Starts a background re-measurement every ``every`` exchanges of ``averager``; a failed one
-    (a peer group restarted or left) is logged and tried again later, never fatal."""
-
-    def __init__(self, monitor: BandwidthMonitor, averager: QuorumAverager, every: int) -> None:
-        self.monitor, self.averager, self.every, self._last = monitor, averager, every, 0
-
-    def after_step(self) -> None:
-        if self.monitor.error is not None:  # a peer that restarted or left: the table keeps its last rates
-            log.warning("bandwidth re-measurement failed (the plan keeps the last rates; tried again in %d "
-                        "exchanges): %s", self.every, self.monitor.error)
-            self.monitor.error = None
-        exchanges = self.averager.exchanges
-        if self.every and exchanges - self._last >= self.every:
-            self._last = exchanges
-            self.monitor.refresh()
-
-
-def make_averager(t: TransportConfig, transport, membership, client, group: int, rank: int, device,
-                  process_group=None, *, incarnation: str = "", heartbeat_timeout: float = 15.0,
-                  tokens_per_step: float | None = None) -> tuple[QuorumAverager, _Reprobe | None]:
-    """Probe the other groups, report to the coordinator, and build the fault-tolerant striped
-    averager; returns it with the background re-prober (None when probing is off)."""
-    addresses = {g: membership.ranks(g) for g in membership.groups}
-    averager = QuorumAverager(
-        transport, membership, client, group=group, rank=rank, incarnation=incarnation, heal=membership.heal,
-        tokens_per_step=tokens_per_step, heartbeat_interval_s=heartbeat_interval_s(heartbeat_timeout),
-        codec=t.codec_spec().build(), timeout_s=t.timeout_s, plan_every=t.plan_every,
-        stripes_per_rank=t.stripes_per_rank, comm_device=device, process_group=process_group,
-    )
-    if not t.probe_bytes or len(addresses) < 2:
-        return averager, None
-
-    def measure() -> dict[int, float]:
-        return measure_rates(transport, addresses, group, rank, t.probe_bytes)
-
-    peers = ", ".join(f"group {g}" for g in sorted(addresses) if g != group)
-    try:
-        with waiting(log, f"the bandwidth probe of {peers} (--probe-bytes {t.probe_bytes:,})"):
-            rates = unless_evicted(measure, averager)
-        client.report_bandwidth(group, rank, rates)
-    except BaseException:
-        averager.close()
-        raise
-    monitor = BandwidthMonitor(measure, lambda rates: client.report_bandwidth(group, rank, rates))
-    return averager, _Reprobe(monitor, averager, t.reprobe_every)
-
-
-#: seconds between looks at whether the coordinator told this group to leave, while it probes
-EVICTION_POLL_S = 0.1
-
-
-def unless_evicted(work: Callable[[], T], averager: QuorumAverager) -> T:
-    """``work()``, run in a thread and given up (GroupEvicted) once the coordinator tells this group
-    to leave. A peer lost while this rank probes it never answers, and the probe would wait for it
-    until its deadline (``--timeout``), deaf to a coordinator that restarted meanwhile and no longer
-    knows this group; the thread left behind ends with the transport this rank then closes."""
-    done, result = threading.Event(), {}
-
-    def run() -> None:
-        try:
-            result["value"] = work()
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            result["error"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"{getattr(work, '__name__', 'work')}-unless-evicted", daemon=True).start()
-    while not done.wait(EVICTION_POLL_S):
-        if averager.evicted.is_set():
-            raise averager.departure()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def _group_rank(process_group) -> tuple[int, int]:
@@ -157,7 +77,7 @@ class GroupConnection:
     """
 
     def __init__(self, *, transport, client: CoordinatorClient, membership, averager: QuorumAverager,
-                 reprobe: _Reprobe | None, metrics: WorkerMetrics, group: int, rank: int,
+                 reprobe: Reprobe | None, metrics: WorkerMetrics, group: int, rank: int,
                  group_size: int, process_group=None) -> None:
         self.transport, self.client, self.membership = transport, client, membership
         self.averager, self.reprobe, self.metrics = averager, reprobe, metrics
