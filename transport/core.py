@@ -23,7 +23,8 @@ from .link_spec import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_T
 from .links import LinkEndpoint, log
 from .outputs import check_out, overlaps
 from .pending import DEFAULT_MAX_PENDING_BYTES, DEFAULT_PENDING_TTL_TIMEOUTS, PendingFrames
-from .ring import Handle, RingAllReduce
+from .ring import RingAllReduce
+from .ring_collective import Handle, RingCollective
 from .shaping import TokenBucket
 from .streams import side_stream_for
 from .wire import MsgType
@@ -75,7 +76,7 @@ class TransportBase(LinkEndpoint):
         # Largest frame of one chunk under any codec (8 bytes per value: fp32 values and indices).
         self.max_chunk_frame_bytes = 2 * chunk_bytes + 4096
         self._ignored_messages = 0
-        self._ops: dict[str, RingAllReduce] = {}
+        self._ops: dict[str, RingCollective] = {}
         # before the links: the admission guard's thread may call _on_tick at once
         self._pending = PendingFrames(int(max_pending_bytes), float(pending_ttl_s), log, lambda: self.address)
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -240,7 +241,7 @@ class TransportBase(LinkEndpoint):
             check_out(out, x)
         return groups, codec, timeout
 
-    def _start(self, op: RingAllReduce) -> Handle:
+    def _start(self, op: RingCollective) -> Handle:
         """Register a collective under its tag, hand it the messages that arrived before it
         started, and run it in a thread of its own."""
         tag = op.tag
@@ -284,7 +285,7 @@ class TransportBase(LinkEndpoint):
         self.close()
 
     # -- used by collectives -----------------------------------------------------------------------
-    def _unregister(self, tag: str, op: RingAllReduce) -> None:
+    def _unregister(self, tag: str, op: RingCollective) -> None:
         with self._lock:
             if self._ops.get(tag) is op:
                 del self._ops[tag]

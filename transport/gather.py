@@ -18,7 +18,7 @@ contribution is encoded exactly once, by that member, and never re-encoded:
 Each member sends (G − 1)·|frame(n)| bytes, against 2·(G − 1)/G·|frame(n)| for the all-reduce: a
 gather pays off for codecs that shrink the vector a lot (1 bit/value and below). Frames are
 bounded before allocation by the codec's exact frame size for the chunk; deadlines, aborts and
-lost peers behave as in the all-reduce (``transport.ring``).
+lost peers behave as in the all-reduce (``transport.ring_collective``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .partition import chunk_bounds
-from .ring import RingAllReduce, _Abort
+from .ring_collective import RingCollective, _Abort
 from .streams import SideStream
 from .wire import MsgType
 
@@ -82,7 +82,7 @@ def reduce_in_order(decoded: list[torch.Tensor], scales: list[float] | None, out
     return out.div_(g)
 
 
-class RingAllGather(RingAllReduce):
+class RingAllGather(RingCollective):
     """State machine of one ring all-gather-mean on one member; `run` is its thread's body."""
 
     kind = "all_gather_mean"
@@ -165,8 +165,4 @@ class RingAllGather(RingAllReduce):
         reduce_in_order(decoded, self.scales, out[a:b])
 
     def _gather_stall(self, todo: set) -> str:
-        connected = self.core._incoming_count(self.left, "any" if self.left_group is None else self.left_group) > 0
-        ignored = f"; ignored {self.ignored} messages from non-neighbours such as {self._ignored_from}" \
-            if self.ignored else ""
-        return (f"timed out after {self.timeout_s:g} s without progress from left peer {self.left} "
-                f"({'connected' if connected else 'not connected'}); {len(todo)} frames still missing{ignored}")
+        return self._stalled(f"{len(todo)} frames")

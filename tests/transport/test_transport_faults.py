@@ -228,7 +228,8 @@ def test_a_clean_close_counts_the_peers_connections_open_when_it_closed_not_late
     data: the loss event says one was still open, so the collective takes the data queued
     behind it even though, by the time it looks, both have closed. The last one's clean close,
     with a watched connection and none left, is a lost peer."""
-    from transport.ring import RingAllReduce, _Abort
+    from transport.ring import RingAllReduce
+    from transport.ring_collective import _Abort
     from transport.wire import Message
 
     class Core:
