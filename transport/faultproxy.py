@@ -20,24 +20,22 @@ comes back, "both" is either. Byte positions for `corrupt` and the byte budget o
 count bytes the proxy reads in that direction after the call, over all connections together.
 
 One thread runs every socket (a selector loop), so nothing blocks on a slow end and `close()`
-leaves no thread or descriptor behind. Pure standard library. Not for production traffic: it
+leaves no thread or descriptor behind; what the faults do to the bytes it reads is
+``transport.stream_faults``. Pure standard library. Not for production traffic: it
 is a loopback test and benchmark aid shipped with the package.
 """
 
 from __future__ import annotations
 
 import errno
-import math
-import random
 import selectors
 import socket
 import struct
 import threading
 import time
-from typing import Literal
 
-Direction = Literal["up", "down", "both"]
-_DIRECTIONS = ("up", "down")
+from .stream_faults import DIRECTIONS, Direction, StreamFaults, directions
+
 _READ_BYTES = 256 << 10
 _HIGH_WATER = 1 << 20  # bytes buffered toward one end before the proxy stops reading the other
 
@@ -49,14 +47,6 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _dirs(direction: Direction) -> tuple[str, ...]:
-    if direction == "both":
-        return _DIRECTIONS
-    if direction not in _DIRECTIONS:
-        raise ValueError(f"direction must be 'up', 'down' or 'both', got {direction!r}")
-    return (direction,)
-
-
 def _reset(sock: socket.socket) -> None:
     """Close sock so that the other end sees a reset (RST), not an orderly close."""
     try:
@@ -64,38 +54,6 @@ def _reset(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
-
-
-class _Corruption:
-    """Which byte positions (counted in one direction from `start`) get a bit flipped."""
-
-    def __init__(self, start: int, probability: float | None, every_nth: int | None, at_offset: int | None,
-                 rng: random.Random, xor_mask: int | None) -> None:
-        self.probability, self.every_nth, self.once = probability, every_nth, at_offset is not None
-        self.rng, self.xor_mask = rng, xor_mask
-        if at_offset is not None:
-            self.next = start + at_offset
-        elif every_nth is not None:
-            self.next = start + every_nth - 1
-        else:
-            self.next = start + self._gap()
-
-    def _gap(self) -> int:
-        p = self.probability
-        if p >= 1.0:
-            return 0
-        # geometric gap: the number of untouched bytes before the next flipped one
-        return int(math.log(1.0 - self.rng.random()) / math.log(1.0 - p))
-
-    def mask(self) -> int:
-        return self.xor_mask if self.xor_mask is not None else 1 << self.rng.randrange(8)
-
-    def advance(self) -> bool:
-        """Move to the next position; False when there is none (a one-shot offset)."""
-        if self.once:
-            return False
-        self.next += self.every_nth if self.every_nth is not None else 1 + self._gap()
-        return True
 
 
 class _Pipe:
@@ -135,13 +93,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._closed = False
-        self._stalled_until = {d: 0.0 for d in _DIRECTIONS}
-        self._corruption: dict[str, _Corruption | None] = {d: None for d in _DIRECTIONS}
-        self._drop_dirs: tuple[str, ...] = ()
-        self._drop_left = 0
-        self._read = {d: 0 for d in _DIRECTIONS}  # bytes read per direction (corruption positions)
-        self._forwarded = {d: 0 for d in _DIRECTIONS}
-        self._corrupted = 0
+        self._faults = StreamFaults()
+        self._forwarded = {d: 0 for d in DIRECTIONS}
         self._accepted = 0
         self._resets = 0
         self._conns: set[_Conn] = set()
@@ -171,22 +124,14 @@ class FaultProxy:
     # -- faults ------------------------------------------------------------------------------------
     def stall(self, seconds: float, direction: Direction = "both") -> None:
         """Forward nothing in direction for `seconds` (from now), then resume; bytes wait, none are lost."""
-        if seconds < 0:
-            raise ValueError(f"seconds must be >= 0, got {seconds}")
-        with self._lock:
-            until = time.monotonic() + seconds
-            for d in _dirs(direction):
-                self._stalled_until[d] = until
+        self._faults.stall(seconds, direction)
         self._wake()
 
     def drop_after(self, nbytes: int, direction: Direction = "both") -> None:
         """Forward `nbytes` more bytes (counted in direction(s), all connections), then reset both
         ends of the connection that carried the last of them; bytes read beyond them are thrown
         away. Fires once. With nbytes=0 the next connection to carry a byte is reset instead."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        with self._lock:
-            self._drop_dirs, self._drop_left = _dirs(direction), int(nbytes)
+        self._faults.drop_after(nbytes, direction)
         self._wake()
 
     def corrupt(
@@ -209,27 +154,12 @@ class FaultProxy:
         the bytes read in each direction separately, over all connections. Replaces an earlier
         corruption of the same direction.
         """
-        if sum(v is not None for v in (at_offset, every_nth, probability)) != 1:
-            raise ValueError("give exactly one of at_offset, every_nth, probability")
-        if at_offset is not None and at_offset < 0:
-            raise ValueError(f"at_offset must be >= 0, got {at_offset}")
-        if every_nth is not None and every_nth < 1:
-            raise ValueError(f"every_nth must be >= 1, got {every_nth}")
-        if probability is not None and not 0.0 < probability <= 1.0:
-            raise ValueError(f"probability must be in (0, 1], got {probability}")
-        if xor_mask is not None and not 0 < xor_mask < 256:
-            raise ValueError(f"xor_mask must be in [1, 255], got {xor_mask}")
-        with self._lock:
-            for d in _dirs(direction):
-                rng = random.Random(f"{seed}/{d}")
-                self._corruption[d] = _Corruption(self._read[d], probability, every_nth, at_offset, rng, xor_mask)
+        self._faults.corrupt(at_offset=at_offset, every_nth=every_nth, probability=probability, direction=direction,
+                             seed=seed, xor_mask=xor_mask)
 
     def clear(self) -> None:
         """Lift every fault (stalls end now; pending drops and corruptions are forgotten)."""
-        with self._lock:
-            self._stalled_until = {d: 0.0 for d in _DIRECTIONS}
-            self._corruption = {d: None for d in _DIRECTIONS}
-            self._drop_dirs, self._drop_left = (), 0
+        self._faults.clear()
         self._wake()
 
     # -- counters ----------------------------------------------------------------------------------
@@ -237,13 +167,12 @@ class FaultProxy:
         """Bytes written so far toward the far end, in direction(s) (bytes a fault threw away or
         that are held by a stall are not counted)."""
         with self._lock:
-            return sum(self._forwarded[d] for d in _dirs(direction))
+            return sum(self._forwarded[d] for d in directions(direction))
 
     @property
     def bytes_corrupted(self) -> int:
         """Bytes that had a bit flipped so far (both directions)."""
-        with self._lock:
-            return self._corrupted
+        return self._faults.corrupted
 
     @property
     def connections(self) -> int:
@@ -300,9 +229,9 @@ class FaultProxy:
                 with self._lock:
                     if self._closed:
                         break
-                    now = time.monotonic()
-                    ends = [t for t in self._stalled_until.values() if t > now]
-                timeout = min(ends) - now if ends else None
+                now = time.monotonic()
+                end = self._faults.next_stall_end(now)
+                timeout = end - now if end is not None else None
                 for conn in list(self._conns):
                     self._update_interest(conn)
                 for key, mask in self._sel.select(timeout):
@@ -358,10 +287,6 @@ class FaultProxy:
                 continue
             self._update_interest(conn)
 
-    def _stalled(self, direction: str) -> bool:
-        with self._lock:
-            return self._stalled_until[direction] > time.monotonic()
-
     def _update_interest(self, conn: _Conn) -> None:
         want = {conn.client: 0, conn.upstream: 0}
         if conn.connecting:
@@ -375,7 +300,7 @@ class FaultProxy:
                 except OSError:
                     pass
                 pipe.shut = True
-            stalled = self._stalled(pipe.direction)
+            stalled = self._faults.stalled(pipe.direction)
             if not pipe.eof and not pipe.reset_when_flushed and len(pipe.buf) < _HIGH_WATER and not stalled:
                 want[pipe.src] |= selectors.EVENT_READ
             if pipe.buf and not stalled and not conn.connecting:
@@ -408,7 +333,7 @@ class FaultProxy:
             if mask & selectors.EVENT_READ:
                 pipe = conn.up if sock is conn.client else conn.down
                 self._read_into(pipe)
-                if pipe.buf and not conn.connecting and not self._stalled(pipe.direction):
+                if pipe.buf and not conn.connecting and not self._faults.stalled(pipe.direction):
                     self._write_from(conn, pipe)  # most often the far end takes it at once
             if mask & selectors.EVENT_WRITE and conn in self._conns:
                 self._write_from(conn, conn.down if sock is conn.client else conn.up)
@@ -423,31 +348,10 @@ class FaultProxy:
         if not data:
             pipe.eof = True
             return
-        pipe.buf += self._apply_faults(pipe, data)
-
-    def _apply_faults(self, pipe: _Pipe, data: bytes) -> bytes | bytearray:
-        d = pipe.direction
-        with self._lock:
-            start = self._read[d]
-            self._read[d] += len(data)
-            if d in self._drop_dirs:
-                if self._drop_left <= len(data):
-                    data = data[:self._drop_left]
-                    pipe.reset_when_flushed = True
-                    self._drop_dirs, self._drop_left = (), 0
-                else:
-                    self._drop_left -= len(data)
-            c = self._corruption[d]
-            if c is None or c.next >= start + len(data):
-                return data
-            out = bytearray(data)
-            while c is not None and c.next < start + len(data):
-                if c.next >= start:  # positions in bytes an earlier drop threw away are skipped
-                    out[c.next - start] ^= c.mask()
-                    self._corrupted += 1
-                if not c.advance():
-                    self._corruption[d] = c = None
-            return out
+        data, reset = self._faults.apply(pipe.direction, data)
+        if reset:
+            pipe.reset_when_flushed = True
+        pipe.buf += data
 
     def _write_from(self, conn: _Conn, pipe: _Pipe) -> None:
         if pipe.buf:
