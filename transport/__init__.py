@@ -31,14 +31,15 @@ from .tls import TlsConfig
 
 if TYPE_CHECKING:
     from .grpclink import GrpcTransport
-    from .process import ProcessHandle, ProcessTransport
+    from .process import ProcessTransport
+    from .process_handle import ProcessHandle
     from .ring_collective import Handle
     from .tcp import TcpTransport
 
 #: the names whose modules load on first use: the links and collectives import torch (seconds on a
 #: CUDA host), which the coordinator (errors, TLS settings) does without; gRPC is heavy and does not
 #: like fork()
-_LAZY = {"GrpcTransport": ".grpclink", "ProcessHandle": ".process", "ProcessTransport": ".process",
+_LAZY = {"GrpcTransport": ".grpclink", "ProcessHandle": ".process_handle", "ProcessTransport": ".process",
          "Handle": ".ring_collective", "TcpTransport": ".tcp"}
 
 __all__ = [

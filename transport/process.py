@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import os
 import socket
 import subprocess
@@ -41,34 +40,14 @@ from .control import (COUNTERS, ControlClosed, codec_spec, credentials_spec, err
                       send_message)
 from .errors import TransportError
 from .outputs import check_out, overlaps
+from .process_handle import ProcessHandle, Segment, segment_size
 from .shaping import TokenBucket
-from .streams import SideStream, side_stream_for
+from .streams import side_stream_for
 from .tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
 _ALIGN = 64  # bytes between vectors in a segment
-_MIN_SEGMENT = 1 << 20
-
-
-class _Segment:
-    """One shared-memory segment: a memfd mapped here and in the data-plane process."""
-
-    def __init__(self, sid: int, size: int) -> None:
-        self.id, self.size = sid, size
-        self.fd = os.memfd_create(f"dataplane-{sid}", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, size)
-        self.map = mmap.mmap(self.fd, size)
-        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
-
-    def vector(self, offset: int, n: int) -> torch.Tensor:
-        return self.bytes[offset : offset + 4 * n].view(torch.float32)
-
-
-def _segment_size(nbytes: int) -> int:
-    """Size class of a segment holding nbytes: a power of two of at least 1 MiB (so segments
-    are reused across collectives of similar sizes)."""
-    return max(_MIN_SEGMENT, 1 << (max(nbytes, 1) - 1).bit_length())
 
 
 class _Call:
@@ -94,75 +73,6 @@ def _reply_value(reply: dict) -> Any:
     return reply.get("ok")
 
 
-class ProcessHandle:
-    """The pending result of a collective run by the data-plane process (as `transport.Handle`)."""
-
-    def __init__(self, owner: "ProcessTransport", rid: int, tag: str, seg: _Segment, x_like: torch.Tensor,
-                 views: dict[str, torch.Tensor], out: torch.Tensor | None, sent: torch.Tensor | None,
-                 stream: SideStream | None = None) -> None:
-        self.tag = tag
-        #: all_gather_mean: what every member decoded of this member's own contribution (valid
-        #: once wait() returned); None for other collectives
-        self.sent: torch.Tensor | None = None
-        self._owner, self._rid, self._seg, self._views = owner, rid, seg, views
-        self._like, self._out, self._sent_out = x_like, out, sent
-        self._stream = stream  # CUDA: the results are copied to the device on this side stream
-        self._event = threading.Event()
-        self._result: torch.Tensor | None = None
-        self._error: BaseException | None = None
-
-    def _finish(self, reply: dict) -> None:
-        """Copy the results out of shared memory (reader thread), free the segment, wake waiters."""
-        try:
-            if "error" in reply:
-                self._error = error_from_spec(reply["error"])
-            elif self._stream is None:
-                self._copy_results()
-            else:
-                with self._stream.running():  # complete before wait() returns
-                    self._copy_results()
-                self._stream.hand_over(self._result, self.sent)
-        except Exception as e:  # a copy to a device that failed: the caller must hear of it
-            self._error = TransportError(f"copying the result of {self.tag!r} out of shared memory failed: {e}")
-        finally:
-            self._owner._release(self._seg)
-            self._event.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
-    def _copy_results(self) -> None:
-        self._result = self._copy_out(self._views["out"], self._out)
-        if "sent" in self._views:
-            self.sent = self._copy_out(self._views["sent"], self._sent_out)
-
-    def _copy_out(self, view: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
-        if into is None:
-            into = torch.empty(view.numel(), dtype=torch.float32, device=self._like.device)
-        return into.copy_(view)
-
-    def done(self) -> bool:
-        """True once the collective finished, successfully or not."""
-        return self._event.is_set()
-
-    def abort(self, reason: str) -> None:
-        """End the collective now if it still runs (as `transport.Handle.abort`)."""
-        if not self._event.is_set():
-            self._owner._send_quietly({"op": "abort", "id": self._rid, "reason": reason})
-
-    def wait(self, timeout_s: float | None = None) -> torch.Tensor:
-        """The collective's result. With `timeout_s`, a collective still running after that many
-        seconds is aborted (and its error raised)."""
-        if not self._event.wait(timeout_s):
-            self.abort(f"wait() timed out after {timeout_s:g} s")
-            self._event.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-
 class ProcessTransport:
     """A link of ``link_spec.LINKS`` (``link``, checked by the child: an unknown one raises ValueError) running
     in a child process.
@@ -186,8 +96,8 @@ class ProcessTransport:
         self._handles: dict[int, ProcessHandle] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._free: dict[int, list[_Segment]] = {}
-        self._segments: list[_Segment] = []
+        self._free: dict[int, list[Segment]] = {}
+        self._segments: list[Segment] = []
         self._seg_ids = itertools.count(1)
         self._dead: str | None = None
         self._closed = False
@@ -273,7 +183,7 @@ class ProcessTransport:
         except BaseException:
             with self._lock:
                 self._handles.pop(rid, None)
-            self._release(seg)
+            self.release(seg)
             raise
         return handle
 
@@ -318,15 +228,15 @@ class ProcessTransport:
         self.close()
 
     # -- machinery ---------------------------------------------------------------------------------
-    def _acquire(self, nbytes: int) -> _Segment:
+    def _acquire(self, nbytes: int) -> Segment:
         """A free segment of at least nbytes, mapped in the child (made and sent if none is free)."""
-        size = _segment_size(nbytes)
+        size = segment_size(nbytes)
         with self._lock:
             self._check_usable()
             free = self._free.get(size)
             if free:
                 return free.pop()
-            seg = _Segment(next(self._seg_ids), size)
+            seg = Segment(next(self._seg_ids), size)
             self._segments.append(seg)
         try:
             with self._send_lock:
@@ -337,7 +247,8 @@ class ProcessTransport:
             os.close(seg.fd)
         return seg
 
-    def _release(self, seg: _Segment) -> None:
+    def release(self, seg: Segment) -> None:
+        """Take back ``seg`` (a ``ProcessHandle`` whose results were copied out): free for the next collective."""
         with self._lock:
             self._free.setdefault(seg.size, []).append(seg)
 
@@ -368,7 +279,7 @@ class ProcessTransport:
             raise TransportError(f"the data-plane process did not answer {msg['op']!r} within {timeout_s:g} s")
         return call.result()
 
-    def _send_quietly(self, msg: dict) -> None:
+    def send_quietly(self, msg: dict) -> None:
         """Send a request that needs no reply (an abort). If the socket is gone, so is the child:
         the reader thread then fails every pending handle with the reason, so nothing is lost."""
         try:
