@@ -45,10 +45,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from diloco.engine.averaging import (Averager, Capabilities, Coded, CodecSwitching, Healing, Observing, PendingMean,
-                                     refused)
+from diloco.engine.averaging import Averager, Capabilities, Coded, Healing, Observing, PendingMean, refused
 from diloco.engine.error_feedback import Feedback, Residuals
 from diloco.engine.events import NonFiniteError, SyncEvent
+from diloco.engine.final_codec import FinalCodec
 from diloco.engine.fragment import NEVER, Fragment, first_syncs, fragment_names
 from diloco.engine.fragment_views import FragmentViews
 from diloco.engine.initial import agree
@@ -178,27 +178,13 @@ class DiLoCo(FragmentViews, RoundTiming):
                                           sharded=self.sharded is not None)
         self.residual_decay = self.feedback.decay
         self.final_codec = final_codec
-        if final_codec is not None:
-            self._check_final_codec(final_codec)
+        self._final = None if final_codec is None else FinalCodec(self, final_codec)  # checked here
         self.finished = False
         self.sync_seconds = 0.0  # time spent inside step()/close() on syncs
         self.last_events: list[SyncEvent] = []
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if hook_optimizer else None
         if healing:
             averager.heal(self)
-
-    def _check_final_codec(self, codec: Any) -> None:
-        if getattr(codec, "requires_error_feedback", False):
-            raise ValueError(f"the final codec {codec.name} keeps a residual itself: the last exchange would leave "
-                             "one behind; use one without error feedback (fp32, bf16, int8, int4, ...)")
-        if self.tiles is not None:
-            raise ValueError("SparseLoCo's outer rule needs error feedback to the end: no final codec with it")
-        if not self.sync.final_codec:
-            raise ValueError(f"mode {self.mode!r} reconciles its last round exactly: no final codec with it")
-        if not isinstance(self.averager, CodecSwitching):
-            raise ValueError(f"{type(self.averager).__name__} cannot switch codecs: no final codec with it")
-        if self.time_rounds is None and getattr(self.schedule, "total_steps", None) is None:
-            raise ValueError("a final codec needs a schedule that knows its last step (total_steps)")
 
     # --- the training-loop API ----------------------------------------------------------------
 
@@ -344,20 +330,10 @@ class DiLoCo(FragmentViews, RoundTiming):
 
     def _sync(self, frag: Fragment) -> list[SyncEvent]:
         events, delta = self.sync.before_launch(frag)
-        if self.final_codec is not None and self._last_launch(frag):
-            assert isinstance(self.averager, CodecSwitching)  # _check_final_codec
-            if self.averager.codec is not self.final_codec:
-                self.averager.set_codec(self.final_codec)  # every group at the same launch: the same step or round
-                self.set_error_feedback(bool(getattr(self.final_codec, "requires_error_feedback", False)))
+        if self._final is not None:
+            self._final.before_launch(frag)
         events.append(self._launch(frag, delta))
         return self._after_launch(frag, events)
-
-    def _last_launch(self, frag: Fragment) -> bool:
-        """Whether the fragment's launch now is its last of the job."""
-        if self.time_rounds is not None:
-            return frag.round + 1 >= self.time_rounds.rounds
-        total = getattr(self.schedule, "total_steps", None)
-        return total is not None and self.inner_step >= total
 
     def _launch(self, frag: Fragment, delta: torch.Tensor) -> SyncEvent:
         extra = {"weight": float(self.inner_step - frag.launched_at)} if self._weighted else {}
