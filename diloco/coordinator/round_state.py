@@ -5,7 +5,8 @@ what a commit changes are ``vote_state.py``'s.
 
 ``rounds.py`` holds the rules; this class keeps the asks, quorums, votes, decisions and offers
 and applies the rules under the lock of :class:`~diloco.coordinator.liveness.Liveness`, whose
-membership and liveness it builds on (a failed group's waiting requests are answered here).
+membership and liveness it builds on (a failed group's waiting requests are answered here), and of
+:class:`~diloco.coordinator.grace_window.GraceWindow`, which says how long an exchange waits for late groups.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any, Callable
 
 from . import quorum, rounds
 from .ask_book import Answer, AskBook
-from .liveness import _POLL_S, Liveness
+from .grace_window import GraceWindow
+from .liveness import _POLL_S
 from .messages import QuorumRequest, QuorumResponse, StateOffer
 
 log = logging.getLogger(__name__)
@@ -33,27 +35,21 @@ MAX_ORPHANS_PER_GROUP = 16
 MAX_BEHIND = 8
 
 
-class RoundState(Liveness):
+class RoundState(GraceWindow):
     """The asks and quorums of the job's exchanges, on top of its membership; the state their votes
     and offers use too (``VoteState`` adds the methods)."""
 
     def __init__(self, expected_groups: int, *, join_timeout_s: float, heartbeat_timeout_s: float,
                  max_group_size: int, min_groups: int, outlier_factor: float,
                  clock: Callable[[], float], quorum_grace_s: float = 0.0) -> None:
-        super().__init__(expected_groups, join_timeout_s=join_timeout_s,
-                         heartbeat_timeout_s=heartbeat_timeout_s, max_group_size=max_group_size, clock=clock)
+        super().__init__(expected_groups, join_timeout_s=join_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                         max_group_size=max_group_size, clock=clock, quorum_grace_s=quorum_grace_s)
         if not 1 <= min_groups <= expected_groups:
             raise ValueError(f"min_groups must be in [1, {expected_groups}], got {min_groups}")
         if outlier_factor < 0:
             raise ValueError(f"outlier_factor must be >= 0 (0: off), got {outlier_factor}")
-        if not 0 <= quorum_grace_s < float("inf"):
-            raise ValueError(f"quorum_grace_s must be >= 0 seconds (0: off), got {quorum_grace_s}")
         self.min_groups = min_groups
         self.outlier_factor = outlier_factor
-        # with it > 0, an exchange's quorum forms this long after its first ask with the groups that
-        # asked by then, if they are a majority of those heard from (rounds.decide); the live groups
-        # left out catch up when they ask, or are failed once silent (vote_state._left_behind)
-        self.quorum_grace_s = quorum_grace_s
         self.boot = secrets.token_hex(4)  # names this coordinator's quorums apart from a predecessor's
         # a backstop: a member alive (heartbeating) but silent this long after a quorum's first vote
         # is stuck, and the round rolls back (members' rings end together; a healer's state transfer
@@ -70,7 +66,6 @@ class RoundState(Liveness):
         self._norms: dict[int, list[float]] = {}
         self._asked_exchange: dict[int, int] = {}  # group -> latest exchange its rank 0 asked for
         self._first_ask: dict[int, float] = {}  # exchange -> when its first quorum request came
-        self._grace_from: dict[int, float] = {}  # exchange -> when a majority had asked for the attempt being formed
         self._healed_at: dict[int, int] = {}  # group -> exchange it healed in, until it asks for a later one
         self._last_members = 0  # groups of the last committed quorum, healers included
         self._stop_reason: str | None = None
@@ -191,51 +186,6 @@ class RoundState(Liveness):
         super()._form()
         self.frontier = 0  # a job that starts here starts at its first exchange
 
-    def _sweep(self) -> None:
-        """Besides the heartbeat timeout, with a grace window (``--quorum-grace``) a group silent for
-        three heartbeat intervals is failed now (lock held) when it is a member of an exchange in flight
-        (its quorum formed, not yet decided: every other member's collective waits on it), or the
-        window left it out and it has been silent since (it was late and went quiet). Dead or frozen,
-        most likely; the others would otherwise wait out the heartbeat timeout (or a window per
-        exchange) for it, and the operator who set a window asked them not to."""
-        super()._sweep()
-        if not self.quorum_grace_s:
-            return
-        heard, silence = self._heard(), self._silence()
-        interval = f"three heartbeat intervals: {self._heard_limit_s():g}s"
-        for g in [g for g, behind in self._behind.items() if behind and g not in heard]:
-            self._fail_group(g, f"missed exchange {min(self._behind[g])}: its quorum formed without this group once "
-                                f"the {self.quorum_grace_s:g}s grace window (--quorum-grace) ended, and it has been "
-                                f"silent for {silence.get(g, 0.0):.1f}s since ({interval}); it heals into a later exchange")
-        for g, q in self._in_flight_members().items():
-            if g not in heard and g in silence:
-                self._fail_group(g, f"silent for {silence[g]:.1f}s ({interval}) while exchange {q.exchange} (quorum "
-                                    f"{q.id}), whose members all wait on it, was in flight: with a grace window "
-                                    "(--quorum-grace) the others do not wait out the heartbeat timeout; it heals into "
-                                    "a later exchange")
-
-    def _in_flight_members(self) -> dict[int, rounds.Quorum]:
-        """Group -> the undecided quorum of this coordinator it is a member of (lock held)."""
-        out: dict[int, rounds.Quorum] = {}
-        for q, meta in self._quorums.values():
-            if q.id not in self._decisions and not meta.get("orphan"):
-                out.update({g: q for g in q.groups if g not in self._summaries})
-        return out
-
-    def _grace_left(self, exchange: int) -> float:
-        """Seconds until the grace window of ``exchange``'s next attempt ends, or until a live group
-        it waits for falls silent for three heartbeat intervals (``rounds.window_closed``): a wake-up
-        time; infinite without a window, before it starts or before the job's first training commit
-        (no window applies then), and once the window passed (the caller's poll and every ask,
-        failure and answer wake it then: no busy wait); at least 1 ms."""
-        start = self._grace_from.get(exchange)
-        if not self.quorum_grace_s or start is None or not self._counts["committed_training"]:
-            return float("inf")
-        asked, silence, limit = set(self._group_asks(exchange)), self._silence(), self._heard_limit_s()
-        left = start + self.quorum_grace_s - self._clock()
-        wakes = [limit - silence[g] for g in self._live() if g not in asked and silence.get(g, limit + 1) <= limit]
-        return max(min(([left] if left > 0 else []) + wakes, default=float("inf")), 0.001)
-
     def _awaited(self, exchange: int) -> str:
         asked = set(self._book.asks.get(exchange, {}))
         live = sorted(g for g in self._live() if g not in asked)
@@ -336,18 +286,6 @@ class RoundState(Liveness):
                 continue
             self._form_quorum(q, asks, exchange, start)
             heal_asks = {g: a for g, a in heal_asks.items() if g not in q.healers}
-
-    def _majority_asked(self, exchange: int, asks: dict[int, rounds.Ask], heard: set[int]) -> float | None:
-        """When the groups asking for ``exchange``'s attempt became a strict majority of the live
-        groups still heard from (``heard``) and asking: the start of its grace window (and of the
-        wait before a silent member is called stuck); None before (lock held). One group asking
-        early starts no clock."""
-        start = self._grace_from.get(exchange)
-        if start is None and 2 * len(asks) > len(heard | set(asks)):
-            start = self._grace_from[exchange] = self._clock()
-            while len(self._grace_from) > MAX_ROUNDS_KEPT:
-                del self._grace_from[next(iter(self._grace_from))]
-        return start
 
     def _form_quorum(self, q: rounds.Quorum, asks: dict[int, rounds.Ask], exchange: int, start: float | None) -> None:
         """Hand out quorum ``q`` of ``exchange`` to its members (lock held)."""
