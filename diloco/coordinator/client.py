@@ -37,7 +37,8 @@ from .messages import (
     StopRequest,
     SummaryRequest,
 )
-from .server import GRPC_MAX_MESSAGE_BYTES, PemFiles, read_tls
+from .exposure import PemFiles, read_tls
+from .server import GRPC_MAX_MESSAGE_BYTES
 from .waiting import waiting
 
 if TYPE_CHECKING:

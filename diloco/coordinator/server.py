@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent import futures
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
 
@@ -33,6 +33,7 @@ from transport.addresses import is_loopback
 from . import credentials
 from .credentials import ADMIN_ONLY, GROUP_FIELDS, GROUP_HEADER, Caller
 from .errors import HALTED_TRAILER, CoordinatorError
+from .exposure import PemFiles, check_exposure, read_tls
 from .limits import (BLOCKING, DEFAULT_MAX_QUICK_CALLS, DEFAULT_MAX_QUICK_PER_CALLER, DEFAULT_REQUEST_TIMEOUT_S,
                      QUEUED_CALLS, SPARE_THREADS, CallLimits, Deadlines)
 from .messages import (RPCS, SERVICE, Ack, HeartbeatResponse, JoinRequest, JoinResponse, Message, MessageError,
@@ -58,36 +59,6 @@ SERVER_OPTIONS = [
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-class PemFiles(Protocol):
-    """What the coordinator needs of a TLS setting (``transport.TlsConfig`` is one)."""
-
-    def read_pem(self) -> tuple[bytes, bytes, bytes]:
-        """(certificate, private key, CA certificate) PEM bytes."""
-
-
-def read_tls(tls: PemFiles) -> tuple[bytes, bytes, bytes]:
-    """(certificate, key, CA) PEM bytes; ValueError naming the file that cannot be read."""
-    try:
-        return tls.read_pem()
-    except OSError as exc:
-        raise ValueError(f"coordinator TLS: cannot read {exc.filename}: {exc.strerror}") from None
-
-
-def check_exposure(host: str, *, token: str | None, tls: PemFiles | None, allow_insecure: bool) -> None:
-    """Refuse a coordinator that other machines can reach without both mutual TLS and a token,
-    unless ``allow_insecure`` accepts the risk (ValueError naming what is missing)."""
-    if allow_insecure or is_loopback(host):
-        return
-    missing = [what for what, given in (("mutual TLS (--tls-cert, --tls-key, --tls-ca)", tls is not None),
-                                        ("a token ($DILOCO_TOKEN)", token is not None)) if not given]
-    if missing:
-        raise ValueError(
-            f"refusing to serve the coordinator on non-loopback host {host!r} without "
-            f"{' and '.join(missing)}: anyone who reaches it could join as a group, vote on rounds or "
-            "rewrite the bandwidth table. Give them, listen on 127.0.0.1, or accept the risk with "
-            "--insecure-coordinator (allow_insecure=True)")
 
 
 class CoordinatorServer:
