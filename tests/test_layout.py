@@ -20,6 +20,7 @@ ALLOWED = {
     "coordinator": set(),
     "job": {"engine"},
     "demo": {"job", "engine"},
+    "integrations": {"demo", "job", "engine"},
     "exchange": {"coordinator", "engine"},
     "runtime": {"job", "demo", "exchange", "coordinator", "engine"},
 }

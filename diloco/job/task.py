@@ -77,7 +77,10 @@ class Task:
     asks for its model to be sharded inside the group with FSDP2 (``--parallel auto``, the
     default, then shards it; ``--parallel fsdp`` always does, ``ddp`` never): ``True`` for each
     block of every ``nn.ModuleList``, or the units ``diloco.shard_model`` takes (module names, a
-    module class, a predicate ``f(name, module)``).
+    module class, a predicate ``f(name, module)``). ``export``: called once at the end of a job
+    that trained to the end, on rank 0 of group 0, with the final global parameters (whole fp32
+    tensors by parameter name); it writes them in a format of its own and returns where (the
+    summary's ``exported``), as ``diloco.integrations.hf`` writes ``save_pretrained`` directories.
 
     ``train_batches`` is a plain iterator, or a resumable data source
     (``diloco.job.data_source.DataSource``: a stream whose position is a group-level sample
@@ -105,6 +108,7 @@ class Task:
     data_state: Callable[[], dict[str, Any]] | None = None
     load_data_state: Callable[[dict[str, Any]], None] | None = None
     shard: Any = None
+    export: Callable[[dict[str, torch.Tensor]], str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -113,6 +117,8 @@ class Task:
             raise TaskError("Task.loss must be callable as loss(model, batch) -> scalar tensor")
         if (self.data_state is None) != (self.load_data_state is None):
             raise TaskError("Task.data_state and Task.load_data_state go together (give both or neither)")
+        if self.export is not None and not callable(self.export):
+            raise TaskError("Task.export must be callable as export(params_by_name) -> where it wrote them")
         if self.data_state is None and is_data_source(self.train_batches):
             self.data_state, self.load_data_state = self.train_batches.state, self.train_batches.load_state
         s = self.shard

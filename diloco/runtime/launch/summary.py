@@ -101,7 +101,8 @@ def summarize(cfg: Config, corpus, per_group: list[dict], snapshot: dict, second
         "entry": cfg.train.entry or DEMO_ENTRY,
         "run_dir": str(out_dir),
         "config": cfg.to_dict(),
-        **{k: per_group[0][k] for k in ("resumed_from", "resumed_at_step", "stopped_at_step", "job_checkpoint", "auto")
+        **{k: per_group[0][k] for k in ("resumed_from", "resumed_at_step", "stopped_at_step", "job_checkpoint", "auto",
+                                         "exported")
            if k in per_group[0]},
         **({} if "resumed_from" in per_group[0] else {"data_per_group": data_counts(out_dir)}),
     }
@@ -138,6 +139,7 @@ def format_summary(s: dict) -> str:
            f"(data parallel: {_bits(s['dp_bits_per_param_per_step'])})"] if "bits_per_param_per_step" in s else []),
         f"  global params identical  : {s['params_identical']} ({', '.join(s['param_hash_per_group'].values())})",
         f"  compute utilization      : {100 * s['utilization']:.1f}% (time in inner steps / wall, slowest group)",
+        *([f"  global model written as  : {s['exported']} (Task.export)"] if s.get("exported") else []),
         f"  wall time                : {s['seconds']:.1f} s",
         f"  logs                     : {s['run_dir']}",
     ]

@@ -217,13 +217,15 @@ def train(opts: LoopOptions, group: int, rank: int, device: torch.device, ddp: n
     if feed.positions is not None:  # this incarnation's committed data ranges (diloco.exchange.data_positions)
         extra.update(data_ledger=merged(feed.positions.ledger),
                      data_unit="samples" if feed.positions.samples_per_step else "steps")
-    whole = group_parallel.global_model_to_save(engine, ddp, rank) if opts.save and group == 0 and \
-        stopped_at is None else None  # sharded: every rank of the group takes part; rank 0 gets it
+    whole = group_parallel.global_model_to_save(engine, ddp, rank) if (opts.save or task.export is not None) \
+        and group == 0 and stopped_at is None else None  # sharded: every rank of the group takes part; rank 0 gets it
+    if whole is not None and task.export is not None:  # the task's own format (save_pretrained ...)
+        extra.update(exported=task.export(whole))
     summary = link.summary(
         engine, eval_loss=eval_loss, initial_eval_loss=initial_eval, final_train_loss=loss_ema,
         tokens=(stopped_at or t) * (items_per_batch or 0) * link.group_size, entry=opts.entry, **extra,
     )
-    if whole is not None:
+    if whole is not None and opts.save:
         checkpoint.save(opts.save, {
             "global": whole, "config": opts.config.to_dict(),
             "inner_steps": steps, "eval_loss": eval_loss, "param_hash": summary["param_hash"],
