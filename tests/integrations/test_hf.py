@@ -116,7 +116,7 @@ def test_the_task_is_resumable_data_and_checks_its_arguments(tmp_path):
     assert torch.isfinite(task.loss(task.model, (x, y)))
     cfg = Config()
     cfg.topology.parallel = "fsdp"
-    sharded = hf.causal_lm_task(replace(context(tmp_path, config="llama-tiny"), config=cfg))
+    sharded = hf.causal_lm_task(replace(context(tmp_path, block="16"), config=cfg))
     assert [n for n, m in sharded.model.named_modules() if sharded.shard(n, m)] == ["model.layers.0", "model.layers.1"]
     with pytest.raises(hf.HFTaskError, match="unknown --entry-args"):
         hf.causal_lm_task(context(tmp_path, blocks="16"))
