@@ -3,7 +3,8 @@ trained by plain data parallel alone, at equal tokens, on the bundled Shakespear
 
 DiLoCo: a real ``diloco run --entry examples.hf_causal_lm:make_task`` job (coordinator, G groups of R
 ranks under torchrun, ``--parallel fsdp``); its summary gives the final eval loss of the global model,
-the bytes between groups (``bytes_sent``: on the wire, framing included), the round hashes of every
+the bytes between groups (``bytes_sent``: every rank's bytes on the wire, framing and the start's
+initial-parameter check included; no bandwidth probes: ``--probe-bytes 0``), the round hashes of every
 group and the data ledger (samples counted twice / left out).
 
 Data parallel: ``dp_baseline`` below, plain PyTorch and ``transformers`` in one process, no diloco code in
@@ -102,7 +103,8 @@ def diloco_command(a: argparse.Namespace, json_path: str, run_dir: str) -> list[
             "--groups", str(a.groups), "--ranks-per-group", str(a.ranks), "--parallel", "fsdp",
             "--steps", str(a.steps), "--h", str(a.h), "--inner-lr", str(a.lr), "--warmup-steps", str(a.warmup),
             "--batch-size", str(a.batch_size), "--eval-batches", str(a.eval_batches), "--seed", str(a.seed),
-            "--val-fraction", str(a.val_fraction), "--codec", a.codec, "--timeout", "600",
+            "--val-fraction", str(a.val_fraction), "--codec", a.codec, "--probe-bytes", "0", "--timeout", "600",
+            *(["--outer-momentum", str(a.outer_momentum)] if a.outer_momentum is not None else []),
             "--json", json_path, "--run-dir", run_dir]
 
 
@@ -122,7 +124,7 @@ def main() -> None:
                     help="config.KEY=VALUE for both runs (repeat)")
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=2, help="ranks per group (FSDP2 inside the group)")
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--h", type=int, default=50)
     ap.add_argument("--lr", type=float, default=3e-3, help="DiLoCo's inner peak lr")
     ap.add_argument("--dp-lr", type=float, default=None, help="data parallel's peak lr (default --lr)")
@@ -132,8 +134,12 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=20)
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--codec", default="fp32")
+    ap.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo's outer Nesterov momentum "
+                    "(default: the job's, 0.9)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-diloco", action="store_true", help="the data-parallel run only")
+    ap.add_argument("--dp-from", default="", help="take the data-parallel result from this JSON list's record "
+                    "of the same model, data and steps (data parallel has no H or codec) instead of running it")
     ap.add_argument("--quick", action="store_true", help="a tiny model, 40 steps: checks the harness")
     ap.add_argument("--json", default="", help="append the record to this JSON list")
     a = ap.parse_args()
@@ -144,7 +150,10 @@ def main() -> None:
     overrides = {k[len("config."):]: v for k, v in (o.split("=", 1) for o in a.override)}
     record: dict = {"bench": "hf", "config": a.config, "overrides": overrides, "groups": a.groups, "ranks": a.ranks,
                     "steps": a.steps, "h": a.h, "batch_per_rank": a.batch_size, "block": a.block, "codec": a.codec,
-                    "seed": a.seed, "command": " ".join(sys.argv)}
+                    "outer_momentum": a.outer_momentum,
+                    "seed": a.seed, "command": " ".join(["python", "bench/hf.py", *sys.argv[1:]]),
+                    "load_average_before": os.getloadavg(), "torch": torch.__version__,
+                    "transformers": hf.transformers_module().__version__}
     if not a.skip_diloco:
         s, cmd = run_diloco(a)
         hashes = list(s["round_hashes_per_group"].values())
@@ -156,13 +165,23 @@ def main() -> None:
             "rounds_identical": all(h == hashes[0] for h in hashes), "round_hashes": hashes[0],
             "data_per_group": s["data_per_group"], "seconds": s["seconds"], "inner_lr": a.lr}
         print(json.dumps(record["diloco"], indent=1), flush=True)
-    record["dp"] = dp_baseline(a, overrides)
+    if a.dp_from:
+        same = ("config", "overrides", "groups", "ranks", "steps", "batch_per_rank", "block", "seed")
+        found = [r for r in json.loads(Path(a.dp_from).read_text())
+                 if all(r.get(k) == record[k] for k in same) and r["dp"]["inner_lr"] == a.dp_lr]
+        if not found:
+            raise SystemExit(f"--dp-from {a.dp_from}: no record of the same model, data, steps and lr")
+        origin = found[-1]["dp"].get("from") or f"{a.dp_from}: {found[-1]['command']}"  # the run that made it
+        record["dp"] = {**found[-1]["dp"], "from": origin}
+    else:
+        record["dp"] = dp_baseline(a, overrides)
     print(json.dumps(record["dp"], indent=1), flush=True)
     if "diloco" in record:
         record["gap_percent"] = 100 * (record["diloco"]["eval_loss"] / record["dp"]["eval_loss"] - 1)
         assert record["diloco"]["tokens"] == record["dp"]["tokens"], "not equal tokens"
         print(f"eval loss: diloco {record['diloco']['eval_loss']:.4f}, dp {record['dp']['eval_loss']:.4f}, "
               f"gap {record['gap_percent']:+.2f} %")
+    record["load_average_after"] = os.getloadavg()
     if a.json:
         path = Path(a.json)
         old = json.loads(path.read_text()) if path.exists() else []
