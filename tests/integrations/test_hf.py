@@ -9,9 +9,6 @@ they are skipped with the reason below, which names the extra.
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +19,6 @@ import torch
 transformers = pytest.importorskip("transformers", reason='the hf extra is not installed: pip install -e ".[hf]"')
 
 from diloco import cli  # noqa: E402
-from diloco.coordinator import CoordinatorServer  # noqa: E402
 from diloco.demo.data import EpochSampler  # noqa: E402
 from diloco.engine.outer_state import params_hash  # noqa: E402
 from diloco.integrations import hf  # noqa: E402
@@ -30,6 +26,7 @@ from diloco.job.data_source import is_data_source  # noqa: E402
 from diloco.job.config import Config  # noqa: E402
 from diloco.job.task import TaskContext  # noqa: E402
 from diloco.runtime.checkpoints import checkpoint  # noqa: E402
+from diloco_helpers import run_api_example  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["run", "--no-progress", "--timeout", "90", "--probe-bytes", "0", "--batch-size", "4", "--eval-batches", "2"]
@@ -175,22 +172,10 @@ def test_a_save_pretrained_target_that_cannot_be_written_fails_before_training(t
 
 @pytest.mark.slow
 def test_the_python_api_example_runs_as_two_processes(tmp_path):
-    env = {**os.environ, "DILOCO_SECRET": secrets.token_hex(32), "DILOCO_TOKEN": "t0ken", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out_dir = tmp_path / "api"
-    with CoordinatorServer(expected_groups=2, token="t0ken") as server:
-        procs = [subprocess.Popen([sys.executable, str(REPO / "examples" / "hf_train_api.py"), "--coordinator",
-                                   server.address, "--group", str(g), "--steps", "16", "--h", "8", "--block", "32",
-                                   "--batch-size", "4", "--save-pretrained", str(out_dir)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for g in range(2)]
-        try:
-            outs = [p.communicate(timeout=120) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    results, _ = run_api_example(REPO / "examples" / "hf_train_api.py",
+                                 ["--steps", "16", "--h", "8", "--block", "32", "--batch-size", "4",
+                                  "--save-pretrained", str(out_dir)])
     assert results[0]["param_hash"] == results[1]["param_hash"] and results[0]["outer_rounds"] == 2
     back = transformers.AutoModelForCausalLM.from_pretrained(out_dir)
     assert params_hash([p.detach() for p in back.parameters()]) == results[0]["param_hash"]

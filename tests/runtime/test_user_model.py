@@ -3,14 +3,12 @@
 import json
 import os
 import secrets
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from diloco_helpers import run_in_threads
+from diloco_helpers import run_api_example, run_in_threads
 
 import diloco
 from diloco import cli
@@ -120,22 +118,8 @@ def test_connect_gives_probes_plans_metrics_round_reports_and_summaries():
 
 
 def test_the_python_api_example_runs_as_two_processes():
-    # one intra-op thread per process, as diloco run gives each worker: torch's default (every core)
-    # in two processes on a 2-core host made the example's 40 tiny steps take most of the test
-    env = {**os.environ, "DILOCO_SECRET": secrets.token_hex(32), "DILOCO_TOKEN": "t0ken", "OMP_NUM_THREADS": "1"}
-    with CoordinatorServer(expected_groups=2, token="t0ken") as server:
-        procs = [subprocess.Popen([sys.executable, str(REPO / "examples" / "train_api.py"),
-                                   "--coordinator", server.address, "--group", str(g), "--steps", "40", "--h", "10"],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for g in range(2)]
-        try:
-            outs = [p.communicate(timeout=120) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-        assert set(server.snapshot()["summaries"]) == {0, 1}
-    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    results, snapshot = run_api_example(REPO / "examples" / "train_api.py", ["--steps", "40", "--h", "10"])
+    assert set(snapshot["summaries"]) == {0, 1}
     assert results[0]["param_hash"] == results[1]["param_hash"]
     assert results[0]["outer_rounds"] == 4 and results[0]["bytes_sent"] > 0
 
