@@ -21,7 +21,7 @@ a fetch that failed after the commit heals again in the next quorum. The inner o
 was down for a while is better served by a few steps of warm-up than by stale moments.
 
 Liveness: a background thread heartbeats the coordinator, and calls to it are retried, rejoined after
-its restart, and turned into ``GroupEvicted`` when it says this group is out (``diloco.exchange.liveness``).
+its restart, and turned into ``GroupEvicted`` when it says this group is out (``diloco.exchange.heartbeat``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from diloco.engine.averaging import Done
 from diloco.exchange.data_positions import DataPositions
 from diloco.exchange.fault_stats import FaultStats
 from diloco.exchange.healing import StateTransfer
-from diloco.exchange.liveness import CoordinatorRetry, GroupEvicted, Heartbeat, JobHalted
+from diloco.exchange.heartbeat import CoordinatorRetry, GroupEvicted, Heartbeat, JobHalted
 from diloco.exchange.network_plan import NetworkPlan, equal_plan, plan_from_table
 from diloco.exchange.quorum_pending import QuorumPending, RolledBack
 from diloco.exchange.shard_healing import (

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import diloco
 from diloco.coordinator import CoordinatorServer
-from diloco.exchange.liveness import GroupEvicted
+from diloco.exchange.heartbeat import GroupEvicted
 from diloco.exchange.quorum_averager import ExchangeFailed
 from diloco.job.config import TransportConfig
 from transport import FaultProxy

@@ -14,7 +14,7 @@ import pytest
 import test_fault_tolerance as ft
 
 from diloco.coordinator import CoordinatorServer
-from diloco.exchange.liveness import GroupEvicted, JobHalted
+from diloco.exchange.heartbeat import GroupEvicted, JobHalted
 
 pytestmark = pytest.mark.slow
 

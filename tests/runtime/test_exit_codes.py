@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from diloco.coordinator import CoordinatorError
 from diloco.engine.initial import InitialParamsMismatch
-from diloco.exchange.liveness import GroupEvicted
+from diloco.exchange.heartbeat import GroupEvicted
 from diloco.exchange.quorum_averager import ExchangeFailed
 from diloco.job.config import ConfigError
 from diloco.runtime.checkpoints.checkpoint import CheckpointError

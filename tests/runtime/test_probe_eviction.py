@@ -14,7 +14,7 @@ import pytest
 
 from diloco.coordinator import CoordinatorError
 from diloco.coordinator.membership import Membership
-from diloco.exchange.liveness import GroupEvicted
+from diloco.exchange.heartbeat import GroupEvicted
 from diloco.job.config import TransportConfig
 from diloco.runtime.rank import averager_setup
 from transport import TcpTransport

@@ -90,7 +90,7 @@ def for_exception(exc: BaseException) -> int:
     """The exit code a rank's uncaught error stands for (see the module doc)."""
     from diloco.coordinator import CoordinatorError
     from diloco.engine.initial import InitialParamsMismatch
-    from diloco.exchange.liveness import GroupEvicted, JobHalted
+    from diloco.exchange.heartbeat import GroupEvicted, JobHalted
     from diloco.exchange.quorum_averager import ExchangeFailed
     from transport import TransportError
     from transport.errors import PeerAuthError, auth_cause

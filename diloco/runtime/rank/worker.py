@@ -38,7 +38,7 @@ from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.outer_spec import OuterSpec
 from diloco.engine.schedule import SyncSchedule
-from diloco.exchange.liveness import GroupEvicted
+from diloco.exchange.heartbeat import GroupEvicted
 from diloco.exchange.quorum_averager import JobFinished
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, InnerConfig, SyncConfig
