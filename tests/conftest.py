@@ -1,5 +1,5 @@
 """Makes tests/cuda_helpers.py importable from every test folder (pytest runs with --import-mode=importlib),
-and holds every test to ending the processes it starts.
+and holds every test to ending the processes it starts (with Ctrl-C heard, however pytest was started).
 
 Each test runs with DILOCO_TEST_PROCESS_TAG=<this pytest's pid>:<test id> in its environment, which every
 process it starts inherits (unless the test hands it a clean environment). After the test, a process still
@@ -28,6 +28,11 @@ LEAK_GRACE_S = float(os.environ.get("DILOCO_TEST_LEAK_GRACE_S", "10"))
 # helpers multiprocessing starts once for pytest's own process; they end with it
 _PYTEST_HELPERS = ("from multiprocessing.resource_tracker import main", "from multiprocessing.forkserver import main")
 os.environ[TAG] = f"{SESSION}:"
+# a suite started in the background of a non-interactive shell (`nohup pytest ... &`) inherits SIGINT
+# ignored, and so would every process the tests start and send Ctrl-C to (Python keeps an ignored
+# SIGINT ignored): those tests would wait for an exit that never comes
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def processes_tagged(tag: str, *, prefix: bool = False) -> list[tuple[int, str]]:
