@@ -308,7 +308,7 @@ class ProcessTransport:
                     with self._lock:
                         self._handles.pop(rid, None)
             elif handle is not None:
-                handle._finish(reply)
+                handle._take_reply(reply)
 
     def _died(self, reason: str) -> TransportError:
         with self._lock:
@@ -325,7 +325,7 @@ class ProcessTransport:
         for call in calls:
             call.resolve({"error": {"type": "TransportError", "message": reason}})
         for h in handles:
-            h._fail(TransportError(f"{h.tag!r}: {reason}"))
+            h._finish(None, TransportError(f"{h.tag!r}: {reason}"))
 
     def _kill(self) -> None:
         if self._proc.poll() is None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 from typing import Any
 
 import torch
 
 from .control import error_from_spec
 from .errors import TransportError
+from .ring_collective import Handle
 from .streams import SideStream
 
 _MIN_SEGMENT = 1 << 20
@@ -42,7 +42,7 @@ def segment_size(nbytes: int) -> int:
     return max(_MIN_SEGMENT, 1 << (max(nbytes, 1) - 1).bit_length())
 
 
-class ProcessHandle:
+class ProcessHandle(Handle):
     """The pending result of a collective run by the data-plane process (as `transport.Handle`).
 
     ``owner``: the ``ProcessTransport`` that started it, which takes ``seg`` back once the results
@@ -51,18 +51,12 @@ class ProcessHandle:
     def __init__(self, owner: Any, rid: int, tag: str, seg: Segment, x_like: torch.Tensor,
                  views: dict[str, torch.Tensor], out: torch.Tensor | None, sent: torch.Tensor | None,
                  stream: SideStream | None = None) -> None:
-        self.tag = tag
-        #: all_gather_mean: what every member decoded of this member's own contribution (valid
-        #: once wait() returned); None for other collectives
-        self.sent: torch.Tensor | None = None
+        super().__init__(tag)
         self._owner, self._rid, self._seg, self._views = owner, rid, seg, views
         self._like, self._out, self._sent_out = x_like, out, sent
         self._stream = stream  # CUDA: the results are copied to the device on this side stream
-        self._event = threading.Event()
-        self._result: torch.Tensor | None = None
-        self._error: BaseException | None = None
 
-    def _finish(self, reply: dict) -> None:
+    def _take_reply(self, reply: dict) -> None:
         """Copy the results out of shared memory (reader thread), free the segment, wake waiters."""
         try:
             if "error" in reply:
@@ -79,10 +73,6 @@ class ProcessHandle:
             self._owner.release(self._seg)
             self._event.set()
 
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
     def _copy_results(self) -> None:
         self._result = self._copy_out(self._views["out"], self._out)
         if "sent" in self._views:
@@ -93,22 +83,7 @@ class ProcessHandle:
             into = torch.empty(view.numel(), dtype=torch.float32, device=self._like.device)
         return into.copy_(view)
 
-    def done(self) -> bool:
-        """True once the collective finished, successfully or not."""
-        return self._event.is_set()
-
     def abort(self, reason: str) -> None:
         """End the collective now if it still runs (as `transport.Handle.abort`)."""
         if not self._event.is_set():
             self._owner.send_quietly({"op": "abort", "id": self._rid, "reason": reason})
-
-    def wait(self, timeout_s: float | None = None) -> torch.Tensor:
-        """The collective's result. With `timeout_s`, a collective still running after that many
-        seconds is aborted (and its error raised)."""
-        if not self._event.wait(timeout_s):
-            self.abort(f"wait() timed out after {timeout_s:g} s")
-            self._event.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
