@@ -52,8 +52,8 @@ def _codec_options(row: Any, codec: str) -> dict[str, Any]:
     """The codec options a setting holds (``auto_choice.CODEC_OPTIONS_SET``, as the codec spec says),
     from the study's row: each under its own name, but the codec (the record's) and top-k's density
     (the row's ``density``; 0: the codec's 64 of 4096)."""
-    known = {"codec": codec, "topk_density": (row.density or 64 / 4096) if codec == "topk" else 0.0}
-    return {f.name: known[f.name] if f.name in known else getattr(row, f.name) for f in CODEC_OPTIONS_SET}
+    known = {"codec": codec, "topk_density": (row.codec.topk_density or 64 / 4096) if codec == "topk" else 0.0}
+    return {f.name: known[f.name] if f.name in known else getattr(row.codec, f.name) for f in CODEC_OPTIONS_SET}
 
 
 def build(records: list[dict], source_sha256: str = "") -> dict:

@@ -3,7 +3,9 @@ their budgets, the rows (one configuration each), the lr sweeps' rows and the ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+from compress.codec_spec import CodecSpec
 
 CODECS = ("fp32", "bf16", "int8", "int4", "fp4-e2m1", "fp4-e3m0", "lloyd4")
 INNER_LRS = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
@@ -113,6 +115,12 @@ SIZES = {
 QUICK_SIZE = replace(SIZES["small"], steps=400, seeds=1)
 
 
+def spec(codec: str, **options) -> CodecSpec:
+    """A row's codec: ``codec`` with ``options`` (``compress.codec_spec.CodecOptions``' fields: the
+    job's ``[transport]`` keys), the others at their defaults."""
+    return CodecSpec(codec=codec, **options)
+
+
 @dataclass(frozen=True)
 class Row:
     """One configuration of the study (the model size and seed come from the run)."""
@@ -121,7 +129,7 @@ class Row:
     mode: str = "blocking"  # dp, blocking, overlap, eager, co2
     groups: int = 2
     h: int = 30
-    codec: str = "fp32"
+    codec: CodecSpec = field(default_factory=CodecSpec)  # the codec and its options (``spec(...)``)
     fragments: int = 1
     tau: int = 0
     schedule: str = "fixed"
@@ -133,12 +141,8 @@ class Row:
     outer_tuned: bool = False  # True: the sweep's best outer (lr, momentum) instead of the default
     co2: tuple[float, float] | None = None  # CO2's outer (lr, momentum); None: CO2_DEFAULTS
     rule: str = ""  # "sparseloco": SparseLoCo's outer rule (its lr 1, beta 0.95, 64x64 tiles) instead of Nesterov
-    density: float = 0.0  # topk: fraction of each chunk kept (0: the codec's 64 of 4096)
     beta: float = 0.95  # sparseloco: the residual's decay
-    final_codec: str = ""  # the codec of the last exchange (--final-codec): the residuals go out with it
-    codec_block: int = 0  # --codec-block (0: the codec's default)
     residual_decay: float = 1.0  # --residual-decay: error feedback's decay (0: none, the codec runs biased)
-    zstd: bool = False  # --zstd: the frames' payloads zstd-compressed (int2's codes: 1.7-1.9 bits per value)
     merge_alpha: float = -1.0  # --merge-alpha: overlap's merge, local = a*local + (1-a)*global (-1: the mode's, 0.5)
     seeded: bool = False  # run with every seed of the size (else the first only)
     note: str = ""
@@ -155,14 +159,14 @@ def study_rows() -> list[Row]:
     for m in (1, 2, 4):
         for h in (10, 30, 100):
             rows.append(Row(f"m{m}-h{h}", groups=m, h=h, seeded=h == 30))
-    rows += [Row(f"m2-h30-{c}", codec=c, seeded=True) for c in CODECS if c != "fp32"]
-    rows += [Row("m2-h30-sign1", codec="sign1", note="sign1 with error feedback (gather exchange)"),
-             Row("m2-h30-topk", codec="topk", note="top-k with error feedback (gather exchange)")]
+    rows += [Row(f"m2-h30-{c}", codec=spec(c), seeded=True) for c in CODECS if c != "fp32"]
+    rows += [Row("m2-h30-sign1", codec=spec("sign1"), note="sign1 with error feedback (gather exchange)"),
+             Row("m2-h30-topk", codec=spec("topk"), note="top-k with error feedback (gather exchange)")]
     rows += [
         Row("streaming-p2", fragments=2, note="2 fragments, staggered, each sync blocking"),
         Row("overlap-p2-tau5", mode="overlap", fragments=2, tau=5, seeded=True,
             note="Streaming DiLoCo: tau=5 overlap, alpha=0.5"),
-        Row("overlap-p2-tau5-fp4", mode="overlap", fragments=2, tau=5, codec="fp4-e2m1", seeded=True,
+        Row("overlap-p2-tau5-fp4", mode="overlap", fragments=2, tau=5, codec=spec("fp4-e2m1"), seeded=True,
             note="Streaming DiLoCo with fp4-e2m1"),
         Row("eager", mode="eager", seeded=True, note="one-round eager outer step"),
         Row("delayed", mode="delayed", seeded=True, note="naive one-round-stale outer step (what eager corrects)"),
@@ -172,14 +176,16 @@ def study_rows() -> list[Row]:
     tuned = "best outer lr/momentum of the sweep"
     rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
     rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 50, 100, 200, 230, 300)]
-    rows += [Row(f"m2-h30-{c}-outer", codec=c, outer_tuned=True, seeded=True, note=tuned)
+    rows += [Row(f"m2-h30-{c}-outer", codec=spec(c), outer_tuned=True, seeded=True, note=tuned)
              for c in CODECS if c != "fp32"]
     rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),
-             Row("m2-h30-sign1-outer", codec="sign1", outer_tuned=True, note=f"sign1 with error feedback, {tuned}"),
-             Row("m2-h30-topk-outer", codec="topk", outer_tuned=True, note=f"top-k with error feedback, {tuned}"),
-             *[Row(f"m2-h100-{c}-outer", h=100, codec=c, outer_tuned=True, note=f"H=100, {tuned}")
+             Row("m2-h30-sign1-outer", codec=spec("sign1"), outer_tuned=True,
+                 note=f"sign1 with error feedback, {tuned}"),
+             Row("m2-h30-topk-outer", codec=spec("topk"), outer_tuned=True, note=f"top-k with error feedback, {tuned}"),
+             *[Row(f"m2-h100-{c}-outer", h=100, codec=spec(c), outer_tuned=True, note=f"H=100, {tuned}")
                for c in ("int4", "sign1", "topk")],
-             Row("m2-h200-int4-outer", h=200, codec="int4", outer_tuned=True, note=f"H=200 int4: 0.04 bits, {tuned}"),
+             Row("m2-h200-int4-outer", h=200, codec=spec("int4"), outer_tuned=True,
+                 note=f"H=200 int4: 0.04 bits, {tuned}"),
              Row("co2-lr0.7-mom0", mode="co2", co2=(0.7, 0.0), note="CO2, outer lr 0.7"),
              Row("co2-lr1-mom0.3", mode="co2", co2=(1.0, 0.3), note="CO2, outer momentum 0.3"),
              Row("delayed-lr1-mom0", mode="delayed", outer=(1.0, 0.0), note="delayed, outer lr 1"),
@@ -200,57 +206,62 @@ def study_rows() -> list[Row]:
 def sparseloco_rows() -> list[Row]:
     """SparseLoCo's rule (issue 31): top-k per 64x64 tile, 2-bit values, residual beta 0.95, outer
     SGD lr 1 without momentum; against fp32 DiLoCo (m2-h30-outer) and data parallel at equal tokens."""
-    rows = [Row(_slo(h, d), h=h, codec="topk", rule="sparseloco", density=d, seeded=(h, d) == (30, 64 / 4096),
+    rows = [Row(_slo(h, d), h=h, codec=spec("topk", topk_density=d), rule="sparseloco",
+                seeded=(h, d) == (30, 64 / 4096),
                 note=f"SparseLoCo, H={h}, top-k {100 * d:.3g} %") for h in SPARSE_HS for d in SPARSE_DENSITIES]
-    rows += [Row(f"slo-h30-lr{lr:g}-beta{beta:g}", codec="topk", rule="sparseloco", outer=(lr, 0.0), beta=beta,
+    rows += [Row(f"slo-h30-lr{lr:g}-beta{beta:g}", codec=spec("topk"), rule="sparseloco", outer=(lr, 0.0), beta=beta,
                  note="SparseLoCo's outer lr and residual decay, around Covenant's 1 (later 0.65) and 0.95")
              for lr, beta in SPARSE_OUTER_SWEEP]
-    rows += [Row("slo-sign1-h30", codec="sign1", rule="sparseloco", note="SparseLoCo's rule with sign1 (1 bit, error-fed)"),
-             Row("slo-overlap-p2-tau5", mode="overlap", fragments=2, tau=5, codec="topk", rule="sparseloco",
+    rows += [Row("slo-sign1-h30", codec=spec("sign1"), rule="sparseloco",
+                 note="SparseLoCo's rule with sign1 (1 bit, error-fed)"),
+             Row("slo-overlap-p2-tau5", mode="overlap", fragments=2, tau=5, codec=spec("topk"), rule="sparseloco",
                  note="SparseLoCo with Streaming DiLoCo's overlap (2 fragments, tau 5)"),
-             Row("slo-m4-h30", groups=4, codec="topk", rule="sparseloco", note="SparseLoCo with 4 groups")]
-    rows += [Row(f"m2-h{h}-int2-outer", h=h, codec="int2", outer_tuned=True,
+             Row("slo-m4-h30", groups=4, codec=spec("topk"), rule="sparseloco", note="SparseLoCo with 4 groups")]
+    rows += [Row(f"m2-h{h}-int2-outer", h=h, codec=spec("int2"), outer_tuned=True,
                  note="int2 (2.125 bits/value) with error feedback under the tuned Nesterov outer step")
              for h in INT2_HS]
-    rows += [Row(f"slo-int2-h{h}", h=h, codec="int2", rule="sparseloco", note="SparseLoCo's rule with int2 (error-fed)")
+    rows += [Row(f"slo-int2-h{h}", h=h, codec=spec("int2"), rule="sparseloco",
+                 note="SparseLoCo's rule with int2 (error-fed)")
              for h in (30, 100)]
-    rows += [Row(_int2_h300(o), h=300, codec="int2", outer=o,
+    rows += [Row(_int2_h300(o), h=300, codec=spec("int2"), outer=o,
                  note=f"int2 at H=300, outer lr {o[0]:g} momentum {o[1]:g}") for o in INT2_H300_OUTERS]
-    rows += [Row(f"m2-h{h}-sign1-outer", h=h, codec="sign1", outer_tuned=True,
+    rows += [Row(f"m2-h{h}-sign1-outer", h=h, codec=spec("sign1"), outer_tuned=True,
                  note="sign1 (1.125 bits/value) with error feedback under the tuned Nesterov outer step")
              for h in SIGN1_HS]
-    rows += [Row(f"m2-qsr{h}-int2-outer", h=h, schedule="qsr", codec="int2", outer_tuned=True,
+    rows += [Row(f"m2-qsr{h}-int2-outer", h=h, schedule="qsr", codec=spec("int2"), outer_tuned=True,
                  note=f"int2 with error feedback under QSR from H_base={h}, tuned Nesterov outer step")
              for h in QSR_INT2_BASES]
     rows += [Row("m2-qsr100-outer", h=100, schedule="qsr", outer_tuned=True, note="fp32 under QSR from H_base=100")]
     rows += [Row(f"m2-{sched}-int2-int8final-outer", h=h, schedule="qsr" if sched.startswith("qsr") else "fixed",
-                 codec="int2", final_codec="int8", outer_tuned=True,
+                 codec=spec("int2", final_codec="int8"), outer_tuned=True,
                  note="int2 with error feedback, the last exchange int8 with the residuals (--final-codec int8)")
              for sched, h in (("h300", 300), ("qsr120", 120))]
     # int2 with 1024-value scale blocks (2.03 bits) at H=230 and an int4 last exchange: 0.0093 bits/param/step
     # per group (measured), at an H where fp32 itself costs less than at 300
-    rows += [Row("m2-h230-int2b1024-int4final-outer", h=230, codec="int2", codec_block=1024, final_codec="int4",
+    rows += [Row("m2-h230-int2b1024-int4final-outer", h=230, codec=spec("int2", codec_block=1024, final_codec="int4"),
                  outer_tuned=True, note="int2 (1024-value blocks) at H=230, the last exchange int4")]
     # the same without error feedback (--residual-decay 0: each exchange's 2-bit error is dropped, not sent a
     # round late): at H=230 the residual is stale error, as large as a fresh delta (bench/residual_staleness.py)
-    rows += [Row(f"m2-h{h}-{c}b1024-int4final-decay0-outer", h=h, codec=c, codec_block=1024, final_codec="int4",
+    rows += [Row(f"m2-h{h}-{c}b1024-int4final-decay0-outer", h=h, codec=spec(c, codec_block=1024, final_codec="int4"),
                  residual_decay=0.0, outer_tuned=True, note=f"{c} at H={h} without error feedback, last exchange int4")
              for c, h in (("int2", 230), ("sign1", 115))]
     # the same with zstd on the frames: int2's codes are not uniform (a Gaussian's high level is a third of
     # the values, fewer with heavier tails), so their entropy is under 2 bits; what zstd saves buys syncs, at
     # the same 0.01 bits a shorter H
-    rows += [Row(f"m2-h{h}-int2b1024-int4final-decay0-zstd-outer", h=h, codec="int2", codec_block=1024,
-                 final_codec="int4", residual_decay=0.0, zstd=True, outer_tuned=True,
+    rows += [Row(f"m2-h{h}-int2b1024-int4final-decay0-zstd-outer", h=h,
+                 codec=spec("int2", codec_block=1024, final_codec="int4", zstd=True),
+                 residual_decay=0.0, outer_tuned=True,
                  note=f"int2 at H={h} without error feedback, zstd, last exchange int4") for h in INT2_ZSTD_HS]
     # and under QSR from H_base=110 (short rounds early, long late: fp32 under QSR from 100 is +0.55 %, seed 1),
     # where int2 with error feedback failed (m2-qsr110-int2-outer)
-    rows += [Row("m2-qsr110-int2b1024-int4final-decay0-outer", h=110, schedule="qsr", codec="int2", codec_block=1024,
-                 final_codec="int4", residual_decay=0.0, outer_tuned=True,
+    rows += [Row("m2-qsr110-int2b1024-int4final-decay0-outer", h=110, schedule="qsr",
+                 codec=spec("int2", codec_block=1024, final_codec="int4"),
+                 residual_decay=0.0, outer_tuned=True,
                  note="int2 under QSR from H_base=110 without error feedback, last exchange int4")]
     # where the same 40 syncs go (bench/sync_plans.py): --schedule paced, H from 141 to 439 as the lr decays
     # tenfold (gamma 0.5), against fixed H=200; and QSR with gamma 0.5 from H_base=150 (39 syncs), the nearest
     # QSR: H = 150 through the warmup, then recomputed from the lr after each sync
-    int2_zstd = dict(codec="int2", codec_block=1024, final_codec="int4", residual_decay=0.0, zstd=True)
+    int2_zstd = dict(codec=spec("int2", codec_block=1024, final_codec="int4", zstd=True), residual_decay=0.0)
     rows += [Row(f"m2-paced200-{c}outer", h=200, schedule="paced", paced_gamma=0.5, outer_tuned=True,
                  note=f"{'int2 without error feedback, zstd, last exchange int4, ' if c else ''}40 syncs paced "
                  "by gamma 0.5", **(int2_zstd if c else {}))
@@ -277,11 +288,11 @@ def sparseloco_rows() -> list[Row]:
     # re-applies what a residual delivers a round late, make error feedback's stale residual worse?
     rows += [Row(f"m2-h230-{c}lr{o[0]:g}-mom{o[1]:g}", h=230, outer=o,
                  note=f"H=230, outer lr {o[0]:g} momentum {o[1]:g}",
-                 **(dict(codec="int2", codec_block=1024, final_codec="int4") if c else {}))
+                 **(dict(codec=spec("int2", codec_block=1024, final_codec="int4")) if c else {}))
              for c in ("", "int2b1024-int4final-") for o in OUTER_NO_MOMENTUM]
     # sign1 with 1024-value blocks (1.03 bits) at H=110 and an int4 last exchange, at an H where fp32 is no worse
     # than at 30: 0.0101 bits/param/step per group measured (1 % over the budget; H=115 below is under it)
-    rows += [Row("m2-h110-sign1b1024-int4final-outer", h=110, codec="sign1", codec_block=1024, final_codec="int4",
+    rows += [Row("m2-h110-sign1b1024-int4final-outer", h=110, codec=spec("sign1", codec_block=1024, final_codec="int4"),
                  outer_tuned=True, note="sign1 (1024-value blocks) at H=110, the last exchange int4")]
     return rows
 

@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:  # not bench/ itself: its transport.py would shado
 import torch  # noqa: E402
 
 from bench.convergence_rows import DEFAULT_OUTER, Row, Size  # noqa: E402
+from compress.codec_spec import codec_options  # noqa: E402
 from diloco.demo import data as data_mod  # noqa: E402
 from diloco.engine.averaging import SingleGroup  # noqa: E402
 from diloco.exchange.fault_stats import FaultStats  # noqa: E402
@@ -87,9 +88,9 @@ def make_config(size: Size, row: Row, seed: int, lrs: Settings, eval_batches: in
     cfg.train.steps, cfg.train.seed, cfg.train.entry = size.steps, seed, ENTRY
     cfg.train.log_every = max(1, size.steps // 10)  # loss-curve points
     t = cfg.transport
-    t.codec, t.timeout_s, t.probe_bytes, t.reprobe_every = row.codec, 300.0, 0, 0
-    t.topk_density, t.final_codec, t.codec_block = row.density, row.final_codec, row.codec_block
-    t.zstd = row.zstd
+    for option in codec_options():  # the row's codec spec, every option (TransportConfig holds them by name)
+        setattr(t, option.name, getattr(row.codec, option.name))
+    t.timeout_s, t.probe_bytes, t.reprobe_every = 300.0, 0, 0
     return cfg.validate()
 
 
@@ -280,13 +281,13 @@ def run_real(cfg: Config) -> dict:
 def make_record(size: Size, row: Row, seed: int, cfg: Config, result: dict) -> dict:
     steps = cfg.train.steps
     return {
-        "row": row.name, "stage": row.stage, "size": size.name, "mode": row.mode, "codec": row.codec,
+        "row": row.name, "stage": row.stage, "size": size.name, "mode": row.mode, "codec": row.codec.codec,
         "groups": row.groups, "h": 1 if row.mode == "dp" else row.h, "schedule": row.schedule,
         **({"qsr_gamma": row.qsr_gamma} if row.schedule == "qsr" else {}),
         **({"paced_gamma": row.paced_gamma} if row.schedule == "paced" else {}),
         "fragments": row.fragments, "overlap_steps": row.tau if row.mode == "overlap" else 0, "seed": seed,
         **({"merge_alpha": cfg.outer.merge_alpha(row.mode)} if row.mode == "overlap" else {}),
-        "outer_rule": cfg.outer.optimizer, "topk_density": row.density,
+        "outer_rule": cfg.outer.optimizer, "topk_density": row.codec.topk_density,
         "steps": steps, "batch_per_group": cfg.data.batch_size, "block_size": cfg.model.block_size,
         "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
         "inner_lr": cfg.inner.lr, "warmup_steps": cfg.inner.warmup_steps,

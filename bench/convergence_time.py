@@ -27,7 +27,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # before bench/ itself: its transport.py would sh
 
 import torch
 
-from bench.convergence_rows import SIZES, Row
+from bench.convergence_rows import SIZES, Row, spec
 from bench.convergence_run import (
     _Model,
     _Recorder,
@@ -45,6 +45,7 @@ from bench.convergence_run import (
     run_groups,
     study_task,
 )
+from compress.codec_spec import CodecSpec
 from diloco.engine.averaging import InProcessGroups
 from diloco.job.task import TaskContext
 from diloco.runtime.rank.train_loop import LoopOptions, train
@@ -63,7 +64,7 @@ class TimeRow:
     mode: str = "blocking"  # or overlap (Streaming DiLoCo: ``fragments``, ``tau``)
     fragments: int = 1
     tau: int = 0
-    codec: str = "fp32"
+    codec: CodecSpec = field(default_factory=CodecSpec)  # the codec and its options (``spec(...)``)
     rule: str = ""  # "sparseloco": SparseLoCo's outer rule (with codec topk)
     seeded: bool = False
     note: str = ""
@@ -80,9 +81,9 @@ ROWS = (
             note="fixed H=30, overlap with 2 fragments, tau 5: the streaming baseline at equal tokens"),
     TimeRow("time-overlap-p2-tau5-slow2", speeds=(1.0, 2.0), mode="overlap", fragments=2, tau=5, seeded=True,
             note="rounds by time, overlap with 2 fragments, tau 5, group 1 at half speed"),
-    TimeRow("fixed-slo-overlap-p2-tau5", timed=False, mode="overlap", fragments=2, tau=5, codec="topk",
+    TimeRow("fixed-slo-overlap-p2-tau5", timed=False, mode="overlap", fragments=2, tau=5, codec=spec("topk"),
             rule="sparseloco", note="fixed H=30, SparseLoCo with overlap (2 fragments, tau 5)"),
-    TimeRow("time-slo-overlap-p2-tau5-equal", mode="overlap", fragments=2, tau=5, codec="topk", rule="sparseloco",
+    TimeRow("time-slo-overlap-p2-tau5-equal", mode="overlap", fragments=2, tau=5, codec=spec("topk"), rule="sparseloco",
             note="rounds by time, SparseLoCo with overlap (2 fragments, tau 5), equal speeds"),
 )
 
@@ -151,7 +152,7 @@ def run_time_row(cfg, row: TimeRow) -> dict:
     rounds = math.ceil(cfg.train.steps / cfg.sync.h)
     seconds = g_count * cfg.train.steps / (rounds * sum(1 / s for s in row.speeds))
     groups = InProcessGroups(g_count, timeout_s=600, weighted=row.weighted,
-                             codec=None if row.codec == "fp32" else cfg.transport.codec_spec().build())
+                             codec=None if row.codec.codec == "fp32" else cfg.transport.codec_spec().build())
     posted: dict = {}
     lock = threading.Lock()
     clocks = [_Clock() for _ in range(g_count)]

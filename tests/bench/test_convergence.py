@@ -30,7 +30,7 @@ def tiny_record(row: conv.Row) -> dict:
 @pytest.fixture(scope="module")
 def records() -> dict:
     rows = [conv.Row("dp", mode="dp", groups=2, h=1), conv.Row("m2-h4", groups=2, h=4),
-            conv.Row("overlap-fp4", mode="overlap", groups=2, h=4, fragments=2, tau=1, codec="fp4-e2m1")]
+            conv.Row("overlap-fp4", mode="overlap", groups=2, h=4, fragments=2, tau=1, codec=catalogue.spec("fp4-e2m1"))]
     return {r.name: tiny_record(r) for r in rows}
 
 
@@ -74,7 +74,7 @@ def test_quick_selects_its_rows_one_seed_no_sweep():
     assert [r.name for r in rows] == list(conv.QUICK_ROWS)
     assert sweeps == [] and size.name == "small" and size.seeds == 1 and size.steps == conv.QUICK_SIZE.steps
     assert {r.mode for r in rows} >= {"dp", "blocking", "overlap", "eager"}
-    assert {r.codec for r in rows} >= {"fp32", "int4"}
+    assert {r.codec.codec for r in rows} >= {"fp32", "int4"}
     assert all(conv.seeds_for(size, r, 1) == [1] for r in rows)
     [(_, _, only)] = conv.plan(conv.parse_args(["--quick", "--only", "dp,m2-*"]))
     assert [r.name for r in only] == ["dp", "m2-h30", "m2-h30-int4"]
@@ -86,7 +86,7 @@ def test_full_plan_covers_the_issue_rows_at_equal_tokens():
     _, sweeps, rows = plans["small"]
     names = {r.name for r in rows}
     assert {f"m{m}-h{h}" for m in (1, 2, 4) for h in (10, 30, 100)} <= names
-    assert {r.codec for r in rows} == set(catalogue.CODECS) | {"int2", "sign1", "topk"}
+    assert {r.codec.codec for r in rows} == set(catalogue.CODECS) | {"int2", "sign1", "topk"}
     assert {"dp", "streaming-p2", "overlap-p2-tau5", "eager", "co2", "qsr"} <= names
     assert {r.name for r in sweeps if r.family == "dp"} and any(r.outer for r in sweeps)
     medium_size, medium_sweeps, medium_rows = plans["medium"]
