@@ -52,7 +52,7 @@ from diloco.engine.final_codec import FinalCodec
 from diloco.engine.fragment import NEVER, Fragment, first_syncs, fragment_names
 from diloco.engine.fragment_views import FragmentViews
 from diloco.engine.initial import agree
-from diloco.engine.modes import MODES, InitialSync, Mode
+from diloco.engine.modes import MODES, InitialSync, Mode, in_words, modes_where
 from diloco.engine.outer import OuterOptimizerFactory, by_mode
 from diloco.engine.round_clock import RoundClock, RoundTiming
 from diloco.engine.schedule import FixedSchedule, SyncSchedule, TimeRounds
@@ -123,8 +123,8 @@ class DiLoCo(FragmentViews, RoundTiming):
         residual_decay: float = 1.0,
     ) -> None:
         can = Capabilities.of(averager)
-        sync_mode, self.overlap_steps, self.merge_alpha = choose(mode, overlap_steps, merge_alpha,
-                                                                 error_feedback=can.error_feedback)
+        sync_mode, traits, self.overlap_steps, self.merge_alpha = choose(mode, overlap_steps, merge_alpha,
+                                                                         error_feedback=can.error_feedback)
         if averager is None:
             raise ValueError("averager is required: diloco.connect(...) for groups, diloco.SingleGroup() for one")
         self.model, self.inner_optimizer, self.averager, self.mode = model, inner_optimizer, averager, mode
@@ -137,8 +137,8 @@ class DiLoCo(FragmentViews, RoundTiming):
             raise ValueError("the model has no trainable parameters")
         groups = fragment_names(model, named, fragments)
         self.time_rounds = self.schedule if isinstance(self.schedule, TimeRounds) else None
-        if self.time_rounds is not None and not sync_mode.time_rounds:
-            raise ValueError(f"rounds by time run with mode 'blocking' or 'overlap', not {mode!r}")
+        if self.time_rounds is not None and not traits.time_rounds:
+            raise ValueError(f"rounds by time run with mode {in_words(modes_where('time_rounds'))}, not {mode!r}")
         self.clock = clock
         device = None if str(global_device) == "model" else torch.device(global_device)
         rule = outer_optimizer or by_mode(mode)
@@ -154,7 +154,7 @@ class DiLoCo(FragmentViews, RoundTiming):
         self._changed()
         #: rounds by time, a healer's catch-up (``diloco.engine.round_clock``); made after the initial
         #: exchange, which every group leaves together: rounds by time count from there on every group
-        self.round_clock = RoundClock(len(groups), self.time_rounds, overlap=sync_mode.round_grid, clock=clock,
+        self.round_clock = RoundClock(len(groups), self.time_rounds, overlap=traits.round_grid, clock=clock,
                                       vote=round_vote)
         self.inner_step = 0
         if self.time_rounds is None:
@@ -167,7 +167,7 @@ class DiLoCo(FragmentViews, RoundTiming):
             raise ValueError(f"overlap_steps ({self.overlap_steps}) must be < H/P ({min(self.next_sync)}): "
                              "a fragment's exchange must land before the next fragment is due")
         #: the sync mode's steps (``diloco.engine.sync_modes``)
-        self.sync = sync_mode(self, self.overlap_steps)
+        self.sync = sync_mode(self, self.overlap_steps, traits)
         self._weighted, self._screened = can.weighted, can.screens_contributions
         self._streams = can.streams_final  # the outer step runs range by range as the mean arrives
         self._observer = averager if isinstance(averager, Observing) else None
@@ -340,7 +340,7 @@ class DiLoCo(FragmentViews, RoundTiming):
         extra.update(self._shards(frag))
         if frag.streamed is not None:
             frag.streamed.begin()
-            if self._streams and self.sync.streams and frag.feeds_ranges and self.feedback.residuals is None \
+            if self._streams and self.sync.traits.streams and frag.feeds_ranges and self.feedback.residuals is None \
                     and self.sharded is None:
                 extra["on_final"] = frag.streamed.on_final
         return self._launched(frag, self.feedback.start(self.averager, frag.index, delta, tag=frag.tag, **extra))

@@ -27,7 +27,7 @@ class FinalCodec:
                              "one behind; use one without error feedback (fp32, bf16, int8, int4, ...)")
         if engine.tiles is not None:
             raise ValueError("SparseLoCo's outer rule needs error feedback to the end: no final codec with it")
-        if not engine.sync.final_codec:
+        if not engine.sync.traits.final_codec:
             raise ValueError(f"mode {engine.mode!r} reconciles its last round exactly: no final codec with it")
         if not isinstance(engine.averager, CodecSwitching):
             raise ValueError(f"{type(engine.averager).__name__} cannot switch codecs: no final codec with it")

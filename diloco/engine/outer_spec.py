@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from diloco.engine.modes import CO2_DEFAULTS, MODE_DEFAULTS
+from diloco.engine.modes import CO2_DEFAULTS, MODE_DEFAULTS, MODE_TRAITS
 
 #: the outer optimizers by name: how each is built from a spec (``outer`` is ``diloco.engine.outer``)
 OUTER_RULES: dict[str, Callable[[Any, "OuterSpec", str], Any]] = {
@@ -62,7 +62,7 @@ class OuterSpec:
         """The merge factor in force for a sync mode (0.5 in overlap, else 0, unless set)."""
         if self.alpha >= 0:
             return self.alpha
-        return 0.5 if mode == "overlap" else 0.0
+        return MODE_TRAITS[mode].default_alpha if mode in MODE_TRAITS else 0.0
 
     def problems(self, mode: str) -> list[str]:
         """What is wrong with these settings under sync mode ``mode``, one sentence each."""

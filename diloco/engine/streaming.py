@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from diloco.engine.diloco import MODES, DiLoCo, SyncEvent, first_syncs
+from diloco.engine.modes import modes_where
 
 FragmentEvent = SyncEvent
 
@@ -28,5 +29,5 @@ class StreamingDiLoCo(DiLoCo):
     def __init__(self, model, inner_optimizer, *, mode: str = "overlap", overlap_steps: int = 1,
                  merge_alpha: float | None = None, **kwargs: Any) -> None:
         super().__init__(model, inner_optimizer, mode=mode,  # type: ignore[arg-type]
-                         overlap_steps=overlap_steps if mode == "overlap" else 0,
+                         overlap_steps=overlap_steps if mode in modes_where("takes_tau") else 0,
                          merge_alpha=merge_alpha, **kwargs)

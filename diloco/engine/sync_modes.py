@@ -11,8 +11,9 @@ that are due; a sync is ``before_launch``, the launch, ``after_launch``); a mode
   ``(Δ_own(t) + M·mean(t−H) − Δ_own(t−H)) / M`` (with a weighted quorum: ``mean(t−H) + s·(Δ_own(t) −
   Δ_own(t−H))``, s = this group's share of that mean); ``close()`` reconciles the global copies.
 
-A new mode is a ``SyncMode`` subclass named in ``MODE_CLASSES`` (and in ``diloco.engine.modes``).
-The engine side a mode drives is ``Host``: the few operations it combines.
+A new mode is a ``SyncMode`` subclass named in ``MODE_CLASSES`` and its traits (what it allows, its
+defaults) in ``diloco.engine.modes.MODE_TRAITS``. The engine side a mode drives is ``Host``: the few
+operations it combines.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from diloco.engine.averaging import Averager, final_attempt, refused, share_of
 from diloco.engine.events import SyncEvent
 from diloco.engine.fragment import Fragment, InFlight
-from diloco.engine.modes import MODES
+from diloco.engine.modes import MODE_TRAITS, MODES, ModeTraits, in_words, modes_where
 
 
 class Host(Protocol):
@@ -60,19 +61,10 @@ class Host(Protocol):
 
 class SyncMode:
     """A mode's steps, for one engine (``host``); ``tau``: τ, the inner steps between a launch
-    and its landing. Class attributes: what the mode allows and its defaults."""
+    and its landing; ``traits``: what the mode allows (``MODE_TRAITS``)."""
 
-    default_tau = 0  # τ when ``overlap_steps`` is not given
-    takes_tau = False  # ``overlap_steps`` may be set
-    default_alpha = 0.0  # merge α when ``merge_alpha`` is not given
-    time_rounds = False  # runs rounds by time
-    round_grid = False  # rounds by time on a fixed grid (no barrier at a launch): ``RoundClock(overlap=)``
-    error_feedback = True  # runs with a codec that needs error feedback
-    final_codec = True  # runs a final codec for its last exchange
-    streams = False  # its outer step is the landed mean's, stepped range by range as the mean arrives
-
-    def __init__(self, host: Host, tau: int) -> None:
-        self.host, self.tau = host, tau
+    def __init__(self, host: Host, tau: int, traits: ModeTraits) -> None:
+        self.host, self.tau, self.traits = host, tau, traits
 
     def due(self, frag: Fragment) -> list[SyncEvent]:
         """At each inner step, before any launch: land what is due."""
@@ -101,9 +93,6 @@ class Overlap(SyncMode):
     """``overlap`` (Streaming DiLoCo): the exchange lands τ inner steps after its launch, its mean
     the outer step, merged with α."""
 
-    default_tau, takes_tau, default_alpha = 1, True, 0.5
-    time_rounds = round_grid = streams = True
-
     def commit(self, frag: Fragment) -> SyncEvent:
         mean, flight = self.host._land(frag)
         event = self.host._apply(frag, mean, flight.round, final_attempt(flight.pending))
@@ -129,9 +118,6 @@ class Overlap(SyncMode):
 class Blocking(Overlap):
     """``blocking`` (DiLoCo): the exchange lands at its launch (τ = 0)."""
 
-    default_tau, takes_tau, default_alpha = 0, False, 0.0
-    round_grid = False
-
 
 class Delayed(SyncMode):
     """``delayed`` and ``co2``: a launch applies the previous round's mean, one round stale."""
@@ -153,8 +139,6 @@ class Delayed(SyncMode):
 
 class Eager(Delayed):
     """``eager`` (Kale et al. 2025): this group's fresh Δ with the others' previous-round Δ."""
-
-    error_feedback = final_codec = False
 
     def update(self, frag: Fragment, delta: torch.Tensor) -> torch.Tensor:
         m = self.host.averager.num_groups
@@ -192,27 +176,25 @@ class Eager(Delayed):
 MODE_CLASSES: dict[str, type[SyncMode]] = {
     "blocking": Blocking, "overlap": Overlap, "eager": Eager, "delayed": Delayed, "co2": Delayed,
 }
-assert tuple(MODE_CLASSES) == MODES
+assert tuple(MODE_CLASSES) == MODES, "every mode of MODE_TRAITS has its class here, in the same order"
 
 
 def choose(mode: str, overlap_steps: int | None, merge_alpha: float | None, *,
-           error_feedback: bool) -> tuple[type[SyncMode], int, float]:
-    """The class of ``mode``, its τ and its merge α (the mode's defaults for None), checked
-    against each other and against an averager whose codec needs ``error_feedback``."""
+           error_feedback: bool) -> tuple[type[SyncMode], ModeTraits, int, float]:
+    """The class of ``mode``, its traits, its τ and its merge α (the mode's defaults for None),
+    checked against each other and against an averager whose codec needs ``error_feedback``."""
     if mode not in MODE_CLASSES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    cls = MODE_CLASSES[mode]
-    if error_feedback and not cls.error_feedback:
+    traits = MODE_TRAITS[mode]
+    if error_feedback and not traits.error_feedback:
         raise ValueError(f"mode {mode!r} cannot use a codec that needs error feedback (int2, sign1, topk): its "
                          "own-share correction assumes the mean holds this group's exact Δ")
-    # α = 0.5 only where τ local steps ran since Δ was measured (overlap); the other modes step at
-    # the sync itself, and their papers start the next round from the new θ_global (α = 0).
-    alpha = cls.default_alpha if merge_alpha is None else merge_alpha
+    alpha = traits.default_alpha if merge_alpha is None else merge_alpha
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"merge_alpha must be in [0, 1], got {alpha}")
-    tau = cls.default_tau if overlap_steps is None else overlap_steps
+    tau = traits.default_tau if overlap_steps is None else overlap_steps
     if tau < 0:
         raise ValueError(f"overlap_steps must be >= 0, got {overlap_steps}")
-    if tau and not cls.takes_tau:
-        raise ValueError(f"overlap_steps applies to mode 'overlap' only, not {mode!r}")
-    return cls, tau, alpha
+    if tau and not traits.takes_tau:
+        raise ValueError(f"overlap_steps applies to mode {in_words(modes_where('takes_tau'))} only, not {mode!r}")
+    return MODE_CLASSES[mode], traits, tau, alpha

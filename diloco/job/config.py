@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from diloco.engine.modes import INITIAL_SYNCS, MODES
+from diloco.engine.modes import INITIAL_SYNCS, MODE_TRAITS, MODES
 from diloco.engine.schedule import SyncSchedule
 from diloco.engine.outer_spec import OuterSpec, outer_rule_names
 from diloco.engine.schedule_spec import ScheduleSpec, schedule_names
@@ -166,7 +166,7 @@ class SyncConfig:
     )
     h_max: int = opt(0, "upper bound on H (0 = only the remaining steps)", flag="--h-max")
     mode: str = opt(
-        "blocking", "blocking DiLoCo, overlap (Streaming DiLoCo, tau steps), eager, delayed (naive), co2, "
+        "blocking", f"{', '.join(t.summary for t in MODE_TRAITS.values())}, "
         "or dp (data parallel: gradients averaged across groups every step, the baseline)",
         flag="--mode", choices=SYNC_MODES,
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.codec_spec import codec_names
-from diloco.engine.modes import MAX_FRAGMENTS
+from diloco.engine.modes import MAX_FRAGMENTS, MODES, in_words, modes_where
 from diloco.job.auto_choice import AUTO, AUTO_H, auto_problems
 
 #: a ``diloco.job.config.Config`` (not imported: that module imports this one)
@@ -125,14 +125,15 @@ def sync_problems(cfg: Config, need: Need) -> None:
     need(s.overlap_steps >= 0, f"--overlap-steps must be >= 0, got {s.overlap_steps}")
     need(s.round_seconds >= 0, f"--round-seconds must be >= 0 (0 = rounds of H steps), got {s.round_seconds}")
     if s.round_seconds > 0:
-        need(s.mode in ("blocking", "overlap") and s.schedule == "fixed",
-             f"--round-seconds runs with --mode blocking or overlap (any --fragments) and --schedule fixed "
-             f"(eager, delayed, co2 and QSR are not supported with rounds by time), not --mode {s.mode} "
-             f"--schedule {s.schedule}")
+        timed = modes_where("time_rounds")
+        need(s.mode in timed and s.schedule == "fixed",
+             f"--round-seconds runs with --mode {in_words(timed)} (any --fragments) and --schedule fixed "
+             f"({', '.join(m for m in MODES if m not in timed)} and QSR are not supported with rounds by "
+             f"time), not --mode {s.mode} --schedule {s.schedule}")
         need(not (train.checkpoint_every or train.stop_after),
              "--round-seconds does not take --checkpoint-every or --stop-after yet: job checkpoints are taken "
              "at an inner step every group reaches together, and with rounds by time groups run at their own step")
-    if s.mode == "overlap" and h_set:
+    if s.mode in modes_where("takes_tau") and h_set:
         # the engine staggers the fragments over the first round, which the run's steps cap
         first = s.h if s.round_seconds > 0 else min(s.h, max(train.steps, 1))
         need(s.overlap_steps < first // s.fragments,
@@ -190,9 +191,9 @@ def codec_problems(cfg: Config, need: Need) -> None:
         return
     feedback = spec.error_feedback
     ef_codecs = ", ".join(codec_names(error_feedback=True))
-    need(not feedback or s.mode not in ("eager", "dp"),
+    need(not feedback or s.mode in modes_where("error_feedback"),
          f"--codec {tr.codec} needs error feedback, which --mode {s.mode} does not keep "
-         "(use blocking, overlap, delayed or co2, or a codec of 4 bits or more)")
+         f"(use {in_words(modes_where('error_feedback'))}, or a codec of 4 bits or more)")
     need(o.residual_decay == 1.0 or feedback,
          f"--residual-decay applies to codecs with error feedback ({ef_codecs}), not {tr.codec}"
          + (" (auto chooses the codec)" if tr.codec == AUTO else ""))
@@ -213,8 +214,8 @@ def codec_problems(cfg: Config, need: Need) -> None:
         need(tr.codec != AUTO and s.h != AUTO_H,
              "--final-codec with --codec auto or --h auto: auto chooses the codecs")
         need(o.optimizer != "sparseloco", "--final-codec: SparseLoCo's rule keeps its residuals to the end")
-        need(s.mode not in ("eager", "dp"), f"--final-codec applies to modes with an outer step on a mean of "
-             f"pseudo-gradients (blocking, overlap, delayed, co2), not {s.mode}")
+        need(s.mode in modes_where("final_codec"), f"--final-codec applies to modes with an outer step on a mean "
+             f"of pseudo-gradients ({', '.join(modes_where('final_codec'))}), not {s.mode}")
 
 
 @_collect

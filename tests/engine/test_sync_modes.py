@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from diloco.engine.averaging import Done
 from diloco.engine.fragment import Fragment
-from diloco.engine.modes import MODES
+from diloco.engine.modes import MODE_DEFAULTS, MODE_TRAITS, MODES, modes_where
 from diloco.engine.outer import sgd
 from diloco.engine.sync_modes import MODE_CLASSES, Blocking, Delayed, Eager, Overlap, choose
 
@@ -69,16 +69,26 @@ def test_every_mode_has_a_strategy():
     assert tuple(MODE_CLASSES) == MODES
 
 
+def test_the_traits_say_what_each_mode_allows():
+    # what the configuration's checks, the engine and the outer rule's defaults read (diloco/engine/modes.py)
+    assert modes_where("time_rounds") == ("blocking", "overlap") and modes_where("round_grid") == ("overlap",)
+    assert modes_where("error_feedback") == modes_where("final_codec") == ("blocking", "overlap", "delayed", "co2")
+    assert modes_where("takes_tau") == ("overlap",) and modes_where("streams") == ("blocking", "overlap")
+    assert MODE_DEFAULTS == {"blocking": (0.7, 0.9), "overlap": (0.7, 0.9), "eager": (0.7, 0.5), "delayed": (0.7, 0.0)}
+    with pytest.raises(ValueError, match="unknown mode trait 'summary'"):
+        modes_where("summary")
+
+
 @pytest.mark.parametrize("mode, tau, alpha", [("blocking", 0, 0.0), ("overlap", 1, 0.5), ("eager", 0, 0.0),
                                               ("delayed", 0, 0.0), ("co2", 0, 0.0)])
 def test_each_mode_has_its_defaults(mode, tau, alpha):
-    cls, got_tau, got_alpha = choose(mode, None, None, error_feedback=False)
-    assert cls is MODE_CLASSES[mode] and (got_tau, got_alpha) == (tau, alpha)
+    cls, traits, got_tau, got_alpha = choose(mode, None, None, error_feedback=False)
+    assert cls is MODE_CLASSES[mode] and traits is MODE_TRAITS[mode] and (got_tau, got_alpha) == (tau, alpha)
 
 
 @pytest.mark.parametrize("mode, kw, message", [
     ("sync", {}, "unknown mode 'sync'"),
-    ("delayed", {"overlap_steps": 2}, "overlap_steps applies to mode 'overlap' only, not 'delayed'"),
+    ("delayed", {"overlap_steps": 2}, "overlap_steps applies to mode overlap only, not 'delayed'"),
     ("overlap", {"overlap_steps": -1}, "overlap_steps must be >= 0"),
     ("blocking", {"merge_alpha": 1.5}, r"merge_alpha must be in \[0, 1\]"),
     ("eager", {"error_feedback": True}, "mode 'eager' cannot use a codec that needs error feedback"),
@@ -90,7 +100,7 @@ def test_each_mode_refuses_what_it_cannot_run(mode, kw, message):
 
 def test_blocking_commits_the_mean_at_its_launch():
     host, frag = _Host(torch.tensor([1.0, 2.0])), _fragment()
-    mode = Blocking(host, 0)
+    mode = Blocking(host, 0, MODE_TRAITS["blocking"])
     events, delta = _launch(mode, frag, host, Done(torch.tensor([3.0, 4.0])))
     assert events == [("commit", 0)] and host.applied == [(0, [3.0, 4.0])] and frag.in_flight is None
     assert delta.tolist() == [1.0, 2.0]
@@ -98,7 +108,7 @@ def test_blocking_commits_the_mean_at_its_launch():
 
 def test_overlap_lands_tau_steps_after_its_launch():
     host, frag = _Host(torch.tensor([1.0, 2.0])), _fragment()
-    mode = Overlap(host, 2)
+    mode = Overlap(host, 2, MODE_TRAITS["overlap"])
     host.inner_step = 10
     assert _launch(mode, frag, host, Done(torch.tensor([3.0, 4.0])))[0] == [] and frag.in_flight is not None
     host.inner_step = 11
@@ -109,7 +119,7 @@ def test_overlap_lands_tau_steps_after_its_launch():
 
 def test_overlap_lands_the_previous_exchange_first_when_the_next_launch_comes_before_tau():
     host, frag = _Host(torch.tensor([1.0, 2.0])), _fragment()
-    mode = Overlap(host, 5)
+    mode = Overlap(host, 5, MODE_TRAITS["overlap"])
     _launch(mode, frag, host, Done(torch.tensor([3.0, 4.0])))
     events, _ = _launch(mode, frag, host, Done(torch.tensor([5.0, 6.0])))
     assert events == [("commit", 0)] and frag.in_flight.round == 1
@@ -118,7 +128,7 @@ def test_overlap_lands_the_previous_exchange_first_when_the_next_launch_comes_be
 
 def test_delayed_applies_the_previous_rounds_mean_at_the_next_launch():
     host, frag = _Host(torch.tensor([1.0, 2.0])), _fragment()
-    mode = Delayed(host, 0)
+    mode = Delayed(host, 0, MODE_TRAITS["delayed"])
     assert _launch(mode, frag, host, Done(torch.tensor([3.0, 4.0])))[0] == [("commit", 0)]
     assert host.applied == [(0, None)]  # round 0: no mean yet, no outer step
     _launch(mode, frag, host, Done(torch.tensor([5.0, 6.0])))
@@ -132,7 +142,7 @@ def test_delayed_applies_the_previous_rounds_mean_at_the_next_launch():
                                              (0.0, [3.0, 3.0])])  # refused or healing: the mean as it is
 def test_eager_replaces_its_own_share_of_the_previous_mean_by_its_fresh_delta(share, expected):
     host, frag = _Host(torch.tensor([1.0, 1.0])), _fragment()
-    mode = Eager(host, 0)
+    mode = Eager(host, 0, MODE_TRAITS["eager"])
     _launch(mode, frag, host, _Shared(torch.tensor([3.0, 3.0]), share))
     assert host.applied == [(0, [0.5, 0.5])]  # round 0: Δ / M
     host.delta = torch.tensor([2.0, 2.0])
@@ -144,5 +154,5 @@ def test_eager_replaces_its_own_share_of_the_previous_mean_by_its_fresh_delta(sh
 def test_eager_reconciles_the_global_copies_at_the_end():
     host, frag = _Host(torch.tensor([1.0, 1.0])), _fragment((2.0, 4.0))
     host.averager.start = lambda flat, *, tag, exact: Done(flat / 2)  # the other group holds zeros
-    Eager(host, 0).finish([frag])
+    Eager(host, 0, MODE_TRAITS["eager"]).finish([frag])
     assert frag.global_params[0].tolist() == [1.0, 2.0]

@@ -36,6 +36,7 @@ import torch.nn as nn
 from compress.codec_spec import CodecSpec
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
+from diloco.engine.modes import MODE_TRAITS
 from diloco.engine.outer_spec import OuterSpec
 from diloco.engine.schedule import SyncSchedule
 from diloco.exchange.heartbeat import GroupEvicted
@@ -91,7 +92,7 @@ def make_engine(model: nn.Module, inner: torch.optim.Optimizer, averager, fragme
     split = None if s.fragments == 1 else (fragments(model, s.fragments) if fragments else s.fragments)
     return DiLoCo(
         model, inner, averager=averager, sync_every=schedule, mode=s.mode, fragments=split,
-        overlap_steps=s.overlap_steps if s.mode == "overlap" else 0, merge_alpha=outer.alpha_for(s.mode),
+        overlap_steps=s.overlap_steps if MODE_TRAITS[s.mode].takes_tau else 0, merge_alpha=outer.alpha_for(s.mode),
         outer_optimizer=outer.build(s.mode), global_device="cpu" if outer_device == "cpu" else "model",
         initial_sync=initial_sync, round_vote=_group_round_vote(), clock=clock,
         final_codec=_built(final_codec), residual_decay=outer.residual_decay,
