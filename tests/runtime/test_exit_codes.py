@@ -112,6 +112,9 @@ def test_a_group_that_finished_is_not_reported_and_a_drill_s_kill_is_reported_at
             self.down = {1}
             return ChaosPlan(kill=[1] if 1 in running else [])
 
+        def replaced(self, group):  # no spares here: never called
+            raise AssertionError("no spare took a group's place")
+
     procs = {0: subprocess.Popen([sys.executable, "-c", "pass"]),  # finishes: exit 0
              1: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])}
     procs[0].wait()

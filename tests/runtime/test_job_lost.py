@@ -31,6 +31,9 @@ class KillEveryGroup:
             return ChaosPlan(kill=list(range(self.groups)))
         return ChaosPlan()
 
+    def replaced(self, group: int) -> None:  # the supervisor started it from a spare: nothing to undo
+        pass
+
 
 def test_every_group_killed_at_once_ends_diloco_run_with_job_lost_and_exit_75(tmp_path):
     cfg = Config()

@@ -51,6 +51,47 @@ def test_a_restarted_group_takes_the_oldest_live_spare_and_a_new_one_is_started(
     assert {id(p.proc) for p in sup.all_procs()} >= {id(spares[2]), id(spares[3])}  # ended with the run
 
 
+def test_a_group_the_drill_kills_takes_a_ready_spare_at_once_and_is_not_started_again_after_the_pause(monkeypatch):
+    from diloco.runtime.launch import supervise
+    from diloco.runtime.launch.chaos import ChaosMonkey
+
+    monkeypatch.setattr(supervise, "kill_tree", lambda proc: setattr(proc, "code", -9))
+    spares, assigned, told = [], [], []
+
+    def start_spare():
+        spares.append(_Proc())
+        return type("S", (), {"proc": spares[-1]})()
+
+    def run(spare_count: int, clock: list[float]) -> Supervisor:
+        drill = ChaosMonkey(1, seed=0, gap_s=(0.0, 0.0), pause_s=(5.0, 5.0))
+        monkeypatch.setattr(supervise.time, "monotonic", lambda: clock[0])
+        sup = Supervisor(lambda g, a: _Group(g, _Proc()), groups=2, max_restarts=0, chaos=drill, spares=spare_count,
+                         start_spare=start_spare, assign=lambda s, g, a: assigned.append((g, a)) or _Group(g, s.proc),
+                         on_exit=lambda g, why: told.append(g))
+        sup.start()
+        sup.poll(live={0, 1}, progress=0.1)  # the drill's clock starts
+        sup.poll(live={0, 1}, progress=0.1)  # its kill
+        return sup
+
+    clock = [100.0]
+    sup = run(1, clock)
+    [victim] = told
+    assert assigned == [(victim, 1)] and sup.procs[victim].proc is spares[0]  # the spare took its place at once
+    assert victim not in sup.chaos.down and sup.attempts[victim] == 1
+    clock[0] += 10.0  # past the pause: the drill restarts nothing
+    sup.poll(live={0, 1}, progress=0.2)
+    assert assigned == [(victim, 1)] and sup.attempts[victim] == 1
+
+    assigned.clear(), told.clear()
+    clock = [100.0]
+    sup = run(0, clock)  # no spare: the killed group waits for its host's pause
+    [victim] = told
+    assert victim in sup.chaos.down and sup.attempts[victim] == 0 and sup.procs[victim].proc.code == -9
+    clock[0] += 10.0
+    sup.poll(live={0, 1}, progress=0.2)
+    assert sup.attempts[victim] == 1 and sup.procs[victim].proc.code is None
+
+
 def test_an_assignment_is_checked_before_it_runs(monkeypatch, capsys):
     import io
 

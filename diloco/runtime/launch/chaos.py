@@ -20,14 +20,16 @@ frame fails its check, that exchange rolls back and runs again.
 Rules: a group is killed only while it is up and a healthy live member of the job (not healing,
 not killed earlier and not yet healed back), only if at least one other such group would remain
 (someone must hold the state to heal from), and only before ``stop_fraction`` of the job's steps;
-a killed group is restarted after a pause drawn from ``pause_s``; faults are spaced by gaps drawn
-from ``gap_s`` (seconds).
+a killed group is restarted after a pause drawn from ``pause_s`` (its host's restart; with a warm
+spare ready the caller starts it there at once and says so, ``replaced``); faults are spaced by gaps
+drawn from ``gap_s`` (seconds).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from diloco.job.config import CHAOS_KINDS
 
@@ -45,6 +47,25 @@ class ChaosPlan:
     stall: list[int] = field(default_factory=list)
     resume: list[int] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
+
+
+class Drill(Protocol):
+    """What the supervisor asks of a fault drill (``ChaosMonkey``, or a test's own)."""
+
+    kills_done: int  # faults done so far
+
+    @property
+    def down(self) -> set[int]:
+        """Groups the drill holds down: killed and not yet due for a restart, or frozen."""
+        ...
+
+    def tick(self, now: float, *, live: set[int], running: set[int], progress: float) -> ChaosPlan:
+        """What to do now (``ChaosMonkey.tick``)."""
+        ...
+
+    def replaced(self, group: int) -> None:
+        """A killed ``group`` was started again at once, from a warm spare."""
+        ...
 
 
 class ChaosMonkey:
@@ -116,6 +137,12 @@ class ChaosMonkey:
         self.kills_done += 1
         self._next_kill_at = now + self.rng.uniform(*self.gap_s)
         return plan
+
+    def replaced(self, group: int) -> None:
+        """A killed ``group`` was started again at once (a warm spare took its place): no restart is
+        due for it after its pause; it counts as healthy again once the coordinator has it back."""
+        if group not in self._stalled:
+            self._down.pop(group, None)
 
     @property
     def down(self) -> set[int]:

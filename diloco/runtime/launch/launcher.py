@@ -35,7 +35,7 @@ from diloco.runtime.checkpoints import job_checkpoint
 from diloco.runtime.checkpoints.job_checkpoint import ResumePoint
 from diloco.runtime.launch import preflight, spare
 from diloco.runtime.launch.agent import PARENT_ENV
-from diloco.runtime.launch.chaos import ChaosMonkey
+from diloco.runtime.launch.chaos import ChaosMonkey, Drill
 from diloco.runtime.launch.graceful_stop import GracefulStop, auto_stop_timeout, overdue_message, trained_since
 from diloco.runtime.launch.link_relays import CorruptingRelays
 from diloco.runtime.launch.summary import fault_summary, human_bytes, summarize
@@ -221,7 +221,7 @@ class _Progress:
 
 def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeout_s: float | None = None,
         placement: Placement | None = None, resume: ResumePoint | None = None,
-        chaos: ChaosMonkey | None = None, fit_ranks: bool = False, stop_timeout_s: float | None = None) -> dict:
+        chaos: Drill | None = None, fit_ranks: bool = False, stop_timeout_s: float | None = None) -> dict:
     """Run a whole job on this machine; returns the summary dict (see ``summary.format_summary``).
     ``resume``: continue from this job checkpoint (``job_checkpoint.find``; ``cfg`` from
     ``job_checkpoint.resume_config``). ``chaos``: a fault drill (default: ``--chaos N`` kills).
@@ -372,7 +372,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
     return summary
 
 
-def _relays(cfg: Config, chaos: ChaosMonkey | None, placement: Placement) -> CorruptingRelays | None:
+def _relays(cfg: Config, chaos: Drill | None, placement: Placement) -> CorruptingRelays | None:
     """The relays of a drill with ``corrupt`` faults (None without; a drill of the caller's own, any
     object with ``tick``, has them if its ``kinds`` say so); LaunchError where they cannot go."""
     if chaos is None or "corrupt" not in getattr(chaos, "kinds", ()):

@@ -5,8 +5,9 @@ A group whose process exits for a fault (75, "restart me", or killed by a signal
 as a new incarnation and heal into the job (docs/fault_tolerance.md). A group that exits with a
 configuration error (2) or another error (1) is not: a restart would repeat it, so the run stops
 with the group's own error lines.
-A fault drill (``diloco.runtime.launch.chaos.ChaosMonkey``) may kill groups on purpose; those are started again
-when the drill says, and do not count against ``max_restarts``.
+A fault drill (``diloco.runtime.launch.chaos.Drill``, e.g. its ``ChaosMonkey``) may kill groups on purpose; those are started again
+when the drill says (after their host's pause; at once where a warm spare is ready), and do not count
+against ``max_restarts``.
 With ``spares`` (``--spares N``) N warm spares (``diloco.runtime.launch.spare``) are kept started: a group
 restarted (after a fault or by the drill) becomes the oldest live spare at once, and a new spare
 is started in its place.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from diloco.runtime.launch.chaos import ChaosMonkey
+from diloco.runtime.launch.chaos import Drill
 from diloco.runtime.ops import exit_codes
 from diloco.runtime.ops.processes import freeze_tree, kill_tree
 
@@ -47,7 +48,7 @@ class Supervisor:
     spawn: Callable[[int, int], GroupProcess]
     groups: int
     max_restarts: int
-    chaos: ChaosMonkey | None = None
+    chaos: Drill | None = None
     #: flips a bit of what a group receives next (the drill's ``corrupt`` faults; see link_relays)
     corrupt_link: Callable[[int], None] | None = None
     #: warm spares: how many to keep, ``start_spare()`` starts one (an object with ``proc``), and
@@ -86,6 +87,9 @@ class Supervisor:
         self.procs[g] = self.assign(spare, g, self.attempts[g])
         self.spares_used.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
         self._refill()
+
+    def _spare_ready(self) -> bool:
+        return any(s.proc.poll() is None for s in self.ready)
 
     def _take_spare(self) -> Any:
         """The oldest spare still running (one that died, e.g. with the host's memory, is dropped)."""
@@ -137,6 +141,9 @@ class Supervisor:
                 kill_tree(self.procs[g].proc)
                 self._exited(g, "its process was killed (SIGKILL, the fault drill)")
                 self.kills.append({"group": g, "at_s": round(time.monotonic() - self.started, 3)})
+                if self._spare_ready():  # the drill's pause is the killed host's; a spare on another does not wait
+                    self.chaos.replaced(g)
+                    self._spawn(g)
             for g in plan.restart:
                 self._spawn(g)
             for g in plan.stall:
