@@ -22,7 +22,6 @@ import json
 import subprocess
 import sys
 from collections import defaultdict
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +95,7 @@ def build(records: list[dict], source_sha256: str = "") -> dict:
             "merge_alpha": row.merge_alpha,
             **_codec_options(row, first["codec"]),
         }
-        entries.append({f.name: entry[f.name] for f in fields(Setting)})  # in Setting's order
+        entries.append(Setting.from_json(entry).to_json())  # in Setting's order, the codec's options in its place
     dates = sorted({r["date"] for recs in by_row.values() for r in recs})
     return {
         "what": f"settings the convergence study measured at size {SIZE} (8,000 inner steps, a 2-layer d64 GPT); "

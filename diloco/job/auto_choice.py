@@ -52,20 +52,22 @@ _CHOSEN = (("sync", "mode", "blocking", "--mode", "mode"), ("sync", "fragments",
            ("outer", "residual_decay", 1.0, "--residual-decay", "residual_decay"),
            ("outer", "alpha", -1.0, "--merge-alpha", "merge_alpha"),
            # the codec's options, as its spec says auto treats them (compress.codec_spec)
-           *(("transport", f.name, f.default, f.metadata["flag"], f.name if f.metadata["auto"] == codec_spec.AUTO_SETS else None)
+           *(("transport", f.name, f.default, f.metadata["flag"],
+              "codec_options" if f.metadata["auto"] == codec_spec.AUTO_SETS else None)
              for f in codec_spec.codec_options() if f.name != "codec" and f.metadata["auto"] != codec_spec.AUTO_KEEPS))
 
-#: the codec options a setting holds (a field of ``Setting`` each)
+#: the codec options a setting holds (``Setting.codec_options``; a flat key each in the table)
 CODEC_OPTIONS_SET = tuple(f for f in codec_spec.codec_options() if f.metadata["auto"] == codec_spec.AUTO_SETS)
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting the study measured: what a job runs, its loss cost and its traffic."""
+    """One setting the study measured: what a job runs, its loss cost and its traffic. Its codec is
+    ``codec_options``: the options ``CODEC_OPTIONS_SET`` names as the study set them (a table
+    written before an option was measured reads as its default), the others at their defaults."""
 
     row: str
-    codec: str
-    topk_density: float
+    codec_options: CodecSpec
     outer_optimizer: str
     outer_lr: float
     outer_momentum: float
@@ -82,31 +84,45 @@ class Setting:
     # (defaults: what a table written before these fields were measured ran)
     schedule: str = "fixed"  # or "paced": h is then the mean period
     paced_gamma: float = 0.5
-    codec_block: int = 0  # 0: the codec's default
-    zstd: bool = False
     residual_decay: float = 1.0
-    final_codec: str = ""  # '': the codec to the end
     merge_alpha: float = -1.0  # -1: the mode's (0.5 in overlap)
 
     @property
-    def codec_options(self) -> tuple[Any, ...]:
-        """What its codec is built from: the codec options the study sets (``AUTO_SETS`` in
-        ``compress.codec_spec``: name, block size, top-k density, final codec, zstd)."""
-        return tuple(getattr(self, f.name) for f in CODEC_OPTIONS_SET)
+    def codec(self) -> str:
+        return self.codec_options.codec
 
     def codec_spec(self, base: CodecSpec) -> CodecSpec:
         """The codec this setting runs: the job's codec options ``base`` with those the study set."""
-        return dataclasses.replace(base, **{f.name: getattr(self, f.name) for f in CODEC_OPTIONS_SET})
+        return dataclasses.replace(base, **{f.name: getattr(self.codec_options, f.name) for f in CODEC_OPTIONS_SET})
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> "Setting":
+        """A setting from a table entry (flat keys: the codec options' beside the others)."""
+        names = {f.name for f in fields(cls)}
+        codec = CodecSpec(**{f.name: entry[f.name] for f in CODEC_OPTIONS_SET if f.name in entry})
+        return cls(**{**{k: v for k, v in entry.items() if k in names}, "codec_options": codec,
+                      "seeds": tuple(entry["seeds"])})
+
+    def to_json(self) -> dict[str, Any]:
+        """The table entry of this setting: flat keys, the codec options' in place of ``codec_options``."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "codec_options":
+                out.update({o.name: getattr(self.codec_options, o.name) for o in CODEC_OPTIONS_SET})
+            else:
+                out[f.name] = list(self.seeds) if f.name == "seeds" else getattr(self, f.name)
+        return out
 
     @property
     def label(self) -> str:
         """``topk 1.56 % sparseloco H=30``, ``int4 H=200``, ``fp32 overlap P=2 tau=5 H=30``,
         ``int2 b1024 zstd decay 0 then int4 paced 0.5 H=200`` ..."""
-        parts = [self.codec + (f" {100 * self.topk_density:.3g} %" if self.codec == "topk" else "")]
-        parts += [f"b{self.codec_block}"] if self.codec_block else []
-        parts += ["zstd"] if self.zstd else []
+        c = self.codec_options
+        parts = [c.codec + (f" {100 * c.topk_density:.3g} %" if c.codec == "topk" else "")]
+        parts += [f"b{c.codec_block}"] if c.codec_block else []
+        parts += ["zstd"] if c.zstd else []
         parts += [f"decay {self.residual_decay:g}"] if self.residual_decay != 1.0 else []
-        parts += [f"then {self.final_codec}"] if self.final_codec else []
+        parts += [f"then {c.final_codec}"] if c.final_codec else []
         if self.outer_optimizer != "nesterov":
             parts.append(self.outer_optimizer)
         if self.mode != "blocking":
@@ -148,9 +164,7 @@ def load_table(path: str | Path = TABLE_PATH) -> AutoTable:
     """Read a table written by ``bench/auto_table.py`` (ValueError when it is not one)."""
     try:
         raw = json.loads(Path(path).read_text())
-        names = {f.name for f in fields(Setting)}
-        entries = tuple(Setting(**{**{k: v for k, v in e.items() if k in names}, "seeds": tuple(e["seeds"])})
-                        for e in raw["entries"])
+        entries = tuple(Setting.from_json(e) for e in raw["entries"])
         return AutoTable(raw["size"], tuple(raw["study_dates"]), raw["commit"], raw["regenerate"], entries)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read the auto table {path}: {e}") from e
@@ -252,14 +266,15 @@ def slowest_link(table: Mapping[int, Mapping[int, Mapping[int, float]]], sizes: 
 #: its fragments and schedule, the last exchange's codec (the codec with its options and H may
 #: change between two launches)
 _RULE = ("outer_optimizer", "outer_lr", "outer_momentum", "sparseloco_beta", "mode", "fragments", "overlap_steps",
-         "groups", "schedule", "paced_gamma", "residual_decay", "final_codec", "merge_alpha")
+         "groups", "schedule", "paced_gamma", "residual_decay", "merge_alpha")
 
 
 def same_rule(a: Setting, b: Setting) -> bool:
     """Whether a running job can switch between ``a`` and ``b``: the same outer rule (and lr,
     momentum, residual decay), mode, fragments, tau, schedule and last exchange's codec (the
     engine holds them from its start); codec, its block and zstd, density and H may differ."""
-    return all(getattr(a, k) == getattr(b, k) for k in _RULE)
+    return all(getattr(a, k) == getattr(b, k) for k in _RULE) and \
+        a.codec_options.final_codec == b.codec_options.final_codec
 
 
 def same_but_h(a: Setting, b: Setting) -> bool:
@@ -364,10 +379,12 @@ def apply_choice(cfg: Any, s: Setting) -> Any:
     """A copy of ``cfg`` (a ``Config``) that runs setting ``s``."""
     out = copy.deepcopy(cfg)
     for section, name, _, _, field in _CHOSEN:
+        if section == "transport":  # the codec's options: below, from the setting's codec
+            continue
         value = None if field is None else getattr(s, field)
         if value is not None:  # a table without a beta: the config's
             setattr(getattr(out, section), name, value)
-    out.transport.codec, out.sync.h = s.codec, s.h
-    if s.codec != "topk":
-        out.transport.topk_density = 0.0
+    for option in CODEC_OPTIONS_SET:
+        setattr(out.transport, option.name, getattr(s.codec_options, option.name))
+    out.sync.h = s.h
     return out

@@ -31,7 +31,8 @@ def test_the_shipped_table_holds_only_the_long_size_and_its_fp32_baseline():
     # the study's settings with codec options and planned schedules are in, QSR (H follows the lr) is not
     assert {e.schedule for e in TABLE.entries} == {"fixed", "paced"}
     paced = entry("m2-paced200-int2b1024-int4final-decay0-zstd-outer")
-    assert (paced.codec_block, paced.zstd, paced.residual_decay, paced.final_codec, paced.paced_gamma) == \
+    c = paced.codec_options
+    assert (c.codec_block, c.zstd, paced.residual_decay, c.final_codec, paced.paced_gamma) == \
         (1024, True, 0.0, "int4", 0.5)
     assert paced.label == "int2 b1024 zstd decay 0 then int4 paced 0.5 H=200"
     assert len(paced.seeds) == 5 and paced.loss_cost < 0.01 and paced.bits_per_param_per_step / paced.groups < 0.01
@@ -46,7 +47,8 @@ def test_a_table_written_before_the_codec_options_reads_as_their_defaults(tmp_pa
             e.pop(key)
     (tmp_path / "old.json").write_text(json.dumps(raw))
     old = ac.load_table(tmp_path / "old.json")
-    assert all((e.schedule, e.codec_block, e.zstd, e.residual_decay, e.final_codec, e.merge_alpha) ==
+    assert all((e.schedule, e.codec_options.codec_block, e.codec_options.zstd, e.residual_decay,
+                e.codec_options.final_codec, e.merge_alpha) ==
                ("fixed", 0, False, 1.0, "", -1.0) for e in old.entries)
     assert [e.row for e in old.entries] == [e.row for e in TABLE.entries]
 
@@ -167,8 +169,7 @@ def test_every_setting_of_the_table_is_a_valid_config_of_the_demo():
         assert (out.transport.codec, out.sync.h, out.sync.mode, out.outer.optimizer) == (e.codec, e.h, e.mode,
                                                                                         e.outer_optimizer)
         t = out.transport
-        assert (t.codec_block, t.zstd, t.final_codec, out.outer.residual_decay) == (e.codec_block, e.zstd, e.final_codec,
-                                                                                    e.residual_decay)
+        assert t.codec_spec() == e.codec_spec(cfg.transport.codec_spec()) and out.outer.residual_decay == e.residual_decay
         assert (out.sync.schedule, out.sync.paced_gamma, out.outer.alpha) == (e.schedule, e.paced_gamma, e.merge_alpha)
         assert out.outer.outer_lr(out.sync.mode) == e.outer_lr and out.outer.outer_momentum(out.sync.mode) == e.outer_momentum
     assert cfg.transport.codec == "auto"  # apply_choice copies
@@ -176,8 +177,11 @@ def test_every_setting_of_the_table_is_a_valid_config_of_the_demo():
 
 def test_every_field_of_a_setting_that_a_job_runs_is_applied_and_must_be_left_unset():
     measured = {"row", "groups", "seeds", "eval_loss", "loss_cost", "bits_per_param_per_step"}
-    applied = {field for *_, field in ac._CHOSEN if field is not None} | {"codec", "h"}
+    applied = {field for *_, field in ac._CHOSEN if field is not None} | {"h"}
     assert applied == {f.name for f in dataclasses.fields(ac.Setting)} - measured
+    # the codec's: every option the codec spec says auto sets, each a key of the table, none other
+    assert set(TABLE.entries[0].to_json()) - {f.name for f in dataclasses.fields(ac.Setting)} == \
+        {f.name for f in ac.CODEC_OPTIONS_SET}
 
 
 def test_config_refuses_what_auto_cannot_decide():

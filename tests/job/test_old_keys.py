@@ -48,4 +48,4 @@ def test_the_committed_auto_table_reads_and_every_setting_builds():
         assert cfg.transport.codec_spec().problems() == [], entry.row
         assert entry.codec_spec(base.transport.codec_spec()) == cfg.transport.codec_spec(), entry.row
         assert (cfg.transport.codec, cfg.sync.h, cfg.transport.codec_block, cfg.transport.zstd) == \
-            (entry.codec, entry.h, entry.codec_block, entry.zstd)
+            (entry.codec, entry.h, entry.codec_options.codec_block, entry.codec_options.zstd)
