@@ -278,8 +278,10 @@ class DiLoCo(FragmentViews, RoundTiming):
         return float(flat.norm()) if self.sharded is None else self.sharded.norm(flat)
 
     def _changed(self) -> None:
-        """The global parameters changed: a sharded engine hashes them now (a collective of the
-        group, at the same point on every rank), so ``global_hash()`` never needs one."""
+        """The global parameters changed: ``global_hash()`` takes them again when next asked; a
+        sharded engine hashes them now (a collective of the group, at the same point on every
+        rank), so ``global_hash()`` never needs one."""
+        self._global_hash = None
         if self.sharded is not None:
             self.sharded.rehash(self.fragments)
 

@@ -21,6 +21,7 @@ class FragmentViews:
     fragments: list[Fragment]
     model: nn.Module
     sharded: ShardedState | None
+    _global_hash: str | None = None  # ``global_hash()`` of the global parameters as they are (None: not taken)
 
     # --- each fragment's position ---------------------------------------------------------------
 
@@ -76,12 +77,16 @@ class FragmentViews:
         return torch.cat([f.pseudo_gradient() for f in self.fragments])
 
     def global_hash(self) -> str:
-        """`params_hash` of the global parameters, in fragment order (16 hex chars). Sharded: of
-        the whole model (every rank's shard), the same number as unsharded for the same values;
-        computed collectively whenever they change, so calling it needs no collective."""
+        """`params_hash` of the global parameters, in fragment order (16 hex chars), taken once per
+        change of them (the engine's ``_changed``): a round's report after its commit and the next
+        quorum ask share one pass. Sharded: of the whole model (every rank's shard), the same number
+        as unsharded for the same values, computed collectively at each change, so calling it needs
+        no collective."""
         if self.sharded is not None:
             return self.sharded.hash
-        return params_hash(self.global_params)
+        if self._global_hash is None:
+            self._global_hash = params_hash(self.global_params)
+        return self._global_hash
 
     def fragment_hash(self, p: int) -> str:
         """`params_hash` of fragment p's global parameters (this rank's shard when sharded)."""

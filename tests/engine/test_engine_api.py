@@ -263,3 +263,28 @@ def test_eager_final_reconcile_of_parameters_is_sent_lossless():
     train(engines, 0, 8, close=True)
     assert {"f0/final", "f1/final"} <= groups.exact_tags
     assert not any(t.startswith("f0/r") for t in groups.exact_tags)  # pseudo-gradients use the codec
+
+
+def test_the_global_hash_is_taken_once_per_change_of_the_global_state(monkeypatch):
+    # a round's report after its commit and the next quorum ask read one pass over the model
+    from diloco.engine import fragment_views
+
+    passes: list[int] = []
+    real = fragment_views.params_hash
+    monkeypatch.setattr(fragment_views, "params_hash", lambda tensors: passes.append(1) or real(tensors))
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = DiLoCo(model, opt, averager=SingleGroup(), sync_every=2)
+    first = engine.global_hash()
+    assert engine.global_hash() == first and len(passes) == 1
+    for _ in range(2):  # a round: two inner steps, then its sync changes the global parameters
+        model(torch.ones(2, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+    assert engine.round == 1 and len(passes) == 1  # not taken in the round: nothing asked for it
+    after = engine.global_hash()
+    assert after != first and after == engine.global_hash() and len(passes) == 2
+    assert after == real(engine.global_params)  # the state as it is, not a stale one
+    engine.load_state_dict(engine.state_dict())
+    assert engine.global_hash() == after and len(passes) == 3  # a load is a change: taken anew
