@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import secrets
 import socket
 import statistics
@@ -45,6 +46,11 @@ LINKS = {"loopback": None, "veth": "unshaped", "1gbit": 1000.0, "100mbit": 100.0
 
 
 # -- members ------------------------------------------------------------------------------------------
+
+def _page_faults() -> int:
+    """Minor page faults of this process so far (all threads): a fresh large buffer costs one per 4 KiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
 
 class _Spans:
     """Wall seconds spent in named functions, per round (bench-only timing wrappers)."""
@@ -122,7 +128,7 @@ def _member_gloo(cfg: dict) -> list[dict]:
     for r in range(cfg["warmup"] + cfg["rounds"]):
         for _ in range(cfg["h"]):
             _inner_step(model, opt, batch)
-        w0, t0, c0 = time.time(), time.perf_counter(), time.process_time()
+        w0, t0, c0, f0 = time.time(), time.perf_counter(), time.process_time(), _page_faults()
         with torch.no_grad():
             delta = global_params - parameters_to_vector(model.parameters())
             dist.all_reduce(delta)
@@ -131,7 +137,8 @@ def _member_gloo(cfg: dict) -> list[dict]:
             outer.step()
             vector_to_parameters(global_params, model.parameters())
         stall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        rounds.append({"round": r, "stall_s": stall, "cpu_s": cpu, "start": w0, "end": w0 + stall})
+        rounds.append({"round": r, "stall_s": stall, "cpu_s": cpu, "start": w0, "end": w0 + stall,
+                       "page_faults": _page_faults() - f0})
     rounds[-1]["param_sum"] = float(global_params.double().sum())
     dist.destroy_process_group()
     return rounds
@@ -176,12 +183,12 @@ def _member_diloco(cfg: dict) -> list[dict]:
                 assert not engine.step()
             _inner_step(model, opt, batch)
             spans.take()
-            w0, t0, c0 = time.time(), time.perf_counter(), time.process_time()
+            w0, t0, c0, f0 = time.time(), time.perf_counter(), time.process_time(), _page_faults()
             events = engine.step()
             stall, cpu = time.perf_counter() - t0, time.process_time() - c0
             assert any(e.kind == "commit" for e in events), events
             rounds.append({"round": r, "stall_s": stall, "cpu_s": cpu, "start": w0, "end": w0 + stall,
-                           "spans": spans.take(), "bytes_sent": link.bytes_sent})
+                           "page_faults": _page_faults() - f0, "spans": spans.take(), "bytes_sent": link.bytes_sent})
         rounds[-1]["param_hash"] = engine.global_hash()
     return rounds
 
@@ -297,6 +304,8 @@ def summarize(case: dict, warmup: int) -> dict:
            "after_last_median_s": statistics.median(after), "after_last_min_s": min(after),
            "after_last_max_s": max(after),
            "cpu_per_wall": statistics.median(r["cpu_s"] / r["stall_s"] for r in counted), "samples": len(stalls)}
+    if all("page_faults" in r for r in counted):
+        row["page_faults_median"] = statistics.median(r["page_faults"] for r in counted)
     n = sum(v.numel() for v in _param_shapes())
     g = case["groups"]
     row["fp32_ring_bytes"] = 2 * (g - 1) / g * 4 * n  # what each member of an fp32 ring sends per round

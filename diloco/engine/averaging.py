@@ -43,7 +43,9 @@ class Averager(Protocol):
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False) -> PendingMean:
         """Launch the mean of ``flat`` over all groups; ``tag`` names this exchange uniquely.
-        ``exact``: send fp32 whatever the configured codec (for control exchanges). Capabilities
+        ``flat`` stays the caller's: it is intact until the pending mean is waited for, and may be
+        written after (the engine writes a fragment's next Δ into the same vector): copy what is
+        kept longer. ``exact``: send fp32 whatever the configured codec (for control exchanges). Capabilities
         add keywords: ``weight=`` (``Weighted``), ``error_feedback=`` (``ErrorFed``), ``shards=``
         (``ShardExchanging``)."""
         ...

@@ -63,11 +63,13 @@ class OuterFragment:
         self._copies_to_device: list[torch.cuda.Event] = []  # the merge's queued copies
 
     @torch.no_grad()
-    def pseudo_gradient(self) -> torch.Tensor:
-        """Flat fp32 ``θ_global − θ_local`` on the global copy's device."""
+    def pseudo_gradient(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat fp32 ``θ_global − θ_local`` on the global copy's device, written into ``out`` when
+        given (``local_numel`` fp32 values there; not with a staged global copy)."""
         if self.staged:
             return self._staged_pseudo_gradient()
-        out = torch.empty(self.local_numel, dtype=torch.float32, device=self.global_params[0].device)
+        if out is None:
+            out = torch.empty(self.local_numel, dtype=torch.float32, device=self.global_params[0].device)
         offset = 0  # written in place: one vector of transient memory, not two (pieces, then their cat)
         for g, p in zip(self.global_params, self.local_views()):
             torch.sub(g, p.detach().to(device=g.device, dtype=torch.float32), out=out[offset:offset + g.numel()].view_as(g))

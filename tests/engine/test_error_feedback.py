@@ -291,7 +291,13 @@ def _recorded_deltas(engine) -> list:
     """The list every Δ the engine computes is appended to, in launch order."""
     deltas = []
     delta_of = engine._delta
-    engine._delta = lambda p: deltas.append(delta_of(p)) or deltas[-1]
+
+    def recorded(frag):
+        delta = delta_of(frag)
+        deltas.append(delta.clone())  # the engine writes its next Δ into the same vector
+        return delta
+
+    engine._delta = recorded
     return deltas
 
 
