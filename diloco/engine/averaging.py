@@ -133,6 +133,17 @@ class FinalRanges(Protocol):
 
 
 @runtime_checkable
+class WritesInto(Protocol):
+    """When ``writes_into``: ``start`` takes ``out=`` (a vector shaped like ``flat``, on its
+    device) and, when the exchange commits at its first attempt, returns the mean in ``out``
+    itself, which nothing writes after ``wait``; any other result comes in a vector of its own,
+    and ``out`` may still be written by an abandoned attempt's threads: the caller drops it. (The
+    engine passes a vector it keeps from round to round: a fresh one costs a page fault per 4 KiB.)"""
+
+    writes_into: bool
+
+
+@runtime_checkable
 class StreamsFinal(Protocol):
     """When ``streams_final``: ``start`` takes ``on_final=`` (a ``FinalRanges``), and the pending
     result says which attempt committed (``Attempted``): the engine steps those ranges while the
@@ -192,6 +203,7 @@ class Capabilities:
     exchanges_shards: bool = False
     error_feedback: bool = False
     streams_final: bool = False
+    writes_into: bool = False
 
     @classmethod
     def of(cls, averager: object) -> "Capabilities":
@@ -199,7 +211,19 @@ class Capabilities:
                    screens_contributions=isinstance(averager, Screening) and bool(averager.screens_contributions),
                    exchanges_shards=isinstance(averager, ShardExchanging) and bool(averager.exchanges_shards),
                    error_feedback=isinstance(averager, ErrorFed) and bool(averager.error_feedback),
-                   streams_final=isinstance(averager, StreamsFinal) and bool(averager.streams_final))
+                   streams_final=isinstance(averager, StreamsFinal) and bool(averager.streams_final),
+                   writes_into=isinstance(averager, WritesInto) and bool(averager.writes_into))
+
+
+def writable(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Where an exchange like ``like`` writes its mean (``WritesInto``): ``out`` when given, else a
+    vector of its own. ValueError when ``out`` cannot hold it."""
+    if out is None:
+        return torch.empty_like(like)
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"out= must be a contiguous {like.dtype} vector of {like.numel()} values on {like.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
 
 
 def refused(pending: PendingMean) -> bool:

@@ -170,6 +170,7 @@ class DiLoCo(FragmentViews, RoundTiming):
         self.sync = sync_mode(self, self.overlap_steps, traits)
         self._weighted, self._screened = can.weighted, can.screens_contributions
         self._streams = can.streams_final  # the outer step runs range by range as the mean arrives
+        self._writes_into = can.writes_into  # the mean comes back in the fragment's own vector
         self._observer = averager if isinstance(averager, Observing) else None
         #: sign1/topk: each fragment's residual of what this group's exchanges have not delivered yet
         self.feedback = Feedback.for_rule(rule, residual_decay, on=can.error_feedback,
@@ -340,6 +341,8 @@ class DiLoCo(FragmentViews, RoundTiming):
     def _launch(self, frag: Fragment, delta: torch.Tensor) -> SyncEvent:
         extra = {"weight": float(self.inner_step - frag.launched_at)} if self._weighted else {}
         extra.update(self._shards(frag))
+        if self._writes_into and self.sharded is None:
+            extra["out"] = frag.mean_buffer()
         if frag.streamed is not None:
             frag.streamed.begin()
             if self._streams and self.sync.traits.streams and frag.feeds_ranges and self.feedback.residuals is None \

@@ -165,6 +165,7 @@ class Feedback:
         if self.tiles is None:  # sends Δ + residual; the residual moves when it lands
             return self.residuals.start(averager, p, delta, tag=tag, **kwargs)
         layout = self.tiles[p]  # residual and codec in tile-major order, the mean back in place
+        kwargs.pop("out", None)  # the caller's vector is in its own order: the tiles' mean comes in one of its own
         return FromTiles(self.residuals.start(averager, p, layout.to_tiles(delta), tag=tag, **kwargs), layout)
 
     def joined(self, p: int, pending: PendingMean) -> PendingMean:

@@ -50,6 +50,7 @@ class Fragment(OuterFragment):
         self.in_flight: InFlight | None = None
         self.own_previous: torch.Tensor | None = None  # eager: this group's Δ of the previous round
         self._delta: torch.Tensor | None = None  # the vector launches write their Δ into (``_delta_buffer``)
+        self._mean: torch.Tensor | None = None  # the vector an averager writes the mean into (``mean_buffer``)
 
     @property
     def tag(self) -> str:
@@ -82,6 +83,17 @@ class Fragment(OuterFragment):
             self._delta = torch.empty(self.local_numel, dtype=torch.float32)
         return self._delta
 
+    def mean_buffer(self) -> torch.Tensor | None:
+        """Where this launch's exchange may write its mean (``averaging.WritesInto``): a vector
+        kept in host memory from round to round while the exchanges return their mean in it (a
+        launch comes after the previous mean was used: every mode lands and steps it first).
+        None (the averager's own vector) for a global copy elsewhere."""
+        if self.staged or self.global_params[0].device.type != "cpu":
+            return None
+        if self._mean is None:
+            self._mean = torch.empty(self.local_numel, dtype=torch.float32)
+        return self._mean
+
     def launched(self, pending: PendingMean, inner_step: int, apply_at: int) -> int:
         """Its exchange ``pending`` started at ``inner_step``: now in flight, to land at ``apply_at``.
         Returns the inner steps since its previous launch."""
@@ -97,6 +109,8 @@ class Fragment(OuterFragment):
         assert flight is not None, f"fragment {self.index} has no exchange in flight"
         mean = flight.pending.wait()
         self.in_flight = None
+        if mean is not self._mean:  # a retry's own vector: an abandoned attempt may still write ours
+            self._mean = None
         if not all_finite(mean):
             raise NonFiniteError(f"fragment {self.index} round {flight.round}: averaged pseudo-gradient has NaN/Inf; "
                                  "not applied")

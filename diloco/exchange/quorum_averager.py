@@ -44,7 +44,7 @@ from diloco.coordinator.messages import (
     QuorumResponse,
 )
 from diloco.coordinator.rounds import HEAL, weighted_scale
-from diloco.engine.averaging import Done
+from diloco.engine.averaging import Done, writable
 from diloco.exchange.data_positions import DataPositions
 from diloco.exchange.fault_stats import FaultStats
 from diloco.exchange.healing import StateTransfer
@@ -142,13 +142,14 @@ class QuorumAverager(StripedAverager):
         return self._needs_heal
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
-              error_feedback: bool = False, shards=None, on_final=None) -> QuorumPending:
+              error_feedback: bool = False, shards=None, on_final=None, out=None) -> QuorumPending:
         """Ask for this exchange's quorum and launch it; the result is voted on and retried in the
         background. ``weight``: inner steps since this fragment's last exchange.
         ``error_feedback``, ``shards``, ``on_final``: see ``StripedAverager.start`` (the committed
         attempt's ``sent``; a sharded fragment: the quorum sees its whole size and its whole norm;
         final ranges are reported per attempt, and the pending result's ``final_attempt`` says
-        which one committed)."""
+        which one committed); ``out``: where the first attempt writes the mean (``averaging.WritesInto``;
+        a retry writes into a vector of its own: an abandoned attempt's threads may still write ``out``)."""
         if self._evicted is not None:
             raise self.departure()
         gather = self.gathers(exact, error_feedback)
@@ -170,7 +171,7 @@ class QuorumAverager(StripedAverager):
         if resp.healers and resp.donor == self.group and engine is not None:
             self._transfer.serve(resp, {**engine.state_dict(), "data_positions": self.positions.state()})
         return QuorumPending(self, src, ask, resp, flat.device, exact=exact, asked=asked, gather=gather,
-                              shards=shards, on_final=on_final)
+                              shards=shards, on_final=on_final, out=out)
 
     def weight_cap(self) -> float:
         """The most tokens one rank of this group can contribute to one exchange under the engine's
@@ -320,12 +321,13 @@ class QuorumAverager(StripedAverager):
             return equal_plan(sizes)
 
     def run_rings(self, src: torch.Tensor, resp: QuorumResponse, exact: bool, gather: bool = False, shards=None,
-                  codec=None, on_final=None):
+                  codec=None, on_final=None, out: torch.Tensor | None = None):
         """One attempt: this rank's stripes of the weighted contribution, among the quorum's groups.
         ``gather``: all-gathers of each group's own encoded contribution, weighted on arrival
         (error feedback: ``sent`` is then what the others decoded of ``src``, or of zeros when
         this group's weight is 0). ``codec``: the exchange's (default the averager's now).
-        ``on_final(out, lo, hi)``: see ``StripedAverager.launch``.
+        ``on_final(out, lo, hi)``: see ``StripedAverager.launch``. ``out``: where the mean goes (a
+        vector of its own unless given).
         Returns (out, stripe plan, group index, ok, why, sent)."""
         scale = weighted_scale(resp.weights, self.group)
         sent = scales = None
@@ -335,7 +337,7 @@ class QuorumAverager(StripedAverager):
             scales = {g: weighted_scale(resp.weights, g) for g in resp.members}
         else:
             x = src if scale == 1.0 else (torch.zeros_like(src) if scale == 0.0 else src * scale)
-        out = torch.empty_like(src)
+        out = writable(out, src)
         plan = self._plan(resp)
         sp, me, handles = self.launch(x, out, plan, {g: list(a) for g, a in resp.members.items()},
                                       tag=f"{resp.tag}/{resp.id}", exact=exact, sent=sent, scales=scales,

@@ -32,8 +32,9 @@ class QuorumPending:
 
     def __init__(self, avg, src: torch.Tensor, ask: QuorumRequest | None, resp: QuorumResponse,
                  device, *, exact: bool = False, asked: float | None = None, gather: bool = False,
-                 shards=None, on_final=None) -> None:
+                 shards=None, on_final=None, out: torch.Tensor | None = None) -> None:
         self._avg, self._src, self._ask, self._resp, self._device = avg, src, ask, resp, device
+        self._out = out  # the caller's vector for the first attempt's mean (averaging.WritesInto)
         self._exact = exact
         self._shards = shards
         self._gather = gather
@@ -87,7 +88,8 @@ class QuorumPending:
                 log.warning("group %d: the quorum refused this group's contribution to %s: %s", avg.group,
                             resp.tag, resp.rejected[avg.group])
             out, sp, me, ok, why, sent = avg.run_rings(self._src, resp, self._exact, self._gather, self._shards,
-                                                       self._codec, self._reporter(attempts))
+                                                       self._codec, self._reporter(attempts),
+                                                       out=self._out if attempts == 1 else None)
             decision = avg.vote(resp, ok, why)
             if decision.committed:
                 self._committed = resp

@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from diloco.engine.averaging import FinalRanges
+from diloco.engine.averaging import FinalRanges, writable
 from diloco.engine.shard_layout import ShardLayout
 from diloco.engine.shard_reduce import sum_of_squares
 from diloco.exchange.network_plan import NetworkPlan, equal_plan
@@ -82,6 +82,7 @@ class StripedAverager:
         self.num_groups = len(sizes)
         #: ``start`` takes ``on_final`` (the transport's rings report final ranges of the mean)
         self.streams_final = bool(getattr(transport, "reports_final", False))
+        self.writes_into = True  # start(out=): the mean in the caller's vector (averaging.WritesInto)
         self.exchanges = 0
         self._stripe_plans: dict[tuple[NetworkPlan, int], StripePlan] = {}
         self._shard_plans: dict[tuple, ShardExchangePlan] = {}
@@ -138,7 +139,7 @@ class StripedAverager:
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False,
               error_feedback: bool = False, shards: ShardLayout | None = None,
-              on_final: FinalRanges | None = None) -> "_StripedPending":
+              on_final: FinalRanges | None = None, out: torch.Tensor | None = None) -> "_StripedPending":
         """Launch the cross-group rings of this rank's stripes; every rank of the group calls it,
         in the same order as every other rank of every group. ``exact``: fp32 on the wire
         whatever ``codec`` is (control exchanges such as the initial-parameter check).
@@ -146,13 +147,14 @@ class StripedAverager:
         the pending result's ``sent`` then says what the other groups decoded of ``flat``.
         ``shards``: ``flat`` is this rank's shard of a sharded fragment laid out so (module doc).
         ``on_final``: told ``on_final(1, mean, lo, hi)`` as ``mean[lo:hi]`` of this rank's own
-        stripes becomes final (``FinalRanges``; its attempt is always 1 here)."""
+        stripes becomes final (``FinalRanges``; its attempt is always 1 here). ``out``: where the
+        mean goes (``averaging.WritesInto``; a vector of its own unless given)."""
         gather = self.gathers(exact, error_feedback)
         plan = self.plans(self.exchanges)
         self.exchanges += 1
         # On a GPU the vector stays there: the rings encode it there and only frames cross to the host.
         src = flat.detach().to(torch.float32).contiguous()
-        out = torch.empty_like(src)
+        out = writable(out, src)
         sent = torch.empty_like(src) if gather else None
         addresses = {g: self.membership.ranks(g) for g in plan.groups}
         sp, me, handles = self.launch(src, out, plan, addresses, tag=tag, exact=exact, sent=sent, shards=shards,

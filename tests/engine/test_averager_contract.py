@@ -23,7 +23,8 @@ from diloco.engine.schedule import FixedSchedule
 
 #: every member ``Averager`` and its capabilities name
 DECLARED = {"num_groups", "group_index", "start", "all_reduce_mean", "weighted", "screens_contributions",
-            "exchanges_shards", "error_feedback", "streams_final", "codec", "set_codec", "attach", "heal", "observe"}
+            "exchanges_shards", "error_feedback", "streams_final", "writes_into", "codec", "set_codec", "attach", "heal",
+            "observe"}
 
 
 class Minimal:
@@ -94,3 +95,37 @@ def test_in_process_averagers_declare_what_they_take():
     assert Capabilities.of(member) == Capabilities(weighted=True, error_feedback=True)
     assert Capabilities.of(SingleGroup()) == Capabilities(exchanges_shards=True)
     assert not isinstance(SingleGroup(), Healing) and not isinstance(SingleGroup(), Observing)
+
+
+class WritingInto(Minimal):
+    """Declares ``WritesInto``: the mean in the caller's ``out``, except at the exchanges in ``own``
+    (as after a retry: a vector of its own, and ``out`` possibly still written by the abandoned attempt)."""
+
+    writes_into = True
+
+    def __init__(self, own: set[int]) -> None:
+        self.outs: list[torch.Tensor | None] = []
+        self.own = own
+
+    def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, out: torch.Tensor | None = None) -> Done:
+        if exact:  # eager's reconciliation of the global copies: a control exchange, no out
+            assert out is None
+            return Done(flat.detach().clone())
+        self.outs.append(out)
+        if out is None or len(self.outs) - 1 in self.own:
+            return Done(flat.detach().clone())
+        return Done(out.copy_(flat))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_mean_comes_back_in_a_vector_the_engine_keeps_and_a_retry_s_own_vector_drops_it(mode):
+    averager = WritingInto(own={2})
+    engine = _train(averager, mode=mode, sync_every=4, steps=24)
+    assert engine.global_hash() == _train(SingleGroup(), mode=mode, sync_every=4, steps=24).global_hash()
+    # two fragments, exchanges in turn: fragment 0 launches exchanges 0, 2, 4 ...; its third (exchange 2)
+    # came back in the averager's own vector, so its next launch writes into a new one, kept from then on
+    mine = [o for o in averager.outs if o is not None]
+    assert len(mine) == len(averager.outs) > 6  # every launch
+    f0 = mine[0::2]
+    assert f0[0] is f0[1] and f0[2] is not f0[1] and all(o is f0[2] for o in f0[3:])
+    assert all(o is mine[1] for o in mine[1::2])

@@ -37,9 +37,9 @@ def test_the_striped_averager_exchanges_shards_feeds_errors_back_and_switches_co
     assert all(hasattr(avg, m) for m in _BASE) and (avg.num_groups, avg.group_index) == (2, 1)
     assert isinstance(avg, ShardExchanging) and isinstance(avg, ErrorFed) and isinstance(avg, CodecSwitching)
     assert not isinstance(avg, Weighted) and not isinstance(avg, Healing)
-    assert Capabilities.of(avg) == Capabilities(exchanges_shards=True, error_feedback=True)
+    assert Capabilities.of(avg) == Capabilities(exchanges_shards=True, error_feedback=True, writes_into=True)
     avg.set_codec(compress.get_codec("int8"))
-    assert Capabilities.of(avg) == Capabilities(exchanges_shards=True)
+    assert Capabilities.of(avg) == Capabilities(exchanges_shards=True, writes_into=True)
     assert isinstance(_StripedPending(avg, torch.zeros(1), None, 0, [], "cpu"), Gathered)  # says what was decoded
 
 
@@ -58,11 +58,12 @@ def test_a_quorum_pending_result_says_refusal_share_and_what_was_decoded():
 
 def test_the_connection_forwards_every_capability_of_its_averager():
     codec = compress.get_codec("sign1")
-    quorum = SimpleNamespace(num_groups=3, group_index=2, error_feedback=True, codec=codec, set_codec=lambda c: None)
+    quorum = SimpleNamespace(num_groups=3, group_index=2, error_feedback=True, writes_into=True, codec=codec,
+                             set_codec=lambda c: None)
     link = GroupConnection(transport=None, client=None, membership=None, averager=quorum, reprobe=None,
                            metrics=None, group=2, rank=0, group_size=1)
     assert all(hasattr(link, m) for m in _BASE) and (link.num_groups, link.group_index) == (3, 2)
     for capability in (Weighted, Screening, ShardExchanging, ErrorFed, CodecSwitching, Healing, Observing):
         assert isinstance(link, capability), capability.__name__
-    assert Capabilities.of(link) == Capabilities(True, True, True, True)
+    assert Capabilities.of(link) == Capabilities(True, True, True, True, writes_into=True)
     assert link.codec is codec

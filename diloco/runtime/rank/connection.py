@@ -125,9 +125,14 @@ class GroupConnection:
         self.averager.heal(engine)
 
     def start(self, flat: torch.Tensor, *, tag: str, exact: bool = False, weight: float = 1.0,
-              error_feedback: bool = False, shards=None, on_final=None):
+              error_feedback: bool = False, shards=None, on_final=None, out=None):
         return self.averager.start(flat, tag=tag, exact=exact, weight=weight, error_feedback=error_feedback,
-                                   shards=shards, on_final=on_final)
+                                   shards=shards, on_final=on_final, out=out)
+
+    @property
+    def writes_into(self) -> bool:
+        """``start`` takes ``out`` (``diloco.engine.averaging.WritesInto``)."""
+        return self.averager.writes_into
 
     @property
     def streams_final(self) -> bool:
