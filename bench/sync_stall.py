@@ -364,10 +364,12 @@ WARMUP = 1  # rounds every record of this bench leaves out (--warmup's default)
 def ab_report(path: str) -> str:
     """The before/after table of a record of interleaved runs on two trees (sync_stall_ab.json):
     per link and group count, each run's Gloo and project sync after the last arrival (medians)
-    and their ratio, and the ratios' mean per tree."""
+    and their ratio, and the ratios' mean per tree; with page faults recorded, the project's
+    median per stall in each tree's runs."""
     record = json.loads(Path(path).read_text())
     trees = list(dict.fromkeys(run["tree"] for run in record["runs"]))
     rows: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = {}
+    faults: dict[tuple[str, int], dict[str, list[float]]] = {}
     for run in record["runs"]:
         for c in run["cases"]:
             if c["backend"] == "gloo":
@@ -376,12 +378,21 @@ def ab_report(path: str) -> str:
                 if mine:
                     pair = (statistics.median(sync_after_last(c, WARMUP)), statistics.median(sync_after_last(mine[0], WARMUP)))
                     rows.setdefault((c["link"], c["groups"]), {}).setdefault(run["tree"], []).append(pair)
+                    counted = [r["page_faults"] for m in mine[0]["members"] for r in m["rounds"][WARMUP:]
+                               if "page_faults" in r]
+                    if counted:
+                        faults.setdefault((c["link"], c["groups"]), {}).setdefault(run["tree"], []).append(
+                            statistics.median(counted))
     head = " | ".join(f"{t}: Gloo / diloco fp32, s (ratio), per run" for t in trees)
-    lines = [f"| link | G | {head} | ratio, mean of runs |", "|---|---|" + "---|" * len(trees) + "---|"]
+    pf_head = " | diloco page faults per stall (median), per run" if faults else ""
+    lines = [f"| link | G | {head} | ratio, mean of runs{pf_head} |",
+             "|---|---|" + "---|" * len(trees) + "---|" + ("---|" if faults else "")]
     for (link, g), by_tree in rows.items():
         cells = [", ".join(f"{a:.3f} / {b:.3f} ({b / a:.2f})" for a, b in by_tree.get(t, [])) for t in trees]
         means = " -> ".join(f"{statistics.mean(b / a for a, b in by_tree[t]):.2f}" for t in trees if t in by_tree)
-        lines.append(f"| {link} | {g} | " + " | ".join(cells) + f" | {means} |")
+        pf = faults.get((link, g), {})
+        pf_cell = (" | " + " -> ".join(", ".join(f"{v:,.0f}" for v in pf[t]) for t in trees if t in pf)) if faults else ""
+        lines.append(f"| {link} | {g} | " + " | ".join(cells) + f" | {means}{pf_cell} |")
     return "\n".join(lines)
 
 
