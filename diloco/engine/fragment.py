@@ -78,6 +78,7 @@ class Fragment(OuterFragment):
         if self.staged or self.global_params[0].device.type != "cpu":
             return None
         if self.in_flight is not None or (self._delta is not None and self.own_previous is self._delta):
+            self._delta = None  # delayed, eager: a fresh Δ each round; the kept one goes with its exchange
             return None
         if self._delta is None:
             self._delta = torch.empty(self.local_numel, dtype=torch.float32)
@@ -135,6 +136,7 @@ class Fragment(OuterFragment):
         self.round = int(saved["round"])
         self.next_sync = int(saved["next_sync"])
         self.launched_at = int(saved.get("launched_at", 0))
+        self._delta = self._mean = None  # an exchange replaced here unwaited may still read or write them
         landed = saved["in_flight"]
         self.in_flight = None if landed is None else InFlight(
             Done(landed["mean"].to(device)), int(landed["round"]), int(landed["apply_at"]))

@@ -62,6 +62,9 @@ import torch
 
 from diloco.engine.modes import CO2_DEFAULTS, MODE_DEFAULTS  # noqa: F401  (re-exported: the defaults' old home)
 
+#: builds the outer optimizer over a fragment's global parameters. Its ``step`` sees ``p.grad`` as views
+#: of the round's mean, valid for that step only (the next round's mean is written into the same vector):
+#: an optimizer that keeps a gradient across steps keeps a copy (torch's optimizers keep their own state).
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 

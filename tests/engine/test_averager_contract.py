@@ -129,3 +129,13 @@ def test_the_mean_comes_back_in_a_vector_the_engine_keeps_and_a_retry_s_own_vect
     f0 = mine[0::2]
     assert f0[0] is f0[1] and f0[2] is not f0[1] and all(o is f0[2] for o in f0[3:])
     assert all(o is mine[1] for o in mine[1::2])
+
+
+def test_a_loaded_state_takes_new_vectors():
+    # an exchange a load replaces without waiting for it may still read the kept Δ and write the kept mean
+    averager = WritingInto(own=set())
+    engine = _train(averager, mode="overlap", sync_every=4, steps=12)
+    kept = averager.outs[-1]
+    engine.load_state_dict(engine.state_dict())
+    assert all(f._delta is None and f._mean is None for f in engine.fragments)
+    assert engine.fragments[0].mean_buffer() is not kept
