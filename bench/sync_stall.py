@@ -116,13 +116,15 @@ def _member_gloo(cfg: dict) -> list[dict]:
     """Plain DiLoCo over torch.distributed Gloo: what a PyTorch user writes."""
     import torch
     import torch.distributed as dist
-    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    from torch.nn.utils import parameters_to_vector
 
     dist.init_process_group("gloo", init_method=f"tcp://{cfg['gloo_master']}", rank=cfg["group"],
                             world_size=cfg["groups"])
     model, batch = _model_and_data(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     global_params = parameters_to_vector(model.parameters()).detach().clone()
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
     outer = torch.optim.SGD([global_params], lr=0.7, momentum=0.9, nesterov=True)
     rounds = []
     for r in range(cfg["warmup"] + cfg["rounds"]):
@@ -135,10 +137,13 @@ def _member_gloo(cfg: dict) -> list[dict]:
             delta /= cfg["groups"]
             global_params.grad = delta
             outer.step()
-            vector_to_parameters(global_params, model.parameters())
+            # copied back (torch's vector_to_parameters would make the parameters views of the global
+            # copy: the inner steps would then train it in place and every later Δ would be 0)
+            for p, g in zip(params, torch.split(global_params, sizes)):
+                p.copy_(g.view_as(p))
         stall, cpu = time.perf_counter() - t0, time.process_time() - c0
         rounds.append({"round": r, "stall_s": stall, "cpu_s": cpu, "start": w0, "end": w0 + stall,
-                       "page_faults": _page_faults() - f0})
+                       "page_faults": _page_faults() - f0, "delta_norm": float(delta.norm())})
     rounds[-1]["param_sum"] = float(global_params.double().sum())
     dist.destroy_process_group()
     return rounds
