@@ -1,0 +1,187 @@
+"""``DiLoCoTrainer``: torchtitan's ``Trainer``, its data-parallel replicas one DiLoCo group.
+
+The extension point is torchtitan's own: a ``Trainer`` subclass whose ``Config`` subclasses
+``Trainer.Config`` with one more section, ``diloco`` (``DiLoCoSection``: ``--diloco.group 1
+--diloco.sync_every 20`` on torchtitan's command line), as torchtitan's ``experiments/torchft``
+adds ``fault_tolerance``. Everything inside the group is torchtitan's: its model, parallelism (FSDP2
+over the group's ranks: ``data_parallel_shard_degree``), inner optimizer, lr schedule, gradient
+clipping, metrics and checkpoints. After each of torchtitan's optimizer steps (``train_step``) the
+engine (``diloco.DiLoCo``) counts one inner step and, every ``sync_every`` steps, exchanges the
+pseudo-gradient of this rank's shard with the other groups through the averager the caller connects
+(``diloco.connect``: this project's coordinator and data plane), applies the outer Nesterov step and
+loads the global parameters into the model. Groups end every round bit-identical.
+
+Checkpoints stay torchtitan's (``CheckpointManager``, DCP): the engine's state (global parameters as
+DTensors, outer momentum, round) is part of the trainer's ``train_state``. A checkpoint is only taken
+where the model holds the global parameters (``checkpoint.interval`` and ``training.steps`` multiples of
+``sync_every``, checked at start), so a resumed group continues bit-identically.
+
+Import this module only through ``diloco.integrations.titan`` (which fixes torchtitan's device first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from diloco.engine.averaging import Averager, SingleGroup
+from diloco.engine.diloco import DiLoCo
+from diloco.engine.outer import nesterov
+from diloco.integrations import titan_env
+from diloco.integrations.titan_data import CorpusDataLoader
+
+titan_env.load()
+
+from torchtitan.trainer import Trainer  # noqa: E402
+
+
+class TitanConfigError(ValueError):
+    """A torchtitan config the DiLoCo trainer cannot run; the message says which field and why."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DiLoCoSection:
+    """The ``diloco`` section of ``DiLoCoTrainer.Config`` (``--diloco.KEY VALUE`` on the command line)."""
+
+    coordinator: str = ""
+    """host:port of ``diloco coordinator`` (read by the example that connects; empty with one group)"""
+    group: int = 0
+    """this group's id, 0..groups-1 (also its shard of the training text)"""
+    groups: int = 2
+    """groups in the job"""
+    sync_every: int = 20
+    """H: inner steps (torchtitan optimizer steps) between two exchanges"""
+    codec: str = "fp32"
+    """the wire codec between groups (fp32, bf16, int8, int4, ...)"""
+    outer_lr: float = 0.7
+    """outer Nesterov learning rate"""
+    outer_momentum: float = 0.9
+    """outer Nesterov momentum"""
+    eval_batches: int = 8
+    """held-out batches the global model is evaluated on at the start and the end"""
+    summary_json: str = ""
+    """rank 0 of the group writes the group's summary (eval loss, round hashes, bytes) here"""
+
+
+class DiLoCoTrainer(Trainer):
+    """torchtitan's Trainer with DiLoCo between groups; ``connect()`` returns the averager (called
+    once torch.distributed is up, on every rank of the group)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        diloco: DiLoCoSection = field(default_factory=DiLoCoSection)
+
+    def __init__(self, config: Config, *, connect: Callable[[], Averager] | None = None) -> None:
+        check_config(config, connected=connect is not None)
+        if isinstance(config.dataloader, CorpusDataLoader.Config):  # the group's shard of the text
+            config.dataloader.shard, config.dataloader.num_shards = config.diloco.group, config.diloco.groups
+        self.engine: DiLoCo | None = None
+        self.averager: Averager | None = None
+        self.summary: dict[str, Any] = {}
+        super().__init__(config)
+        if len(self.model_parts) != 1:
+            raise TitanConfigError("DiLoCoTrainer trains one model part: pipeline parallelism is not supported")
+        self.averager = connect() if connect is not None else SingleGroup()
+        # the engine reads the inner lr from its optimizer's first group: torchtitan's container of
+        # optimizers keeps the lrs in the optimizers it holds
+        self.engine = DiLoCo(self.model_parts[0], self.optimizers.optimizers[0], averager=self.averager,
+                             sync_every=config.diloco.sync_every,
+                             outer_optimizer=nesterov(config.diloco.outer_lr, config.diloco.outer_momentum))
+        self.held_out = (self.dataloader.held_out(config.diloco.eval_batches)
+                         if isinstance(self.dataloader, CorpusDataLoader) else [])
+        self.initial_eval_loss = self.evaluate()
+
+    def train_step(self, data_iterator: Any) -> None:
+        """torchtitan's step (forward, backward, clip, optimizer, lr), then one engine step."""
+        super().train_step(data_iterator)
+        assert self.engine is not None
+        self.engine.step()
+
+    def train(self) -> None:
+        """torchtitan's loop; then the engine lands its last exchange (the model holds the global
+        parameters), the global model is evaluated and the summary written."""
+        super().train()
+        assert self.engine is not None
+        self.engine.close()
+        eval_loss = self.evaluate()
+        summary_of = getattr(self.averager, "summary", None)
+        extra = {"eval_loss": eval_loss, "initial_eval_loss": self.initial_eval_loss,
+                 "tokens": self.ntokens_seen, "steps": self.step, "data_samples": self.dataloader.state_dict()}
+        self.summary = (summary_of(self.engine, **extra) if summary_of is not None else
+                        {"outer_rounds": self.engine.round, "param_hash": self.engine.global_hash(),
+                         "num_parameters": self.engine.numel, **extra})
+        if self.config.diloco.summary_json and torch.distributed.get_rank() == 0:
+            path = Path(self.config.diloco.summary_json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.summary, indent=1, default=str) + "\n")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss (nats/token) of the model as it is on the held-out batches (every rank
+        of the group runs the same batches: FSDP needs them all); NaN without held-out batches."""
+        if not self.held_out:
+            return float("nan")
+        model = self.model_parts[0]
+        model.eval()
+        total = 0.0
+        try:
+            for input_dict, labels in self.held_out:
+                inputs, labels = input_dict["input"].to(self.device), labels.to(self.device)
+                pred = model(inputs)
+                loss, _ = self.loss_fn(pred, labels, torch.tensor(labels.numel(), device=self.device))
+                total += float(loss.item())
+        finally:
+            model.train()
+        return total / len(self.held_out)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchtitan's train state (step, tokens seen) and the engine's (saved by DCP with it)."""
+        state = dict(super().state_dict())
+        if self.engine is not None:
+            state["diloco"] = self.engine.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore both (the engine loads the global parameters into the model)."""
+        super().load_state_dict(state_dict)
+        if self.engine is not None and "diloco" in state_dict:
+            self.engine.load_state_dict(state_dict["diloco"])
+
+    def close(self) -> None:
+        """The engine (abandoned if training did not finish), the averager, then torchtitan's own."""
+        try:
+            if self.engine is not None and not self.engine.finished:
+                self.engine.abandon()
+            close = getattr(self.averager, "close", None)
+            if close is not None:
+                close()
+        finally:
+            super().close()
+
+
+def check_config(config: Any, *, connected: bool) -> None:
+    """TitanConfigError for a config DiLoCoTrainer cannot run, before any process group starts."""
+    d = config.diloco
+    if d.groups < 1 or not 0 <= d.group < d.groups:
+        raise TitanConfigError(f"diloco.group={d.group} must be in 0..diloco.groups-1 (groups={d.groups})")
+    if d.sync_every < 1:
+        raise TitanConfigError(f"diloco.sync_every={d.sync_every}: the inner steps between syncs must be >= 1")
+    if d.groups > 1 and not connected:
+        raise TitanConfigError(f"diloco.groups={d.groups} needs an averager: build the trainer with "
+                               "config.build(connect=lambda: diloco.connect(...)) (examples/titan_llama.py)")
+    if d.eval_batches < 0:
+        raise TitanConfigError(f"diloco.eval_batches={d.eval_batches} must be >= 0")
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise TitanConfigError("parallelism.pipeline_parallel_degree > 1: DiLoCoTrainer trains one model part")
+    if config.checkpoint.enable:
+        for name, value in (("checkpoint.interval", config.checkpoint.interval), ("training.steps", config.training.steps)):
+            if value % d.sync_every:
+                raise TitanConfigError(f"{name}={value} is not a multiple of diloco.sync_every={d.sync_every}: a "
+                                       "checkpoint must fall where the model holds the global parameters")
+    if d.summary_json and os.path.isdir(d.summary_json):
+        raise TitanConfigError(f"diloco.summary_json={d.summary_json} is a directory, not a file path")
