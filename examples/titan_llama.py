@@ -39,7 +39,8 @@ def main(argv: list[str]) -> None:
         connect = None
         if section.groups > 1:
             def connect() -> diloco.GroupConnection:
-                return diloco.connect(section.coordinator, group=section.group, codec=section.codec)
+                settings = diloco.TransportConfig(**({"probe_bytes": section.probe_bytes} if section.probe_bytes >= 0 else {}))
+                return diloco.connect(section.coordinator, group=section.group, codec=section.codec, settings=settings)
         trainer = config.build(connect=connect)
     # --- diloco ------------------------------------------------------------------------------------
     try:

@@ -90,10 +90,13 @@ def llama3_debugmodel_dp() -> Any:
 
 
 def parse_config(argv: Sequence[str]) -> Any:
-    """torchtitan's ``ConfigManager`` on ``argv`` (``--config NAME`` defaults to
+    """torchtitan's logger started and its ``ConfigManager`` on ``argv`` (``--config NAME`` defaults to
     ``llama3_debugmodel_diloco``; ``--module`` to this module; ``--section.key value`` overrides)."""
     titan_env.load()
     from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # torchtitan's log lines (steps, loss, checkpoints), as its own train.py starts them
 
     args = list(argv)
     if not any(a == "--module" or a.startswith("--module=") for a in args):

@@ -12,7 +12,7 @@ pseudo-gradient of this rank's shard with the other groups through the averager 
 loads the global parameters into the model. Groups end every round bit-identical.
 
 Checkpoints stay torchtitan's (``CheckpointManager``, DCP): the engine's state (global parameters as
-DTensors, outer momentum, round) is part of the trainer's ``train_state``. A checkpoint is only taken
+DTensors, outer momentum, round: ``diloco.engine.dcp_state``) is part of the trainer's ``train_state``. A checkpoint is only taken
 where the model holds the global parameters (``checkpoint.interval`` and ``training.steps`` multiples of
 ``sync_every``, checked at start), so a resumed group continues bit-identically.
 
@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from diloco.engine.averaging import Averager, SingleGroup
+from diloco.engine.dcp_state import from_dcp, template, to_dcp
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.outer import nesterov
 from diloco.integrations import titan_env
@@ -58,6 +59,8 @@ class DiLoCoSection:
     """H: inner steps (torchtitan optimizer steps) between two exchanges"""
     codec: str = "fp32"
     """the wire codec between groups (fp32, bf16, int8, int4, ...)"""
+    probe_bytes: int = -1
+    """bytes per bandwidth probe to each other group at start (0: none; -1: the data plane's default)"""
     outer_lr: float = 0.7
     """outer Nesterov learning rate"""
     outer_momentum: float = 0.9
@@ -140,17 +143,27 @@ class DiLoCoTrainer(Trainer):
         return total / len(self.held_out)
 
     def state_dict(self) -> dict[str, Any]:
-        """torchtitan's train state (step, tokens seen) and the engine's (saved by DCP with it)."""
+        """torchtitan's train state (step, tokens seen) and the engine's as DCP entries
+        (``diloco.engine.dcp_state``: DTensors laid out like the parameters) with their JSON metadata.
+
+        Before the first exchange (a template DCP loads a checkpoint into) the entries include zeroed
+        outer momentum buffers: every checkpoint is taken after at least one exchange (``check_config``),
+        and DCP loads only the entries its template has."""
         state = dict(super().state_dict())
         if self.engine is not None:
-            state["diloco"] = self.engine.state_dict()
+            tensors, meta = to_dcp(self.engine)
+            if self.engine.round == 0 and self.config.diloco.outer_momentum > 0:
+                meta = _with_momentum(meta)
+                tensors = template(self.engine, meta)
+            state["diloco"], state["diloco_meta"] = tensors, json.dumps(meta)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore both (the engine loads the global parameters into the model)."""
         super().load_state_dict(state_dict)
         if self.engine is not None and "diloco" in state_dict:
-            self.engine.load_state_dict(state_dict["diloco"])
+            meta = json.loads(state_dict["diloco_meta"])
+            self.engine.load_state_dict(from_dcp(self.engine, state_dict["diloco"], meta))
 
     def close(self) -> None:
         """The engine (abandoned if training did not finish), the averager, then torchtitan's own."""
@@ -162,6 +175,15 @@ class DiLoCoTrainer(Trainer):
                 close()
         finally:
             super().close()
+
+
+def _with_momentum(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` of an engine before its first outer step, as it reads after one: every parameter with
+    an outer Nesterov momentum buffer (the only outer state ``nesterov`` keeps)."""
+    meta = json.loads(json.dumps(meta))
+    for frag in meta["fragments"]:
+        frag["outer_kinds"] = {str(i): {"momentum_buffer": "tensor"} for i in range(len(frag["names"]))}
+    return meta
 
 
 def check_config(config: Any, *, connected: bool) -> None:
