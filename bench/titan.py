@@ -51,7 +51,7 @@ def env() -> dict[str, str]:
 
 
 def common(a: argparse.Namespace, lr: float) -> list[str]:
-    return ["--optimizer.lr", str(lr), "--training.steps", str(a.steps), "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
+    return ["--optimizer.param-groups.0.optimizer-kwargs.lr", str(lr), "--training.steps", str(a.steps), "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
             str(a.batch_size), "--checkpoint.enable", "--checkpoint.interval", str(a.steps),
             "--metrics.log_freq", str(max(1, a.steps // 10))]
 
@@ -69,6 +69,7 @@ def run_diloco(a: argparse.Namespace, tmp: Path) -> dict:
         cmds = [torchrun(a.ranks, ["--diloco.coordinator", server.address, "--diloco.group", str(g),
                                    "--diloco.groups", str(a.groups), "--diloco.sync_every", str(a.h),
                                    "--diloco.codec", a.codec, "--diloco.probe_bytes", "0",
+                                   "--diloco.outer_lr", str(a.outer_lr), "--diloco.outer_momentum", str(a.outer_momentum),
                                    "--diloco.eval_batches", str(a.eval_batches),
                                    "--diloco.summary_json", str(tmp / f"g{g}.json"),
                                    "--dump_folder", str(tmp / f"diloco{g}"), *common(a, a.lr)]) for g in range(a.groups)]
@@ -139,6 +140,10 @@ def main() -> None:
     ap.add_argument("--codec", default="fp32")
     ap.add_argument("--lr", type=float, default=8e-4, help="peak inner lr (torchtitan's debug config: 8e-4)")
     ap.add_argument("--dp-lr", type=float, default=None, help="data parallel's peak lr (default --lr)")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov lr (the default, DiLoCo's)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (the default)")
+    ap.add_argument("--dp-from", default="", help="take the data-parallel result from this JSON list's record of "
+                    "the same model, data, steps and lr (data parallel has no H or outer step) instead of running it")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--eval-batches", type=int, default=16)
@@ -151,7 +156,8 @@ def main() -> None:
     a.dp_lr = a.lr if a.dp_lr is None else a.dp_lr
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     record: dict = {"bench": "titan", "config": "llama3_debugmodel_diloco / llama3_debugmodel_dp", "groups": a.groups,
-                    "ranks": a.ranks, "steps": a.steps, "h": a.h, "codec": a.codec, "lr": a.lr, "dp_lr": a.dp_lr, "seq_len": a.seq_len,
+                    "ranks": a.ranks, "steps": a.steps, "h": a.h, "codec": a.codec, "lr": a.lr, "dp_lr": a.dp_lr,
+                    "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum, "seq_len": a.seq_len,
                     "batch_per_rank": a.batch_size, "eval_batches": a.eval_batches,
                     "command": " ".join(["python", "bench/titan.py", *sys.argv[1:]]),
                     "load_average_before": os.getloadavg(), "torch": torch.__version__,
@@ -160,10 +166,18 @@ def main() -> None:
         tmp = Path(tmp_name)
         d = run_diloco(a, tmp)
         print(json.dumps({"diloco_seconds": d["seconds"]}), flush=True)
-        p = run_dp(a, tmp)
-        print(json.dumps({"dp_seconds": p["seconds"]}), flush=True)
+        if a.dp_from:
+            same = ("groups", "ranks", "steps", "seq_len", "batch_per_rank", "eval_batches", "dp_lr")
+            found = [r for r in json.loads(Path(a.dp_from).read_text()) if all(r.get(k) == record[k] for k in same)]
+            if not found:
+                raise SystemExit(f"--dp-from {a.dp_from}: no record of the same model, data, steps and lr")
+            p = {**found[-1]["dp"], "from": found[-1]["dp"].get("from") or f"{a.dp_from}: {found[-1]['command']}"}
+        else:
+            p = run_dp(a, tmp)
+            print(json.dumps({"dp_seconds": p["seconds"]}), flush=True)
         ours = [evaluate_checkpoint(tmp / f"diloco{g}" / "checkpoint" / f"step-{a.steps}", a) for g in range(a.groups)]
-        theirs = evaluate_checkpoint(tmp / "dp" / "checkpoint" / f"step-{a.steps}", a)
+        if not a.dp_from:
+            p["eval_loss"] = evaluate_checkpoint(tmp / "dp" / "checkpoint" / f"step-{a.steps}", a)["eval_loss"]
     s = d["summaries"]
     n = s[0]["num_parameters"]
     rounds = s[0]["outer_rounds"]
@@ -182,7 +196,8 @@ def main() -> None:
         "payload_bytes": int(payload), "bytes_over_payload": sent / payload,
         "dp_bytes": int(2 * (a.groups - 1) * 4 * n * a.steps),
         "bits_per_param_per_step": 8 * sent / (n * a.steps * a.groups)}
-    record["dp"] = {"command": p["command"], "seconds": p["seconds"], "eval_loss": theirs["eval_loss"], "tokens": tokens}
+    assert record["diloco"]["tokens_in_job"] == tokens, "not the tokens the runs were asked for"
+    record["dp"] = {**p, "tokens": tokens}
     record["gap_percent"] = 100 * (record["diloco"]["eval_loss"] / record["dp"]["eval_loss"] - 1)
     record["load_average_after"] = os.getloadavg()
     print(json.dumps({k: v for k, v in record.items()}, indent=1))

@@ -85,9 +85,9 @@ class CorpusDataLoader(BaseDataLoader):
         seed: int = 0
         """the window order's seed (each shard adds its own offset)"""
         shard: int = 0
-        """this group's shard of the training text (set from ``diloco.group`` by ``DiLoCoTrainer``)"""
+        """this group's shard of the training text (``DiLoCoTrainer`` sets it: its group)"""
         num_shards: int = 1
-        """how many shards the training text is cut into (``diloco.groups``)"""
+        """how many shards the training text is cut into (``DiLoCoTrainer`` sets it: its number of groups)"""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer | None,
                  seq_len: int, local_batch_size: int, **kwargs: Any) -> None:

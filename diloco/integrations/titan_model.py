@@ -1,8 +1,8 @@
 """A torchtitan model converter: causal scaled-dot-product attention in place of FlexAttention.
 
 torchtitan 0.3.0 builds every language model's attention with FlexAttention (``flex``, the debug
-model's default), whose kernel is ``torch.compile``d with inductor at the first forward; on a CPU that
-is a C++ build in every rank before the first step (measured in ``bench/pages/titan.md``).
+model's default), whose kernel is ``torch.compile``d with inductor at the first forward (a C++ build in
+every rank on a CPU) and which takes its block-causal mask from per-document ``positions``.
 ``CausalSDPA`` is a ``ModelConfigConverter`` (torchtitan's extension point for rewriting the model
 config before it is built, as its quantization and LoRA converters do): it swaps each
 ``FlexAttention.Config`` for ``ScaledDotProductAttention.Config``, which runs

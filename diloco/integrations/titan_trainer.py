@@ -107,14 +107,15 @@ class DiLoCoTrainer(Trainer):
 
     def train(self) -> None:
         """torchtitan's loop; then the engine lands its last exchange (the model holds the global
-        parameters), the global model is evaluated and the summary written."""
+        parameters), the global model is evaluated and the summary written (``tokens``: the group's,
+        every rank's ``ntokens_seen`` added up)."""
         super().train()
         assert self.engine is not None
         self.engine.close()
         eval_loss = self.evaluate()
         summary_of = getattr(self.averager, "summary", None)
         extra = {"eval_loss": eval_loss, "initial_eval_loss": self.initial_eval_loss,
-                 "tokens": self.ntokens_seen, "steps": self.step, "data_samples": self.dataloader.state_dict()}
+                 "tokens": self.ntokens_seen * torch.distributed.get_world_size(), "steps": self.step, "data_samples": self.dataloader.state_dict()}
         self.summary = (summary_of(self.engine, **extra) if summary_of is not None else
                         {"outer_rounds": self.engine.round, "param_hash": self.engine.global_hash(),
                          "num_parameters": self.engine.numel, **extra})

@@ -99,6 +99,7 @@ def test_two_groups_of_two_fsdp_ranks_train_bit_identically_and_checkpoint_with_
     assert a["num_parameters"] == 6_163_712  # torchtitan's debug Llama (2,048-token vocabulary)
     assert a["bytes_sent"] > 0 and b["bytes_sent"] > 0
     assert a["data_samples"]["samples"] == b["data_samples"]["samples"] == 8 * 2 * 2  # steps x ranks x batch
+    assert a["tokens"] == b["tokens"] == 8 * 2 * 2 * 32  # the group's tokens: steps x ranks x batch x seq_len
     from torch.distributed.checkpoint import FileSystemReader
 
     for g in range(2):  # torchtitan's DCP checkpoints, with the engine's state in them
