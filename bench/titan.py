@@ -51,9 +51,9 @@ def env() -> dict[str, str]:
 
 
 def common(a: argparse.Namespace, lr: float) -> list[str]:
-    return ["--optimizer.param-groups.0.optimizer-kwargs.lr", str(lr), "--training.steps", str(a.steps), "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
-            str(a.batch_size), "--checkpoint.enable", "--checkpoint.interval", str(a.steps),
-            "--metrics.log_freq", str(max(1, a.steps // 10))]
+    return ["--optimizer.param-groups.0.optimizer-kwargs.lr", str(lr), "--training.steps", str(a.steps),
+            "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(a.batch_size),
+            "--checkpoint.enable", "--checkpoint.interval", str(a.steps), "--metrics.log_freq", str(max(1, a.steps // 10))]
 
 
 def torchrun(ranks: int, args: list[str]) -> list[str]:

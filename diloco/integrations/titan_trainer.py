@@ -114,8 +114,9 @@ class DiLoCoTrainer(Trainer):
         self.engine.close()
         eval_loss = self.evaluate()
         summary_of = getattr(self.averager, "summary", None)
-        extra = {"eval_loss": eval_loss, "initial_eval_loss": self.initial_eval_loss,
-                 "tokens": self.ntokens_seen * torch.distributed.get_world_size(), "steps": self.step, "data_samples": self.dataloader.state_dict()}
+        extra = {"eval_loss": eval_loss, "initial_eval_loss": self.initial_eval_loss, "steps": self.step,
+                 "tokens": self.ntokens_seen * torch.distributed.get_world_size(),
+                 "data_samples": self.dataloader.state_dict()}
         self.summary = (summary_of(self.engine, **extra) if summary_of is not None else
                         {"outer_rounds": self.engine.round, "param_hash": self.engine.global_hash(),
                          "num_parameters": self.engine.numel, **extra})
