@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ctypes
+import json
+from pathlib import Path
 
 
 def pin_malloc() -> str:
@@ -15,6 +17,13 @@ def pin_malloc() -> str:
         return "pinned: M_MMAP_THRESHOLD=32MiB, M_TRIM_THRESHOLD=1GiB" if ok else "default"
     except OSError:
         return "default"
+
+
+def append_record(path: str | Path, record: dict) -> None:
+    """Add ``record`` to the JSON list in ``path`` (made if missing): a bench's results, run by run."""
+    path = Path(path)
+    old = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps([*old, record], indent=1) + "\n")
 
 
 class GlooBaseline:

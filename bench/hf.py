@@ -37,6 +37,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.benchutil import append_record  # noqa: E402
 from diloco.demo import data as data_mod  # noqa: E402  (the job's samplers: the same windows)
 from diloco.integrations import hf  # noqa: E402  (the config and the corpus' tokens, as the job builds them)
 
@@ -183,9 +184,7 @@ def main() -> None:
               f"gap {record['gap_percent']:+.2f} %")
     record["load_average_after"] = os.getloadavg()
     if a.json:
-        path = Path(a.json)
-        old = json.loads(path.read_text()) if path.exists() else []
-        path.write_text(json.dumps([*old, record], indent=1) + "\n")
+        append_record(a.json, record)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.benchutil import append_record  # noqa: E402
 from diloco.demo import data as data_mod  # noqa: E402  (the held-out windows, as the job cuts them)
 from diloco.integrations import titan, titan_env  # noqa: E402
 
@@ -205,9 +206,7 @@ def main() -> None:
           f"gap {record['gap_percent']:+.2f} %; bytes between groups {sent:,} (payload {int(payload):,}, "
           f"x{record['diloco']['bytes_over_payload']:.4f}); DP would send {record['diloco']['dp_bytes']:,}")
     if a.json:
-        path = Path(a.json)
-        old = json.loads(path.read_text()) if path.exists() else []
-        path.write_text(json.dumps([*old, record], indent=1) + "\n")
+        append_record(a.json, record)
 
 
 if __name__ == "__main__":
