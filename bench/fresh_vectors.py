@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.sync_stall import _param_shapes  # noqa: E402
+from bench.sync_stall_report import _param_shapes  # noqa: E402
 
 
 def _faults() -> int:
