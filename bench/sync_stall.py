@@ -166,7 +166,11 @@ def _member_diloco(cfg: dict) -> list[dict]:
     model, batch = _model_and_data(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     codec, _, dataplane = cfg["codec"].partition("@")
-    settings = TransportConfig(host=cfg["host"], plaintext=True, codec=codec, link=dataplane or "tcp")
+    codec, _, stage = codec.partition("+")  # fp32+zstd: the lossless zstd stage on every frame
+    if stage not in ("", "zstd"):
+        raise ValueError(f"unknown stage {stage!r} in {cfg['codec']!r}: only +zstd")
+    settings = TransportConfig(host=cfg["host"], plaintext=True, codec=codec, link=dataplane or "tcp",
+                               zstd=stage == "zstd")
     rounds = []
     link = diloco.connect(cfg["coordinator"], group=cfg["group"], secret=cfg["secret"], token=cfg["token"],
                           settings=settings)
@@ -282,7 +286,8 @@ def main() -> None:
     ap.add_argument("--member", help=argparse.SUPPRESS)
     ap.add_argument("--groups", default="2,3", help="group counts, comma-separated")
     ap.add_argument("--links", default="loopback,veth,1gbit", help=f"of {', '.join(LINKS)}")
-    ap.add_argument("--codecs", default="fp32,int8", help="the project's codecs (Gloo is fp32)")
+    ap.add_argument("--codecs", default="fp32,int8",
+                    help="the project's codecs (Gloo is fp32): NAME[+zstd][@LINK], e.g. fp32+zstd, fp32@grpc")
     ap.add_argument("--backends", default="gloo,diloco")
     ap.add_argument("--h", type=int, default=20, help="inner steps per round")
     ap.add_argument("--rounds", type=int, default=5, help="counted rounds per case")

@@ -9,7 +9,8 @@
  * Pointers are passed as integers (tensor.data_ptr()); the caller checks dtypes, contiguity and
  * sizes. encode (int8) and encode4 (the 4-bit codecs) return 0, or 1 if the input holds a NaN or
  * an infinity; decode8 and decode4s decode them; has_nibble looks for a code no encoder writes;
- * fingerprint32 is the integer sum behind compress.fingerprint (tests/compress/test_fingerprint.py).
+ * fingerprint32 is the integer sum behind compress.fingerprint (tests/compress/test_fingerprint.py);
+ * shuffle and unshuffle are the byte transposes of compress/entropy.py.
  * All release the GIL.
  */
 #define PY_SSIZE_T_CLEAN
@@ -658,6 +659,55 @@ static PyObject *sgd_step(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Byte-transpose n words of w bytes (compress/entropy.py: shuffle): dst holds every word's byte 0,
+ * then every byte 1, ...; unshuffle is its inverse. src and dst do not overlap. */
+CLONES static void shuffle_words(const uint8_t *src, uint8_t *dst, int64_t n, int w) {
+    if (w == 4) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t v;
+            memcpy(&v, src + 4 * i, 4);
+            dst[i] = (uint8_t)v;
+            dst[n + i] = (uint8_t)(v >> 8);
+            dst[2 * n + i] = (uint8_t)(v >> 16);
+            dst[3 * n + i] = (uint8_t)(v >> 24);
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int k = 0; k < w; k++) dst[k * n + i] = src[i * w + k];
+}
+
+CLONES static void unshuffle_words(const uint8_t *src, uint8_t *dst, int64_t n, int w) {
+    if (w == 4) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t v = (uint32_t)src[i] | (uint32_t)src[n + i] << 8 | (uint32_t)src[2 * n + i] << 16
+                         | (uint32_t)src[3 * n + i] << 24;
+            memcpy(dst + 4 * i, &v, 4);
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int k = 0; k < w; k++) dst[i * w + k] = src[k * n + i];
+}
+
+static PyObject *transpose_bytes(PyObject *args, int inverse) {
+    unsigned long long ps, pd;
+    Py_ssize_t n;
+    int w;
+    if (!PyArg_ParseTuple(args, "KKni", &ps, &pd, &n, &w)) return NULL;
+    if (n < 0 || w < 1 || w > 8) {
+        PyErr_SetString(PyExc_ValueError, "shuffle: negative word count or a width outside 1..8");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    (inverse ? unshuffle_words : shuffle_words)((const uint8_t *)(uintptr_t)ps, (uint8_t *)(uintptr_t)pd, n, w);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *shuffle(PyObject *self, PyObject *args) { (void)self; return transpose_bytes(args, 0); }
+static PyObject *unshuffle(PyObject *self, PyObject *args) { (void)self; return transpose_bytes(args, 1); }
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "int8 blockwise encode: scales and codes (0 ok, 1 non-finite)"},
     {"decode8", decode8, METH_VARARGS, "int8 blockwise decode: codes x their block's scale"},
@@ -665,6 +715,8 @@ static PyMethodDef methods[] = {
     {"decode4s", decode4s, METH_VARARGS, "4-bit layout-2 decode: anchors x scale table x levels"},
     {"has_nibble", has_nibble, METH_VARARGS, "whether packed 4-bit codes hold a given nibble"},
     {"fingerprint32", fingerprint32, METH_VARARGS, "compress.fingerprint's sum over uint32 words"},
+    {"shuffle", shuffle, METH_VARARGS, "byte-transpose words: all byte 0s, then all byte 1s, ..."},
+    {"unshuffle", unshuffle, METH_VARARGS, "the inverse of shuffle"},
     {"sgd_step", sgd_step, METH_VARARGS, "one SGD step of fp32 values, products and sums rounded apart"},
     {NULL, NULL, 0, NULL},
 };

@@ -46,11 +46,30 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 _WORD = {2: torch.int16, 4: torch.int32}
 
 
+def _native_transpose(payload: torch.Tensor, width: int, inverse: bool) -> torch.Tensor | None:
+    """The byte transpose by compress/_native.c (same bytes as the torch path below), None where
+    it is not built or not enabled (``compress.codecs.blockwise.USE_NATIVE``) or for a GPU tensor."""
+    from .codecs import blockwise  # imported here: the codecs import this module
+
+    if payload.device.type != "cpu" or not blockwise.native_available():
+        return None
+    payload = payload.contiguous()
+    n = payload.numel() // width
+    out = torch.empty_like(payload)
+    kernel = blockwise._native.unshuffle if inverse else blockwise._native.shuffle
+    kernel(payload.data_ptr(), out.data_ptr(), n, width)
+    out[n * width:] = payload[n * width:]
+    return out
+
+
 def shuffle(payload: torch.Tensor, width: int) -> torch.Tensor:
     """Byte-transpose a uint8 payload of ``width``-byte little-endian words (all byte 0s, then
-    all byte 1s, ...). Bytes past the last whole word stay in place at the end."""
+    all byte 1s, ...) into a new tensor. Bytes past the last whole word stay in place at the end."""
     if width <= 1:
         return payload
+    native = _native_transpose(payload, width, inverse=False)
+    if native is not None:
+        return native
     n = payload.numel() // width
     out = torch.empty_like(payload)
     if width in _WORD:
@@ -64,9 +83,12 @@ def shuffle(payload: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def unshuffle(payload: torch.Tensor, width: int) -> torch.Tensor:
-    """Inverse of :func:`shuffle`."""
+    """Inverse of :func:`shuffle` (a new tensor)."""
     if width <= 1:
         return payload
+    native = _native_transpose(payload, width, inverse=True)
+    if native is not None:
+        return native
     n = payload.numel() // width
     out = torch.empty_like(payload)
     if width in _WORD:

@@ -37,9 +37,9 @@ FLT_MAX = float(torch.finfo(torch.float32).max)
 MAGIC = 12582912.0
 MAGIC_BITS = 0x4B400000
 
-#: the kernels of _native.c (these codecs' and compress.fingerprint's): a build older than the
+#: the kernels of _native.c (these codecs', compress.fingerprint's and compress.entropy's): a build older than the
 #: source lacks some, and is not used
-NATIVE_KERNELS = ("encode", "decode8", "encode4", "decode4s", "has_nibble", "fingerprint32")
+NATIVE_KERNELS = ("encode", "decode8", "encode4", "decode4s", "has_nibble", "fingerprint32", "shuffle", "unshuffle")
 
 try:
     from .. import _native

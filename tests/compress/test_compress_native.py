@@ -177,3 +177,31 @@ def test_decoding_into_a_strided_output_takes_the_generic_path_with_the_same_bit
     codec.dequantize_into(parts, 1001, out)
     assert torch.equal(out.view(torch.int32), mine.view(torch.int32))
     assert torch.equal(backing[1::2], torch.full((1001,), 7.0))  # nothing written between them
+
+
+@native
+@pytest.mark.parametrize("width", [2, 3, 4, 8])
+@pytest.mark.parametrize("length", [0, 1, 7, 4096, 4096 * 3 + 5])
+def test_native_byte_shuffle_matches_torch(width, length):
+    from compress import entropy
+
+    data = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(length + width))
+    blockwise.USE_NATIVE = False
+    want = entropy.shuffle(data, width)
+    blockwise.USE_NATIVE = True
+    got = entropy.shuffle(data, width)
+    assert torch.equal(got, want)
+    assert torch.equal(entropy.unshuffle(got, width), data)
+    blockwise.USE_NATIVE = False
+    assert torch.equal(entropy.unshuffle(got, width), data)
+
+
+@native
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_native_shuffle_gives_the_same_zstd_frames(name):
+    """The entropy stage's frames are the same bytes with and without the C transpose."""
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(3)) * 1e-3
+    codec = compress.get_codec(name, zstd=True)
+    a, b = both_paths(codec, x)
+    assert_same(a, b)
+    assert torch.equal(codec.decode(a[0]).view(torch.int32), a[1].view(torch.int32))
