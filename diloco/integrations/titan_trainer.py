@@ -98,12 +98,34 @@ class DiLoCoTrainer(Trainer):
         self.held_out = (self.dataloader.held_out(config.diloco.eval_batches)
                          if isinstance(self.dataloader, CorpusDataLoader) else [])
         self.initial_eval_loss = self.evaluate()
+        self.logged_loss: float | None = None  # the global mean loss torchtitan logged last
+        self._keep_logged_loss()
+
+    def _keep_logged_loss(self) -> None:
+        """Keep each loss torchtitan's metrics processor logs (every ``--metrics.log_freq`` steps),
+        for the progress reports to the coordinator."""
+        log = self.metrics_processor.log
+
+        def log_and_keep(step: int, global_avg_loss: float, *args: Any, **kwargs: Any) -> Any:
+            self.logged_loss = float(global_avg_loss)
+            return log(step, global_avg_loss, *args, **kwargs)
+
+        self.metrics_processor.log = log_and_keep
 
     def train_step(self, data_iterator: Any) -> None:
-        """torchtitan's step (forward, backward, clip, optimizer, lr), then one engine step."""
+        """torchtitan's step (forward, backward, clip, optimizer, lr), then one engine step; on
+        torchtitan's logging steps, a round's end and the last step, a progress report to the
+        coordinator (what ``diloco status`` and the coordinator's metrics show)."""
         super().train_step(data_iterator)
         assert self.engine is not None
-        self.engine.step()
+        events = self.engine.step()
+        report = getattr(self.averager, "report_progress", None)
+        steps = self.config.training.steps
+        if report is not None and (self.metrics_processor.should_log(self.step) or events or self.step == steps):
+            lr = self.optimizers.optimizers[0].param_groups[0]["lr"]
+            report(loss=self.logged_loss, step=self.step, steps=steps, lr=float(lr),
+                   tokens_per_step=self.config.training.local_batch_size * self.config.training.seq_len
+                   * torch.distributed.get_world_size())
 
     def train(self) -> None:
         """torchtitan's loop; then the engine lands its last exchange (the model holds the global

@@ -46,7 +46,8 @@ def run_env() -> dict[str, str]:
 
 
 def run_groups(tmp_path: Path, args: list[str], groups: int = 2, timeout_s: float = 240.0) -> list[dict]:
-    """One torchrun of the example per group against a coordinator of this process; each group's summary."""
+    """One torchrun of the example per group against a coordinator of this process; each group's
+    summary, with the last progress report the coordinator holds of the group (``progress``)."""
     from diloco.coordinator import CoordinatorServer
 
     env = run_env()
@@ -59,8 +60,9 @@ def run_groups(tmp_path: Path, args: list[str], groups: int = 2, timeout_s: floa
         finally:
             for p in procs:
                 p.kill()
+        progress = server.snapshot()["progress"]
     assert [p.returncode for p in procs] == [0] * groups, [o[-3000:] for o in outs]
-    return [json.loads((tmp_path / f"g{g}.json").read_text()) for g in range(groups)]
+    return [{**json.loads((tmp_path / f"g{g}.json").read_text()), "progress": progress.get(g)} for g in range(groups)]
 
 
 def run_one_group(dump: Path, args: list[str], timeout_s: float = 180.0) -> dict:
@@ -100,6 +102,10 @@ def test_two_groups_of_two_fsdp_ranks_train_bit_identically_and_checkpoint_with_
     assert a["bytes_sent"] > 0 and b["bytes_sent"] > 0
     assert a["data_samples"]["samples"] == b["data_samples"]["samples"] == 8 * 2 * 2  # steps x ranks x batch
     assert a["tokens"] == b["tokens"] == 8 * 2 * 2 * 32  # the group's tokens: steps x ranks x batch x seq_len
+    for s in summaries:  # the coordinator heard each group's progress, to its last step
+        p = s["progress"]
+        assert p["step"] == p["steps"] == 8 and p["round"] >= 1 and p["bytes_sent"] > 0, p
+        assert 0 < p["loss"] < 10 and p["lr"] >= 0, p  # torchtitan's schedule ends at lr 0
     from torch.distributed.checkpoint import FileSystemReader
 
     for g in range(2):  # torchtitan's DCP checkpoints, with the engine's state in them
