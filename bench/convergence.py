@@ -58,6 +58,7 @@ here a little above: framing).
     python bench/convergence.py                            # the whole study, both sizes (hours; resumable)
     python bench/convergence.py --resume --only 'm2-*'     # some rows, added to the file
     python bench/convergence.py --table                    # the markdown table of the file's records
+    python bench/convergence.py --paired                   # each row paired by seed with the best fp32 DiLoCo
 
 One run of one row is bench/convergence_run.py's; the table, the QSR comparison and the PNG
 are bench/convergence_report.py's.
@@ -82,7 +83,7 @@ if str(ROOT) not in sys.path:  # not bench/ itself: its transport.py would shado
 
 import torch  # noqa: E402
 
-from bench.convergence_report import dp_reference, mean_loss, plot, qsr_report, table  # noqa: E402
+from bench.convergence_report import dp_reference, mean_loss, paired_table, plot, qsr_report, table  # noqa: E402
 from bench.convergence_rows import (  # noqa: E402
     DEFAULT_OUTER,
     OUTER_SWEEP,
@@ -286,6 +287,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real", action="store_true", help="run the rows as real diloco run jobs (no loss curves)")
     p.add_argument("--check-real", metavar="ROW", help="run ROW in-process and as a diloco run job; print both")
     p.add_argument("--table", action="store_true", help="print the tables of the JSON's records and exit")
+    p.add_argument("--paired", action="store_true",
+                   help="print every row of the JSON's records paired by seed with the best fp32 DiLoCo row of its "
+                        "size and M (per-seed %%, mean, 95 %% Student-t interval) and exit")
     return p.parse_args(argv)
 
 
@@ -294,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.check_real:
         return check_real(a)
     path = Path(a.json) if a.json else (QUICK_JSON if a.quick else DEFAULT_JSON)
+    if a.paired:
+        print(paired_table(json.loads(path.read_text())))
+        return 0
     if a.table:
         records = json.loads(path.read_text())
     else:
