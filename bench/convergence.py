@@ -59,6 +59,7 @@ here a little above: framing).
     python bench/convergence.py --resume --only 'm2-*'     # some rows, added to the file
     python bench/convergence.py --table                    # the markdown table of the file's records
     python bench/convergence.py --paired                   # each row paired by seed with the best fp32 DiLoCo
+    python bench/convergence.py --paired --against m2-h200-outer   # ... or with one named row
 
 One run of one row is bench/convergence_run.py's; the table, the QSR comparison and the PNG
 are bench/convergence_report.py's.
@@ -287,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real", action="store_true", help="run the rows as real diloco run jobs (no loss curves)")
     p.add_argument("--check-real", metavar="ROW", help="run ROW in-process and as a diloco run job; print both")
     p.add_argument("--table", action="store_true", help="print the tables of the JSON's records and exit")
+    p.add_argument("--against", metavar="ROW",
+                   help="with --paired: pair every row with ROW of its size instead of the best fp32 DiLoCo row")
     p.add_argument("--paired", action="store_true",
                    help="print every row of the JSON's records paired by seed with the best fp32 DiLoCo row of its "
                         "size and M (per-seed %%, mean, 95 %% Student-t interval) and exit")
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         return check_real(a)
     path = Path(a.json) if a.json else (QUICK_JSON if a.quick else DEFAULT_JSON)
     if a.paired:
-        print(paired_table(json.loads(path.read_text())))
+        print(paired_table(json.loads(path.read_text()), against=a.against))
         return 0
     if a.table:
         records = json.loads(path.read_text())

@@ -219,11 +219,19 @@ def _seeds(seeds) -> str:
     return ", ".join(map(str, s))
 
 
-def paired_table(records: list[dict], stage: str = "study", level: float = 0.95) -> str:
+def named_reference(records: list[dict], size: str, row: str, against: str, stage: str = "study") -> Reference | None:
+    """``against`` as the reference of (size, row), on the seeds both have; None if they share none."""
+    mine, theirs = seed_losses(records, size, row, stage), seed_losses(records, size, against, stage)
+    shared = sorted(set(mine) & set(theirs))
+    return Reference(against, tuple(shared), tuple(sorted(set(mine) - set(theirs))), 1) if shared else None
+
+
+def paired_table(records: list[dict], stage: str = "study", level: float = 0.95, against: str | None = None) -> str:
     """Markdown: every (size, row) of ``stage`` against its best fp32 DiLoCo reference
-    (``best_fp32_reference``): per-seed % differences, their mean and the ``level`` Student-t
+    (``best_fp32_reference``), or against the row ``against`` of its size where given (sizes
+    without it are left out): per-seed % differences, their mean and the ``level`` Student-t
     interval; a row the reference lacks seeds of is paired on the shared seeds and says which
-    were left out. Per size, first the reference rows, then the others in the study's order."""
+    were left out. Per size, in the study's order."""
     order = {n: i for i, n in enumerate([r.name for r in study_rows()] + [r.name for r in sweep_rows()])}
     keys = sorted({(r["size"], r["row"]) for r in records if r["stage"] == stage},
                   key=lambda k: (_size_order(k[0]), order.get(k[1], 99), k[1]))
@@ -231,19 +239,27 @@ def paired_table(records: list[dict], stage: str = "study", level: float = 0.95)
     lines = [f"| size | row | M | codec | reference (best of K fp32 DiLoCo rows on these seeds) | seeds | "
              f"per seed, % vs reference | paired mean | {pct} interval (Student t, n−1 dof) | n |",
              "|" + "---|" * 10]
+    if against is not None:
+        keys = [k for k in keys if seed_losses(records, k[0], against, stage)]
     for size, row in keys:
-        ref = best_fp32_reference(records, size, row, stage)
+        ref = (best_fp32_reference(records, size, row, stage) if against is None
+               else named_reference(records, size, row, against, stage))
         rec = next(r for r in records if r["size"] == size and r["row"] == row and r["stage"] == stage)
         head = f"| {size} | {row} | {rec['groups']} | {rec['codec']} |"
+        if ref is None and against is not None:
+            lines.append(f"{head} {against} shares no seed | {_seeds(sorted(seed_losses(records, size, row, stage)))} "
+                         f"| — | — | — | 0 |")
+            continue
         if ref is None:
             seeds = sorted(seed_losses(records, size, row, stage))
             lines.append(f"{head} none (no fp32 DiLoCo row with M={rec['groups']} on these seeds) | "
                          f"{_seeds(seeds)} | — | — | — | {len(seeds)} |")
             continue
         left = f"; seeds {_seeds(ref.missing)} not paired (reference lacks them)" if ref.missing else ""
-        who = f"{ref.row} (best of {ref.candidates}{left})"
+        who = f"{ref.row} ({'named' if against else f'best of {ref.candidates}'}{left})"
         if ref.row == row:
-            lines.append(f"{head} **this row** (best of {ref.candidates}{left}) | {_seeds(ref.seeds)} | — | "
+            lines.append(f"{head} **this row** ({'named' if against else f'best of {ref.candidates}'}{left}) | "
+                         f"{_seeds(ref.seeds)} | — | "
                          f"reference | — | {len(ref.seeds)} |")
             continue
         p = paired_against(records, size, row, ref.row, ref.seeds, stage, level)

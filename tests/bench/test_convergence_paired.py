@@ -112,3 +112,16 @@ def test_cli_prints_the_paired_table(tmp_path, capsys):
     assert conv.main(["--paired", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| small | x | 2 | int4 | m2-h30 (best of 1) | 1, 2 | +1.00 / +2.00 | **+1.50** |" in out
+
+
+def test_a_named_reference_pairs_every_row_of_its_size_on_shared_seeds():
+    recs = rows("m2-h30", {1: 2.0, 2: 2.0, 3: 2.0}) + rows("m2-h200", {1: 2.1, 2: 2.1}) + \
+        rows("x", {1: 2.121, 2: 2.142, 3: 2.0}, codec="int2") + rows("m2-h200", {1: 1.0}, size="medium") + \
+        rows("y", {1: 2.0}, size="other", codec="int2")
+    ref = report.named_reference(recs, "small", "x", "m2-h200")
+    assert ref == report.Reference("m2-h200", (1, 2), (3,), 1)  # not the best (m2-h30): the one named
+    text = report.paired_table(recs, against="m2-h200")
+    line = next(ln for ln in text.splitlines() if "| small | x |" in ln)
+    assert "m2-h200 (named; seeds 3 not paired" in line and "+1.00 / +2.00 | **+1.50** |" in line
+    assert "| other |" not in text  # a size without the named row is left out
+    assert "m2-h200 shares no seed" not in text and "| medium | m2-h200 |" in text
