@@ -197,7 +197,8 @@ def bits_table(records: list[dict]) -> str:
     for name in ROWS:
         rec, plain, probed, measured, counted = _row_budgets(records, name)
         for b, p in zip(plain, probed):
-            check = (f"{b.bits(measured):.5f} ({measured:,.0f} B; counted without zstd {counted:,.0f} B)"
+            check = (f"{b.bits(measured):.5f} ({measured:,.0f} B; counted without zstd {counted:,.0f} B, "
+                     f"measured / counted {measured / counted:.4f})"
                      if b.groups == 2 else "—")
             lines.append(f"| {name} | {b.groups} | {b.sparseloco_bits:.5f} | {b.bits(b.exchange_bytes):.5f} | "
                          f"{b.bits(b.final_bytes + b.init_bytes):.5f} | {b.wire_bits:.5f} | {p.wire_bits:.4f} | {check} |")
