@@ -125,3 +125,14 @@ def test_a_named_reference_pairs_every_row_of_its_size_on_shared_seeds():
     assert "m2-h200 (named; seeds 3 not paired" in line and "+1.00 / +2.00 | **+1.50** |" in line
     assert "| other |" not in text  # a size without the named row is left out
     assert "m2-h200 shares no seed" not in text and "| medium | m2-h200 |" in text
+
+
+def test_the_study_records_give_the_paced_int2_headlines():
+    """bench/results/convergence.json: the paced int2 rows against fp32 DiLoCo H=30 over 5 paired seeds."""
+    recs = json.loads((ROOT / "bench" / "results" / "convergence.json").read_text())
+    for row, mean, low, high in (("m2-paced200-int2b1024-int4final-decay0-zstd-outer", 0.86, -0.24, 1.95),
+                                 ("m2-paced200-int2b1024-int4final-decay0-zstd-p2-tau15-a0-outer", 0.88, 0.50, 1.26)):
+        ref = report.best_fp32_reference(recs, "small-xlong", row)
+        assert (ref.row, ref.seeds, ref.missing, ref.candidates) == ("m2-h30-outer", (1, 2, 3, 4, 5), (), 4)
+        p = report.paired_against(recs, "small-xlong", row, ref.row, ref.seeds)
+        assert (round(p.mean, 2), round(p.low, 2), round(p.high, 2)) == (mean, low, high), row
