@@ -32,6 +32,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -59,7 +60,7 @@ def _tag_len(tag: str, stripe: int) -> int:
     return len(f"{tag}/s{stripe}".encode())
 
 
-def gather_bytes(frame_size, stripes: list[int], groups: int, tag: str = "f0/r100",
+def gather_bytes(frame_size: Callable[[int], int], stripes: list[int], groups: int, tag: str = "f0/r100",
                  chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> int:
     """Bytes one group sends in one all-gather exchange: its own frames and those it forwards,
     (G − 1) of each chunk's frame with its envelope. ``frame_size(count)``: the codec's."""
@@ -68,7 +69,7 @@ def gather_bytes(frame_size, stripes: list[int], groups: int, tag: str = "f0/r10
     return (groups - 1) * one
 
 
-def ring_bytes(frame_size, stripes: list[int], groups: int, tag: str = "f0/r100",
+def ring_bytes(frame_size: Callable[[int], int], stripes: list[int], groups: int, tag: str = "f0/r100",
                chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> float:
     """Bytes one group sends in one ring all-reduce, averaged over the groups: per stripe, G − 1
     reduce-scatter and G − 1 all-gather messages, each a chunk of one of the G segments; a group
@@ -111,6 +112,7 @@ class Budget:
 
     @property
     def wire_bytes(self) -> float:
+        """Everything one group sends over the job."""
         return self.exchange_bytes + self.final_bytes + self.init_bytes + self.probe_bytes
 
     def bits(self, nbytes: float) -> float:
@@ -119,11 +121,12 @@ class Budget:
 
     @property
     def wire_bits(self) -> float:
+        """The wire's count: ``wire_bytes`` in bits per parameter per inner step."""
         return self.bits(self.wire_bytes)
 
 
-def budget(codec, params: int, steps: int, exchanges: int, groups: int, *, fragments: int = 1,
-           exchanged: int | None = None, final_codec=None, align: int = 1, probe_bytes: int = 0,
+def budget(codec: Any, params: int, steps: int, exchanges: int, groups: int, *, fragments: int = 1,
+           exchanged: int | None = None, final_codec: Any = None, align: int = 1, probe_bytes: int = 0,
            reprobe_every: int = 100, zstd_ratio: float = 1.0, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Budget:
     """One group's two counts for a job of ``exchanges`` exchanges (all fragments') over ``steps``
     inner steps of a ``params``-parameter model at G = ``groups``; each exchange is one of
@@ -206,6 +209,7 @@ def bits_table(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print ``bits_table`` of the records file ``argv[0]`` (default bench/results/convergence.json)."""
     path = Path(argv[0]) if argv else ROOT / "bench" / "results" / "convergence.json"
     print(bits_table(json.loads(path.read_text())))
     return 0
