@@ -170,7 +170,7 @@ def _member_diloco(cfg: dict) -> list[dict]:
     if stage not in ("", "zstd"):
         raise ValueError(f"unknown stage {stage!r} in {cfg['codec']!r}: only +zstd")
     settings = TransportConfig(host=cfg["host"], plaintext=True, codec=codec, link=dataplane or "tcp",
-                               zstd=stage == "zstd")
+                               zstd=stage == "zstd", chunk_bytes=cfg.get("chunk_bytes", 1 << 20))
     rounds = []
     link = diloco.connect(cfg["coordinator"], group=cfg["group"], secret=cfg["secret"], token=cfg["token"],
                           settings=settings)
@@ -243,7 +243,7 @@ def run_case(link: str, groups: int, backend: str, codec: str, args, logdir: Pat
         hosts = ["127.0.0.1"] * groups if wan is None else [wan.ip(g) for g in range(groups)]
         common = {"backend": backend, "groups": groups, "codec": codec, "h": args.h, "rounds": args.rounds,
                   "warmup": args.warmup, "batch": args.batch, "seq": args.seq, "lr": args.lr,
-                  "threads": args.threads}
+                  "threads": args.threads, "chunk_bytes": args.chunk_bytes}
         if backend == "gloo":
             common["gloo_master"] = f"{hosts[0]}:{_free_port(hosts[0]) if wan is None else 29511}"
         else:
@@ -297,6 +297,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per member")
+    ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="the project's ring chunk, bytes of fp32")
     ap.add_argument("--case-timeout", type=float, default=900.0)
     ap.add_argument("--logs", default="/tmp/sync_stall_logs")
     ap.add_argument("--json", default=None)

@@ -33,6 +33,13 @@ class ZstdMeasurement:
         saved = (self.plain_bytes - self.zstd_bytes) / link_bytes_per_s
         return saved > self.extra_encode_s + self.extra_decode_s
 
+    def pays_pipelined(self, link_bytes_per_s: float) -> bool:
+        """True if zstd shortens an exchange whose chunks are pipelined (the rings: one chunk is
+        compressed or decompressed while others are on the wire): the smaller frames' wire time
+        and the zstd stage's CPU time each stay below the plain frames' wire time."""
+        plain_s = self.plain_bytes / link_bytes_per_s
+        return max(self.zstd_bytes / link_bytes_per_s, self.extra_encode_s + self.extra_decode_s) < plain_s
+
 
 def _best_time(fn, repeat: int) -> float:
     best = float("inf")
