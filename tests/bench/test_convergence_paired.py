@@ -128,11 +128,17 @@ def test_a_named_reference_pairs_every_row_of_its_size_on_shared_seeds():
 
 
 def test_the_study_records_give_the_paced_int2_headlines():
-    """bench/results/convergence.json: the paced int2 rows against fp32 DiLoCo H=30 over 5 paired seeds."""
+    """bench/results/convergence.json: the paced int2 rows against fp32 DiLoCo H=30 over 5 paired seeds, the
+    best of the 5 fp32 DiLoCo rows run on seeds 1-5 (H=100 among them since 2026-11-29), and against H=100 named."""
     recs = json.loads((ROOT / "bench" / "results" / "convergence.json").read_text())
-    for row, mean, low, high in (("m2-paced200-int2b1024-int4final-decay0-zstd-outer", 0.86, -0.24, 1.95),
-                                 ("m2-paced200-int2b1024-int4final-decay0-zstd-p2-tau15-a0-outer", 0.88, 0.50, 1.26)):
+    for row, mean, low, high, vs_h100 in (
+            ("m2-paced200-int2b1024-int4final-decay0-zstd-outer", 0.86, -0.24, 1.95, (0.49, -0.38, 1.37)),
+            ("m2-paced200-int2b1024-int4final-decay0-zstd-p2-tau15-a0-outer", 0.88, 0.50, 1.26, (0.52, -0.83, 1.87))):
         ref = report.best_fp32_reference(recs, "small-xlong", row)
-        assert (ref.row, ref.seeds, ref.missing, ref.candidates) == ("m2-h30-outer", (1, 2, 3, 4, 5), (), 4)
+        assert (ref.row, ref.seeds, ref.missing, ref.candidates) == ("m2-h30-outer", (1, 2, 3, 4, 5), (), 5)
         p = report.paired_against(recs, "small-xlong", row, ref.row, ref.seeds)
         assert (round(p.mean, 2), round(p.low, 2), round(p.high, 2)) == (mean, low, high), row
+        named = report.named_reference(recs, "small-xlong", row, "m2-h100-outer")
+        assert (named.seeds, named.missing) == ((1, 2, 3, 4, 5), ())
+        q = report.paired_against(recs, "small-xlong", row, named.row, named.seeds)
+        assert (round(q.mean, 2), round(q.low, 2), round(q.high, 2)) == vs_h100, row
