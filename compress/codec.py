@@ -16,6 +16,7 @@ import torch
 from . import entropy, frame
 from .codec_table import codec_name
 from .errors import FrameError
+from .gather_rule import MEAN_ALL
 
 Parts = list[torch.Tensor]
 #: what ``encode`` returns: a bytes-like frame (a bytearray; a memoryview of page-locked memory
@@ -45,6 +46,11 @@ class Codec(ABC):
     shuffle_width: ClassVar[int] = 1
     #: Whether ``stochastic=True`` (unbiased random rounding instead of nearest) is offered.
     supports_stochastic: ClassVar[bool] = False
+    #: How an all-gather of this codec's frames averages the groups' decoded contributions
+    #: (``compress.gather_rule``, read by ``transport.gather``): over all groups unless a codec's
+    #: constructor says otherwise (``topk``: ``mean``, ``clip_median``).
+    mean: str = MEAN_ALL
+    clip_median: bool = False
 
     def __init__(self, *, zstd: bool = False, zstd_level: int = 1, stochastic: bool = False,
                  seed: int | None = None) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from .gather_rule import MEANS, check_mean
+
 if TYPE_CHECKING:
     from .codec import Codec
 
@@ -42,7 +44,8 @@ CODECS: dict[str, CodecTraits] = {
     "fp4-e2m1": CodecTraits(_BLOCK4, summary="4-bit"),
     "fp4-e3m0": CodecTraits(_BLOCK4, summary="4-bit"),
     "sign1": CodecTraits(frozenset({"block_size"}), error_feedback=True),
-    "topk": CodecTraits(frozenset({"chunk", "k", "density", "value_bits", "indices"}), error_feedback=True),
+    "topk": CodecTraits(frozenset({"chunk", "k", "density", "value_bits", "indices", "mean", "clip_median"}),
+                        error_feedback=True),
     "lloyd4": CodecTraits(_BLOCK4, summary="4-bit"),
     "int2": CodecTraits(frozenset({"block_size"}), error_feedback=True),
 }
@@ -83,11 +86,11 @@ AUTO_SETS, AUTO_REFUSES, AUTO_KEEPS = "set", "default", "kept"
 
 
 def option(default: Any, flag: str, help: str, knob: Knob | None = None, *, auto: str = AUTO_REFUSES,
-           check: Callable[[Any], str | None] | None = None):
+           check: Callable[[Any], str | None] | None = None, choices: tuple[str, ...] | None = None):
     """A codec option: its default, flag, help text, the constructor parameter it sets (``knob``),
-    what ``--codec auto`` does with it (``auto``) and its own check (``check(value)``: the problem
-    in one sentence, or None)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": None, "knob": knob,
+    what ``--codec auto`` does with it (``auto``), its own check (``check(value)``: the problem
+    in one sentence, or None) and its values when they are names (``choices``)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "knob": knob,
                                             "auto": auto, "check": check})
 
 
@@ -134,6 +137,16 @@ class CodecOptions:
         2, "--topk-value-bits", "topk: bits of each value sent, its sign and its level among 2^(bits-1) between the "
         "chunk's smallest and largest kept magnitude (2 = SparseLoCo's; up to 8: finer values, more bytes)",
         Knob(_named("value_bits"), unset=2), check=lambda bits: None if 1 <= bits <= 8 else f"must be in [1, 8], got {bits}")
+    topk_mean: str = option(
+        MEANS[0], "--topk-mean", "topk: how the groups' decoded contributions are averaged: all = each index's sum "
+        "over all G groups / G (SparseLoCo's paper notation); senders = each index's mean over the groups that "
+        "sent it (the SparseLoCo authors' code); compress/gather_rule.py", Knob(_named("mean"), unset=MEANS[0]),
+        check=check_mean, choices=MEANS)
+    topk_clip_median: bool = option(
+        False, "--topk-clip-median", "topk: before averaging, scale each group's decoded contribution down to the "
+        "median of the groups' L2 norms where its norm is above it (the lower middle one for an even count; norms "
+        "per exchanged chunk of --chunk-bytes), as the SparseLoCo authors' production code does",
+        Knob(_named("clip_median"), unset=False))
 
 
 def codec_options() -> list[Any]:

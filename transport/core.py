@@ -18,7 +18,8 @@ from .errors import TransportError, WireError
 from .identity import Credentials
 from .guard import DEFAULT_HANDSHAKE_TIMEOUT_S, DEFAULT_MAX_UNAUTHENTICATED, DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE
 from .frames import default_codec
-from .gather import RingAllGather, check_scales, reduce_in_order
+from .gather import RingAllGather, check_scales
+from .gather_reduce import reduce_gathered
 from .link_spec import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S
 from .links import LinkEndpoint, log
 from .outputs import check_out, overlaps
@@ -191,7 +192,8 @@ class TransportBase(LinkEndpoint):
         float32 buffer of x's shape not overlapping x or out) holds those decoded values once
         wait() returned -- what error feedback needs. scales: one weight >= 0 per ring member
         (ring-index order, the same list on every member); the result is then
-        sum(scales[i] * decoded_i) / G. The other arguments are those of `all_reduce`.
+        sum(scales[i] * decoded_i) / G (or the average the codec asks for: `transport.gather_reduce`).
+        The other arguments are those of `all_reduce`.
         """
         groups, codec, timeout = self._check_collective(x, ring, index, codec, timeout_s, out, groups)
         scales = check_scales(scales, len(ring))
@@ -205,7 +207,7 @@ class TransportBase(LinkEndpoint):
             mine = codec.encode_with_decoded(xs)[1].reshape(-1) if x.numel() else torch.empty(0, device=x.device)
             h.sent = sent.copy_(mine) if sent is not None else mine
             result = out if out is not None else torch.empty_like(mine)
-            h._finish(reduce_in_order([h.sent], scales, result), None)
+            h._finish(reduce_gathered([h.sent], scales, result, codec), None)
             return h
         op = RingAllGather(self, xs, list(ring), index, tag, codec, timeout, self.chunk_elems, out=out, sent=sent,
                            stream=side_stream_for(xs), groups=groups if self.group is not None else None, finite=finite,

@@ -13,7 +13,9 @@ contribution is encoded exactly once, by that member, and never re-encoded:
 * once a chunk's G frames are in, every member decodes them and sums them in ring-index order,
   ``(s_0·d_0 + s_1·d_1 + … + s_{G−1}·d_{G−1}) / G`` in fp32 (``s_i``: each member's weight, 1
   when not given, applied only when not 1): the same float operations on the same bits on every
-  member, so every member gets a bit-identical mean.
+  member, so every member gets a bit-identical mean. A codec may ask for another average
+  (``topk``'s ``mean="senders"``: each index over the members that sent it; ``clip_median``):
+  ``transport.gather_reduce``, as exactly the same on every member.
 
 Each member sends (G − 1)·|frame(n)| bytes, against 2·(G − 1)/G·|frame(n)| for the all-reduce: a
 gather pays off for codecs that shrink the vector a lot (1 bit/value and below). Frames are
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .gather_reduce import mean_over_all, reduce_gathered
 from .partition import chunk_bounds
 from .ring_collective import RingCollective, _Abort
 from .streams import SideStream
@@ -65,21 +68,9 @@ def check_scales(scales: Any, g: int) -> list[float] | None:
 
 
 def reduce_in_order(decoded: list[torch.Tensor], scales: list[float] | None, out: torch.Tensor) -> torch.Tensor:
-    """``out = sum_i(s_i · decoded[i]) / G`` in index order, in fp32, without changing the inputs
-    (a scale of exactly 1 is not applied). The operations every member performs on every chunk.
-    G divides as a 0-dim tensor on out's device: CUDA would divide by a CPU scalar through its
-    reciprocal, not exactly as the CPU does (see RingAllReduce._g)."""
-    g = torch.full((), float(len(decoded)), dtype=torch.float32, device=out.device)
-    for i, d in enumerate(decoded):
-        s = 1.0 if scales is None else scales[i]
-        if i == 0:
-            if s == 1.0:
-                out.copy_(d)
-            else:
-                torch.mul(d, s, out=out)
-        else:
-            out.add_(d if s == 1.0 else d * s)
-    return out.div_(g)
+    """``out = sum_i(s_i · decoded[i]) / G`` in index order, in fp32 (``gather_reduce.mean_over_all``:
+    the reduction of every codec that asks for no other)."""
+    return mean_over_all(decoded, scales, out)
 
 
 class RingAllGather(RingCollective):
@@ -162,7 +153,7 @@ class RingAllGather(RingCollective):
                 decoded.append(self._decode(frame.payload, b - a, f"chunk {c} of member {j}"))
             finally:
                 frame.release()
-        reduce_in_order(decoded, self.scales, out[a:b])
+        reduce_gathered(decoded, self.scales, out[a:b], self.codec)
 
     def _gather_stall(self, todo: set) -> str:
         return self._stalled(f"{len(todo)} frames")

@@ -10,6 +10,10 @@ at k=64 of 4096, ``elias_fano``) as their low fields then their bitmaps, or as p
 ``ceil(log2 chunk)``-bit fields (``indices="fixed"``: 12 bits). A short last chunk keeps
 ``min(k, its length)`` values. The header's third parameter holds ``value_bits``, plus 256 for
 Elias-Fano indices.
+
+``mean`` and ``clip_median`` say how the gather averages the groups' decoded contributions
+(``compress.gather_rule``: over all groups, or each index over the groups that sent it as the
+SparseLoCo authors' code does; clipped to the median norm first); the frame does not carry them.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 from ..codec import Codec, Parts
 from ..errors import FrameError
 from ..finite import all_finite
+from ..gather_rule import MEAN_ALL, check_mean
 from ..codec_table import register
 from . import elias_fano
 from .common import check_block, header_block, n_blocks
@@ -41,8 +46,15 @@ class TopK(Codec):
     requires_error_feedback = True
 
     def __init__(self, *, chunk: int = 4096, k: int | None = None, density: float | None = None,
-                 value_bits: int = 2, indices: str = "elias-fano", **kw) -> None:
+                 value_bits: int = 2, indices: str = "elias-fano", mean: str = MEAN_ALL, clip_median: bool = False,
+                 **kw) -> None:
         super().__init__(**kw)
+        problem = check_mean(mean)
+        if problem:
+            raise ValueError(f"mean {problem}")
+        if not isinstance(clip_median, bool):
+            raise ValueError(f"clip_median must be a bool, got {clip_median!r}")
+        self.mean, self.clip_median = mean, clip_median
         if indices not in INDEX_CODINGS:
             raise ValueError(f"indices must be one of {', '.join(INDEX_CODINGS)}, got {indices!r}")
         self.indices = indices
@@ -59,7 +71,7 @@ class TopK(Codec):
     @property
     def params(self) -> dict:
         return {"chunk": self.chunk, "k": self.k, "value_bits": self.value_bits, "indices": self.indices,
-                **super().params}
+                "mean": self.mean, "clip_median": self.clip_median, **super().params}
 
     @property
     def header_params(self) -> tuple[int, int, int]:

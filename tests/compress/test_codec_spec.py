@@ -122,3 +122,44 @@ def test_topk_value_bits_is_checked_where_it_does_not_apply():
         assert message in str(e.value)
     spec = CodecSpec(codec="topk", topk_value_bits=4, final_codec="int8")
     assert spec.final() == CodecSpec(codec="int8")  # the last exchange's codec at its own defaults
+
+
+# --topk-mean, --topk-clip-median: how the gather averages topk's contributions (compress.gather_rule)
+
+def test_topk_mean_and_clip_are_flags_toml_keys_in_the_help_and_reach_the_codec():
+    import argparse
+
+    from diloco.job.config_parse import add_arguments, from_args, from_dict
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    text = parser.format_help()
+    assert "--topk-mean {all,senders}" in text and "--topk-clip-median" in text
+    assert text.index("--topk-value-bits") < text.index("--topk-mean") < text.index("--topk-clip-median")
+    cfg = from_args(parser.parse_args(["--codec", "topk", "--topk-mean", "senders", "--topk-clip-median", "true"]))
+    codec = cfg.transport.codec_spec().build()
+    assert (codec.mean, codec.clip_median) == ("senders", True)
+    cfg = from_dict({"transport": {"codec": "topk", "topk_mean": "senders", "topk_clip_median": True}}).validate()
+    assert (cfg.transport.topk_mean, cfg.transport.topk_clip_median) == ("senders", True)
+    default = CodecSpec(codec="topk").build()
+    assert (default.mean, default.clip_median) == ("all", False)  # today's mean stays the default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--codec", "topk", "--topk-mean", "peers"])
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(codec="int2", topk_mean="senders"), "--topk-mean applies to --codec topk only, not int2"),
+    (dict(codec="sign1", topk_clip_median=True), "--topk-clip-median applies to --codec topk only, not sign1"),
+    (dict(codec="fp32", topk_mean="senders"), "--topk-mean applies to --codec topk only, not fp32"),
+    (dict(codec="topk", topk_mean="peers"), "--topk-mean must be one of all, senders, got 'peers'"),
+    (dict(codec="auto", topk_mean="senders"), "leave them unset (got --topk-mean senders)"),
+])
+def test_topk_mean_and_clip_are_refused_where_they_do_not_apply(change, message):
+    from diloco.job.config import Config, ConfigError
+
+    cfg = Config()
+    for key, value in change.items():
+        setattr(cfg.transport, key, value)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert message in str(e.value)

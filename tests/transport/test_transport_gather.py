@@ -14,6 +14,7 @@ import compress
 from transport import CollectiveAborted
 from transport.auth import client_handshake
 from transport.gather import reduce_in_order
+from transport.gather_reduce import reduce_gathered
 from transport.partition import chunk_bounds
 from transport.wire import MsgType, pack_header
 from gather_helpers import doomed_gather_peer
@@ -61,6 +62,37 @@ def test_mean_is_the_ordered_sum_and_bit_identical(g: int, name: str, backend: s
                 assert torch.equal(sent, decoded[i]), (i, "sent is not what the others decoded")
             for x, b in zip(xs, before):
                 assert torch.equal(x, b), "input changed"
+
+
+@pytest.mark.parametrize("mean,clip", [("senders", False), ("senders", True), ("all", True)])
+@pytest.mark.parametrize("g", [1, 2, 3])
+def test_authors_rules_are_bit_identical_on_every_member(g: int, mean: str, clip: bool, backend: str) -> None:
+    """topk's other averages (each index over its senders, the median-norm clip) through the real
+    gather: every member's result is the same bits, the pure reduction of the decoded chunks."""
+    codec = compress.get_codec("topk", chunk=128, k=8, mean=mean, clip_median=clip)
+    plain = compress.get_codec("topk", chunk=128, k=8)
+    gen = torch.Generator().manual_seed(10 + g)
+    with transports(backend=backend, g=g, chunk_bytes=1024) as ts:
+        for n in (1, 257, 3001):
+            # members' largest values partly at the same indices (the shared bump), partly apart
+            bump = torch.zeros(n)
+            bump[::7] = 3.0
+            xs = [torch.randn(n, generator=gen) * (i + 1) + bump for i in range(g)]
+            outs, sents = gather(ts, xs, tag=f"{mean}/{clip}/{n}", codec=codec)
+            ref = torch.zeros(n)
+            decoded = [torch.zeros(n) for _ in xs]
+            for a, b in chunk_bounds(0, n, 256):
+                for d, x in zip(decoded, xs):
+                    d[a:b] = codec.decode(codec.encode(x[a:b].contiguous()))
+                reduce_gathered([d[a:b] for d in decoded], None, ref[a:b], codec)
+            for i, (out, sent) in enumerate(zip(outs, sents)):
+                assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), (i, "mean differs")
+                assert torch.equal(sent, decoded[i])
+            today, _ = reference(plain, xs, 256)
+            if g > 1 and n > 1:
+                assert not torch.equal(ref, today), "the rule made no difference"
+            elif g == 1:
+                assert torch.equal(ref, today)  # one member: its own decoded values either way
 
 
 def test_fp32_gather_of_two_is_the_exact_mean() -> None:
