@@ -48,6 +48,21 @@ def test_error_feedback_codec_trains_and_groups_stay_identical(tmp_path, codec, 
     assert not torch.equal(residuals[0, 0], residuals[1, 0]), "each group keeps its own residual"
 
 
+def test_topk_averaged_as_sparseloco_authors_in_real_groups(tmp_path):
+    """--topk-mean senders --topk-clip-median through a real job (the codec carried to the data-plane
+    process): the groups stay bit-identical and the result differs from the default mean's."""
+    common = [*SMALL, "--codec", "topk", "--steps", "40", "--h", "10", "--outer-optimizer", "sparseloco",
+              "--data-plane", "process"]
+    theirs = run(tmp_path, "senders", *common, "--topk-mean", "senders", "--topk-clip-median", "true")
+    ours = run(tmp_path, "all", *common)
+    for s in (theirs, ours):
+        assert s["params_identical"] and not s["divergence"]
+        assert s["round_hashes_per_group"]["0"] == s["round_hashes_per_group"]["1"]
+        assert s["eval_loss"] < s["initial_eval_loss"]
+    assert theirs["round_hashes_per_group"]["0"] != ours["round_hashes_per_group"]["0"]
+    assert theirs["bytes_sent"] == ours["bytes_sent"]  # the same frames: only their average differs
+
+
 def test_sign1_stop_and_resume_equals_a_straight_run(tmp_path):
     args = [*SMALL, "--codec", "sign1", "--h", "3", "--ranks-per-group", "1", "--steps", "10"]
     reference: dict = {}
