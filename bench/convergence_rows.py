@@ -45,8 +45,13 @@ def _slo(h: int, density: float) -> str:
 PACED_OVERLAP = "m2-paced200-int2b1024-int4final-decay0-zstd-p2-tau15-outer"
 #: the paced int2 overlap row at other merge alphas (overlap's default is 0.5), by alpha
 PACED_OVERLAP_ALPHAS = {a: f"{PACED_OVERLAP.removesuffix('-outer')}-a{a:g}-outer" for a in (0.0, 0.25)}
+#: SparseLoCo averaged as its authors' code does (issue 51): each index over the groups that sent it
+#: (``--topk-mean senders``), with and without the median-norm clip (``--topk-clip-median``), by row suffix
+SPARSE_MEANS = {"senders": dict(topk_mean="senders"),
+                "senders-clip": dict(topk_mean="senders", topk_clip_median=True)}
+SPARSE_MEAN_ROWS = tuple(f"{base}-{suffix}" for base in ("slo-h30-d1.56", "slo-m4-h30") for suffix in SPARSE_MEANS)
 SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "slo-sign1-h30", "slo-overlap-p2-tau5",
-                   "slo-m4-h30", *(f"m2-h{h}-int2-outer" for h in INT2_HS),
+                   "slo-m4-h30", *SPARSE_MEAN_ROWS, *(f"m2-h{h}-int2-outer" for h in INT2_HS),
                    "slo-int2-h30", "slo-int2-h100", "m2-h200-outer", "m2-h300-outer",
                    *(_int2_h300(o) for o in INT2_H300_OUTERS), *(f"m2-h{h}-sign1-outer" for h in SIGN1_HS),
                    *(f"m2-qsr{h}-int2-outer" for h in QSR_INT2_BASES), "m2-qsr100-outer",
@@ -217,6 +222,12 @@ def sparseloco_rows() -> list[Row]:
              Row("slo-overlap-p2-tau5", mode="overlap", fragments=2, tau=5, codec=spec("topk"), rule="sparseloco",
                  note="SparseLoCo with Streaming DiLoCo's overlap (2 fragments, tau 5)"),
              Row("slo-m4-h30", groups=4, codec=spec("topk"), rule="sparseloco", note="SparseLoCo with 4 groups")]
+    # the same codecs as their bases (slo-h30-d1.56's density 64/4096 is topk's default k of 64 per 4096)
+    rows += [Row(f"{base}-{suffix}", groups=groups, codec=spec("topk", **density, **options), rule="sparseloco",
+                 seeded=True, note=f"SparseLoCo with {groups} groups, each index averaged over the groups that sent it"
+                 f"{', each group clipped to the median norm first' if 'clip' in suffix else ''} (the authors' code)")
+             for base, groups, density in (("slo-h30-d1.56", 2, dict(topk_density=64 / 4096)), ("slo-m4-h30", 4, {}))
+             for suffix, options in SPARSE_MEANS.items()]
     rows += [Row(f"m2-h{h}-int2-outer", h=h, codec=spec("int2"), outer_tuned=True,
                  note="int2 (2.125 bits/value) with error feedback under the tuned Nesterov outer step")
              for h in INT2_HS]
