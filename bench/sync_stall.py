@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.sync_stall_report import LINKS, MODEL, ab_report, report, summarize  # noqa: E402
+from transport.link_spec import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 
 # -- members ------------------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def _member_diloco(cfg: dict) -> list[dict]:
     if stage not in ("", "zstd"):
         raise ValueError(f"unknown stage {stage!r} in {cfg['codec']!r}: only +zstd")
     settings = TransportConfig(host=cfg["host"], plaintext=True, codec=codec, link=dataplane or "tcp",
-                               zstd=stage == "zstd", chunk_bytes=cfg.get("chunk_bytes", 1 << 20))
+                               zstd=stage == "zstd", chunk_bytes=cfg["chunk_bytes"])
     rounds = []
     link = diloco.connect(cfg["coordinator"], group=cfg["group"], secret=cfg["secret"], token=cfg["token"],
                           settings=settings)
@@ -297,7 +298,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per member")
-    ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="the project's ring chunk, bytes of fp32")
+    ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the project's ring chunk, bytes of fp32")
     ap.add_argument("--case-timeout", type=float, default=900.0)
     ap.add_argument("--logs", default="/tmp/sync_stall_logs")
     ap.add_argument("--json", default=None)

@@ -24,7 +24,7 @@ from diloco.engine.schedule_spec import ScheduleSpec, schedule_names
 from diloco.job import config_checks
 from diloco.job.auto_choice import AUTO_H
 from compress.codec_spec import CodecOptions, CodecSpec, codec_names
-from transport.link_spec import DATA_PLANES, link_names
+from transport.link_spec import DATA_PLANES, DEFAULT_CHUNK_BYTES, link_names
 
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
 OUTER_OPTIMIZERS = outer_rule_names()  # diloco.engine.outer_spec.OUTER_RULES
@@ -286,7 +286,7 @@ class _Endpoint:
                           "vectors cross through shared memory; bench/pages/gil.md)",
                           flag="--data-plane", choices=DATA_PLANES)
     connections: int = opt(1, "connections per peer; chunks are spread across them", flag="--connections")
-    chunk_bytes: int = opt(1 << 20, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
+    chunk_bytes: int = opt(DEFAULT_CHUNK_BYTES, "pipelining unit of the ring, bytes of fp32 input", flag="--chunk-bytes")
 
 
 @dataclass

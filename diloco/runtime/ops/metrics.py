@@ -31,6 +31,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from transport.link_spec import DEFAULT_CHUNK_BYTES
+
 disable_created_metrics()  # no *_created series: Prometheus does not use them, they double the count
 
 # name as exposed -> type; the single list the docs, dashboard and rules are checked against
@@ -168,7 +170,7 @@ class WorkerMetrics:
         w = self._wire
         self._wire_info.info({"codec": codec, "link": str(w.get("link", "")), "zstd": str(bool(w.get("zstd", False))).lower()})
         if codec != "auto":  # auto: set once the worker has chosen (``auto_decided``)
-            self._ratio.set(codec_ratio(codec, int(w.get("chunk_bytes", 1 << 20)), codec_block))
+            self._ratio.set(codec_ratio(codec, int(w.get("chunk_bytes", DEFAULT_CHUNK_BYTES)), codec_block))
 
     def auto_decided(self, labels: dict[str, str]) -> None:
         """``--codec auto`` / ``--h auto`` decided: ``diloco_auto_info`` shows the setting and its
