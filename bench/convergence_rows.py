@@ -43,6 +43,8 @@ def _slo(h: int, density: float) -> str:
 
 
 PACED_OVERLAP = "m2-paced200-int2b1024-int4final-decay0-zstd-p2-tau15-outer"
+#: four groups at the paced int2 setting, at its H and at the H that keeps it under 0.01 bits per group
+G4_BUDGET_ROWS = ("m4-paced200-int2b1024-int4final-decay0-zstd-outer", "m4-paced600-int2b1024-int4final-decay0-zstd-outer")
 #: the paced int2 overlap row at other merge alphas (overlap's default is 0.5), by alpha
 PACED_OVERLAP_ALPHAS = {a: f"{PACED_OVERLAP.removesuffix('-outer')}-a{a:g}-outer" for a in (0.0, 0.25)}
 #: SparseLoCo averaged as its authors' code does (issue 51): each index over the groups that sent it
@@ -106,7 +108,7 @@ SIZES = {
     # four times longer again (about 140 tokens per parameter): does M=4 keep closing on data parallel?
     "small-xlong": Size("small-xlong", n_layer=2, n_embd=64, steps=8000, seeds=1, tuned_on="small",
                         rows=("dp", "dp-lr0.004", "m2-h30", "m2-h30-outer", "m4-h30-outer", "eager", "qsr-outer",
-                              "m2-h100-outer", "m2-h200-int4-outer", "delayed", "co2", "m2-h50-outer",
+                              "m2-h100-outer", "m2-h200-int4-outer", "delayed", "co2", "m2-h50-outer", *G4_BUDGET_ROWS,
                               *SPARSELOCO_ROWS)),
     # the medium model as long as the small one: the trend with model size at equal steps
     "medium-long": Size("medium-long", n_layer=4, n_embd=128, steps=1000, seeds=1, tuned_on="medium",
@@ -277,6 +279,13 @@ def sparseloco_rows() -> list[Row]:
                  note=f"{'int2 without error feedback, zstd, last exchange int4, ' if c else ''}40 syncs paced "
                  "by gamma 0.5", **(int2_zstd if c else {}))
              for c in ("", "int2b1024-int4final-decay0-zstd-")]
+    # four groups (issue 51 point 4; the study's global batch of 32 does not split over 3): a ring member sends
+    # 2(G-1)/G of a vector and an all-gather member G-1 contributions, so the 2-group setting's 0.0096
+    # bits/param/step per group is 0.028 at G=4 (bench/convergence_bits.py); paced H=600 (14 syncs) brings it
+    # back under 0.01, beside fp32 DiLoCo at H=30 with 4 groups (m4-h30-outer)
+    rows += [Row(f"m4-paced{h}-int2b1024-int4final-decay0-zstd-outer", groups=4, h=h, schedule="paced", paced_gamma=0.5,
+                 outer_tuned=True, note=f"4 groups, int2 without error feedback, zstd, last exchange int4, paced H={h}",
+                 **int2_zstd) for h in (200, 600)]
     # 27 syncs instead of 40 (0.0064 bits/param/step per group): an exchange of int2 every 300 steps on average is
     # 5 % of a round's compute at 2 Mbit/s for the 19M GPT on this CPU (bench/utilization.py), blocking
     rows += [Row("m2-paced300-int2b1024-int4final-decay0-zstd-outer", h=300, schedule="paced", paced_gamma=0.5,
