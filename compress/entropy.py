@@ -48,10 +48,11 @@ _WORD = {2: torch.int16, 4: torch.int32}
 
 def _native_transpose(payload: torch.Tensor, width: int, inverse: bool) -> torch.Tensor | None:
     """The byte transpose by compress/_native.c (same bytes as the torch path below), None where
-    it is not built or not enabled (``compress.codecs.blockwise.USE_NATIVE``) or for a GPU tensor."""
+    it is not built or not enabled (``compress.codecs.blockwise.USE_NATIVE``), for a GPU tensor, or
+    for words wider than the kernel's 8 bytes (no codec's: they shuffle 2- and 4-byte words)."""
     from .codecs import blockwise  # imported here: the codecs import this module
 
-    if payload.device.type != "cpu" or not blockwise.native_available():
+    if payload.device.type != "cpu" or not blockwise.native_available() or width > 8:
         return None
     payload = payload.contiguous()
     n = payload.numel() // width
@@ -122,8 +123,8 @@ def decompress(data: memoryview, raw_len: int) -> bytes:
         raise FrameError(f"zstd payload has a bad frame header: {e}") from None
     if size != raw_len:
         raise FrameError(f"zstd frame declares {size} content bytes but the header says {raw_len}")
-    try:
-        out = _decompressor().decompress(data, max_output_size=raw_len)
+    try:  # one zstd frame and nothing after it: the header's wire length is the frame's
+        out = _decompressor().decompress(data, max_output_size=raw_len, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise FrameError(f"zstd payload does not decompress: {e}") from None
     if len(out) != raw_len:

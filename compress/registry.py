@@ -25,13 +25,18 @@ def get_codec(name: str, **params) -> Codec:
 
 
 def decode_frame(data: bytes | bytearray | memoryview,
-                 device: torch.device | str | None = None) -> torch.Tensor:
+                 device: torch.device | str | None = None, count: int | None = None) -> torch.Tensor:
     """Decode any frame, reading the codec and its parameters from the header. FrameError if
-    the frame is malformed."""
+    the frame is malformed. With ``count`` (the number of values the caller expects) a frame
+    declaring another count is a FrameError before anything is decompressed: pass it for frames
+    from a peer, or a small zstd frame can expand to as many values as its header claims (up to
+    ``frame.MAX_ELEMENTS``)."""
     h, payload = frame.parse(frame.as_buffer(data))
     cls = _BY_ID.get(h.codec_id)
     if cls is None:
         raise FrameError(f"unknown codec id {h.codec_id} in header")
+    if count is not None and h.count != count:
+        raise FrameError(f"frame declares {h.count} values, want {count}")
     return decode_parsed(cls, h, payload, device)
 
 

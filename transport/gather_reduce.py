@@ -115,7 +115,10 @@ def clip_to_median_norm(decoded: list[torch.Tensor], scales: list[float] | None)
 def reduce_gathered(decoded: list[torch.Tensor], scales: list[float] | None, out: torch.Tensor,
                     codec: Any = None) -> torch.Tensor:
     """The mean the codec's gather rule asks for (``codec.mean``, ``codec.clip_median``, attributes
-    of every ``compress.Codec``; None: ``mean_over_all``) of the decoded chunks, written into ``out``."""
+    of every ``compress.Codec``; None: ``mean_over_all``) of the decoded chunks, written into ``out``.
+    ``scales`` as ``transport.gather.check_scales`` passes them (finite, >= 0, one per chunk)."""
+    if not decoded:
+        raise ValueError("no contributions to reduce")
     mean, clip = (MEAN_ALL, False) if codec is None else (codec.mean, codec.clip_median)
     if clip:
         decoded = clip_to_median_norm(decoded, scales)

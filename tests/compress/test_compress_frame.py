@@ -152,6 +152,25 @@ def test_zstd_garbage_and_size_lies():
         compress.decode_frame(reseal(f))
 
 
+def test_bytes_after_the_zstd_frame_are_refused():
+    """A payload is one zstd frame and nothing else: junk or a second frame behind it is an error."""
+    f = compress.get_codec("fp32", zstd=True).encode(torch.randn(100))
+    wire = struct.unpack_from("<Q", f, 36)[0]
+    payload = bytes(f[fr.HEADER_SIZE:fr.HEADER_SIZE + wire])
+    for extra in (b"JUNK", payload):
+        buf = bytearray(f[:fr.HEADER_SIZE]) + payload + extra + bytearray(fr.TRAILER_SIZE)
+        struct.pack_into("<Q", buf, 36, wire + len(extra))
+        with pytest.raises(compress.FrameError, match="unused data"):
+            compress.decode_frame(reseal(buf))
+
+
+def test_decode_frame_with_a_count_refuses_another_before_decompressing():
+    f = compress.get_codec("fp32", zstd=True).encode(torch.randn(100))
+    assert compress.decode_frame(f, count=100).numel() == 100
+    with pytest.raises(compress.FrameError, match="frame declares 100 values, want 99"):
+        compress.decode_frame(f, count=99)
+
+
 @pytest.mark.parametrize("bad", ["a string", 12, None, [1, 2], torch.zeros(3)])
 def test_non_bytes_input(bad):
     with pytest.raises(compress.FrameError, match="must be bytes"):

@@ -180,7 +180,7 @@ def test_decoding_into_a_strided_output_takes_the_generic_path_with_the_same_bit
 
 
 @native
-@pytest.mark.parametrize("width", [2, 3, 4, 8])
+@pytest.mark.parametrize("width", [2, 3, 4, 8, 9])
 @pytest.mark.parametrize("length", [0, 1, 7, 4096, 4096 * 3 + 5])
 def test_native_byte_shuffle_matches_torch(width, length):
     from compress import entropy

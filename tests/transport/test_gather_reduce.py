@@ -164,3 +164,8 @@ def test_codecs_without_a_rule_and_the_data_plane_spec() -> None:
         compress.get_codec("topk", mean="peers")
     with pytest.raises(ValueError, match="clip_median must be a bool"):
         compress.get_codec("topk", clip_median=1)
+
+
+def test_nothing_to_reduce_is_an_error():
+    with pytest.raises(ValueError, match="no contributions"):
+        reduce_gathered([], None, torch.empty(4))
