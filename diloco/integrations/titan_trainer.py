@@ -100,6 +100,11 @@ class DiLoCoTrainer(Trainer):
         self.initial_eval_loss = self.evaluate()
         self.logged_loss: float | None = None  # the global mean loss torchtitan logged last
         self._keep_logged_loss()
+        # the group's data-parallel degree (tensor- and context-parallel ranks see the same samples)
+        self.data_degree = self.parallel_dims.get_mesh("batch").size() if self.parallel_dims.dp_enabled else 1
+        #: tokens the group trains on per step: every micro-batch of every data-parallel rank
+        self.tokens_per_step = (self.gradient_accumulation_steps * config.training.local_batch_size * self.data_degree
+                                * config.training.seq_len)
 
     def _keep_logged_loss(self) -> None:
         """Keep each loss torchtitan's metrics processor logs (every ``--metrics.log_freq`` steps),
@@ -115,29 +120,28 @@ class DiLoCoTrainer(Trainer):
     def train_step(self, data_iterator: Any) -> None:
         """torchtitan's step (forward, backward, clip, optimizer, lr), then one engine step; on
         torchtitan's logging steps, a round's end and the last step, a progress report to the
-        coordinator (what ``diloco status`` and the coordinator's metrics show)."""
+        coordinator (what ``diloco status`` and the coordinator's metrics show): the step's lr, the
+        loss torchtitan logged last (every ``--metrics.log_freq`` steps)."""
+        lr = float(self.optimizers.optimizers[0].param_groups[0]["lr"])  # the step's: it moves the schedule on
         super().train_step(data_iterator)
         assert self.engine is not None
         events = self.engine.step()
         report = getattr(self.averager, "report_progress", None)
         steps = self.config.training.steps
         if report is not None and (self.metrics_processor.should_log(self.step) or events or self.step == steps):
-            lr = self.optimizers.optimizers[0].param_groups[0]["lr"]
-            report(loss=self.logged_loss, step=self.step, steps=steps, lr=float(lr),
-                   tokens_per_step=self.config.training.local_batch_size * self.config.training.seq_len
-                   * torch.distributed.get_world_size())
+            report(loss=self.logged_loss, step=self.step, steps=steps, lr=lr, tokens_per_step=self.tokens_per_step)
 
     def train(self) -> None:
         """torchtitan's loop; then the engine lands its last exchange (the model holds the global
         parameters), the global model is evaluated and the summary written (``tokens``: the group's,
-        every rank's ``ntokens_seen`` added up)."""
+        ``ntokens_seen`` of one rank times the data-parallel degree)."""
         super().train()
         assert self.engine is not None
         self.engine.close()
         eval_loss = self.evaluate()
         summary_of = getattr(self.averager, "summary", None)
         extra = {"eval_loss": eval_loss, "initial_eval_loss": self.initial_eval_loss, "steps": self.step,
-                 "tokens": self.ntokens_seen * torch.distributed.get_world_size(),
+                 "tokens": self.ntokens_seen * self.data_degree,
                  "data_samples": self.dataloader.state_dict()}
         self.summary = (summary_of(self.engine, **extra) if summary_of is not None else
                         {"outer_rounds": self.engine.round, "param_hash": self.engine.global_hash(),
