@@ -141,12 +141,12 @@ class CodecOptions:
         MEANS[0], "--topk-mean", "topk: how the groups' decoded contributions are averaged: all = each index's sum "
         "over all G groups / G (SparseLoCo's paper notation); senders = each index's mean over the groups that "
         "sent it (the SparseLoCo authors' code); compress/gather_rule.py", Knob(_named("mean"), unset=MEANS[0]),
-        check=check_mean, choices=MEANS)
+        auto=AUTO_SETS, check=check_mean, choices=MEANS)
     topk_clip_median: bool = option(
         False, "--topk-clip-median", "topk: before averaging, scale each group's decoded contribution down to the "
         "median of the groups' L2 norms where its norm is above it (the lower middle one for an even count; norms "
         "per exchanged chunk of --chunk-bytes), as the SparseLoCo authors' production code does",
-        Knob(_named("clip_median"), unset=False))
+        Knob(_named("clip_median"), unset=False), auto=AUTO_SETS)
 
 
 def codec_options() -> list[Any]:

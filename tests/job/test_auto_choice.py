@@ -102,7 +102,8 @@ def test_when_nothing_fits_the_fewest_bits_and_the_reason_says_it_will_not_hide(
 
 def test_a_fixed_codec_or_h_narrows_the_choice():
     c = ac.choose(TABLE, num_params=19_000_000, link_bytes_per_s=1e9, step_s=0.3, groups=2, codec="topk")
-    assert c.setting.codec == "topk" and c.setting.row == "slo-h30-d3"
+    assert c.setting.codec == "topk" and c.setting.row == "slo-h30-d1.56-senders"
+    assert c.setting.codec_options.topk_mean == "senders"  # the setting runs the rule its loss was measured with
     c = ac.choose(TABLE, num_params=19_000_000, link_bytes_per_s=1e9, step_s=0.3, groups=2, h=30)
     assert c.setting.row == "m2-h30-outer"
     with pytest.raises(ValueError, match="no setting with codec int8"):
@@ -143,7 +144,10 @@ def test_never_picks_a_setting_measured_worse_than_an_affordable_one(groups):
         else:
             assert all(c.setting.bits_per_param_per_step <= e.bits_per_param_per_step for e in pool)
         seen.add(c.setting.row)
-    assert len(seen) >= min(3, len(TABLE.candidates(groups)))  # the sweep crossed several decisions
+    pool = TABLE.candidates(groups)
+    undominated = [e for e in pool if not any(o is not e and o.loss_cost <= e.loss_cost
+                                              and o.bits_per_param_per_step <= e.bits_per_param_per_step for o in pool)]
+    assert len(seen) >= min(3, len(undominated))  # the sweep crossed several decisions
 
 
 def test_slowest_link_sums_a_groups_ranks_and_waits_for_every_rank():
@@ -229,8 +233,8 @@ def test_choose_h_keeps_everything_but_h():
         for link in (1e3, 1e5, 1e7, 1e9):
             c = ac.choose_h(TABLE, cur, num_params=1_000_000, link_bytes_per_s=link, step_s=0.1, groups=cur.groups)
             assert ac.same_but_h(c.setting, cur)
-    fp32 = entry("m2-h30-outer")  # fp32 at 0.7/0.7: H 30, 50, 100 measured; 100 is best and cheapest
-    assert ac.choose_h(TABLE, fp32, num_params=10**6, link_bytes_per_s=1e9, step_s=0.1, groups=2).setting.h == 100
+    fp32 = entry("m2-h30-outer")  # fp32 at 0.7/0.7: H 30, 50, 100 measured; 50 is best (100: +0.37 % over 5 seeds)
+    assert ac.choose_h(TABLE, fp32, num_params=10**6, link_bytes_per_s=1e9, step_s=0.1, groups=2).setting.h == 50
     assert not ac.same_but_h(entry("m2-h30"), fp32)  # another outer momentum: another setting
 
 
@@ -246,7 +250,7 @@ def test_choose_relink_keeps_the_rule_and_what_the_user_fixed():
             assert ac.same_but_h(fixed_codec, cur)
     fp32 = entry("m2-h100-outer")  # the Nesterov 0.7/0.7 family: fp32, int4 and int2 at several H
     kw = {"num_params": 437_760, "step_s": 0.1, "groups": 2}
-    assert ac.choose_relink(TABLE, fp32, link_bytes_per_s=1e9, **kw).setting.row == "m2-h100-outer"
+    assert ac.choose_relink(TABLE, fp32, link_bytes_per_s=1e9, **kw).setting.row == "m2-h50-outer"  # the best that fits
     slow = ac.choose_relink(TABLE, fp32, link_bytes_per_s=2e3, **kw).setting  # nothing fits: the fewest bits
     assert (slow.codec, slow.h) == ("int2", 300)
     # at a fixed H=200 the same slow link takes int2 over int4 and fp32 (fewest bits)
