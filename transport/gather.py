@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .gather_reduce import mean_over_all, reduce_gathered
+from .gather_reduce import reduce_gathered
 from .partition import chunk_bounds
 from .ring_collective import RingCollective, _Abort
 from .streams import SideStream
@@ -65,12 +65,6 @@ def check_scales(scales: Any, g: int) -> list[float] | None:
     if not all(v >= 0.0 and v != float("inf") for v in values):
         raise ValueError(f"scales must be finite and >= 0, got {values}")
     return values
-
-
-def reduce_in_order(decoded: list[torch.Tensor], scales: list[float] | None, out: torch.Tensor) -> torch.Tensor:
-    """``out = sum_i(s_i · decoded[i]) / G`` in index order, in fp32 (``gather_reduce.mean_over_all``:
-    the reduction of every codec that asks for no other)."""
-    return mean_over_all(decoded, scales, out)
 
 
 class RingAllGather(RingCollective):

@@ -13,7 +13,7 @@ import torch
 import compress
 from transport import CollectiveAborted
 from transport.auth import client_handshake
-from transport.gather import reduce_in_order
+from transport.gather_reduce import mean_over_all
 from transport.gather_reduce import reduce_gathered
 from transport.partition import chunk_bounds
 from transport.wire import MsgType, pack_header
@@ -41,7 +41,7 @@ def reference(codec, xs, chunk_elems, scales=None):
     for a, b in chunk_bounds(0, n, chunk_elems):
         for d, x in zip(decoded, xs):
             d[a:b] = codec.decode(codec.encode(x[a:b].contiguous()))
-        reduce_in_order([d[a:b] for d in decoded], scales, out[a:b])
+        mean_over_all([d[a:b] for d in decoded], scales, out[a:b])
     return out, decoded
 
 
