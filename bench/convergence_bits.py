@@ -28,6 +28,7 @@ Pure functions; ``python bench/convergence_bits.py`` prints the table of bench/p
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -209,9 +210,15 @@ def bits_table(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print ``bits_table`` of the records file ``argv[0]`` (default bench/results/convergence.json)."""
-    path = Path(argv[0]) if argv else ROOT / "bench" / "results" / "convergence.json"
-    print(bits_table(json.loads(path.read_text())))
+    """Print ``bits_table`` of a convergence records file (default bench/results/convergence.json)."""
+    parser = argparse.ArgumentParser(description="Bits per parameter per inner step per sending group, "
+                                     "as SparseLoCo counts them and as the wire counts them, for G = 2, 3, 4.")
+    parser.add_argument("records", nargs="?", type=Path, default=ROOT / "bench" / "results" / "convergence.json",
+                        help="the convergence bench's JSON records (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if not args.records.is_file():
+        parser.error(f"no records file at {args.records}")
+    print(bits_table(json.loads(args.records.read_text())))
     return 0
 
 

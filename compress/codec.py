@@ -16,7 +16,7 @@ import torch
 from . import entropy, frame
 from .codec_table import codec_name
 from .errors import FrameError
-from .gather_rule import MEAN_ALL
+from .gather_rule import MEAN_ALL, MEAN_SENDERS
 
 Parts = list[torch.Tensor]
 #: what ``encode`` returns: a bytes-like frame (a bytearray; a memoryview of page-locked memory
@@ -178,6 +178,10 @@ class Codec(ABC):
                              f"not {self.name!r}")
         if count is not None and h.count != count:
             raise FrameError(f"frame declares {h.count} values, want {count} fp32 values")
+        sender = _from_header(type(self), h.p0, h.p1, h.p2)
+        if (sender.mean, sender.clip_median) != (self.mean, self.clip_median):
+            raise FrameError(f"frame was made by a group that averages {_averaging(sender)}, this one averages "
+                             f"{_averaging(self)}: every group must run the same --topk-mean and --topk-clip-median")
         if out is not None:
             if device is not None and torch.device(device) != out.device:
                 raise ValueError(f"out is on {out.device}, decoding to {device} was asked for")
@@ -323,6 +327,12 @@ def decode_parsed(cls: type[Codec], h: frame.Header, payload: memoryview,
         off += nb
     codec.validate(parts, h.count)
     return codec.dequantize_on(parts, h.count, device, out)
+
+
+def _averaging(codec: Codec) -> str:
+    """How a codec's gather averages, in words (``--topk-mean``, ``--topk-clip-median``)."""
+    return f"over {'the groups that sent each index' if codec.mean == MEAN_SENDERS else 'all groups'}" + (
+        ", clipped to the median norm" if codec.clip_median else "")
 
 
 @functools.lru_cache(maxsize=256)

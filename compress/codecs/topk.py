@@ -9,11 +9,14 @@ every chunk, either Elias-Fano coded (``indices="elias-fano"``, the default: 8.0
 at k=64 of 4096, ``elias_fano``) as their low fields then their bitmaps, or as plain
 ``ceil(log2 chunk)``-bit fields (``indices="fixed"``: 12 bits). A short last chunk keeps
 ``min(k, its length)`` values. The header's third parameter holds ``value_bits``, plus 256 for
-Elias-Fano indices.
+Elias-Fano indices, 512 for ``mean="senders"`` and 1024 for ``clip_median``.
 
 ``mean`` and ``clip_median`` say how the gather averages the groups' decoded contributions
 (``compress.gather_rule``: over all groups, or each index over the groups that sent it as the
-SparseLoCo authors' code does; clipped to the median norm first); the frame does not carry them.
+SparseLoCo authors' code does; clipped to the median norm first). Every group must average the
+same way or their global states part, so the frame carries both and a decoder whose own differ
+refuses it (``Codec.decode``): a group started with another ``--topk-mean`` is named at its
+first exchange, not found later by the state hash.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from ..codec import Codec, Parts
 from ..errors import FrameError
 from ..finite import all_finite
-from ..gather_rule import MEAN_ALL, check_mean
+from ..gather_rule import MEAN_ALL, MEAN_SENDERS, check_mean
 from ..codec_table import register
 from . import elias_fano
 from .common import check_block, header_block, n_blocks
@@ -30,7 +33,10 @@ from .packing import pack_fields, packed_bytes, unpack_fields
 
 MAX_CHUNK = 1 << 16
 INDEX_CODINGS = ("elias-fano", "fixed")
-ELIAS_FANO_FLAG = 256  # in the header's third parameter, above value_bits
+# in the header's third parameter, above value_bits
+ELIAS_FANO_FLAG = 256
+MEAN_SENDERS_FLAG = 512
+CLIP_MEDIAN_FLAG = 1024
 
 
 def _index_bits(chunk: int) -> int:
@@ -75,15 +81,20 @@ class TopK(Codec):
 
     @property
     def header_params(self) -> tuple[int, int, int]:
-        return (self.chunk, self.k, self.value_bits + (ELIAS_FANO_FLAG if self.indices == "elias-fano" else 0))
+        flags = ((ELIAS_FANO_FLAG if self.indices == "elias-fano" else 0)
+                 | (MEAN_SENDERS_FLAG if self.mean == MEAN_SENDERS else 0) | (CLIP_MEDIAN_FLAG if self.clip_median else 0))
+        return (self.chunk, self.k, self.value_bits | flags)
 
     @classmethod
     def from_header(cls, p0: int, p1: int, p2: int) -> "TopK":
         header_block(cls.name, "chunk", p0, hi=MAX_CHUNK)
         header_block(cls.name, "k", p1, hi=p0)
-        coded = p2 >= ELIAS_FANO_FLAG
-        header_block(cls.name, "value_bits", p2 - ELIAS_FANO_FLAG if coded else p2, hi=8)
-        return cls(chunk=p0, k=p1, value_bits=p2 % ELIAS_FANO_FLAG, indices="elias-fano" if coded else "fixed")
+        if p2 & ~(ELIAS_FANO_FLAG | MEAN_SENDERS_FLAG | CLIP_MEDIAN_FLAG | (ELIAS_FANO_FLAG - 1)):
+            raise FrameError(f"{cls.name} frame header's third parameter {p2} has unknown flag bits")
+        header_block(cls.name, "value_bits", p2 % ELIAS_FANO_FLAG, hi=8)
+        return cls(chunk=p0, k=p1, value_bits=p2 % ELIAS_FANO_FLAG,
+                   indices="elias-fano" if p2 & ELIAS_FANO_FLAG else "fixed",
+                   mean=MEAN_SENDERS if p2 & MEAN_SENDERS_FLAG else MEAN_ALL, clip_median=bool(p2 & CLIP_MEDIAN_FLAG))
 
     def kept(self, count: int) -> int:
         """Number of values kept from ``count`` inputs."""

@@ -68,3 +68,12 @@ def test_wire_count_matches_the_measured_bytes_of_topk_rows():
         _, plain_budgets, _, measured, counted = bits._row_budgets(records, name)
         assert counted == pytest.approx(measured, rel=0.01), name
         assert plain_budgets[1].exchange_bytes == pytest.approx(2 * plain_budgets[0].exchange_bytes)
+
+
+def test_command_line_help_and_a_missing_records_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as shown:
+        bits.main(["--help"])
+    assert shown.value.code == 0 and "records" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        bits.main([str(tmp_path / "absent.json")])
+    assert refused.value.code == 2 and "no records file" in capsys.readouterr().err

@@ -326,3 +326,18 @@ def test_4bit_encoding_is_deterministic(name):
         assert codec.encode(x.clone()) == frame
         assert codec.encode(torch.stack([x, x], 1)[:, 0]) == frame  # a strided view
         assert compress.get_codec(name, block_size=b).encode_with_decoded(x)[0] == frame
+
+
+@pytest.mark.parametrize("mean,clip", [("senders", False), ("all", True), ("senders", True)])
+def test_topk_frames_say_how_their_group_averages(mean: str, clip: bool) -> None:
+    """The header's third parameter carries --topk-mean and --topk-clip-median: a codec that averages
+    the same way decodes the frame bit for bit, one that averages otherwise refuses it by name."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    mine = compress.get_codec("topk", chunk=256, k=16, mean=mean, clip_median=clip)
+    plain = compress.get_codec("topk", chunk=256, k=16)
+    frame = mine.encode(x)
+    assert torch.equal(mine.decode(frame), plain.decode(plain.encode(x)))
+    with pytest.raises(compress.FrameError, match="same --topk-mean and --topk-clip-median"):
+        plain.decode(frame)
+    with pytest.raises(compress.FrameError, match="averages over all groups"):
+        mine.decode(plain.encode(x))

@@ -95,6 +95,20 @@ def test_authors_rules_are_bit_identical_on_every_member(g: int, mean: str, clip
                 assert torch.equal(ref, today)  # one member: its own decoded values either way
 
 
+@pytest.mark.parametrize("other", [{"mean": "senders"}, {"clip_median": True}])
+def test_members_that_average_differently_abort_naming_the_option(other: dict) -> None:
+    """A member started with another --topk-mean (or clip) decodes the same frames into another mean:
+    its frames say how it averages, and the others refuse them before any state parts."""
+    codecs = [compress.get_codec("topk", chunk=128, k=8), compress.get_codec("topk", chunk=128, k=8, **other)]
+    with transports(2, timeout_s=10) as ts:
+        ring = [t.address for t in ts]
+        handles = [t.all_gather_mean(torch.randn(512), ring, i, tag="split", codec=c)
+                   for i, (t, c) in enumerate(zip(ts, codecs))]
+        for h in handles:
+            with pytest.raises(CollectiveAborted, match="same --topk-mean and --topk-clip-median"):
+                h.wait()
+
+
 def test_fp32_gather_of_two_is_the_exact_mean() -> None:
     xs = [torch.randn(1000), torch.randn(1000)]
     with transports(2, chunk_bytes=256) as ts:
