@@ -247,10 +247,23 @@ def decoded(pending: PendingMean) -> torch.Tensor | None:
 
 
 class Done:
-    """A mean that is already known."""
+    """A mean that is already known, with what its exchange said of this group's part in it
+    (``Refusable``, ``Shared``, ``Attempted``; the defaults: nothing said)."""
 
-    def __init__(self, value: torch.Tensor) -> None:
+    def __init__(self, value: torch.Tensor, *, own_rejected: bool = False, own_share: float | None = None,
+                 final_attempt: int | None = None) -> None:
         self.value = value
+        self.own_rejected, self.own_share, self.final_attempt = own_rejected, own_share, final_attempt
+
+    @classmethod
+    def of(cls, pending: PendingMean) -> "Done":
+        """``pending``'s mean (waited for) with its facts, to keep after the exchange is gone."""
+        return cls(pending.wait(), own_rejected=refused(pending), own_share=share_of(pending),
+                   final_attempt=final_attempt(pending))
+
+    def facts(self) -> dict:
+        """The facts as plain values (a checkpoint's)."""
+        return {"own_rejected": self.own_rejected, "own_share": self.own_share, "final_attempt": self.final_attempt}
 
     def wait(self) -> torch.Tensor:
         return self.value

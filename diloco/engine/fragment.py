@@ -127,9 +127,10 @@ class Fragment(OuterFragment):
         not depend on when it is read) and stored as its result."""
         flight, landed = self.in_flight, None
         if flight is not None:
-            mean = flight.pending.wait()
-            flight.pending = Done(mean)
-            landed = {"mean": mean.detach().clone(), "round": flight.round, "apply_at": flight.apply_at}
+            done = Done.of(flight.pending)  # whether its quorum refused this group, its share, its attempt
+            flight.pending = done
+            landed = {"mean": done.value.detach().clone(), "round": flight.round, "apply_at": flight.apply_at,
+                      **done.facts()}
         own = self.own_previous
         return {"names": list(self.names), "round": self.round, "next_sync": self.next_sync,
                 "launched_at": self.launched_at, "in_flight": landed,
@@ -144,9 +145,16 @@ class Fragment(OuterFragment):
         self._delta = self._mean = None  # an exchange replaced here unwaited may still read or write them
         landed = saved["in_flight"]
         self.in_flight = None if landed is None else InFlight(
-            Done(landed["mean"].to(device)), int(landed["round"]), int(landed["apply_at"]))
+            Done(landed["mean"].to(device), own_rejected=bool(landed.get("own_rejected", False)),
+                 own_share=_optional(landed.get("own_share"), float),
+                 final_attempt=_optional(landed.get("final_attempt"), int)),
+            int(landed["round"]), int(landed["apply_at"]))
         own = saved["own_previous"]
         self.own_previous = None if own is None else own.to(device)
+
+
+def _optional(value: object, kind: type) -> object:
+    return None if value is None else kind(value)
 
 
 def fragment_names(model: nn.Module, named: dict[str, torch.Tensor],

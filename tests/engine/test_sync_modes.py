@@ -156,3 +156,37 @@ def test_eager_reconciles_the_global_copies_at_the_end():
     host.averager.start = lambda flat, *, tag, exact: Done(flat / 2)  # the other group holds zeros
     Eager(host, 0, MODE_TRAITS["eager"]).finish([frag])
     assert frag.global_params[0].tolist() == [1.0, 2.0]
+
+
+class _Refused(_Shared):
+    """A pending mean whose quorum refused this group's contribution (its share 0)."""
+
+    own_rejected = True
+
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__(value, 0.0)
+
+
+def test_a_checkpoint_taken_while_an_exchange_is_in_flight_keeps_what_the_quorum_said(tmp_path):
+    """``sync_state`` waits for the exchange in flight and keeps its mean; whether its quorum refused
+    this group and this group's share must survive too, in the live fragment and through the file,
+    or the landing after a checkpoint skips the reset a refusal asks for (and eager uses 1/M)."""
+    host, frag = _Host(torch.tensor([1.0, 2.0])), _fragment()
+    mode = Overlap(host, 5, MODE_TRAITS["overlap"])
+    _launch(mode, frag, host, _Refused(torch.tensor([3.0, 4.0])))
+    saved = frag.sync_state()
+    assert (saved["in_flight"]["own_rejected"], saved["in_flight"]["own_share"]) == (True, 0.0)
+    torch.save(saved, tmp_path / "frag.pt")
+    restored = _fragment()
+    restored.load_sync_state(torch.load(tmp_path / "frag.pt", weights_only=True))
+    for f in (frag, restored):
+        resets = []
+        host._reset_local = resets.append
+        assert mode.commit(f) == ("commit", 0) and resets == [f], "a refused contribution was not reset after the cut"
+    eager_host, eager_frag = _Host(torch.tensor([1.0, 1.0])), _fragment()
+    eager = Eager(eager_host, 0, MODE_TRAITS["eager"])
+    _launch(eager, eager_frag, eager_host, _Shared(torch.tensor([3.0, 3.0]), 0.25))
+    eager_frag.load_sync_state(eager_frag.sync_state())
+    eager_host.delta = torch.tensor([2.0, 2.0])
+    _launch(eager, eager_frag, eager_host, Done(torch.tensor([0.0, 0.0])))
+    assert eager_host.applied[1] == (1, [3.0 + 0.25 * (2.0 - 1.0)] * 2)  # the share, not 1/M
