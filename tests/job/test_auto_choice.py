@@ -12,8 +12,9 @@ import pytest
 from diloco.job import auto_choice as ac
 from diloco.job.config import Config, ConfigError
 from diloco.job.config_parse import add_arguments, from_args, from_dict
+from auto_pinned import PINNED_TABLE, pinned_table
 
-TABLE = ac.load_table()
+TABLE = pinned_table()
 MBIT = 1e6 / 8  # bytes/s of 1 Mbit/s
 
 
@@ -41,7 +42,7 @@ def test_the_shipped_table_holds_only_the_long_size_and_its_fp32_baseline():
 def test_a_table_written_before_the_codec_options_reads_as_their_defaults(tmp_path):
     import json
 
-    raw = json.loads(ac.TABLE_PATH.read_text())
+    raw = json.loads(PINNED_TABLE.read_text())
     for e in raw["entries"]:
         for key in ("schedule", "paced_gamma", "codec_block", "zstd", "residual_decay", "final_codec", "merge_alpha"):
             e.pop(key)

@@ -14,6 +14,7 @@ from diloco.job import auto_choice as ac
 from diloco.job.config import Config, ConfigError
 from diloco.runtime.rank import auto_setting
 from diloco.runtime.rank.auto_setting import AutoSchedule
+from auto_pinned import pinned_table, shipped_best
 
 SMALL = ["--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--batch-size", "8", "--eval-batches", "2",
          "--warmup-steps", "5", "--no-progress", "--probe-bytes", "4096"]
@@ -47,7 +48,7 @@ def _auto_config() -> Config:
 
 
 def test_a_schedule_loaded_from_a_donors_state_decides_as_the_donor_does():
-    table = auto_setting.runnable_table(_auto_config(), ac.load_table())
+    table = auto_setting.runnable_table(_auto_config(), pinned_table())
     n, step = 400_000, 0.1
     start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=step, groups=2)
     cfg = ac.apply_choice(_auto_config(), start.setting).validate()
@@ -82,7 +83,7 @@ def test_a_schedule_loaded_from_a_donors_state_decides_as_the_donor_does():
 
 
 def test_a_state_of_a_setting_the_table_lacks_is_refused():
-    table = ac.load_table()
+    table = pinned_table()
     start = ac.choose(table, num_params=1000, link_bytes_per_s=1e9, step_s=0.1, groups=2)
     s = AutoSchedule(FixedSchedule(30), _Link(), start, table, num_params=1000, step_s=0.1, groups=2, waiting=True)
     with pytest.raises(ValueError, match="does not hold"):
@@ -114,7 +115,8 @@ def test_a_killed_group_heals_into_an_auto_job_on_its_setting(tmp_path):
     assert len(healed) == 1 and all(d["auto"]["row"] == s["auto"]["row"] for d in s["summaries"].values())
     assert healed[0]["auto"]["reason"] == s["auto"]["reason"]  # the donor's choice, not a placeholder
     log = (tmp_path / "heal" / f"group-{healed[0]['group']}.restart-1.log").read_text()
-    assert "joins the job on topk 3 % sparseloco H=30 (the setting of the job's latest quorum)" in log
+    assert s["auto"]["row"] == shipped_best("topk").row
+    assert f"joins the job on {s['auto']['setting']} (the setting of the job's latest quorum)" in log
     assert all(d["twice"] == 0 and d["left_out"] == 0 for d in s["data_per_group"].values())
 
 
@@ -142,7 +144,7 @@ def test_an_auto_job_resumed_with_its_flags_equals_a_straight_run(tmp_path, rank
     assert resumed["param_hash_per_group"] == straight["param_hash_per_group"] and resumed["params_identical"]
     log = (tmp_path / "resumed" / "group-0.log").read_text()
     assert "(the setting of checkpoint step-000060)" in log
-    assert parallel == "fsdp" or "joins the job on topk 3 % sparseloco H=30" in log
+    assert parallel == "fsdp" or f"joins the job on {shipped_best('topk').label}" in log
 
 
 def test_resuming_a_checkpoint_of_fixed_flags_under_auto_is_refused(tmp_path):

@@ -11,6 +11,7 @@ from diloco import cli
 from diloco.runtime.launch import summary
 from diloco.runtime.ops import status
 from diloco.runtime.ops.metrics import WorkerMetrics
+from auto_pinned import pinned_table, shipped_best
 
 SMALL = ["--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
          "--eval-batches", "2", "--warmup-steps", "5", "--no-progress"]
@@ -19,14 +20,15 @@ SMALL = ["--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--batch-size
 @pytest.mark.slow
 def test_two_groups_choose_the_same_sparse_setting_and_stay_bit_identical(tmp_path):
     """--codec topk --h auto on loopback: the link is fast, so the lowest measured loss among the
-    study's top-k settings (SparseLoCo, 3 %, H=30); the averager, built with fp32 until the choice,
-    then gathers top-k frames with error feedback."""
+    study's top-k settings (at H=30 in every table so far); the averager, built with fp32 until the
+    choice, then gathers top-k frames with error feedback."""
+    best = shipped_best("topk")
     out, run = tmp_path / "summary.json", tmp_path / "run"
     code = cli.main(["run", *SMALL, "--steps", "60", "--groups", "2", "--ranks-per-group", "1", "--codec", "topk",
                      "--h", "auto", "--json", str(out), "--run-dir", str(run), "--probe-bytes", "4096"])
     assert code == 0
     s = json.loads(out.read_text())
-    assert s["auto"]["row"] == "slo-h30-d3" and s["auto"]["hides"]
+    assert s["auto"]["row"] == best.row and s["auto"]["hides"] and best.h == 30
     assert s["periods"] == [30, 30] and s["params_identical"]
     hashes = s["round_hashes_per_group"]
     assert hashes["0"] == hashes["1"] and len(hashes["0"]) == 2
@@ -37,7 +39,7 @@ def test_two_groups_choose_the_same_sparse_setting_and_stay_bit_identical(tmp_pa
              for g in (0, 1) for line in (run / f"group-{g}.log").read_text().splitlines() if "] auto: " in line]
     assert len(lines) == 2 and lines[0] == lines[1] == s["auto"]["reason"]
     assert s["config"]["sync"]["h"] == "auto"
-    assert "auto (--codec/--h auto)  : topk 3 % sparseloco H=30" in summary.format_summary(s)
+    assert f"auto (--codec/--h auto)  : {best.label}" in summary.format_summary(s)
 
 
 @pytest.mark.slow
@@ -102,7 +104,7 @@ def test_h_follows_the_link_with_hysteresis_and_keeps_the_codec():
     from diloco.job import auto_choice as ac
     from diloco.runtime.rank.auto_setting import AutoSchedule
 
-    table = ac.load_table()
+    table = pinned_table()
     n, step = 400_000, 0.1
     start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=step, groups=2, codec="topk")
     assert start.setting.row == "slo-h30-d3"
@@ -138,7 +140,7 @@ def test_a_paced_setting_runs_its_plan_and_a_new_h_the_plan_of_that_h():
     from diloco.job import auto_choice as ac
     from diloco.runtime.rank.auto_setting import AutoSchedule
 
-    study = ac.load_table()
+    study = pinned_table()
     paced = study.named("m2-paced200-int2b1024-int4final-decay0-zstd-outer")
     fewer = replace(paced, row="paced400", h=400, bits_per_param_per_step=paced.bits_per_param_per_step / 2,
                     loss_cost=paced.loss_cost + 0.01)  # the same bytes per exchange, half the syncs
@@ -192,7 +194,7 @@ def test_groups_switch_h_at_the_same_round_and_stay_bit_identical():
     from diloco.job import auto_choice as ac
     from diloco.runtime.rank.auto_setting import AutoSchedule
 
-    table = ac.load_table()
+    table = pinned_table()
     n = 437_760  # the demo GPT's parameters: what the decision weighs (the test model is smaller)
     start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=0.1, groups=2, codec="topk")
     groups = InProcessGroups(2, codec=compress.get_codec("topk", chunk=64, k=4))
@@ -264,7 +266,7 @@ def test_with_codec_auto_groups_switch_codec_and_h_at_the_same_exchange_and_stay
     from diloco.job.config import Config
     from diloco.runtime.rank.auto_setting import AutoSchedule
 
-    table = ac.load_table()
+    table = pinned_table()
     n = 437_760
     start = ac.choose(table, num_params=n, link_bytes_per_s=1e9, step_s=0.1, groups=2)
     assert start.setting.row == "m2-h100-outer"
