@@ -163,14 +163,14 @@ ROWS = ("m2-paced200-int2b1024-int4final-decay0-zstd-outer",
         "slo-h30-d1.56", "slo-h100-d1.56", "slo-h100-d3")
 
 
-def _row_budgets(records: list[dict], name: str) -> tuple[dict, list[Budget], list[Budget], float, float]:
-    """(a record, budgets at G = 2, 3, 4 without probes and with diloco run's, measured/counted at G=2)."""
+def _row_budgets(records: list[dict], name: str, size: str = SIZE) -> tuple[dict, list[Budget], list[Budget], float, float]:
+    """(a record of ``size``, budgets at G = 2, 3, 4 without probes and with diloco run's, measured/counted at G=2)."""
     from bench.convergence_rows import study_rows, sweep_rows
     from diloco.demo.model import GPT, GPTConfig
     from diloco.engine.tiles import TileLayout
 
     row = next(r for r in study_rows() + sweep_rows() if r.name == name)
-    rec = next(r for r in records if r["size"] == SIZE and r["row"] == name)
+    rec = next(r for r in records if r["size"] == size and r["row"] == name)
     codec, final = row.codec.build(), row.codec.final()
     final = final.build() if final is not None else None
     params = rec["num_parameters"]
@@ -185,7 +185,7 @@ def _row_budgets(records: list[dict], name: str) -> tuple[dict, list[Budget], li
 
     b2 = at(2, 1.0, 0)
     counted = b2.wire_bytes
-    seeds = measured_per_group(records, SIZE, name)
+    seeds = measured_per_group(records, size, name)
     measured = sum(seeds) / len(seeds)
     ratio = (measured - b2.final_bytes - b2.init_bytes) / b2.exchange_bytes if codec.zstd else 1.0
     plain = [at(g, ratio, 0) for g in (2, 3, 4)]
@@ -193,13 +193,17 @@ def _row_budgets(records: list[dict], name: str) -> tuple[dict, list[Budget], li
     return rec, plain, probed, measured, counted
 
 
-def bits_table(records: list[dict]) -> str:
-    """Markdown: each row of ``ROWS`` at G = 2, 3, 4, both counts, and the G=2 cross-check."""
+def bits_table(records: list[dict], size: str = SIZE) -> str:
+    """Markdown: each row of ``ROWS`` the records hold at ``size``, at G = 2, 3, 4, both counts, and
+    the G=2 cross-check (ValueError when they hold none of them)."""
     lines = ["| row | G | SparseLoCo's count | wire: exchanges | + last exchange, init check | "
              "= wire, no probes | wire with diloco run's probes (512 KiB) | G=2 measured per group (mean of seeds) |",
              "|" + "---|" * 8]
-    for name in ROWS:
-        rec, plain, probed, measured, counted = _row_budgets(records, name)
+    names = [name for name in ROWS if measured_per_group(records, size, name)]
+    if not names:
+        raise ValueError(f"the records hold none of {', '.join(ROWS)} at size {size!r}")
+    for name in names:
+        rec, plain, probed, measured, counted = _row_budgets(records, name, size)
         for b, p in zip(plain, probed):
             check = (f"{b.bits(measured):.5f} ({measured:,.0f} B; counted without zstd {counted:,.0f} B, "
                      f"measured / counted {measured / counted:.4f})"
@@ -215,10 +219,14 @@ def main(argv: list[str] | None = None) -> int:
                                      "as SparseLoCo counts them and as the wire counts them, for G = 2, 3, 4.")
     parser.add_argument("records", nargs="?", type=Path, default=ROOT / "bench" / "results" / "convergence.json",
                         help="the convergence bench's JSON records (default: %(default)s)")
+    parser.add_argument("--size", default=SIZE, help="the study size whose rows are counted (default: %(default)s)")
     args = parser.parse_args(argv)
     if not args.records.is_file():
         parser.error(f"no records file at {args.records}")
-    print(bits_table(json.loads(args.records.read_text())))
+    try:
+        print(bits_table(json.loads(args.records.read_text()), args.size))
+    except ValueError as e:
+        parser.error(str(e))
     return 0
 
 

@@ -77,3 +77,10 @@ def test_command_line_help_and_a_missing_records_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         bits.main([str(tmp_path / "absent.json")])
     assert refused.value.code == 2 and "no records file" in capsys.readouterr().err
+
+
+def test_a_size_the_records_lack_is_refused_by_name():
+    records = json.loads((Path(bits.ROOT) / "bench" / "results" / "convergence.json").read_text())
+    with pytest.raises(ValueError, match="at size 'no-such-size'"):
+        bits.bits_table(records, "no-such-size")
+    assert bits.bits_table(records).count("\n") == 2 + 3 * len(bits.ROWS) - 1  # every row at G = 2, 3, 4
