@@ -17,8 +17,8 @@ def pinned_table() -> auto_choice.AutoTable:
 
 
 def shipped_best(codec: str, groups: int = 2) -> auto_choice.Setting:
-    """What ``--codec CODEC --h auto`` runs on a link fast enough for every setting: the shipped
-    table's lowest measured loss cost among its settings of that codec for ``groups`` groups
-    (``auto_choice.choose``'s rule when every setting fits; the test's job must be able to run it)."""
-    pool = [e for e in auto_choice.load_table().entries if e.codec == codec and e.groups == groups]
-    return min(pool, key=lambda e: (e.loss_cost, e.bits_per_param_per_step, e.row))
+    """What ``--codec CODEC --h auto`` runs on a link fast enough for every setting: ``auto_choice.choose``
+    on the shipped table with a link and a step under which every setting fits (its lowest measured loss
+    cost of that codec for ``groups`` groups; the test's job must be able to run it)."""
+    return auto_choice.choose(auto_choice.load_table(), num_params=1, link_bytes_per_s=1e15, step_s=1.0,
+                              groups=groups, codec=codec).setting
