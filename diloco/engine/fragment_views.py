@@ -9,6 +9,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from compress.fingerprint_parts import finish
 from diloco.engine.fragment import Fragment, InFlight
 from diloco.engine.outer_state import global_weights_loaded, params_hash
 from diloco.engine.sharded import ShardedState
@@ -85,7 +86,12 @@ class FragmentViews:
         if self.sharded is not None:
             return self.sharded.hash
         if self._global_hash is None:
-            self._global_hash = params_hash(self.global_params)
+            if all(g.device.type == "cpu" for g in self.global_params):
+                # each fragment's part, folded into its last outer step's pass where it was streamed
+                parts = sum(f.hash_part() for f in self.fragments)
+                self._global_hash = f"{finish(parts, [g.numel() for g in self.global_params]):016x}"
+            else:  # on a GPU the whole sum stays there and is read once
+                self._global_hash = params_hash(self.global_params)
         return self._global_hash
 
     def fragment_hash(self, p: int) -> str:

@@ -14,6 +14,7 @@ import torch.nn as nn
 import xxhash
 
 from compress.fingerprint import fingerprint
+from compress.fingerprint_parts import rows_part
 from diloco.engine.outer import OuterOptimizerFactory, nesterov
 from diloco.engine.shard_layout import local_view
 from diloco.engine.streamed_outer import StreamedOuter, streamable
@@ -61,6 +62,7 @@ class OuterFragment:
         self.local_numel = sum(p.numel() for p in self.global_params)
         self._staging: torch.Tensor | None = None  # page-locked landing buffer of the local values
         self._copies_to_device: list[torch.cuda.Event] = []  # the merge's queued copies
+        self.hash_offset = 0  # where the global copy starts in the engine's state hash (``place_in_hash``)
 
     @torch.no_grad()
     def pseudo_gradient(self, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,6 +151,26 @@ class OuterFragment:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(d))
                 self._copies_to_device.append(done)
+
+    def place_in_hash(self, offset: int) -> None:
+        """The fragment's global copy starts at value ``offset`` of the engine's state hash (the
+        fragments' global parameters in order): where its hash part is taken (``hash_part``)."""
+        self.hash_offset = offset
+        if self.streamed is not None:
+            self.streamed.offset = offset
+
+    def hash_part(self) -> int:
+        """``compress.fingerprint_parts.rows_part`` of the global copy at ``hash_offset``: what the
+        last streamed outer step folded into its pass when nothing wrote the copy since, else
+        taken from the values now."""
+        folded = self.streamed.folded_part() if self.streamed is not None else None
+        if folded is not None:
+            return folded
+        pieces, at = [], self.hash_offset
+        for g in self.global_params:
+            pieces.append((g, at))
+            at += g.numel()
+        return rows_part(pieces)
 
     def flat_global(self) -> torch.Tensor:
         return torch.cat([g.detach().reshape(-1) for g in self.global_params])

@@ -16,6 +16,11 @@ quorum. When the exchange commits, ``commit`` steps the ranges no ring reported 
 stripes, shared inside the group afterwards; or every range, for an averager that reports none)
 and swaps the scratch in.
 
+The round's state hash is folded into the same pass: ``compress.fingerprint`` is a sum over the
+values at their offsets in the stream (``compress.fingerprint_parts``), so each range adds its part
+right after it is stepped, while it is still in cache, and the commit leaves the new state's part
+(``folded_part``) for the engine's hash: no second pass over the model after the last byte came in.
+
 Each element is computed with exactly rounded operations only (a product, then a sum; no fused
 multiply-add), so its value does not depend on which range it was stepped in, on how torch splits
 the loop across threads or vector lanes, or on whether a ring reported it: every group gets the
@@ -32,6 +37,9 @@ import threading
 from typing import Sequence
 
 import torch
+
+from compress.fingerprint import MASK64
+from compress.fingerprint_parts import rows_part
 
 try:  # the C kernel (compress/_native.c: sgd_step), where it is built; the same bits as the torch path
     from compress import _native
@@ -103,9 +111,12 @@ class StreamedOuter:
     Ranges go to scratch copies θ', v' (two more copies of the fragment, made when the first range
     arrives), which the commit swaps in: the global tensors keep their identity but not their
     storage (a view taken of one before a commit does not follow it). A commit with no range
-    stepped steps in place and needs no scratch."""
+    stepped steps in place and needs no scratch.
 
-    def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.SGD) -> None:
+    ``offset``: the stream offset (in values) of the fragment's first value in the engine's state
+    hash, where the hash parts of its ranges are taken (``folded_part``)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.SGD, offset: int = 0) -> None:
         if not streamable(optimizer):
             raise ValueError("a streamed outer step needs torch.optim.SGD without dampening, weight decay or maximize")
         self.params = list(params)
@@ -119,7 +130,10 @@ class StreamedOuter:
         self._theta: list[torch.Tensor] | None = None  # scratch θ', v' (made on first use, reused)
         self._buf: list[torch.Tensor] | None = None
         self._lock = threading.Lock()
-        self._done: dict[int, list[tuple[int, int]]] = {}  # attempt -> ranges stepped in it
+        self.offset = offset
+        self._done: dict[int, list[tuple[int, int, int]]] = {}  # attempt -> ranges stepped in it, their hash parts
+        #: (offset, the parameters' storage and versions, rows part) of the state the last commit made
+        self._folded: tuple[int, tuple[tuple[int, int], ...], int] | None = None
         self._ranges: queue.SimpleQueue | None = None  # the stepping thread's work; None: no thread runs
         self._worker: threading.Thread | None = None
         self._open = False  # takes ranges (from begin() to stop())
@@ -167,9 +181,9 @@ class StreamedOuter:
             if item is None:
                 return
             attempt, mean, lo, hi = item
-            self._step(mean, lo, hi, in_place=False)
+            part = self._step(mean, lo, hi, in_place=False)
             with self._lock:
-                self._done.setdefault(attempt, []).append((lo, hi))
+                self._done.setdefault(attempt, []).append((lo, hi, part))
 
     @torch.no_grad()
     def commit(self, mean: torch.Tensor, attempt: int | None) -> None:
@@ -182,15 +196,35 @@ class StreamedOuter:
             done = sorted(self._done.get(attempt, [])) if attempt is not None else []
             self._done.clear()
         if not done:
-            self._step(mean, 0, self.numel, in_place=True)
+            self._fold(self._step(mean, 0, self.numel, in_place=True))
             return
         self._scratch()
-        at = 0
-        for lo, hi in done + [(self.numel, self.numel)]:
+        at, total, disjoint = 0, 0, True
+        for lo, hi, part in done + [(self.numel, self.numel, 0)]:
             if lo > at:
-                self._step(mean, at, lo, in_place=False)
+                total += self._step(mean, at, lo, in_place=False)
+            disjoint &= lo >= at
+            total += part
             at = max(at, hi)
         self._swap()
+        self._fold(total if disjoint else None)
+
+    def _fold(self, total: int | None) -> None:
+        """Keep the hash part of the state just committed (None: the ranges overlapped, so their
+        parts do not add up to it; the engine hashes the values instead)."""
+        self._folded = None if total is None else (self.offset, self._identity(), total & MASK64)
+
+    def _identity(self) -> tuple[tuple[int, int], ...]:
+        return tuple((p.data_ptr(), p._version) for p in self.params)
+
+    def folded_part(self) -> int | None:
+        """``compress.fingerprint_parts.rows_part`` of the global copy at ``offset`` (mod 2^64), as
+        the last commit's pass took it; None when the copy was written since (a loaded state, a
+        step outside the stream: any in-place write bumps a tensor's version), or ``offset`` moved."""
+        f = self._folded
+        if f is None or f[0] != self.offset or f[1] != self._identity():
+            return None
+        return f[2]
 
     def _scratch(self) -> None:
         with self._lock:
@@ -202,12 +236,13 @@ class StreamedOuter:
     def _momentum(self) -> float:
         return float(self.optimizer.param_groups[0]["momentum"])
 
-    def _step(self, mean: torch.Tensor, lo: int, hi: int, *, in_place: bool) -> None:
+    def _step(self, mean: torch.Tensor, lo: int, hi: int, *, in_place: bool) -> int:
         """Step flat range [lo, hi), cut at the parameters' boundaries: into the scratch, or
-        (``in_place``: whole parameters) into the global copy and its momentum buffers."""
+        (``in_place``: whole parameters) into the global copy and its momentum buffers. Returns
+        the hash part (``rows_part`` at ``offset``) of the values written."""
         group = self.optimizer.param_groups[0]
         lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
-        start = 0
+        start, part = 0, 0
         for i, end in enumerate(self._ends):
             a, b = max(lo, start), min(hi, end)
             if a < b:
@@ -224,9 +259,11 @@ class StreamedOuter:
                     buf_out = None if not mu else self._buf[i]
                 sgd_range(p.view(-1)[sl], None if buf is None else buf.view(-1)[sl], mean[a:b], lr=lr, momentum=mu,
                           nesterov=nesterov, theta_out=theta_out, buf_out=None if buf_out is None else buf_out.view(-1)[sl])
+                part += rows_part([(theta_out, self.offset + a)])
             start = end
             if start >= hi:
                 break
+        return part
 
     def _swap(self) -> None:
         """θ' and v' become the global copy and the momentum buffers; the old ones, the scratch."""

@@ -11,6 +11,8 @@ import torch.nn as nn
 
 from diloco import DiLoCo
 from diloco.engine.averaging import Done, InProcessGroups
+from compress.fingerprint_parts import rows_part
+from diloco.engine.outer_state import params_hash
 from diloco.engine.streamed_outer import StreamedOuter, sgd_range, streamable
 
 RULES = {
@@ -117,7 +119,7 @@ class _Streaming:
         return pending
 
 
-def _train(averagers, mode: str) -> list[list[torch.Tensor]]:
+def _train(averagers, mode: str, fragments=None, after_step=None) -> list[list[torch.Tensor]]:
     results = [None] * len(averagers)
     models = []
     for _ in averagers:  # built here: torch's global generator is shared by the threads
@@ -128,13 +130,15 @@ def _train(averagers, mode: str) -> list[list[torch.Tensor]]:
         model = models[i]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + i)
-        with DiLoCo(model, opt, averager=averagers[i], sync_every=3, mode=mode) as engine:
+        with DiLoCo(model, opt, averager=averagers[i], sync_every=3, mode=mode, fragments=fragments) as engine:
             for _ in range(12):
                 x = torch.randn(8, 6, generator=gen)
                 nn.functional.mse_loss(model(x), x[:, :2]).backward()
                 opt.step()
                 opt.zero_grad()
                 engine.step()
+                if after_step is not None:
+                    after_step(engine)
         results[i] = [p.detach().clone() for p in model.parameters()]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
@@ -158,6 +162,80 @@ def test_an_engine_fed_final_ranges_ends_where_one_that_was_not_does(mode: str) 
             assert torch.equal(x, y)
     for x, y in zip(*streamed):
         assert torch.equal(x, y)
+
+
+def _wide(seed: int) -> list[torch.Tensor]:
+    """Parameters over a dozen 1,024-value rows of the fingerprint, with lengths that cut rows."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for shape in [(70, 130), (1,), (3000,), (2, 3, 5)]]
+
+
+def _rows_part_now(params: list[torch.Tensor], offset: int) -> int:
+    at, pieces = offset, []
+    for p in params:
+        pieces.append((p, at))
+        at += p.numel()
+    return rows_part(pieces)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_hash_folded_into_the_step_is_the_hash_of_the_values(rule: str) -> None:
+    """The parts each range adds as it is stepped (in the rings' stepping thread or at the commit)
+    sum to the committed values' hash part at the fragment's offset, however the mean was cut, and
+    with no range streamed; a write to the global copy since, or a moved offset, voids the fold."""
+    gen = torch.Generator().manual_seed(5)
+    params = _wide(0)
+    s = StreamedOuter(params, torch.optim.SGD(params, **RULES[rule]), offset=5_000)  # not on a row's start
+    n = s.numel
+    for streamed in (True, False, True, True):
+        mean = torch.randn(n, generator=gen)
+        s.begin()
+        if streamed:
+            for lo, hi in _cuts(n, gen):
+                s.on_final(1, torch.full((n,), 1e6), lo, hi)  # rolled back
+            for lo, hi in _cuts(n, gen)[:-1]:
+                s.on_final(2, mean, lo, hi)
+        s.commit(mean, 2 if streamed else None)
+        assert s.folded_part() == _rows_part_now(params, 5_000)
+    s.offset = 0
+    assert s.folded_part() is None
+    s.offset = 5_000
+    assert s.folded_part() is not None
+    params[2][7] = 0.5  # any in-place write
+    assert s.folded_part() is None
+
+
+def test_overlapping_ranges_leave_no_fold_but_the_right_values() -> None:
+    params, twin = _wide(1), _wide(1)
+    s = StreamedOuter(params, torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
+    t = StreamedOuter(twin, torch.optim.SGD(twin, lr=0.7, momentum=0.9, nesterov=True))
+    mean = torch.randn(s.numel, generator=torch.Generator().manual_seed(6))
+    s.begin()
+    for lo, hi in [(0, 4000), (3000, 9000)]:
+        s.on_final(1, mean, lo, hi)
+    s.commit(mean, 1)
+    t.commit(mean, None)
+    assert all(torch.equal(a, b) for a, b in zip(params, twin))
+    assert s.folded_part() is None and t.folded_part() == _rows_part_now(twin, 0)
+
+
+@pytest.mark.parametrize("fragments", [None, [["0.weight", "0.bias"], ["2.weight", "2.bias"]]])
+def test_an_engines_hash_from_folded_parts_is_the_hash_of_its_global_copy(fragments) -> None:
+    """After every inner step of a streamed blocking run (one fragment, or two that sync in turn)
+    the engine's state hash equals ``params_hash`` of its global parameters, and after a sync the
+    synced fragment's part came from the fold, not a second pass."""
+    again = InProcessGroups(2)
+    wrapped = [_Streaming(again.member(i), seed=i) for i in range(2)]
+    seen, wrong = [], []
+
+    def check(engine) -> None:  # in the groups' threads: what it finds is asserted after they end
+        if engine.global_hash() != params_hash(engine.global_params):
+            wrong.append(engine.inner_step)
+        seen.append(sum(f.streamed.folded_part() is not None for f in engine.fragments))
+
+    results = _train(wrapped, "blocking", fragments=fragments, after_step=check)
+    assert all(r is not None for r in results) and len(seen) == 24
+    assert wrong == [] and max(seen) >= 1 and all(w.reported > 0 for w in wrapped)
 
 
 @pytest.mark.parametrize("rule", RULES)
