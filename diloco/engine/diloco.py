@@ -144,12 +144,12 @@ class DiLoCo(FragmentViews, RoundTiming):
         rule = outer_optimizer or by_mode(mode)
         self.fragments = [Fragment(p, f, [named[n] for n in f], outer_optimizer=rule, device=device)
                           for p, f in enumerate(groups)]
-        at = 0
-        for frag in self.fragments:  # the state hash runs over the fragments' global copies in order
-            frag.place_in_hash(at)
-            at += frag.local_numel
         #: a model sharded in the group (FSDP2): per-fragment layouts and the group's collectives
         self.sharded = ShardedState.of(self.fragments, averager)
+        at = 0
+        for frag in self.fragments:  # the state hash runs over the fragments' global copies in order
+            frag.place_in_hash(at, fold=self.sharded is None)
+            at += frag.local_numel
         healing = isinstance(averager, Healing) and bool(averager.attach(self))  # a late group heals instead
         if not healing:  # every group starts from the same parameters
             (self.sharded.agree if self.sharded is not None else agree)(averager, self.global_params, initial_sync)

@@ -126,6 +126,8 @@ class OuterFragment:
             return
         if mean_delta.numel() != self.local_numel:
             raise ValueError(f"pseudo-gradient has {mean_delta.numel()} values, fragment {self.local_numel}")
+        if self.streamed is not None:
+            self.streamed.forget_hash()  # torch's step below writes the copy (a fused one bumps no version)
         if any(group.get("maximize") for group in self.optimizer.param_groups):
             raise ValueError("an outer optimizer with maximize=True: the pseudo-gradient is a descent direction")
         self._settle()
@@ -152,12 +154,15 @@ class OuterFragment:
                 done.record(torch.cuda.current_stream(d))
                 self._copies_to_device.append(done)
 
-    def place_in_hash(self, offset: int) -> None:
+    def place_in_hash(self, offset: int, *, fold: bool = True) -> None:
         """The fragment's global copy starts at value ``offset`` of the engine's state hash (the
-        fragments' global parameters in order): where its hash part is taken (``hash_part``)."""
+        fragments' global parameters in order): where its hash part is taken (``hash_part``);
+        ``fold``: whether the streamed outer step takes it in its pass (off where the engine
+        hashes otherwise: a sharded model)."""
         self.hash_offset = offset
         if self.streamed is not None:
             self.streamed.offset = offset
+            self.streamed.fold_hash = fold and self.global_params[0].device.type == "cpu"
 
     def hash_part(self) -> int:
         """``compress.fingerprint_parts.rows_part`` of the global copy at ``hash_offset``: what the

@@ -114,7 +114,8 @@ class StreamedOuter:
     stepped steps in place and needs no scratch.
 
     ``offset``: the stream offset (in values) of the fragment's first value in the engine's state
-    hash, where the hash parts of its ranges are taken (``folded_part``)."""
+    hash, where the hash parts of its ranges are taken (``folded_part``); ``fold_hash``: whether
+    they are (the engine sets it off where its hash is taken otherwise: a sharded model's)."""
 
     def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.SGD, offset: int = 0) -> None:
         if not streamable(optimizer):
@@ -131,7 +132,9 @@ class StreamedOuter:
         self._buf: list[torch.Tensor] | None = None
         self._lock = threading.Lock()
         self.offset = offset
-        self._done: dict[int, list[tuple[int, int, int]]] = {}  # attempt -> ranges stepped in it, their hash parts
+        #: fold the hash into the pass only on the host: on a GPU the hash stays there, read once
+        self.fold_hash = all(p.device.type == "cpu" for p in self.params)
+        self._done: list[tuple[int, int, int, int]] = []  # (attempt, lo, hi, hash part) stepped, in order
         #: (offset, the parameters' storage and versions, rows part) of the state the last commit made
         self._folded: tuple[int, tuple[tuple[int, int], ...], int] | None = None
         self._ranges: queue.SimpleQueue | None = None  # the stepping thread's work; None: no thread runs
@@ -145,6 +148,7 @@ class StreamedOuter:
         with self._lock:
             self._done.clear()
             self._open = True
+            self._folded = None
 
     def on_final(self, attempt: int, mean: torch.Tensor, lo: int, hi: int) -> None:
         """``mean[lo:hi]`` is final in ``attempt`` of the exchange: queue that range for the
@@ -181,9 +185,11 @@ class StreamedOuter:
             if item is None:
                 return
             attempt, mean, lo, hi = item
+            if not 0 <= lo < hi <= self.numel:  # not a range of this fragment: the commit steps what is missing
+                continue
             part = self._step(mean, lo, hi, in_place=False)
             with self._lock:
-                self._done.setdefault(attempt, []).append((lo, hi, part))
+                self._done.append((attempt, lo, hi, part))
 
     @torch.no_grad()
     def commit(self, mean: torch.Tensor, attempt: int | None) -> None:
@@ -193,8 +199,9 @@ class StreamedOuter:
             raise ValueError(f"pseudo-gradient has {mean.numel()} values, fragment {self.numel}")
         self.stop()  # every range reported so far is stepped
         with self._lock:
-            done = sorted(self._done.get(attempt, [])) if attempt is not None else []
+            done = _trusted(self._done, attempt)
             self._done.clear()
+            self._folded = None
         if not done:
             self._fold(self._step(mean, 0, self.numel, in_place=True))
             return
@@ -211,8 +218,14 @@ class StreamedOuter:
 
     def _fold(self, total: int | None) -> None:
         """Keep the hash part of the state just committed (None: the ranges overlapped, so their
-        parts do not add up to it; the engine hashes the values instead)."""
-        self._folded = None if total is None else (self.offset, self._identity(), total & MASK64)
+        parts do not add up to it, or none were taken; the engine hashes the values instead)."""
+        if total is not None and self.fold_hash:
+            self._folded = (self.offset, self._identity(), total & MASK64)
+
+    def forget_hash(self) -> None:
+        """The global copy is written outside the stream (a step of torch's own rule): the folded
+        part is void (a write that bumps no tensor's version, e.g. a fused optimizer's, included)."""
+        self._folded = None
 
     def _identity(self) -> tuple[tuple[int, int], ...]:
         return tuple((p.data_ptr(), p._version) for p in self.params)
@@ -242,7 +255,7 @@ class StreamedOuter:
         the hash part (``rows_part`` at ``offset``) of the values written."""
         group = self.optimizer.param_groups[0]
         lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
-        start, part = 0, 0
+        start, part, fold = 0, 0, self.fold_hash
         for i, end in enumerate(self._ends):
             a, b = max(lo, start), min(hi, end)
             if a < b:
@@ -259,7 +272,8 @@ class StreamedOuter:
                     buf_out = None if not mu else self._buf[i]
                 sgd_range(p.view(-1)[sl], None if buf is None else buf.view(-1)[sl], mean[a:b], lr=lr, momentum=mu,
                           nesterov=nesterov, theta_out=theta_out, buf_out=None if buf_out is None else buf_out.view(-1)[sl])
-                part += rows_part([(theta_out, self.offset + a)])
+                if fold:
+                    part += rows_part([(theta_out, self.offset + a)])
             start = end
             if start >= hi:
                 break
@@ -278,6 +292,19 @@ class StreamedOuter:
                 previous = state.get("momentum_buffer")
                 state["momentum_buffer"] = self._buf[i]
                 self._buf[i] = previous if previous is not None else _like(p)
+
+
+def _trusted(stepped: list[tuple[int, int, int, int]], attempt: int | None) -> list[tuple[int, int, int]]:
+    """The ranges of ``attempt`` in ``stepped`` ((attempt, lo, hi, hash part), in the order they
+    were stepped) whose scratch values still hold: all of them, sorted, unless a range of another
+    attempt was stepped after its first (attempts report in turn; one that did not may have
+    overwritten them), then none (the commit steps the whole mean)."""
+    if attempt is None:
+        return []
+    first = next((i for i, (a, *_rest) in enumerate(stepped) if a == attempt), None)
+    if first is None or any(a != attempt for a, *_rest in stepped[first:]):
+        return []
+    return sorted((lo, hi, part) for _a, lo, hi, part in stepped[first:])
 
 
 def _like(p: torch.Tensor) -> torch.Tensor:

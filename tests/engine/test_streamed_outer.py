@@ -219,6 +219,51 @@ def test_overlapping_ranges_leave_no_fold_but_the_right_values() -> None:
     assert s.folded_part() is None and t.folded_part() == _rows_part_now(twin, 0)
 
 
+@pytest.mark.parametrize("late", ["rolled-back range after the commit's", "inverted", "out of bounds"])
+def test_ranges_out_of_turn_or_of_no_range_give_the_right_values_and_hash(late: str) -> None:
+    """Outside the rings' rules (an attempt reports all its ranges before the next one's), or not a
+    range of the fragment: the values are still one whole step's and the hash theirs."""
+    params, twin = _wide(2), _wide(2)
+    s = StreamedOuter(params, torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True), offset=300)
+    t = StreamedOuter(twin, torch.optim.SGD(twin, lr=0.7, momentum=0.9, nesterov=True), offset=300)
+    n = s.numel
+    mean = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    s.begin()
+    s.on_final(2, mean, 0, 5000)
+    if late == "rolled-back range after the commit's":
+        s.on_final(1, torch.full((n,), 1e6), 2000, 3000)
+    elif late == "inverted":
+        s.on_final(2, mean, 6000, 5500)
+    else:
+        s.on_final(2, torch.full((n + 10,), 1e6), n - 5, n + 10)
+    s.on_final(2, mean, 5000, 9000)
+    s.commit(mean, 2)
+    t.commit(mean, None)
+    assert all(torch.equal(a, b) for a, b in zip(params, twin))
+    assert s.folded_part() == _rows_part_now(params, 300)
+
+
+def test_a_step_by_torchs_own_rule_voids_the_fold() -> None:
+    """A rule the engine does not stream (here: weight decay set in a loaded state) steps through
+    torch.optim, fused on the host, which bumps no tensor version: the fold is dropped anyway."""
+    from diloco.engine.outer_state import OuterFragment
+
+    gen = torch.Generator().manual_seed(8)
+    local = [torch.randn(50, 30, generator=gen), torch.randn(700, generator=gen)]
+    frag = OuterFragment(["a", "b"], local, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9,
+                                                                                         fused=True))
+    frag.outer_step(torch.randn(frag.local_numel, generator=gen))
+    assert frag.streamed.folded_part() == frag.hash_part() == _rows_part_now(frag.global_params, 0)
+    frag.optimizer.param_groups[0]["weight_decay"] = 0.1
+    frag.outer_step(torch.randn(frag.local_numel, generator=gen))
+    assert frag.streamed.folded_part() is None
+    assert frag.hash_part() == _rows_part_now(frag.global_params, 0)
+    frag.optimizer.param_groups[0]["weight_decay"] = 0.0
+    frag.place_in_hash(0, fold=False)  # a sharded engine hashes its own way: no part taken in the pass
+    frag.outer_step(torch.randn(frag.local_numel, generator=gen))
+    assert frag.streamed.folded_part() is None
+
+
 @pytest.mark.parametrize("fragments", [None, [["0.weight", "0.bias"], ["2.weight", "2.bias"]]])
 def test_an_engines_hash_from_folded_parts_is_the_hash_of_its_global_copy(fragments) -> None:
     """After every inner step of a streamed blocking run (one fragment, or two that sync in turn)
