@@ -116,7 +116,7 @@ SIZES = {
     # the medium model (7x the parameters) at the long size's 8,000 steps (about 20 tokens per parameter
     # where small-xlong has 136): does the cost of a long H, fp32's and 2-bit's, shrink with model size?
     "medium-xlong": Size("medium-xlong", n_layer=4, n_embd=128, steps=8000, seeds=1, tuned_on="medium",
-                         rows=("m2-h30-outer", "m2-h230-outer", "m2-h230-int2b1024-int4final-outer",
+                         rows=("dp", "m2-h30-outer", "m2-h230-outer", "m2-h230-int2b1024-int4final-outer",
                                "m2-h230-int2b1024-int4final-decay0-outer", "m2-h100-outer", "m2-paced200-outer",
                                "m2-paced200-int2b1024-int4final-decay0-zstd-outer")),
 }
