@@ -233,7 +233,8 @@ class StreamedOuter:
     def folded_part(self) -> int | None:
         """``compress.fingerprint_parts.rows_part`` of the global copy at ``offset`` (mod 2^64), as
         the last commit's pass took it; None when the copy was written since (a loaded state, a
-        step outside the stream: any in-place write bumps a tensor's version), or ``offset`` moved."""
+        step outside the stream: any in-place write bumps a tensor's version), an exchange began,
+        or ``offset`` moved."""
         f = self._folded
         if f is None or f[0] != self.offset or f[1] != self._identity():
             return None
