@@ -131,7 +131,7 @@ def _best_inner(records: list[dict], size: str, family: str) -> tuple:
 def settings_from(records: list[dict], size: str, a: argparse.Namespace) -> Settings:
     """The study's learning rates for ``size``: flags first, else the sweep's winners in
     ``records`` (those of the size it is ``tuned_on``, if any), else the defaults (1e-3, 1e-3, outer
-    0.7 / 0.9). A size without its own outer sweep takes the small model's winner."""
+    0.7 / 0.9)."""
     s = Settings()
     src = (SIZES[size].tuned_on or size) if size in SIZES else size  # whose sweeps
     for attr, flag, family in (("dp_lr", a.dp_lr, "dp"), ("diloco_lr", a.diloco_lr, "diloco")):
@@ -147,15 +147,14 @@ def settings_from(records: list[dict], size: str, a: argparse.Namespace) -> Sett
         s.outer = (a.outer_lr or DEFAULT_OUTER[0], a.outer_momentum or DEFAULT_OUTER[1])
         s.source["outer"] = "flag"
         return s
-    on = src if SIZES.get(src, SIZES["small"]).outer_sweep else "small"
     candidates: list[tuple[str, object]] = [(f"sweep-outer-lr{o[0]:g}-mom{o[1]:g}", o) for o in OUTER_SWEEP]
-    _, default_lr = _best_inner(records, on, "diloco")  # the default outer's run: that sweep's best
+    _, default_lr = _best_inner(records, src, "diloco")  # the default outer's run: that sweep's best
     if default_lr is not None:
         candidates.append((f"sweep-diloco-lr{default_lr:g}", DEFAULT_OUTER))
-    loss, o = _best(records, on, candidates)
+    loss, o = _best(records, src, candidates)
     if o is not None:
         s.outer = tuple(o)
-        s.source["outer"] = f"sweep{'' if on == size else ' of ' + on}, eval {loss:.4f}"
+        s.source["outer"] = f"sweep{'' if src == size else ' of ' + src}, eval {loss:.4f}"
     return s
 
 

@@ -90,7 +90,7 @@ def test_full_plan_covers_the_issue_rows_at_equal_tokens():
     assert {"dp", "streaming-p2", "overlap-p2-tau5", "eager", "co2", "qsr"} <= names
     assert {r.name for r in sweeps if r.family == "dp"} and any(r.outer for r in sweeps)
     medium_size, medium_sweeps, medium_rows = plans["medium"]
-    assert {r.name for r in medium_rows} == set(medium_size.rows) and not any(r.outer for r in medium_sweeps)
+    assert {r.name for r in medium_rows} == set(medium_size.rows) and any(r.outer for r in medium_sweeps)
     for size, _, rows in plans.values():
         tokens = {conv.make_config(size, r, 1, conv.Settings()).data.batch_size * r.groups for r in rows}
         assert tokens == {size.batch}, size.name  # every row: the same sequences per step, all groups together
@@ -108,8 +108,13 @@ def test_sweep_winners_feed_the_study_rows():
     none = conv.parse_args([])
     s = conv.settings_from(recs, "small", none)
     assert (s.dp_lr, s.diloco_lr, s.outer) == (2e-3, 1e-3, (0.4, 0.9))
-    m = conv.settings_from(recs, "medium", none)  # its own inner sweep, the small model's outer winner
-    assert (m.dp_lr, m.diloco_lr, m.outer) == (1e-3, 4e-3, (0.4, 0.9))
+    m = conv.settings_from(recs, "medium", none)  # its own sweeps only: no outer sweep of its own yet, the default
+    assert (m.dp_lr, m.diloco_lr, m.outer) == (1e-3, 4e-3, conv.DEFAULT_OUTER)
+    recs += [fake("medium", "sweep-outer-lr1-mom0.8", 1.45), fake("medium", "sweep-outer-lr0.7-mom0.5", 1.48)]
+    m = conv.settings_from(recs, "medium", none)  # its own outer winner, not the small model's
+    assert (m.outer, m.source["outer"]) == ((1.0, 0.8), "sweep, eval 1.4500")
+    long = conv.settings_from(recs, "medium-xlong", none)  # tuned_on medium: medium's winners
+    assert (long.diloco_lr, long.outer, long.source["outer"]) == (4e-3, (1.0, 0.8), "sweep of medium, eval 1.4500")
     recs.append(fake("small", "sweep-outer-lr0.4-mom0.9", 2.5, seed=2))  # mean 2.275: the default wins
     assert conv.settings_from(recs, "small", none).outer == conv.DEFAULT_OUTER
     flags = conv.settings_from(recs, "small", conv.parse_args(["--diloco-lr", "3e-3", "--outer-lr", "0.5"]))
