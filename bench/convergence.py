@@ -219,7 +219,12 @@ def run_study(a: argparse.Namespace) -> list[dict]:
             todo = [(r, s) for r in stage_rows for s in seeds_for(size, r, a.seed)]
             if stage == "study":
                 if lrs.outer == DEFAULT_OUTER:  # the tuned-outer rows would repeat the default ones
+                    skipped = sorted({r.name for r, _ in todo if r.outer_tuned})
                     todo = [(r, s) for r, s in todo if not r.outer_tuned]
+                    if skipped:
+                        print(f"[{size.name}] not run: {', '.join(skipped)}: their outer step is the sweep's winner, "
+                              f"and the winner in {path} is the default {DEFAULT_OUTER[0]:g}/{DEFAULT_OUTER[1]:g} "
+                              f"(no outer sweep there?); run the sweep or give --outer-lr/--outer-momentum", flush=True)
                 if todo:
                     print(f"[{size.name}] learning rates: dp {lrs.dp_lr:g}, diloco {lrs.diloco_lr:g}, "
                           f"outer {lrs.outer[0]:g}/{lrs.outer[1]:g} ({lrs.source or 'defaults'})", flush=True)
