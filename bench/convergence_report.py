@@ -208,11 +208,11 @@ def _size_order(size: str) -> tuple:
     return (order.get(size, 99), size)
 
 
-def _pct(x: float) -> str:
+def signed_pct(x: float) -> str:
     return f"{x:+.2f}".replace("-", "−")
 
 
-def _seeds(seeds) -> str:
+def seed_span(seeds) -> str:
     s = list(seeds)
     if len(s) > 2 and s == list(range(s[0], s[-1] + 1)):
         return f"{s[0]}-{s[-1]}"
@@ -247,25 +247,25 @@ def paired_table(records: list[dict], stage: str = "study", level: float = 0.95,
         rec = next(r for r in records if r["size"] == size and r["row"] == row and r["stage"] == stage)
         head = f"| {size} | {row} | {rec['groups']} | {rec['codec']} |"
         if ref is None and against is not None:
-            lines.append(f"{head} {against} shares no seed | {_seeds(sorted(seed_losses(records, size, row, stage)))} "
+            lines.append(f"{head} {against} shares no seed | {seed_span(sorted(seed_losses(records, size, row, stage)))} "
                          f"| — | — | — | 0 |")
             continue
         if ref is None:
             seeds = sorted(seed_losses(records, size, row, stage))
             lines.append(f"{head} none (no fp32 DiLoCo row with M={rec['groups']} on these seeds) | "
-                         f"{_seeds(seeds)} | — | — | — | {len(seeds)} |")
+                         f"{seed_span(seeds)} | — | — | — | {len(seeds)} |")
             continue
-        left = f"; seeds {_seeds(ref.missing)} not paired (reference lacks them)" if ref.missing else ""
+        left = f"; seeds {seed_span(ref.missing)} not paired (reference lacks them)" if ref.missing else ""
         who = f"{ref.row} ({'named' if against else f'best of {ref.candidates}'}{left})"
         if ref.row == row:
             lines.append(f"{head} **this row** ({'named' if against else f'best of {ref.candidates}'}{left}) | "
-                         f"{_seeds(ref.seeds)} | — | "
+                         f"{seed_span(ref.seeds)} | — | "
                          f"reference | — | {len(ref.seeds)} |")
             continue
         p = paired_against(records, size, row, ref.row, ref.seeds, stage, level)
-        ci = "— (one seed)" if p.low is None else f"{_pct(p.low)} .. {_pct(p.high)}"
-        lines.append(f"{head} {who} | {_seeds(ref.seeds)} | {' / '.join(_pct(d) for d in p.diffs)} | "
-                     f"**{_pct(p.mean)}** | {ci} | {p.n} |")
+        ci = "— (one seed)" if p.low is None else f"{signed_pct(p.low)} .. {signed_pct(p.high)}"
+        lines.append(f"{head} {who} | {seed_span(ref.seeds)} | {' / '.join(signed_pct(d) for d in p.diffs)} | "
+                     f"**{signed_pct(p.mean)}** | {ci} | {p.n} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,147 @@
+"""The ecosystem benchmarks' gap to their own data parallel beside the convergence study's gap at the
+same H and number of rounds (issue 52's target: "eval loss within the convergence study's DiLoCo gap").
+
+DiLoCo's gap to data parallel is not one number: in the study it falls with the number of outer rounds
+(the 834k GPT, fp32 H=30: +6.4 % at 17 rounds, +1.0 % at 267). So each setting of ``bench/hf.py`` and
+``bench/titan.py`` (steps, H, inner lrs, outer step) is set beside the study's own model run at the same
+steps and H (``ECOSYSTEM_ROWS``: ``m2-h{H}-outer`` against ``dp`` of the size with those steps), both
+as per-seed gaps (DiLoCo / DP − 1 on the same seed), their mean and 95 % Student-t interval.
+
+    python bench/ecosystem_gap.py          # the table of bench/pages/hf.md and bench/pages/titan.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parent.parent
+if str(ROOT) not in sys.path:  # not bench/ itself: its transport.py would shadow the package
+    sys.path.insert(0, str(ROOT))
+
+from bench.convergence_report import (  # noqa: E402
+    Paired,
+    paired_against,
+    paired_stats,
+    seed_losses,
+    seed_span,
+    signed_pct,
+    t_quantile,
+)
+from bench.convergence_rows import ECOSYSTEM_ROWS, SIZES  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What makes two runs of one ecosystem benchmark repeats of each other (all but the seed)."""
+
+    bench: str
+    steps: int
+    h: int
+    dp_lr: float
+    diloco_lr: float
+    outer_momentum: float | None  # None: the engine's default
+
+    @property
+    def rounds(self) -> int:
+        return self.steps // self.h
+
+
+def setting_of(rec: dict) -> Setting:
+    """The setting of one ``bench/hf.py`` or ``bench/titan.py`` record."""
+    return Setting(rec["bench"], rec["steps"], rec["h"], rec["dp"]["inner_lr"] if "inner_lr" in rec["dp"]
+                   else rec["dp_lr"], rec["diloco"]["inner_lr"] if "inner_lr" in rec["diloco"] else rec["lr"],
+                   rec.get("outer_momentum"))
+
+
+def ecosystem_gaps(records: list[dict]) -> dict[Setting, dict[int, float]]:
+    """{setting: {seed: % gap of DiLoCo's eval loss over data parallel's}}; a record without a seed
+    (``bench/titan.py`` fixes its seed) counts as seed 0; a repeated seed keeps the last record."""
+    out: dict[Setting, dict[int, float]] = {}
+    for rec in records:
+        dp, dl = rec["dp"]["eval_loss"], rec["diloco"]["eval_loss"]
+        if math.isfinite(dp) and math.isfinite(dl):
+            out.setdefault(setting_of(rec), {})[rec.get("seed") or 0] = 100.0 * (dl / dp - 1.0)
+    return out
+
+
+def study_match(setting: Setting) -> tuple[str, str] | None:
+    """(size, row) of the convergence study at the setting's steps and H, or None if the study has none."""
+    for size, row in ECOSYSTEM_ROWS.items():
+        if SIZES[size].steps == setting.steps and row == f"m2-h{setting.h}-outer":
+            return size, row
+    return None
+
+
+def study_gap(conv: list[dict], size: str, row: str) -> Paired | None:
+    """The study's (size, row) against its ``dp`` row on the seeds both have; None if they share none."""
+    seeds = sorted(set(seed_losses(conv, size, row)) & set(seed_losses(conv, size, "dp")))
+    return paired_against(conv, size, row, "dp", seeds) if seeds else None
+
+
+def welch_interval(a: Paired, b: Paired, level: float = 0.95) -> tuple[float, float] | None:
+    """The ``level`` interval of mean(a) − mean(b) for two independent samples (Welch; degrees of
+    freedom rounded down, which widens it); None unless both have at least two values."""
+    if a.n < 2 or b.n < 2:
+        return None
+    va, vb = statistics.variance(a.diffs) / a.n, statistics.variance(b.diffs) / b.n
+    se = math.sqrt(va + vb)
+    if se == 0.0:
+        return (a.mean - b.mean, a.mean - b.mean)
+    dof = max(1, int((va + vb) ** 2 / (va ** 2 / (a.n - 1) + vb ** 2 / (b.n - 1))))
+    half = t_quantile((1.0 + level) / 2.0, dof) * se
+    return (a.mean - b.mean - half, a.mean - b.mean + half)
+
+
+def _summary(p: Paired) -> str:
+    per_seed = " / ".join(signed_pct(d) for d in p.diffs)
+    interval = "one seed" if p.low is None else f"{signed_pct(p.low)} .. {signed_pct(p.high)}"
+    return f"{per_seed} | **{signed_pct(p.mean)}** | {interval}"
+
+
+def table(conv: list[dict], benches: dict[str, list[dict]]) -> str:
+    """Markdown: every setting of every ecosystem benchmark, its gap over seeds, and the study's gap at
+    the same steps and H (or why there is none), with the difference of the two means."""
+    lines = ["| bench | steps | H | rounds | inner lr DP / DiLoCo | outer mom | seeds | gap per seed, % | mean | "
+             "95 % interval | study row (size) | study seeds | study gap per seed, % | study mean | study interval | "
+             "difference of means (95 %, Welch) |", "|" + "---|" * 16]
+    for bench, records in benches.items():
+        for s, gaps in ecosystem_gaps(records).items():
+            eco = paired_stats([gaps[k] for k in sorted(gaps)])
+            head = (f"| {bench} | {s.steps:,} | {s.h} | {s.rounds} | {s.dp_lr:g} / {s.diloco_lr:g} | "
+                    f"{'default' if s.outer_momentum is None else f'{s.outer_momentum:g}'} | {seed_span(sorted(gaps))} | "
+                    f"{_summary(eco)} |")
+            match = study_match(s)
+            ref = study_gap(conv, *match) if match else None
+            if ref is None:
+                why = "not run" if match else f"none at {s.steps:,} steps, H={s.h}"
+                lines.append(f"{head} {why} | — | — | — | — | — |")
+                continue
+            size, row = match
+            seeds = sorted(set(seed_losses(conv, size, row)) & set(seed_losses(conv, size, "dp")))
+            diff = welch_interval(eco, ref)
+            d = f"{signed_pct(eco.mean - ref.mean)}" + (f" ({signed_pct(diff[0])} .. {signed_pct(diff[1])})" if diff else
+                                                  " (one side has one seed)")
+            lines.append(f"{head} {row} ({size}) | {seed_span(seeds)} | {_summary(ref)} | {d} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--convergence", default=str(RESULTS / "convergence.json"))
+    ap.add_argument("--hf", default=str(RESULTS / "hf.json"))
+    ap.add_argument("--titan", default=str(RESULTS / "titan.json"))
+    a = ap.parse_args()
+    conv = json.loads(Path(a.convergence).read_text())
+    benches = {name: json.loads(Path(path).read_text()) for name, path in (("hf", a.hf), ("titan", a.titan))}
+    print(table(conv, benches))
+
+
+if __name__ == "__main__":
+    main()

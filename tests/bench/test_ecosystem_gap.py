@@ -1,0 +1,81 @@
+"""bench/ecosystem_gap.py: the ecosystem benchmarks' per-seed gaps, the convergence study's row at the same
+steps and H, the Welch interval of the difference, and the table's words where the study has no row,
+on hand-computed records."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+gap = importlib.import_module("bench.ecosystem_gap")
+report = importlib.import_module("bench.convergence_report")
+
+
+def hf(seed: int, dp: float, diloco: float, *, h: int = 25, steps: int = 500, lr: float = 1.5e-3) -> dict:
+    return {"bench": "hf", "steps": steps, "h": h, "seed": seed, "outer_momentum": 0.7,
+            "dp": {"eval_loss": dp, "inner_lr": lr}, "diloco": {"eval_loss": diloco, "inner_lr": lr}}
+
+
+def titan(dp: float, diloco: float) -> dict:
+    return {"bench": "titan", "steps": 1000, "h": 20, "lr": 1.6e-3, "dp_lr": 1.6e-3, "outer_momentum": 0.7,
+            "dp": {"eval_loss": dp}, "diloco": {"eval_loss": diloco}}
+
+
+def study(row: str, seed: int, loss: float, size: str = "medium") -> dict:
+    return {"size": size, "row": row, "seed": seed, "eval_loss": loss, "stage": "study"}
+
+
+def test_gaps_are_per_seed_and_grouped_by_setting():
+    records = [hf(0, 2.0, 2.1), hf(1, 2.0, 2.04), hf(0, 2.0, 2.2, lr=3e-3), titan(1.5, 1.53)]
+    gaps = gap.ecosystem_gaps(records)
+    assert len(gaps) == 3
+    by_bench = {(s.bench, s.dp_lr): g for s, g in gaps.items()}
+    assert by_bench[("hf", 1.5e-3)] == {0: pytest.approx(5.0), 1: pytest.approx(2.0)}
+    assert by_bench[("hf", 3e-3)] == {0: pytest.approx(10.0)}
+    assert by_bench[("titan", 1.6e-3)] == {0: pytest.approx(2.0)}  # titan.py fixes its seed: seed 0
+
+
+def test_a_diverged_run_is_left_out_not_counted_as_a_gap():
+    gaps = gap.ecosystem_gaps([hf(0, 2.0, float("nan")), hf(1, 2.0, 2.02)])
+    assert list(gaps.values()) == [{1: pytest.approx(1.0)}]
+
+
+def test_the_study_row_matches_steps_and_h():
+    s = gap.setting_of(hf(0, 2.0, 2.1))
+    assert gap.study_match(s) == ("medium", "m2-h25-outer")
+    assert gap.study_match(gap.setting_of(titan(1.5, 1.53))) == ("medium-long", "m2-h20-outer")
+    assert gap.study_match(gap.setting_of(hf(0, 2.0, 2.1, h=50))) is None
+    assert gap.study_match(gap.setting_of(hf(0, 2.0, 2.1, steps=1000))) is None
+
+
+def test_the_study_gap_pairs_on_the_seeds_both_rows_have():
+    conv = [study("dp", 1, 2.0), study("dp", 2, 2.0), study("m2-h25-outer", 1, 2.1), study("m2-h25-outer", 2, 2.2),
+            study("m2-h25-outer", 3, 9.9)]
+    p = gap.study_gap(conv, "medium", "m2-h25-outer")
+    assert p.diffs == pytest.approx((5.0, 10.0)) and p.mean == pytest.approx(7.5)
+    assert gap.study_gap([study("m2-h25-outer", 1, 2.1)], "medium", "m2-h25-outer") is None
+
+
+def test_welch_interval_by_hand():
+    a, b = report.paired_stats([1.0, 3.0]), report.paired_stats([0.0, 2.0])
+    # variances 2 and 2, se = sqrt(2/2 + 2/2) = sqrt(2), dof = 2^2 / (1 + 1) = 2, t = 4.3027
+    low, high = gap.welch_interval(a, b)
+    assert low == pytest.approx(1.0 - 4.3027 * 2 ** 0.5, abs=1e-3)
+    assert high == pytest.approx(1.0 + 4.3027 * 2 ** 0.5, abs=1e-3)
+    assert gap.welch_interval(a, report.paired_stats([1.0])) is None
+
+
+def test_the_table_says_where_the_study_has_no_row_and_gives_the_difference_where_it_has():
+    conv = [study("dp", s, 2.0) for s in (1, 2)] + [study("m2-h25-outer", 1, 2.1), study("m2-h25-outer", 2, 2.2)]
+    text = gap.table(conv, {"hf": [hf(0, 2.0, 2.04), hf(1, 2.0, 2.08), hf(0, 2.0, 2.1, h=50)]})
+    lines = text.splitlines()
+    matched = next(x for x in lines if "| 25 |" in x)
+    assert "m2-h25-outer (medium)" in matched and "**+3.00**" in matched and "**+7.50**" in matched
+    assert "−4.50 (" in matched  # 3.00 − 7.50, with its interval
+    assert "none at 500 steps, H=50" in next(x for x in lines if "| 50 |" in x)
+    no_study = gap.table([], {"hf": [hf(0, 2.0, 2.04)]})
+    assert "| not run |" in no_study
