@@ -46,6 +46,7 @@ class Setting:
     h: int
     dp_lr: float
     diloco_lr: float
+    outer_lr: float | None  # None: the engine's default
     outer_momentum: float | None  # None: the engine's default
 
     @property
@@ -57,7 +58,7 @@ def setting_of(rec: dict) -> Setting:
     """The setting of one ``bench/hf.py`` or ``bench/titan.py`` record."""
     return Setting(rec["bench"], rec["steps"], rec["h"], rec["dp"]["inner_lr"] if "inner_lr" in rec["dp"]
                    else rec["dp_lr"], rec["diloco"]["inner_lr"] if "inner_lr" in rec["diloco"] else rec["lr"],
-                   rec.get("outer_momentum"))
+                   rec.get("outer_lr"), rec.get("outer_momentum"))
 
 
 def ecosystem_gaps(records: list[dict]) -> dict[Setting, dict[int, float]]:
@@ -99,6 +100,11 @@ def welch_interval(a: Paired, b: Paired, level: float = 0.95) -> tuple[float, fl
     return (a.mean - b.mean - half, a.mean - b.mean + half)
 
 
+def _outer(s: Setting) -> str:
+    lr = "default" if s.outer_lr is None else f"{s.outer_lr:g}"
+    return f"{lr} / {'default' if s.outer_momentum is None else f'{s.outer_momentum:g}'}"
+
+
 def _summary(p: Paired) -> str:
     per_seed = " / ".join(signed_pct(d) for d in p.diffs)
     interval = "one seed" if p.low is None else f"{signed_pct(p.low)} .. {signed_pct(p.high)}"
@@ -108,14 +114,14 @@ def _summary(p: Paired) -> str:
 def table(conv: list[dict], benches: dict[str, list[dict]]) -> str:
     """Markdown: every setting of every ecosystem benchmark, its gap over seeds, and the study's gap at
     the same steps and H (or why there is none), with the difference of the two means."""
-    lines = ["| bench | steps | H | rounds | inner lr DP / DiLoCo | outer mom | seeds | gap per seed, % | mean | "
+    lines = ["| bench | steps | H | rounds | inner lr DP / DiLoCo | outer lr / momentum | seeds | gap per seed, % | mean | "
              "95 % interval | study row (size) | study seeds | study gap per seed, % | study mean | study interval | "
              "difference of means (95 %, Welch) |", "|" + "---|" * 16]
     for bench, records in benches.items():
         for s, gaps in ecosystem_gaps(records).items():
             eco = paired_stats([gaps[k] for k in sorted(gaps)])
             head = (f"| {bench} | {s.steps:,} | {s.h} | {s.rounds} | {s.dp_lr:g} / {s.diloco_lr:g} | "
-                    f"{'default' if s.outer_momentum is None else f'{s.outer_momentum:g}'} | {seed_span(sorted(gaps))} | "
+                    f"{_outer(s)} | {seed_span(sorted(gaps))} | "
                     f"{_summary(eco)} |")
             match = study_match(s)
             ref = study_gap(conv, *match) if match else None

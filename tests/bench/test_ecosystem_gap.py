@@ -20,8 +20,9 @@ def hf(seed: int, dp: float, diloco: float, *, h: int = 25, steps: int = 500, lr
             "dp": {"eval_loss": dp, "inner_lr": lr}, "diloco": {"eval_loss": diloco, "inner_lr": lr}}
 
 
-def titan(dp: float, diloco: float) -> dict:
-    return {"bench": "titan", "steps": 1000, "h": 20, "lr": 1.6e-3, "dp_lr": 1.6e-3, "outer_momentum": 0.7,
+def titan(dp: float, diloco: float, outer_lr: float = 0.7) -> dict:
+    return {"bench": "titan", "steps": 1000, "h": 20, "lr": 1.6e-3, "dp_lr": 1.6e-3, "outer_lr": outer_lr,
+            "outer_momentum": 0.7,
             "dp": {"eval_loss": dp}, "diloco": {"eval_loss": diloco}}
 
 
@@ -30,10 +31,11 @@ def study(row: str, seed: int, loss: float, size: str = "medium") -> dict:
 
 
 def test_gaps_are_per_seed_and_grouped_by_setting():
-    records = [hf(0, 2.0, 2.1), hf(1, 2.0, 2.04), hf(0, 2.0, 2.2, lr=3e-3), titan(1.5, 1.53)]
+    records = [hf(0, 2.0, 2.1), hf(1, 2.0, 2.04), hf(0, 2.0, 2.2, lr=3e-3), titan(1.5, 1.53), titan(1.5, 1.56, 1.0)]
     gaps = gap.ecosystem_gaps(records)
-    assert len(gaps) == 3
-    by_bench = {(s.bench, s.dp_lr): g for s, g in gaps.items()}
+    assert len(gaps) == 4
+    by_bench = {(s.bench, s.dp_lr): g for s, g in gaps.items() if s.outer_lr != 1.0}
+    assert [g for s, g in gaps.items() if s.outer_lr == 1.0] == [{0: pytest.approx(4.0)}]  # another outer step
     assert by_bench[("hf", 1.5e-3)] == {0: pytest.approx(5.0), 1: pytest.approx(2.0)}
     assert by_bench[("hf", 3e-3)] == {0: pytest.approx(10.0)}
     assert by_bench[("titan", 1.6e-3)] == {0: pytest.approx(2.0)}  # titan.py fixes its seed: seed 0
