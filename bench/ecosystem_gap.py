@@ -48,27 +48,47 @@ class Setting:
     diloco_lr: float
     outer_lr: float | None  # None: the engine's default
     outer_momentum: float | None  # None: the engine's default
+    tokens: int  # in each run, all groups together
 
     @property
     def rounds(self) -> int:
         return self.steps // self.h
 
 
-def setting_of(rec: dict) -> Setting:
-    """The setting of one ``bench/hf.py`` or ``bench/titan.py`` record."""
-    return Setting(rec["bench"], rec["steps"], rec["h"], rec["dp"]["inner_lr"] if "inner_lr" in rec["dp"]
-                   else rec["dp_lr"], rec["diloco"]["inner_lr"] if "inner_lr" in rec["diloco"] else rec["lr"],
-                   rec.get("outer_lr"), rec.get("outer_momentum"))
+def _field(rec: dict, index: int, *path: str):
+    value = rec
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            raise ValueError(f"record {index} ({rec.get('bench', '?')}): no {'.'.join(path)}")
+        value = value[key]
+    return value
+
+
+def setting_of(rec: dict, index: int = 0) -> Setting:
+    """The setting of one ``bench/hf.py`` or ``bench/titan.py`` record (``index``: its place in its file,
+    for the error a record without a field raises)."""
+    def lr(side: str, flat: str) -> float:
+        return _field(rec, index, side, "inner_lr") if "inner_lr" in rec.get(side, {}) else _field(rec, index, flat)
+
+    return Setting(_field(rec, index, "bench"), _field(rec, index, "steps"), _field(rec, index, "h"),
+                   lr("dp", "dp_lr"), lr("diloco", "lr"), rec.get("outer_lr"), rec.get("outer_momentum"),
+                   _field(rec, index, "dp", "tokens"))
 
 
 def ecosystem_gaps(records: list[dict]) -> dict[Setting, dict[int, float]]:
     """{setting: {seed: % gap of DiLoCo's eval loss over data parallel's}}; a record without a seed
-    (``bench/titan.py`` fixes its seed) counts as seed 0; a repeated seed keeps the last record."""
+    (``bench/titan.py`` fixes its seed) counts as seed 0; a run with a non-finite loss counts as nan
+    (shown, not dropped). Two records of one setting and seed are an error: which one is meant?"""
     out: dict[Setting, dict[int, float]] = {}
-    for rec in records:
-        dp, dl = rec["dp"]["eval_loss"], rec["diloco"]["eval_loss"]
-        if math.isfinite(dp) and math.isfinite(dl):
-            out.setdefault(setting_of(rec), {})[rec.get("seed") or 0] = 100.0 * (dl / dp - 1.0)
+    for i, rec in enumerate(records):
+        dp, dl = _field(rec, i, "dp", "eval_loss"), _field(rec, i, "diloco", "eval_loss")
+        if not all(isinstance(x, (int, float)) for x in (dp, dl)) or dp <= 0:
+            raise ValueError(f"record {i} ({rec.get('bench', '?')}): eval losses {dp!r} / {dl!r} are not losses")
+        seeds = out.setdefault(setting_of(rec, i), {})
+        seed = rec.get("seed", 0)
+        if seed in seeds:
+            raise ValueError(f"record {i} ({rec['bench']}): a second run of the same setting and seed {seed}")
+        seeds[seed] = 100.0 * (dl / dp - 1.0) if math.isfinite(dp) and math.isfinite(dl) else math.nan
     return out
 
 
@@ -80,10 +100,31 @@ def study_match(setting: Setting) -> tuple[str, str] | None:
     return None
 
 
+def study_seeds(conv: list[dict], size: str, row: str) -> list[int]:
+    """The seeds the study's (size, row) and (size, dp) both have, finite losses only; an error if
+    either has two records of one seed."""
+    for name in (row, "dp"):
+        seeds = [r["seed"] for r in conv if r.get("size") == size and r.get("row") == name and r.get("stage") == "study"]
+        if len(seeds) != len(set(seeds)):
+            raise ValueError(f"the study's {size} {name} has two records of one seed: {sorted(seeds)}")
+    return sorted(set(seed_losses(conv, size, row)) & set(seed_losses(conv, size, "dp")))
+
+
 def study_gap(conv: list[dict], size: str, row: str) -> Paired | None:
     """The study's (size, row) against its ``dp`` row on the seeds both have; None if they share none."""
-    seeds = sorted(set(seed_losses(conv, size, row)) & set(seed_losses(conv, size, "dp")))
+    seeds = study_seeds(conv, size, row)
     return paired_against(conv, size, row, "dp", seeds) if seeds else None
+
+
+def study_setting(conv: list[dict], size: str, row: str) -> str:
+    """The study row's tokens, inner lrs and outer step, as its records give them (they differ from
+    the ecosystem run's: the match is by steps and H)."""
+    mine = next((r for r in conv if r.get("size") == size and r.get("row") == row and r.get("stage") == "study"), None)
+    dp = next((r for r in conv if r.get("size") == size and r.get("row") == "dp" and r.get("stage") == "study"), None)
+    if mine is None or dp is None:
+        return "—"
+    return (f"{mine['tokens']:,} tokens, inner lr {dp['inner_lr']:g} / {mine['inner_lr']:g}, "
+            f"outer {mine['outer_lr']:g} / {mine['outer_momentum']:g}")
 
 
 def welch_interval(a: Paired, b: Paired, level: float = 0.95) -> tuple[float, float] | None:
@@ -106,6 +147,8 @@ def _outer(s: Setting) -> str:
 
 
 def _summary(p: Paired) -> str:
+    if any(math.isnan(d) for d in p.diffs):
+        return f"{' / '.join('diverged' if math.isnan(d) else signed_pct(d) for d in p.diffs)} | — | —"
     per_seed = " / ".join(signed_pct(d) for d in p.diffs)
     interval = "one seed" if p.low is None else f"{signed_pct(p.low)} .. {signed_pct(p.high)}"
     return f"{per_seed} | **{signed_pct(p.mean)}** | {interval}"
@@ -115,14 +158,15 @@ def table(conv: list[dict], benches: dict[str, list[dict]]) -> str:
     """Markdown: every setting of every ecosystem benchmark, its gap over seeds, and the study's gap at
     the same steps and H (or why there is none), with the difference of the two means."""
     lines = ["| bench | steps | H | rounds | inner lr DP / DiLoCo | outer lr / momentum | seeds | gap per seed, % | mean | "
-             "95 % interval | study row (size) | study seeds | study gap per seed, % | study mean | study interval | "
-             "difference of means (95 %, Welch) |", "|" + "---|" * 16]
+             "95 % interval | tokens | study row (size): its tokens, inner lr DP / DiLoCo, outer | study seeds | study gap per seed, % | study mean | study interval | "
+             "difference of means (95 %, Welch) |", "|" + "---|" * 17]
     for bench, records in benches.items():
         for s, gaps in ecosystem_gaps(records).items():
-            eco = paired_stats([gaps[k] for k in sorted(gaps)])
-            head = (f"| {bench} | {s.steps:,} | {s.h} | {s.rounds} | {s.dp_lr:g} / {s.diloco_lr:g} | "
-                    f"{_outer(s)} | {seed_span(sorted(gaps))} | "
-                    f"{_summary(eco)} |")
+            values = [gaps[k] for k in sorted(gaps)]
+            eco = (Paired(tuple(values), math.nan, None, None, None) if any(math.isnan(v) for v in values)
+                   else paired_stats(values))
+            head = (f"| {bench} | {s.steps:,} | {s.h} | {s.rounds} | {s.dp_lr:g} / {s.diloco_lr:g} | {_outer(s)} | "
+                    f"{seed_span(sorted(gaps))} | {_summary(eco)} | {s.tokens:,} |")
             match = study_match(s)
             ref = study_gap(conv, *match) if match else None
             if ref is None:
@@ -130,23 +174,39 @@ def table(conv: list[dict], benches: dict[str, list[dict]]) -> str:
                 lines.append(f"{head} {why} | — | — | — | — | — |")
                 continue
             size, row = match
-            seeds = sorted(set(seed_losses(conv, size, row)) & set(seed_losses(conv, size, "dp")))
-            diff = welch_interval(eco, ref)
-            d = f"{signed_pct(eco.mean - ref.mean)}" + (f" ({signed_pct(diff[0])} .. {signed_pct(diff[1])})" if diff else
-                                                  " (one side has one seed)")
-            lines.append(f"{head} {row} ({size}) | {seed_span(seeds)} | {_summary(ref)} | {d} |")
+            if math.isnan(eco.mean):
+                d = "—"
+            else:
+                diff = welch_interval(eco, ref)
+                d = signed_pct(eco.mean - ref.mean) + (f" ({signed_pct(diff[0])} .. {signed_pct(diff[1])})" if diff
+                                                       else " (one side has one seed)")
+            lines.append(f"{head} {row} ({size}): {study_setting(conv, size, row)} | "
+                         f"{seed_span(study_seeds(conv, size, row))} | {_summary(ref)} | {d} |")
     return "\n".join(lines)
+
+
+def _load(path: str, what: str) -> list[dict]:
+    try:
+        records = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{what} records {path}: {e}") from None
+    if not isinstance(records, list):
+        raise SystemExit(f"{what} records {path}: not a JSON list")
+    return records
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--convergence", default=str(RESULTS / "convergence.json"))
-    ap.add_argument("--hf", default=str(RESULTS / "hf.json"))
-    ap.add_argument("--titan", default=str(RESULTS / "titan.json"))
+    ap.add_argument("--hf", default=str(RESULTS / "hf.json"), help="bench/hf.py's records ('' to leave them out)")
+    ap.add_argument("--titan", default=str(RESULTS / "titan.json"), help="bench/titan.py's ('' to leave them out)")
     a = ap.parse_args()
-    conv = json.loads(Path(a.convergence).read_text())
-    benches = {name: json.loads(Path(path).read_text()) for name, path in (("hf", a.hf), ("titan", a.titan))}
-    print(table(conv, benches))
+    conv = _load(a.convergence, "convergence")
+    benches = {name: _load(path, name) for name, path in (("hf", a.hf), ("titan", a.titan)) if path}
+    try:
+        print(table(conv, benches))
+    except ValueError as e:
+        raise SystemExit(f"ecosystem_gap: {e}") from None
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ steps and H, the Welch interval of the difference, and the table's words where t
 on hand-computed records."""
 
 import importlib
+import math
 import sys
 from pathlib import Path
 
@@ -17,17 +18,18 @@ report = importlib.import_module("bench.convergence_report")
 
 def hf(seed: int, dp: float, diloco: float, *, h: int = 25, steps: int = 500, lr: float = 1.5e-3) -> dict:
     return {"bench": "hf", "steps": steps, "h": h, "seed": seed, "outer_momentum": 0.7,
-            "dp": {"eval_loss": dp, "inner_lr": lr}, "diloco": {"eval_loss": diloco, "inner_lr": lr}}
+            "dp": {"eval_loss": dp, "inner_lr": lr, "tokens": 2_048_000}, "diloco": {"eval_loss": diloco, "inner_lr": lr}}
 
 
 def titan(dp: float, diloco: float, outer_lr: float = 0.7) -> dict:
     return {"bench": "titan", "steps": 1000, "h": 20, "lr": 1.6e-3, "dp_lr": 1.6e-3, "outer_lr": outer_lr,
             "outer_momentum": 0.7,
-            "dp": {"eval_loss": dp}, "diloco": {"eval_loss": diloco}}
+            "dp": {"eval_loss": dp, "tokens": 2_048_000}, "diloco": {"eval_loss": diloco}}
 
 
 def study(row: str, seed: int, loss: float, size: str = "medium") -> dict:
-    return {"size": size, "row": row, "seed": seed, "eval_loss": loss, "stage": "study"}
+    return {"size": size, "row": row, "seed": seed, "eval_loss": loss, "stage": "study", "tokens": 1_024_000,
+            "inner_lr": 4e-3 if row == "dp" else 2e-3, "outer_lr": 0.7, "outer_momentum": 0.7}
 
 
 def test_gaps_are_per_seed_and_grouped_by_setting():
@@ -41,9 +43,31 @@ def test_gaps_are_per_seed_and_grouped_by_setting():
     assert by_bench[("titan", 1.6e-3)] == {0: pytest.approx(2.0)}  # titan.py fixes its seed: seed 0
 
 
-def test_a_diverged_run_is_left_out_not_counted_as_a_gap():
+def test_a_diverged_run_is_shown_as_such_not_dropped_or_averaged():
     gaps = gap.ecosystem_gaps([hf(0, 2.0, float("nan")), hf(1, 2.0, 2.02)])
-    assert list(gaps.values()) == [{1: pytest.approx(1.0)}]
+    (only,) = gaps.values()
+    assert math.isnan(only[0]) and only[1] == pytest.approx(1.0)
+    conv = [study("dp", 1, 2.0), study("m2-h25-outer", 1, 2.1)]
+    line = next(x for x in gap.table(conv, {"hf": [hf(0, 2.0, float("nan")), hf(1, 2.0, 2.02)]}).splitlines()
+                if x.startswith("| hf"))
+    assert "diverged / +1.00 | — | —" in line and line.endswith("| — |")
+
+
+def test_two_runs_of_one_setting_and_seed_are_an_error_not_a_silent_choice():
+    with pytest.raises(ValueError, match="second run of the same setting and seed 1"):
+        gap.ecosystem_gaps([hf(1, 2.0, 2.1), hf(1, 2.0, 2.2)])
+    twice = [study("dp", 1, 2.0), study("m2-h25-outer", 1, 2.1), study("m2-h25-outer", 1, 3.0)]
+    with pytest.raises(ValueError, match="two records of one seed"):
+        gap.study_gap(twice, "medium", "m2-h25-outer")
+
+
+def test_a_record_without_a_field_names_it():
+    broken = hf(0, 2.0, 2.1)
+    del broken["dp"]["tokens"]
+    with pytest.raises(ValueError, match=r"record 1 \(hf\): no dp.tokens"):
+        gap.ecosystem_gaps([hf(1, 2.0, 2.1), broken])
+    with pytest.raises(ValueError, match="are not losses"):
+        gap.ecosystem_gaps([hf(0, 0.0, 2.1)])
 
 
 def test_the_study_row_matches_steps_and_h():
@@ -69,6 +93,12 @@ def test_welch_interval_by_hand():
     assert low == pytest.approx(1.0 - 4.3027 * 2 ** 0.5, abs=1e-3)
     assert high == pytest.approx(1.0 + 4.3027 * 2 ** 0.5, abs=1e-3)
     assert gap.welch_interval(a, report.paired_stats([1.0])) is None
+    # unequal sizes and variances, where a pooled t and a rounded dof differ: a = 0, 2, 4, 6 (mean 3, var 20/3),
+    # b = 1, 1.5, 2 (mean 1.5, var 0.25); va = 5/3, vb = 1/12, se = sqrt(1.75), dof = 1.75^2 / ((5/3)^2 / 3 +
+    # (1/12)^2 / 2) = 3.27 -> 3, t = 3.1824
+    low, high = gap.welch_interval(report.paired_stats([0.0, 2.0, 4.0, 6.0]), report.paired_stats([1.0, 1.5, 2.0]))
+    assert low == pytest.approx(1.5 - 3.1824 * 1.75 ** 0.5, abs=1e-3)
+    assert high == pytest.approx(1.5 + 3.1824 * 1.75 ** 0.5, abs=1e-3)
 
 
 def test_the_table_says_where_the_study_has_no_row_and_gives_the_difference_where_it_has():
@@ -77,7 +107,10 @@ def test_the_table_says_where_the_study_has_no_row_and_gives_the_difference_wher
     lines = text.splitlines()
     matched = next(x for x in lines if "| 25 |" in x)
     assert "m2-h25-outer (medium)" in matched and "**+3.00**" in matched and "**+7.50**" in matched
-    assert "−4.50 (" in matched  # 3.00 − 7.50, with its interval
+    # 3.00 − 7.50; both sides n = 2 with variances 2 and 12.5: se = sqrt(7.25), dof = 7.25^2 / (1 + 6.25^2) = 1.31 -> 1
+    half = 12.7062 * 7.25 ** 0.5
+    assert f"−4.50 ({-4.5 - half:+.2f} .. {-4.5 + half:+.2f})".replace("-", "−") in matched
+    assert "1,024,000 tokens, inner lr 0.004 / 0.002, outer 0.7 / 0.7" in matched
     assert "none at 500 steps, H=50" in next(x for x in lines if "| 50 |" in x)
     no_study = gap.table([], {"hf": [hf(0, 2.0, 2.04)]})
     assert "| not run |" in no_study
