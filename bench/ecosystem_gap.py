@@ -104,7 +104,8 @@ def study_seeds(conv: list[dict], size: str, row: str) -> list[int]:
     """The seeds the study's (size, row) and (size, dp) both have, finite losses only; an error if
     either has two records of one seed."""
     for name in (row, "dp"):
-        seeds = [r["seed"] for r in conv if r.get("size") == size and r.get("row") == name and r.get("stage") == "study"]
+        seeds = [r["seed"] for r in conv
+                 if r.get("size") == size and r.get("row") == name and r.get("stage") == "study"]
         if len(seeds) != len(set(seeds)):
             raise ValueError(f"the study's {size} {name} has two records of one seed: {sorted(seeds)}")
     return sorted(set(seed_losses(conv, size, row)) & set(seed_losses(conv, size, "dp")))
@@ -158,8 +159,9 @@ def table(conv: list[dict], benches: dict[str, list[dict]]) -> str:
     """Markdown: every setting of every ecosystem benchmark, its gap over seeds, and the study's gap at
     the same steps and H (or why there is none), with the difference of the two means."""
     lines = ["| bench | steps | H | rounds | inner lr DP / DiLoCo | outer lr / momentum | seeds | gap per seed, % | mean | "
-             "95 % interval | tokens | study row (size): its tokens, inner lr DP / DiLoCo, outer | study seeds | study gap per seed, % | study mean | study interval | "
-             "difference of means (95 %, Welch) |", "|" + "---|" * 17]
+             "95 % interval | tokens | study row (size): its tokens, inner lr DP / DiLoCo, outer | study seeds | "
+             "study gap per seed, % | study mean | study interval | difference of means (95 %, Welch) |",
+             "|" + "---|" * 17]
     for bench, records in benches.items():
         for s, gaps in ecosystem_gaps(records).items():
             values = [gaps[k] for k in sorted(gaps)]

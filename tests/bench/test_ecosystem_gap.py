@@ -18,7 +18,8 @@ report = importlib.import_module("bench.convergence_report")
 
 def hf(seed: int, dp: float, diloco: float, *, h: int = 25, steps: int = 500, lr: float = 1.5e-3) -> dict:
     return {"bench": "hf", "steps": steps, "h": h, "seed": seed, "outer_momentum": 0.7,
-            "dp": {"eval_loss": dp, "inner_lr": lr, "tokens": 2_048_000}, "diloco": {"eval_loss": diloco, "inner_lr": lr}}
+            "dp": {"eval_loss": dp, "inner_lr": lr, "tokens": 2_048_000},
+            "diloco": {"eval_loss": diloco, "inner_lr": lr}}
 
 
 def titan(dp: float, diloco: float, outer_lr: float = 0.7) -> dict:
@@ -107,7 +108,7 @@ def test_the_table_says_where_the_study_has_no_row_and_gives_the_difference_wher
     lines = text.splitlines()
     matched = next(x for x in lines if "| 25 |" in x)
     assert "m2-h25-outer (medium)" in matched and "**+3.00**" in matched and "**+7.50**" in matched
-    # 3.00 − 7.50; both sides n = 2 with variances 2 and 12.5: se = sqrt(7.25), dof = 7.25^2 / (1 + 6.25^2) = 1.31 -> 1
+    # 3.00 − 7.50; both sides n = 2, variances 2 and 12.5: se = sqrt(7.25), dof = 7.25^2 / (1 + 6.25^2) = 1.31 -> 1
     half = 12.7062 * 7.25 ** 0.5
     assert f"−4.50 ({-4.5 - half:+.2f} .. {-4.5 + half:+.2f})".replace("-", "−") in matched
     assert "1,024,000 tokens, inner lr 0.004 / 0.002, outer 0.7 / 0.7" in matched
