@@ -34,7 +34,7 @@ from bench.convergence_report import (  # noqa: E402
     signed_pct,
     t_quantile,
 )
-from bench.convergence_rows import ECOSYSTEM_ROWS, SIZES  # noqa: E402
+from bench.convergence_rows import ECOSYSTEM_ROWS, SIZES, study_rows  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,9 @@ def ecosystem_gaps(records: list[dict]) -> dict[Setting, dict[int, float]]:
 
 def study_match(setting: Setting) -> tuple[str, str] | None:
     """(size, row) of the convergence study at the setting's steps and H, or None if the study has none."""
+    rows = {r.name: r for r in study_rows()}
     for size, row in ECOSYSTEM_ROWS.items():
-        if SIZES[size].steps == setting.steps and row == f"m2-h{setting.h}-outer":
+        if SIZES[size].steps == setting.steps and rows[row].h == setting.h:
             return size, row
     return None
 
