@@ -54,7 +54,8 @@ def env() -> dict[str, str]:
 def common(a: argparse.Namespace, lr: float) -> list[str]:
     return ["--optimizer.param-groups.0.optimizer-kwargs.lr", str(lr), "--training.steps", str(a.steps),
             "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(a.batch_size),
-            "--checkpoint.enable", "--checkpoint.interval", str(a.steps), "--metrics.log_freq", str(max(1, a.steps // 10))]
+            "--checkpoint.enable", "--checkpoint.interval", str(a.steps), "--metrics.log_freq", str(max(1, a.steps // 10)),
+            "--debug.seed", str(a.seed), "--dataloader.seed", str(a.seed)]
 
 
 def torchrun(ranks: int, args: list[str]) -> list[str]:
@@ -148,6 +149,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0, help="torchtitan's seed (the initial weights, --debug.seed) and "
+                    "the window order's (--dataloader.seed), for both runs")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--quick", action="store_true", help="12 steps of 32 tokens: checks the harness")
     ap.add_argument("--json", default="", help="append the record to this JSON list")
@@ -159,7 +162,7 @@ def main() -> None:
     record: dict = {"bench": "titan", "config": "llama3_debugmodel_diloco / llama3_debugmodel_dp", "groups": a.groups,
                     "ranks": a.ranks, "steps": a.steps, "h": a.h, "codec": a.codec, "lr": a.lr, "dp_lr": a.dp_lr,
                     "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum, "seq_len": a.seq_len,
-                    "batch_per_rank": a.batch_size, "eval_batches": a.eval_batches,
+                    "batch_per_rank": a.batch_size, "eval_batches": a.eval_batches, "seed": a.seed,
                     "command": " ".join(["python", "bench/titan.py", *sys.argv[1:]]),
                     "load_average_before": os.getloadavg(), "torch": torch.__version__,
                     "torchtitan": titan_env.load().__version__}
@@ -169,9 +172,10 @@ def main() -> None:
         print(json.dumps({"diloco_seconds": d["seconds"]}), flush=True)
         if a.dp_from:
             same = ("groups", "ranks", "steps", "seq_len", "batch_per_rank", "eval_batches", "dp_lr")
-            found = [r for r in json.loads(Path(a.dp_from).read_text()) if all(r.get(k) == record[k] for k in same)]
+            found = [r for r in json.loads(Path(a.dp_from).read_text())
+                     if all(r.get(k) == record[k] for k in same) and r.get("seed", 0) == a.seed]  # before --seed: 0
             if not found:
-                raise SystemExit(f"--dp-from {a.dp_from}: no record of the same model, data, steps and lr")
+                raise SystemExit(f"--dp-from {a.dp_from}: no record of the same model, data, steps, lr and seed")
             p = {**found[-1]["dp"], "from": found[-1]["dp"].get("from") or f"{a.dp_from}: {found[-1]['command']}"}
         else:
             p = run_dp(a, tmp)

@@ -118,6 +118,16 @@ def test_two_groups_of_two_fsdp_ranks_train_bit_identically_and_checkpoint_with_
         assert any(k.startswith("model.") or k.startswith("layers.") or "tok_embeddings" in k for k in keys)
 
 
+def test_a_seed_starts_both_groups_from_the_same_other_weights(tmp_path, titan):
+    """``--debug.seed`` (torchtitan's: what ``bench/titan.py --seed`` sets with ``--dataloader.seed``): both
+    groups start from one set of weights, not seed 0's."""
+    args = ["--training.steps", "2", "--diloco.sync_every", "2"]
+    a, b = run_groups(tmp_path / "seed7", [*args, "--debug.seed", "7", "--dataloader.seed", "7"])
+    default = run_one_group(tmp_path / "seed0", args)
+    assert a["initial_eval_loss"] == b["initial_eval_loss"] != default["initial_eval_loss"]
+    assert a["round_hashes"] == b["round_hashes"] and a["param_hash"] != default["param_hash"]
+
+
 @pytest.mark.slow
 def test_a_group_resumed_from_torchtitans_checkpoint_ends_bit_identically(tmp_path, titan):
     args = ["--training.steps", "4", "--diloco.sync_every", "2", "--checkpoint.enable", "--checkpoint.interval", "2"]
@@ -192,5 +202,7 @@ def test_the_dataloader_gives_each_group_and_rank_their_own_windows(titan, tmp_p
         loader(0, 0).load_state_dict({**state, "seed": 99})
     with pytest.raises(TitanDataError, match="corpus path does not exist"):
         loader(0, 0, dataset_path=str(tmp_path / "missing"))
+    other = next(iter(loader(0, 0, seed=7)))[0]["input"]  # another window order (bench/titan.py --seed)
+    assert {tuple(r.tolist()) for r in other} != rows[0, 0]
     held = first.held_out(2)
     assert len(held) == 2 and all((a[0]["input"] == b[0]["input"]).all() for a, b in zip(held, loader(1, 1).held_out(2)))
