@@ -72,8 +72,12 @@ SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "
 
 #: The study's own gap to data parallel at the H and number of rounds of the ecosystem benchmarks
 #: (issue 52): the Hugging Face Llama at H=25 for 500 steps (20 rounds, bench/hf.py) and torchtitan's
-#: debug Llama at H=20 for 1,000 steps (50 rounds, bench/titan.py); by size
-ECOSYSTEM_ROWS = {"medium": "m2-h25-outer", "medium-long": "m2-h20-outer"}
+#: debug Llama at H=20 for 1,000 steps (50 rounds, bench/titan.py); by size: the tuned outer step (0.7 / 0.7)
+#: first, then the lower momenta torchtitan's outer sweep preferred (0.7 / 0.3 its best, bench/pages/titan.md)
+ECOSYSTEM_HS = {"medium": 25, "medium-long": 20}
+ECOSYSTEM_OUTERS = ((0.7, 0.5), (0.7, 0.3))
+ECOSYSTEM_ROWS = {size: (f"m2-h{h}-outer", *(f"m2-h{h}-lr{o[0]:g}-mom{o[1]:g}" for o in ECOSYSTEM_OUTERS))
+                  for size, h in ECOSYSTEM_HS.items()}
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ SIZES = {
     "medium": Size("medium", n_layer=4, n_embd=128, steps=500, seeds=2, inner_lrs=(1e-3, 2e-3, 4e-3, 8e-3),
                    rows=("dp", "m1-h30", "m2-h30", "m4-h30", "m1-h30-outer", "m2-h30-outer", "m4-h30-outer",
                          "m2-h100-outer", "m2-h30-int4-outer", "m2-h30-fp4-e2m1-outer", "overlap-p2-tau5-fp4",
-                         "eager", "co2", "qsr-outer", ECOSYSTEM_ROWS["medium"])),
+                         "eager", "co2", "qsr-outer", *ECOSYSTEM_ROWS["medium"])),
     # the small model trained twice as long, at the small sweep's winners: does the gap to data
     # parallel shrink when the same model takes more outer steps?
     "small-long": Size("small-long", n_layer=2, n_embd=64, steps=2000, seeds=1, tuned_on="small",
@@ -117,7 +121,7 @@ SIZES = {
                               *SPARSELOCO_ROWS)),
     # the medium model as long as the small one: the trend with model size at equal steps
     "medium-long": Size("medium-long", n_layer=4, n_embd=128, steps=1000, seeds=1, tuned_on="medium",
-                        rows=("dp", "m2-h30-outer", "m4-h30-outer", ECOSYSTEM_ROWS["medium-long"])),
+                        rows=("dp", "m2-h30-outer", "m4-h30-outer", *ECOSYSTEM_ROWS["medium-long"])),
     # the medium model (7x the parameters) at the long size's 8,000 steps (about 20 tokens per parameter
     # where small-xlong has 136): does the cost of a long H, fp32's and 2-bit's, shrink with model size?
     "medium-xlong": Size("medium-xlong", n_layer=4, n_embd=128, steps=8000, seeds=1, tuned_on="medium",
@@ -190,6 +194,8 @@ def study_rows() -> list[Row]:
     tuned = "best outer lr/momentum of the sweep"
     rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
     rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 20, 25, 50, 100, 200, 230, 300)]
+    rows += [Row(f"m2-h{h}-lr{o[0]:g}-mom{o[1]:g}", h=h, outer=o, note=f"H={h}, outer lr {o[0]:g} momentum {o[1]:g}")
+             for h in ECOSYSTEM_HS.values() for o in ECOSYSTEM_OUTERS]
     rows += [Row(f"m2-h30-{c}-outer", codec=spec(c), outer_tuned=True, seeded=True, note=tuned)
              for c in CODECS if c != "fp32"]
     rows += [Row("qsr-outer", h=30, schedule="qsr", outer_tuned=True, seeded=True, note=f"QSR, {tuned}"),

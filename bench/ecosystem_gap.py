@@ -4,8 +4,10 @@ same H and number of rounds (issue 52's target: "eval loss within the convergenc
 DiLoCo's gap to data parallel is not one number: in the study it falls with the number of outer rounds
 (the 834k GPT, fp32 H=30: +6.4 % at 17 rounds, +1.0 % at 267). So each setting of ``bench/hf.py`` and
 ``bench/titan.py`` (steps, H, inner lrs, outer step) is set beside the study's own model run at the same
-steps and H (``ECOSYSTEM_ROWS``: ``m2-h{H}-outer`` against ``dp`` of the size with those steps), both
-as per-seed gaps (DiLoCo / DP − 1 on the same seed), their mean and 95 % Student-t interval.
+steps and H (``ECOSYSTEM_ROWS``: ``m2-h{H}-outer`` and the same H at lower outer momenta, against ``dp`` of
+the size with those steps), both as per-seed gaps (DiLoCo / DP − 1 on the same seed), their mean and 95 %
+Student-t interval. The study's gap is its best outer step's at that H (the lowest mean on the seeds
+its rows share); the others are shown beside it, and a study seed that diverged is named, not dropped.
 
     python bench/ecosystem_gap.py          # the table of bench/pages/hf.md and bench/pages/titan.md
 """
@@ -77,8 +79,9 @@ def setting_of(rec: dict, index: int = 0) -> Setting:
 
 def ecosystem_gaps(records: list[dict]) -> dict[Setting, dict[int, float]]:
     """{setting: {seed: % gap of DiLoCo's eval loss over data parallel's}}; a record without a seed
-    (``bench/titan.py`` fixes its seed) counts as seed 0; a run with a non-finite loss counts as nan
-    (shown, not dropped). Two records of one setting and seed are an error: which one is meant?"""
+    (``bench/titan.py`` before its ``--seed``, whose seed was 0) counts as seed 0; a run with a non-finite
+    loss counts as nan (shown, not dropped). Two records of one setting and seed are an error: which one
+    is meant?"""
     out: dict[Setting, dict[int, float]] = {}
     for i, rec in enumerate(records):
         dp, dl = _field(rec, i, "dp", "eval_loss"), _field(rec, i, "diloco", "eval_loss")
@@ -92,12 +95,13 @@ def ecosystem_gaps(records: list[dict]) -> dict[Setting, dict[int, float]]:
     return out
 
 
-def study_match(setting: Setting) -> tuple[str, str] | None:
-    """(size, row) of the convergence study at the setting's steps and H, or None if the study has none."""
+def study_match(setting: Setting) -> tuple[str, tuple[str, ...]] | None:
+    """(size, rows) of the convergence study at the setting's steps and H (one row per outer step), or
+    None if the study has none."""
     rows = {r.name: r for r in study_rows()}
-    for size, row in ECOSYSTEM_ROWS.items():
-        if SIZES[size].steps == setting.steps and rows[row].h == setting.h:
-            return size, row
+    for size, names in ECOSYSTEM_ROWS.items():
+        if SIZES[size].steps == setting.steps and all(rows[name].h == setting.h for name in names):
+            return size, names
     return None
 
 
@@ -118,6 +122,37 @@ def study_gap(conv: list[dict], size: str, row: str) -> Paired | None:
     return paired_against(conv, size, row, "dp", seeds) if seeds else None
 
 
+def study_best(conv: list[dict], size: str, rows: tuple[str, ...]) -> tuple[str, Paired] | None:
+    """The study's best DiLoCo among ``rows`` of ``size``: (row, its gap to ``dp`` on all its seeds), the
+    row of the lowest mean gap on the seeds all rows paired with ``dp`` share (on each row's own seeds
+    if they share none); a tie goes to the first of ``rows`` (the tuned outer step). None if no row
+    shares a seed with ``dp``."""
+    seeds = {row: study_seeds(conv, size, row) for row in rows}
+    run = [row for row in rows if seeds[row]]
+    if not run:
+        return None
+    shared = sorted(set.intersection(*(set(seeds[row]) for row in run)))
+    best = min(run, key=lambda row: paired_against(conv, size, row, "dp", shared or seeds[row]).mean)
+    return best, paired_against(conv, size, best, "dp", seeds[best])
+
+
+def study_diverged(conv: list[dict], size: str, row: str) -> list[int]:
+    """The seeds of the study's (size, row) whose eval loss is not finite (left out of its gap)."""
+    return sorted(r["seed"] for r in conv if r.get("size") == size and r.get("row") == row
+                  and r.get("stage") == "study" and not math.isfinite(r["eval_loss"]))
+
+
+def check_study_records(conv: list[dict]) -> None:
+    """ValueError naming the first study record without a size, a row, an integer seed or a numeric eval
+    loss (what pairing reads)."""
+    for i, r in enumerate(conv):
+        if r.get("stage") != "study":
+            continue
+        for key, kind in (("size", str), ("row", str), ("seed", int), ("eval_loss", (int, float))):
+            if not isinstance(r.get(key), kind) or isinstance(r.get(key), bool):
+                raise ValueError(f"convergence record {i} ({r.get('row', '?')}): {key} is {r.get(key)!r}")
+
+
 def study_setting(conv: list[dict], size: str, row: str) -> str:
     """The study row's tokens, inner lrs and outer step, as its records give them (they differ from
     the ecosystem run's: the match is by steps and H)."""
@@ -125,6 +160,10 @@ def study_setting(conv: list[dict], size: str, row: str) -> str:
     dp = next((r for r in conv if r.get("size") == size and r.get("row") == "dp" and r.get("stage") == "study"), None)
     if mine is None or dp is None:
         return "—"
+    for rec, keys in ((mine, ("tokens", "inner_lr", "outer_lr", "outer_momentum")), (dp, ("inner_lr",))):
+        if not all(isinstance(rec.get(k), (int, float)) for k in keys):
+            raise ValueError(f"the study's {size} {rec['row']}: {', '.join(keys)} must be numbers: "
+                             f"{ {k: rec.get(k) for k in keys} }")
     return (f"{mine['tokens']:,} tokens, inner lr {dp['inner_lr']:g} / {mine['inner_lr']:g}, "
             f"outer {mine['outer_lr']:g} / {mine['outer_momentum']:g}")
 
@@ -148,6 +187,28 @@ def _outer(s: Setting) -> str:
     return f"{lr} / {'default' if s.outer_momentum is None else f'{s.outer_momentum:g}'}"
 
 
+def _study_seeds_note(conv: list[dict], size: str, row: str) -> str:
+    paired, diverged = study_seeds(conv, size, row), study_diverged(conv, size, row)
+    notes = ([seed_span(paired)] if paired else []) + ([f"{seed_span(diverged)} diverged"] if diverged else [])
+    return "; ".join(notes)
+
+
+def _others(conv: list[dict], size: str, rows: tuple[str, ...], best: str) -> str:
+    out = []
+    for row in rows:
+        if row == best:
+            continue
+        p = study_gap(conv, size, row)
+        ran = [r for r in conv if r.get("size") == size and r.get("row") == row and r.get("stage") == "study"]
+        if p is not None:
+            out.append(f"{row} {signed_pct(p.mean)} ({_study_seeds_note(conv, size, row)})")
+        elif ran:
+            note = _study_seeds_note(conv, size, row)
+            out.append(f"{row} — ({note + '; ' if note else ''}no seed paired with dp: "
+                       f"{seed_span(sorted(r['seed'] for r in ran))} run)")
+    return "; ".join(out) or "—"
+
+
 def _summary(p: Paired) -> str:
     if any(math.isnan(d) for d in p.diffs):
         return f"{' / '.join('diverged' if math.isnan(d) else signed_pct(d) for d in p.diffs)} | — | —"
@@ -159,10 +220,12 @@ def _summary(p: Paired) -> str:
 def table(conv: list[dict], benches: dict[str, list[dict]]) -> str:
     """Markdown: every setting of every ecosystem benchmark, its gap over seeds, and the study's gap at
     the same steps and H (or why there is none), with the difference of the two means."""
-    lines = ["| bench | steps | H | rounds | inner lr DP / DiLoCo | outer lr / momentum | seeds | gap per seed, % | mean | "
-             "95 % interval | tokens | study row (size): its tokens, inner lr DP / DiLoCo, outer | study seeds | "
-             "study gap per seed, % | study mean | study interval | difference of means (95 %, Welch) |",
-             "|" + "---|" * 17]
+    lines = ["| bench | steps | H | rounds | inner lr DP / DiLoCo | outer lr / momentum | seeds | gap per seed, % | "
+             "mean | 95 % interval | tokens | study's best row (size): its tokens, inner lr DP / DiLoCo, outer | "
+             "study seeds | study gap per seed, % | study mean | study interval | difference of means (95 %, Welch) | "
+             "the study's other outer steps: mean gap (seeds) |",
+             "|" + "---|" * 18]
+    check_study_records(conv)
     for bench, records in benches.items():
         for s, gaps in ecosystem_gaps(records).items():
             values = [gaps[k] for k in sorted(gaps)]
@@ -171,12 +234,13 @@ def table(conv: list[dict], benches: dict[str, list[dict]]) -> str:
             head = (f"| {bench} | {s.steps:,} | {s.h} | {s.rounds} | {s.dp_lr:g} / {s.diloco_lr:g} | {_outer(s)} | "
                     f"{seed_span(sorted(gaps))} | {_summary(eco)} | {s.tokens:,} |")
             match = study_match(s)
-            ref = study_gap(conv, *match) if match else None
-            if ref is None:
+            best = study_best(conv, *match) if match else None
+            if best is None:
                 why = "not run" if match else f"none at {s.steps:,} steps, H={s.h}"
-                lines.append(f"{head} {why} | — | — | — | — | — |")
+                lines.append(f"{head} {why} | — | — | — | — | — | — |")
                 continue
-            size, row = match
+            size, rows = match
+            row, ref = best
             if math.isnan(eco.mean):
                 d = "—"
             else:
@@ -184,7 +248,8 @@ def table(conv: list[dict], benches: dict[str, list[dict]]) -> str:
                 d = signed_pct(eco.mean - ref.mean) + (f" ({signed_pct(diff[0])} .. {signed_pct(diff[1])})" if diff
                                                        else " (one side has one seed)")
             lines.append(f"{head} {row} ({size}): {study_setting(conv, size, row)} | "
-                         f"{seed_span(study_seeds(conv, size, row))} | {_summary(ref)} | {d} |")
+                         f"{_study_seeds_note(conv, size, row)} | {_summary(ref)} | {d} | "
+                         f"{_others(conv, size, rows, row)} |")
     return "\n".join(lines)
 
 

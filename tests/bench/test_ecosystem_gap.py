@@ -41,7 +41,7 @@ def test_gaps_are_per_seed_and_grouped_by_setting():
     assert [g for s, g in gaps.items() if s.outer_lr == 1.0] == [{0: pytest.approx(4.0)}]  # another outer step
     assert by_bench[("hf", 1.5e-3)] == {0: pytest.approx(5.0), 1: pytest.approx(2.0)}
     assert by_bench[("hf", 3e-3)] == {0: pytest.approx(10.0)}
-    assert by_bench[("titan", 1.6e-3)] == {0: pytest.approx(2.0)}  # titan.py fixes its seed: seed 0
+    assert by_bench[("titan", 1.6e-3)] == {0: pytest.approx(2.0)}  # no seed (titan.py before --seed): 0
 
 
 def test_a_diverged_run_is_shown_as_such_not_dropped_or_averaged():
@@ -51,7 +51,7 @@ def test_a_diverged_run_is_shown_as_such_not_dropped_or_averaged():
     conv = [study("dp", 1, 2.0), study("m2-h25-outer", 1, 2.1)]
     line = next(x for x in gap.table(conv, {"hf": [hf(0, 2.0, float("nan")), hf(1, 2.0, 2.02)]}).splitlines()
                 if x.startswith("| hf"))
-    assert "diverged / +1.00 | — | —" in line and line.endswith("| — |")
+    assert "diverged / +1.00 | — | —" in line and line.endswith("| — | — |")
 
 
 def test_two_runs_of_one_setting_and_seed_are_an_error_not_a_silent_choice():
@@ -71,10 +71,11 @@ def test_a_record_without_a_field_names_it():
         gap.ecosystem_gaps([hf(0, 0.0, 2.1)])
 
 
-def test_the_study_row_matches_steps_and_h():
+def test_the_study_rows_match_steps_and_h():
     s = gap.setting_of(hf(0, 2.0, 2.1))
-    assert gap.study_match(s) == ("medium", "m2-h25-outer")
-    assert gap.study_match(gap.setting_of(titan(1.5, 1.53))) == ("medium-long", "m2-h20-outer")
+    assert gap.study_match(s) == ("medium", ("m2-h25-outer", "m2-h25-lr0.7-mom0.5", "m2-h25-lr0.7-mom0.3"))
+    size, rows = gap.study_match(gap.setting_of(titan(1.5, 1.53)))
+    assert size == "medium-long" and rows[0] == "m2-h20-outer" and all(r.startswith("m2-h20-") for r in rows)
     assert gap.study_match(gap.setting_of(hf(0, 2.0, 2.1, h=50))) is None
     assert gap.study_match(gap.setting_of(hf(0, 2.0, 2.1, steps=1000))) is None
 
@@ -85,6 +86,59 @@ def test_the_study_gap_pairs_on_the_seeds_both_rows_have():
     p = gap.study_gap(conv, "medium", "m2-h25-outer")
     assert p.diffs == pytest.approx((5.0, 10.0)) and p.mean == pytest.approx(7.5)
     assert gap.study_gap([study("m2-h25-outer", 1, 2.1)], "medium", "m2-h25-outer") is None
+
+
+ROWS = ("m2-h25-outer", "m2-h25-lr0.7-mom0.5", "m2-h25-lr0.7-mom0.3")
+
+
+def test_the_studys_gap_is_its_best_outer_step_on_the_seeds_its_rows_share():
+    conv = [study("dp", s, 2.0) for s in (1, 2, 3)]
+    conv += [study(ROWS[0], s, x) for s, x in ((1, 2.1), (2, 2.2), (3, 2.12))]  # +5, +10, +6: mean 7
+    conv += [study(ROWS[1], s, x) for s, x in ((1, 2.08), (2, 2.16), (3, 2.14))]  # +4, +8, +7: mean 6.33
+    row, p = gap.study_best(conv, "medium", ROWS[:2])
+    assert row == ROWS[1] and p.n == 3 and p.mean == pytest.approx(19 / 3)
+    # a row on fewer seeds is compared on the seeds it shares: +5.5 on seeds 1-2 beats 7.5 and 6 there, and
+    # is reported on its own seeds; a row worse on every shared seed is not chosen for having more of them
+    two = conv + [study(ROWS[2], s, 2.11) for s in (1, 2)]
+    row, p = gap.study_best(two, "medium", ROWS)
+    assert row == ROWS[2] and p.n == 2 and p.mean == pytest.approx(5.5)
+    worse = conv + [study(ROWS[2], s, x) for s, x in ((1, 2.2), (2, 2.4))]
+    assert gap.study_best(worse, "medium", ROWS)[0] == ROWS[1]
+    assert gap.study_best([study("dp", 1, 2.0)], "medium", ROWS) is None
+    line = next(x for x in gap.table(worse, {"hf": [hf(0, 2.0, 2.04)]}).splitlines() if x.startswith("| hf"))
+    assert f"{ROWS[1]} (medium)" in line and "**+6.33**" in line
+    assert line.endswith(f"| {ROWS[0]} +7.00 (1-3); {ROWS[2]} +15.00 (1, 2) |")
+
+
+def test_a_tie_goes_to_the_tuned_outer_step():
+    conv = [study("dp", 1, 2.0), study(ROWS[1], 1, 2.1), study(ROWS[0], 1, 2.1)]
+    assert gap.study_best(conv, "medium", ROWS)[0] == ROWS[0]
+
+
+def test_a_study_seed_that_diverged_or_was_not_paired_is_named_not_dropped():
+    conv = [study("dp", s, 2.0) for s in (1, 2, 3)]
+    conv += [study(ROWS[0], 1, 2.1), study(ROWS[0], 2, 2.2), study(ROWS[0], 3, float("nan"))]
+    conv += [study(ROWS[1], s, float("inf")) for s in (1, 2)] + [study(ROWS[2], 7, 2.0)]
+    assert gap.study_diverged(conv, "medium", ROWS[0]) == [3]
+    line = next(x for x in gap.table(conv, {"hf": [hf(0, 2.0, 2.04)]}).splitlines() if x.startswith("| hf"))
+    assert f"{ROWS[0]} (medium)" in line and "| 1, 2; 3 diverged |" in line
+    assert f"{ROWS[1]} — (1, 2 diverged; no seed paired with dp: 1, 2 run)" in line
+    assert f"{ROWS[2]} — (no seed paired with dp: 7 run)" in line
+
+
+def test_a_malformed_study_record_is_named():
+    bad = study(ROWS[0], 1, 2.1)
+    bad["eval_loss"] = None
+    with pytest.raises(ValueError, match=r"convergence record 1 \(m2-h25-outer\): eval_loss is None"):
+        gap.table([study("dp", 1, 2.0), bad], {"hf": [hf(0, 2.0, 2.04)]})
+    nameless = study("dp", 1, 2.0)
+    del nameless["size"]
+    with pytest.raises(ValueError, match="size is None"):
+        gap.table([nameless], {})
+    no_outer = study(ROWS[0], 1, 2.1)
+    no_outer["outer_momentum"] = None
+    with pytest.raises(ValueError, match="must be numbers"):
+        gap.table([study("dp", 1, 2.0), no_outer], {"hf": [hf(0, 2.0, 2.04)]})
 
 
 def test_welch_interval_by_hand():
