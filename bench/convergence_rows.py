@@ -38,6 +38,10 @@ def _int2_h300(outer: tuple[float, float]) -> str:
     return f"m2-h300-int2-lr{outer[0]:g}-mom{outer[1]:g}"
 
 
+def _outer_row(h: int, outer: tuple[float, float]) -> str:
+    return f"m2-h{h}-lr{outer[0]:g}-mom{outer[1]:g}"
+
+
 def _slo(h: int, density: float) -> str:
     return f"slo-h{h}-d{100 * density:.3g}"
 
@@ -76,7 +80,7 @@ SPARSELOCO_ROWS = (*(_slo(h, d) for h in SPARSE_HS for d in SPARSE_DENSITIES), "
 #: first, then the lower momenta torchtitan's outer sweep preferred (0.7 / 0.3 its best, bench/pages/titan.md)
 ECOSYSTEM_HS = {"medium": 25, "medium-long": 20}
 ECOSYSTEM_OUTERS = ((0.7, 0.5), (0.7, 0.3))
-ECOSYSTEM_ROWS = {size: (f"m2-h{h}-outer", *(f"m2-h{h}-lr{o[0]:g}-mom{o[1]:g}" for o in ECOSYSTEM_OUTERS))
+ECOSYSTEM_ROWS = {size: (f"m2-h{h}-outer", *(_outer_row(h, o) for o in ECOSYSTEM_OUTERS))
                   for size, h in ECOSYSTEM_HS.items()}
 
 
@@ -194,7 +198,7 @@ def study_rows() -> list[Row]:
     tuned = "best outer lr/momentum of the sweep"
     rows += [Row(f"m{m}-h30-outer", groups=m, h=30, outer_tuned=True, seeded=True, note=tuned) for m in (1, 2, 4)]
     rows += [Row(f"m2-h{h}-outer", h=h, outer_tuned=True, note=tuned) for h in (10, 20, 25, 50, 100, 200, 230, 300)]
-    rows += [Row(f"m2-h{h}-lr{o[0]:g}-mom{o[1]:g}", h=h, outer=o, note=f"H={h}, outer lr {o[0]:g} momentum {o[1]:g}")
+    rows += [Row(_outer_row(h, o), h=h, outer=o, note=f"H={h}, outer lr {o[0]:g} momentum {o[1]:g}")
              for h in ECOSYSTEM_HS.values() for o in ECOSYSTEM_OUTERS]
     rows += [Row(f"m2-h30-{c}-outer", codec=spec(c), outer_tuned=True, seeded=True, note=tuned)
              for c in CODECS if c != "fp32"]

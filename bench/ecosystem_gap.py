@@ -105,12 +105,15 @@ def study_match(setting: Setting) -> tuple[str, tuple[str, ...]] | None:
     return None
 
 
+def _study_records(conv: list[dict], size: str, row: str) -> list[dict]:
+    return [r for r in conv if r.get("size") == size and r.get("row") == row and r.get("stage") == "study"]
+
+
 def study_seeds(conv: list[dict], size: str, row: str) -> list[int]:
     """The seeds the study's (size, row) and (size, dp) both have, finite losses only; an error if
     either has two records of one seed."""
     for name in (row, "dp"):
-        seeds = [r["seed"] for r in conv
-                 if r.get("size") == size and r.get("row") == name and r.get("stage") == "study"]
+        seeds = [r["seed"] for r in _study_records(conv, size, name)]
         if len(seeds) != len(set(seeds)):
             raise ValueError(f"the study's {size} {name} has two records of one seed: {sorted(seeds)}")
     return sorted(set(seed_losses(conv, size, row)) & set(seed_losses(conv, size, "dp")))
@@ -138,8 +141,7 @@ def study_best(conv: list[dict], size: str, rows: tuple[str, ...]) -> tuple[str,
 
 def study_diverged(conv: list[dict], size: str, row: str) -> list[int]:
     """The seeds of the study's (size, row) whose eval loss is not finite (left out of its gap)."""
-    return sorted(r["seed"] for r in conv if r.get("size") == size and r.get("row") == row
-                  and r.get("stage") == "study" and not math.isfinite(r["eval_loss"]))
+    return sorted(r["seed"] for r in _study_records(conv, size, row) if not math.isfinite(r["eval_loss"]))
 
 
 def check_study_records(conv: list[dict]) -> None:
@@ -156,10 +158,10 @@ def check_study_records(conv: list[dict]) -> None:
 def study_setting(conv: list[dict], size: str, row: str) -> str:
     """The study row's tokens, inner lrs and outer step, as its records give them (they differ from
     the ecosystem run's: the match is by steps and H)."""
-    mine = next((r for r in conv if r.get("size") == size and r.get("row") == row and r.get("stage") == "study"), None)
-    dp = next((r for r in conv if r.get("size") == size and r.get("row") == "dp" and r.get("stage") == "study"), None)
-    if mine is None or dp is None:
+    mine, dp = _study_records(conv, size, row), _study_records(conv, size, "dp")
+    if not mine or not dp:
         return "—"
+    mine, dp = mine[0], dp[0]
     for rec, keys in ((mine, ("tokens", "inner_lr", "outer_lr", "outer_momentum")), (dp, ("inner_lr",))):
         if not all(isinstance(rec.get(k), (int, float)) for k in keys):
             raise ValueError(f"the study's {size} {rec['row']}: {', '.join(keys)} must be numbers: "
@@ -199,7 +201,7 @@ def _others(conv: list[dict], size: str, rows: tuple[str, ...], best: str) -> st
         if row == best:
             continue
         p = study_gap(conv, size, row)
-        ran = [r for r in conv if r.get("size") == size and r.get("row") == row and r.get("stage") == "study"]
+        ran = _study_records(conv, size, row)
         if p is not None:
             out.append(f"{row} {signed_pct(p.mean)} ({_study_seeds_note(conv, size, row)})")
         elif ran:
