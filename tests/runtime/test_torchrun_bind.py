@@ -110,3 +110,63 @@ def test_diloco_torchrun_binds_its_stores_and_the_workers_gloo_to_the_local_addr
         assert s["master"] == "127.0.0.1" and s["loopback"], s
         assert not s["other"], f"the workers' store listens beyond 127.0.0.1: {s}"
         assert s["gloo"] == s["nccl"] == loopback, s
+
+
+@pytest.fixture
+def in_process_agent(monkeypatch):
+    """``agent.main`` run in this process leaves it as it was: no parent PID handed on (the next
+    call would exit at once), SIGUSR1's handler and torch's store classes untouched."""
+    import signal as signals
+
+    monkeypatch.delenv(agent.PARENT_ENV, raising=False)
+    monkeypatch.setattr(agent, "bind_stores", lambda: None)
+    before = signals.getsignal(signals.SIGUSR1)
+    yield
+    signals.signal(signals.SIGUSR1, before)
+
+
+def _signal_inside_a_prof_wrapper(monkeypatch, sigval):
+    """torchrun's handler raises SignalException in the first bytecodes of a ``@metrics.prof``
+    method (torch's own wrapper, before its ``start`` is set): what reaches ``diloco torchrun``."""
+    import signal as signals
+
+    from torch.distributed.elastic.metrics import api as metrics
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    class SignalledClock:
+        def time(self):
+            raise SignalException(f"Process {12345} got signal: {sigval}", sigval=signals.Signals(sigval))
+
+    @metrics.prof
+    def _monitor_workers():
+        raise AssertionError("the signal comes first")
+
+    def torchrun_main(argv):
+        monkeypatch.setattr(metrics, "time", SignalledClock())
+        _monitor_workers()
+
+    return torchrun_main
+
+
+@pytest.mark.parametrize("sigval, code", [(15, 75), (2, 130)])
+def test_a_death_signal_torch_turns_into_an_unbound_local_error_still_exits_by_its_signal(
+        monkeypatch, capsys, in_process_agent, sigval, code):
+    from torch.distributed import run as torchrun
+
+    monkeypatch.setattr(torchrun, "main", _signal_inside_a_prof_wrapper(monkeypatch, sigval))
+    assert agent.main(["--nproc-per-node", "1", "-m", "diloco", "worker"]) == code
+    assert "stopped every worker; exit " + str(code) in capsys.readouterr().err
+
+
+def test_an_agent_error_without_a_signal_is_raised_as_it_is(monkeypatch, in_process_agent):
+    from torch.distributed import run as torchrun
+
+    def torchrun_main(argv):
+        try:
+            raise KeyError("no signal here")
+        except KeyError:
+            raise RuntimeError("the agent failed")
+
+    monkeypatch.setattr(torchrun, "main", torchrun_main)
+    with pytest.raises(RuntimeError, match="the agent failed"):
+        agent.main(["--nproc-per-node", "1", "-m", "diloco", "worker"])
