@@ -26,6 +26,23 @@ def append_record(path: str | Path, record: dict) -> None:
     path.write_text(json.dumps([*old, record], indent=1) + "\n")
 
 
+def dp_result_from(path: str, record: dict, same: tuple[str, ...], accepts=lambda r: True) -> dict:
+    """``--dp-from``: the data-parallel result (a record's ``"dp"``, with ``"from"``: the run that made it)
+    of the last record in the JSON list at ``path`` whose ``same`` keys equal ``record``'s and that
+    ``accepts`` takes. SystemExit saying why where the file cannot be read, is not a list of records, or
+    holds no such record: called before a bench's own run, so a wrong path costs no run."""
+    try:
+        records = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--dp-from {path}: cannot read a JSON list of records: {e}") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("dp"), dict) for r in records):
+        raise SystemExit(f"--dp-from {path}: not a JSON list of bench records with a \"dp\" result each")
+    found = [r for r in records if all(r.get(k) == record[k] for k in same) and accepts(r)]
+    if not found:
+        raise SystemExit(f"--dp-from {path}: no record with the same {', '.join(same)}")
+    return {**found[-1]["dp"], "from": found[-1]["dp"].get("from") or f"{path}: {found[-1].get('command', '?')}"}
+
+
 class GlooBaseline:
     """A ``torch.distributed`` Gloo process group of the bench's members: the all-reduce every
     PyTorch user already has, run over the same link as the transport's ring (bench only).

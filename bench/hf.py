@@ -37,7 +37,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.benchutil import append_record  # noqa: E402
+from bench.benchutil import append_record, dp_result_from  # noqa: E402
 from diloco.demo import data as data_mod  # noqa: E402  (the job's samplers: the same windows)
 from diloco.integrations import hf  # noqa: E402  (the config and the corpus' tokens, as the job builds them)
 
@@ -155,6 +155,9 @@ def main() -> None:
                     "seed": a.seed, "command": " ".join(["python", "bench/hf.py", *sys.argv[1:]]),
                     "load_average_before": os.getloadavg(), "torch": torch.__version__,
                     "transformers": hf.transformers_module().__version__}
+    if a.dp_from:  # before the run: a wrong path or record costs no run
+        same = ("config", "overrides", "groups", "ranks", "steps", "batch_per_rank", "block", "seed")
+        reused = dp_result_from(a.dp_from, record, same, lambda r: r["dp"].get("inner_lr") == a.dp_lr)
     if not a.skip_diloco:
         s, cmd = run_diloco(a)
         hashes = list(s["round_hashes_per_group"].values())
@@ -167,13 +170,7 @@ def main() -> None:
             "data_per_group": s["data_per_group"], "seconds": s["seconds"], "inner_lr": a.lr}
         print(json.dumps(record["diloco"], indent=1), flush=True)
     if a.dp_from:
-        same = ("config", "overrides", "groups", "ranks", "steps", "batch_per_rank", "block", "seed")
-        found = [r for r in json.loads(Path(a.dp_from).read_text())
-                 if all(r.get(k) == record[k] for k in same) and r["dp"]["inner_lr"] == a.dp_lr]
-        if not found:
-            raise SystemExit(f"--dp-from {a.dp_from}: no record of the same model, data, steps and lr")
-        origin = found[-1]["dp"].get("from") or f"{a.dp_from}: {found[-1]['command']}"  # the run that made it
-        record["dp"] = {**found[-1]["dp"], "from": origin}
+        record["dp"] = reused
     else:
         record["dp"] = dp_baseline(a, overrides)
     print(json.dumps(record["dp"], indent=1), flush=True)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.benchutil import append_record  # noqa: E402
+from bench.benchutil import append_record, dp_result_from  # noqa: E402
 from diloco.demo import data as data_mod  # noqa: E402  (the held-out windows, as the job cuts them)
 from diloco.integrations import titan, titan_env  # noqa: E402
 
@@ -166,17 +166,15 @@ def main() -> None:
                     "command": " ".join(["python", "bench/titan.py", *sys.argv[1:]]),
                     "load_average_before": os.getloadavg(), "torch": torch.__version__,
                     "torchtitan": titan_env.load().__version__}
+    if a.dp_from:  # before the run: a wrong path or record costs no run
+        same = ("groups", "ranks", "steps", "seq_len", "batch_per_rank", "eval_batches", "dp_lr")
+        reused = dp_result_from(a.dp_from, record, same, lambda r: r.get("seed", 0) == a.seed)  # before --seed: 0
     with tempfile.TemporaryDirectory(prefix="bench-titan-") as tmp_name:
         tmp = Path(tmp_name)
         d = run_diloco(a, tmp)
         print(json.dumps({"diloco_seconds": d["seconds"]}), flush=True)
         if a.dp_from:
-            same = ("groups", "ranks", "steps", "seq_len", "batch_per_rank", "eval_batches", "dp_lr")
-            found = [r for r in json.loads(Path(a.dp_from).read_text())
-                     if all(r.get(k) == record[k] for k in same) and r.get("seed", 0) == a.seed]  # before --seed: 0
-            if not found:
-                raise SystemExit(f"--dp-from {a.dp_from}: no record of the same model, data, steps, lr and seed")
-            p = {**found[-1]["dp"], "from": found[-1]["dp"].get("from") or f"{a.dp_from}: {found[-1]['command']}"}
+            p = reused
         else:
             p = run_dp(a, tmp)
             print(json.dumps({"dp_seconds": p["seconds"]}), flush=True)
