@@ -105,6 +105,7 @@ def diloco_command(a: argparse.Namespace, json_path: str, run_dir: str) -> list[
             "--steps", str(a.steps), "--h", str(a.h), "--inner-lr", str(a.lr), "--warmup-steps", str(a.warmup),
             "--batch-size", str(a.batch_size), "--eval-batches", str(a.eval_batches), "--seed", str(a.seed),
             "--val-fraction", str(a.val_fraction), "--codec", a.codec, "--probe-bytes", "0", "--timeout", "600",
+            *(["--outer-lr", str(a.outer_lr)] if a.outer_lr is not None else []),
             *(["--outer-momentum", str(a.outer_momentum)] if a.outer_momentum is not None else []),
             "--json", json_path, "--run-dir", run_dir]
 
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=20)
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--codec", default="fp32")
+    ap.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer learning rate (default: the job's, 0.7)")
     ap.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo's outer Nesterov momentum "
                     "(default: the job's, 0.9)")
     ap.add_argument("--seed", type=int, default=0)
@@ -151,7 +153,7 @@ def main() -> None:
     overrides = {k[len("config."):]: v for k, v in (o.split("=", 1) for o in a.override)}
     record: dict = {"bench": "hf", "config": a.config, "overrides": overrides, "groups": a.groups, "ranks": a.ranks,
                     "steps": a.steps, "h": a.h, "batch_per_rank": a.batch_size, "block": a.block, "codec": a.codec,
-                    "outer_momentum": a.outer_momentum,
+                    "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum,
                     "seed": a.seed, "command": " ".join(["python", "bench/hf.py", *sys.argv[1:]]),
                     "load_average_before": os.getloadavg(), "torch": torch.__version__,
                     "transformers": hf.transformers_module().__version__}
