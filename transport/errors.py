@@ -6,6 +6,10 @@ caller can catch one type. `CollectiveAborted` is the one error a collective (al
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 
 class TransportError(RuntimeError):
     """Base class of every error raised on purpose by `transport`."""
@@ -31,14 +35,20 @@ class CollectiveAborted(TransportError):
     """
 
 
-def auth_cause(exc: BaseException) -> "PeerAuthError | None":
-    """The ``PeerAuthError`` that ``exc`` is or was raised from (its ``__cause__``/``__context__``
-    chain), or None: a wrong secret or certificate behind a collective that aborted."""
+def raised_within(exc: BaseException, kind: type[E]) -> E | None:
+    """The exception of type ``kind`` that ``exc`` is, or that it was raised from or while handling
+    (its ``__cause__``/``__context__`` chain, cycles cut), or None."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
-        if isinstance(e, PeerAuthError):
+        if isinstance(e, kind):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def auth_cause(exc: BaseException) -> "PeerAuthError | None":
+    """The ``PeerAuthError`` that ``exc`` is or was raised from (its ``__cause__``/``__context__``
+    chain), or None: a wrong secret or certificate behind a collective that aborted."""
+    return raised_within(exc, PeerAuthError)

@@ -215,7 +215,13 @@ def main(argv: list[str]) -> int:
               file=sys.stderr, flush=True)
         return code
     except Exception as e:
-        signalled = death_signal_of(e, SignalException)
+        from transport.errors import raised_within
+
+        # torchrun's handler raises SignalException wherever the agent's Python is; in the first
+        # bytecodes of a @metrics.prof method (before its `start` is set) the wrapper's `finally`
+        # turns it into an UnboundLocalError raised while handling it. The agent has still stopped
+        # its workers (SimpleElasticAgent.run's `finally`).
+        signalled = raised_within(e, SignalException)
         if signalled is None:
             raise
         code = exit_codes.for_signal(int(signalled.sigval))
@@ -223,19 +229,3 @@ def main(argv: list[str]) -> int:
               file=sys.stderr, flush=True)
         return code
     return exit_codes.DONE
-
-
-def death_signal_of(error: BaseException, signal_exception: type[BaseException]) -> Any:
-    """The ``signal_exception`` (torch elastic's SignalException: SIGTERM, SIGINT… to the agent) that
-    ``error`` is or that it was raised while handling, or None. torchrun's handler raises it wherever
-    the agent's Python is; in the first bytecodes of a ``@metrics.prof`` method (before its ``start``
-    is set) the wrapper's ``finally`` turns it into an UnboundLocalError that carries it as its
-    context. The agent still stopped its workers (``SimpleElasticAgent.run``'s ``finally``)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, signal_exception):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
