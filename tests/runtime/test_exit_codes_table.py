@@ -112,6 +112,45 @@ def test_diloco_torchrun_sent_sigterm_exits_75_not_143(tmp_path):
     assert re.search(r"diloco torchrun: SIGTERM: stopped every worker; exit 75 \(restart me\)", text), text[-3000:]
 
 
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_diloco_torchrun_signalled_while_it_waits_for_its_other_nodes_exits_at_once(sig, code):
+    """Node 0 of a 2-node group whose node 1 never comes (a multi-pod group, its other pod not
+    scheduled) waits in torch's C++ rendezvous store, where a Python signal handler does not run:
+    deleted then, it exits 75 at once (was: it sat until the kubelet's SIGKILL, 137, a counted failure)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "torchrun", "--nnodes", "2", "--node-rank", "0",
+                             "--master-addr", "127.0.0.1", f"--master-port={port}", "--nproc-per-node", "1",
+                             "--no-python", "sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening(port):  # its store is up: it waits for node 1 now
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        time.sleep(1)
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=20)[0]
+    finally:
+        if proc.poll() is None:
+            import os
+
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == code, out[-3000:]
+    assert f"diloco torchrun: {sig.name} before its workers started; exit {code}" in out, out[-3000:]
+
+
 def test_a_wrong_secret_is_a_configuration_error_on_both_sides_of_the_handshake():
     """Before, the side that found the other's proof wrong hung up: the other met a lost connection
     (75, restarted for ever) where this side met a wrong secret (2). Now it says why (REJECT)."""

@@ -170,3 +170,32 @@ def test_an_agent_error_without_a_signal_is_raised_as_it_is(monkeypatch, in_proc
     monkeypatch.setattr(torchrun, "main", torchrun_main)
     with pytest.raises(RuntimeError, match="the agent failed"):
         agent.main(["--nproc-per-node", "1", "-m", "diloco", "worker"])
+
+
+def test_the_start_up_guard_leaves_a_later_handler_alone_and_hands_the_signals_back():
+    """Once torch's agent has its own SIGTERM handler (its workers started), the guard's watcher lets
+    that handler have the signal; ``close`` puts back SIGINT's handler and the wakeup fd."""
+    import os
+    import signal as signals
+    import time
+
+    sigterm_before, sigint_before = signals.getsignal(signals.SIGTERM), signals.getsignal(signals.SIGINT)
+    wakeup_before = signals.set_wakeup_fd(-1)
+    signals.set_wakeup_fd(wakeup_before)
+    guard = agent.StopBeforeWorkers()
+    try:
+        assert signals.getsignal(signals.SIGTERM) == guard.stop == signals.getsignal(signals.SIGINT)
+        caught: list[int] = []
+        signals.signal(signals.SIGTERM, lambda signum, frame: caught.append(signum))  # as torch's agent does
+        os.kill(os.getpid(), signals.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not caught and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the watcher has read the signal's byte by now: this process is still here
+        assert caught == [signals.SIGTERM]
+    finally:
+        guard.close()
+        signals.signal(signals.SIGTERM, sigterm_before)
+    assert signals.getsignal(signals.SIGINT) is sigint_before
+    assert signals.set_wakeup_fd(wakeup_before) == wakeup_before
+    assert not guard._watcher.is_alive()

@@ -6,7 +6,8 @@ workers as exit code 1; this one exits with ``exit_codes.group_exit_code`` of th
 so ``diloco run``'s supervisor and a Kubernetes Job's podFailurePolicy can tell "done" (0), "restart
 me" (75) and "configuration error" (2) apart. A death signal to the agent (SIGTERM on a node
 drain, a deleted or evicted pod) stops the workers as torchrun does and exits 75 (restart me:
-the job is not finished), SIGINT 130 (``exit_codes.for_signal``).
+the job is not finished), SIGINT 130 (``exit_codes.for_signal``); before the workers start (the
+agent waiting in its rendezvous for the group's other nodes) it exits so at once (``StopBeforeWorkers``).
 
 ``DILOCO_PARENT_PID``: the agent dies with that process (Linux's parent-death signal), so a
 ``diloco run`` that is killed outright leaves no group behind; the agent hands its own PID on
@@ -28,8 +29,11 @@ import ctypes
 import ctypes.util
 import ipaddress
 import os
+import signal
 import socket
 import sys
+import threading
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -45,9 +49,6 @@ def die_with_parent(expected_parent: int | None = None) -> None:
     ``expected_parent`` when given, is already gone (its death came before the request)."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import signal
-
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if expected_parent is not None and os.getppid() != expected_parent:
@@ -181,6 +182,49 @@ def bind_stores() -> None:
         master_addr, master_port, is_master=True, multi_tenant=True)
 
 
+class StopBeforeWorkers:
+    """SIGTERM or SIGINT before torch's agent installs its own handlers (as it starts the workers):
+    exit 75 or 130 at once, nothing being started yet. The agent's main thread waits in C++ there (the
+    rendezvous store, for as long as the group's other nodes take to come), where a Python handler
+    runs only once the call returns: a pod deleted then would sit until the kubelet's SIGKILL (137,
+    which its Job counts). A thread woken through the signal wakeup fd acts instead, while this
+    handler is still the signal's. Main thread only; ``close`` hands the signals back."""
+
+    def __init__(self) -> None:
+        self.signals = {int(signal.SIGTERM), int(signal.SIGINT)}
+        self._before = {signum: signal.signal(signum, self.stop) for signum in self.signals}
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._wakeup_before = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, name="diloco-torchrun-start-up-signals", daemon=True)
+        self._watcher.start()
+
+    def stop(self, signum: int, _frame: Any = None) -> None:
+        """Exit now with the signal's code (``exit_codes.for_signal``), saying so on stderr."""
+        code = exit_codes.for_signal(signum)
+        os.write(2, f"diloco torchrun: {signal.Signals(signum).name} before its workers started; exit "
+                    f"{exit_codes.describe(code)}\n".encode())
+        os._exit(code)
+
+    def _watch(self) -> None:
+        while data := os.read(self._read, 64):  # one byte per signal caught; b"" once close() closes the pipe
+            for signum in set(data) & self.signals:
+                if signal.getsignal(signum) == self.stop:
+                    self.stop(signum)
+
+    def close(self) -> None:
+        """The handlers and wakeup fd from before, where this one's are still set; the watcher ends."""
+        current = signal.set_wakeup_fd(self._wakeup_before)
+        if current != self._write:  # another's since: leave it
+            signal.set_wakeup_fd(current)
+        for signum, handler in self._before.items():
+            if signal.getsignal(signum) == self.stop:
+                signal.signal(signum, handler)
+        os.close(self._write)
+        self._watcher.join(timeout=5)
+        os.close(self._read)
+
+
 def main(argv: list[str]) -> int:
     """Run torchrun with ``argv``; returns the group's exit code (see the module doc). With
     ``--log-format json`` among the workers' arguments, this process logs JSON too."""
@@ -198,6 +242,8 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from transport.errors import raised_within
+
     local_addr = torchrun.parse_args(argv).local_addr
     if local_addr:  # the workers' Gloo and NCCL listen on this node's address, not the host name's
         ifname = interface_of(local_addr)
@@ -205,6 +251,7 @@ def main(argv: list[str]) -> int:
             if ifname is not None and not os.environ.get(name):
                 os.environ[name] = ifname
     bind_stores()
+    start_up = StopBeforeWorkers() if threading.current_thread() is threading.main_thread() else None
     try:
         torchrun.main(argv)
     except ChildFailedError as e:
@@ -215,8 +262,6 @@ def main(argv: list[str]) -> int:
               file=sys.stderr, flush=True)
         return code
     except Exception as e:
-        from transport.errors import raised_within
-
         # torchrun's handler raises SignalException wherever the agent's Python is; in the first
         # bytecodes of a @metrics.prof method (before its `start` is set) the wrapper's `finally`
         # turns it into an UnboundLocalError raised while handling it. The agent has still stopped
@@ -224,8 +269,13 @@ def main(argv: list[str]) -> int:
         signalled = raised_within(e, SignalException)
         if signalled is None:
             raise
+        if e is not signalled:  # what went wrong while it stopped (a failed shutdown too) stays in the log
+            traceback.print_exception(e, file=sys.stderr)
         code = exit_codes.for_signal(int(signalled.sigval))
         print(f"diloco torchrun: {signalled.sigval.name}: stopped every worker; exit {exit_codes.describe(code)}",
               file=sys.stderr, flush=True)
         return code
+    finally:
+        if start_up is not None:
+            start_up.close()
     return exit_codes.DONE
