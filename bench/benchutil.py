@@ -33,13 +33,14 @@ def dp_result_from(path: str, record: dict, same: tuple[str, ...], accepts=lambd
     holds no such record: called before a bench's own run, so a wrong path costs no run."""
     try:
         records = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SystemExit(f"--dp-from {path}: cannot read a JSON list of records: {e}") from None
-    if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("dp"), dict) for r in records):
-        raise SystemExit(f"--dp-from {path}: not a JSON list of bench records with a \"dp\" result each")
-    found = [r for r in records if all(r.get(k) == record[k] for k in same) and accepts(r)]
+    if not isinstance(records, list):
+        raise SystemExit(f"--dp-from {path}: not a JSON list of bench records")
+    found = [r for r in records if isinstance(r, dict) and isinstance(r.get("dp"), dict)
+             and all(r.get(k) == record[k] for k in same) and accepts(r)]
     if not found:
-        raise SystemExit(f"--dp-from {path}: no record with the same {', '.join(same)}")
+        raise SystemExit(f"--dp-from {path}: no record with a \"dp\" result and the same {', '.join(same)}")
     return {**found[-1]["dp"], "from": found[-1]["dp"].get("from") or f"{path}: {found[-1].get('command', '?')}"}
 
 

@@ -39,9 +39,11 @@ def test_the_last_matching_record_is_reused_with_where_it_came_from(tmp_path):
     (None, "cannot read a JSON list of records"),
     ("[{\"steps\": 1", "cannot read a JSON list of records"),
     ("\udcff", "cannot read a JSON list of records"),
+    ("[" * 100_000 + "]" * 100_000, "cannot read a JSON list of records"),
     ("{\"steps\": 100}", "not a JSON list of bench records"),
-    ("[{\"steps\": 100, \"seed\": 1}]", "not a JSON list of bench records"),
-    ("[{\"steps\": 200, \"seed\": 1, \"dp\": {}}]", "no record with the same steps, seed"),
+    ("[3, {\"steps\": 100, \"seed\": 1}, {\"steps\": 100, \"seed\": 1, \"dp\": null}]",
+     "no record with a \"dp\" result and the same steps, seed"),
+    ("[{\"steps\": 200, \"seed\": 1, \"dp\": {}}]", "no record with a \"dp\" result and the same steps, seed"),
 ])
 def test_a_file_that_cannot_serve_says_why(tmp_path, text, why):
     if text is None:
