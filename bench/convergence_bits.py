@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.convergence_rows import SPARSE_DENSE_ROW  # noqa: E402
 from compress import frame  # noqa: E402
 from transport.partition import chunk_bounds, segment_bounds  # noqa: E402
 from transport.plan import stripe_plan  # noqa: E402
@@ -160,7 +161,7 @@ def measured_per_group(records: list[dict], size: str, row: str) -> list[float]:
 SIZE, PROBES = "small-xlong", 1 << 19
 ROWS = ("m2-paced200-int2b1024-int4final-decay0-zstd-outer",
         "m2-paced200-int2b1024-int4final-decay0-zstd-p2-tau15-a0-outer",
-        "slo-h30-d1.56", "slo-h100-d1.56", "slo-h100-d3")
+        "slo-h30-d1.56", "slo-h100-d1.56", "slo-h100-d3", SPARSE_DENSE_ROW)
 
 
 def _row_budgets(records: list[dict], name: str, size: str = SIZE) -> tuple[dict, list[Budget], list[Budget], float, float]:
