@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import json
 from pathlib import Path
+from typing import Callable
 
 
 def pin_malloc() -> str:
@@ -26,7 +27,8 @@ def append_record(path: str | Path, record: dict) -> None:
     path.write_text(json.dumps([*old, record], indent=1) + "\n")
 
 
-def dp_result_from(path: str, record: dict, same: tuple[str, ...], accepts=lambda r: True) -> dict:
+def dp_result_from(path: str, record: dict, same: tuple[str, ...],
+                   accepts: Callable[[dict], bool] = lambda r: True) -> dict:
     """``--dp-from``: the data-parallel result (a record's ``"dp"``, with ``"from"``: the run that made it)
     of the last record in the JSON list at ``path`` whose ``same`` keys equal ``record``'s and that
     ``accepts`` takes. SystemExit saying why where the file cannot be read, is not a list of records, or

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.convergence_rows import SPARSE_DENSE_ROW  # noqa: E402
+from bench.convergence_rows import SPARSE_DENSE_ROW, study_rows, sweep_rows  # noqa: E402
 from compress import frame  # noqa: E402
 from transport.partition import chunk_bounds, segment_bounds  # noqa: E402
 from transport.plan import stripe_plan  # noqa: E402
@@ -166,7 +166,6 @@ ROWS = ("m2-paced200-int2b1024-int4final-decay0-zstd-outer",
 
 def _row_budgets(records: list[dict], name: str, size: str = SIZE) -> tuple[dict, list[Budget], list[Budget], float, float]:
     """(a record of ``size``, budgets at G = 2, 3, 4 without probes and with diloco run's, measured/counted at G=2)."""
-    from bench.convergence_rows import study_rows, sweep_rows
     from diloco.demo.model import GPT, GPTConfig
     from diloco.engine.tiles import TileLayout
 

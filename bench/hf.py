@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=20)
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--codec", default="fp32")
-    ap.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer learning rate (default: the job's, 0.7)")
+    ap.add_argument("--outer-lr", type=float, default=None,
+                    help="DiLoCo's outer learning rate (default: the job's, 0.7)")
     ap.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo's outer Nesterov momentum "
                     "(default: the job's, 0.9)")
     ap.add_argument("--seed", type=int, default=0)
