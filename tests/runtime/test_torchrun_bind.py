@@ -10,6 +10,7 @@ interface): that is how these tests tell a bound store from one on every interfa
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -120,6 +121,7 @@ def in_process_agent(monkeypatch):
 
     monkeypatch.delenv(agent.PARENT_ENV, raising=False)
     monkeypatch.setattr(agent, "bind_stores", lambda: None)
+    monkeypatch.setattr(logging.Handler, "handleError", logging.Handler.handleError)
     before = signals.getsignal(signals.SIGUSR1)
     yield
     signals.signal(signals.SIGUSR1, before)
@@ -156,6 +158,57 @@ def test_a_death_signal_torch_turns_into_an_unbound_local_error_still_exits_by_i
     monkeypatch.setattr(torchrun, "main", _signal_inside_a_prof_wrapper(monkeypatch, sigval))
     assert agent.main(["--nproc-per-node", "1", "-m", "diloco", "worker"]) == code
     assert "stopped every worker; exit " + str(code) in capsys.readouterr().err
+
+
+class _StreamThatFails:
+    """A log stream whose write raises ``error``: where a signal's handler lands inside ``emit``."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def write(self, text):
+        raise self.error
+
+    def flush(self):
+        pass
+
+
+def _log_through(stream, message):
+    log = logging.getLogger("torch.distributed.elastic.agent.server.api")  # one of torch's agent loggers
+    handler = logging.StreamHandler(stream)
+    log.addHandler(handler)
+    try:
+        log.warning(message)
+    finally:
+        log.removeHandler(handler)
+
+
+def test_a_death_signal_inside_a_log_line_still_exits_by_its_signal(monkeypatch, capsys, in_process_agent):
+    """Without ``signals_through_logging`` the handler's ``except Exception`` hands the signal to
+    ``handleError``, which prints it and returns: the agent ran on to the kubelet's SIGKILL."""
+    import signal as signals
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def torchrun_main(argv):
+        _log_through(_StreamThatFails(SignalException("got signal: 15", sigval=signals.SIGTERM)), "monitoring")
+        raise AssertionError("the signal comes first")
+
+    monkeypatch.setattr(torchrun, "main", torchrun_main)
+    assert agent.main(["--nproc-per-node", "1", "-m", "diloco", "worker"]) == 75
+    err = capsys.readouterr().err
+    assert "SIGTERM: stopped every worker; exit 75" in err and "Logging error" not in err
+
+
+def test_other_errors_inside_a_log_line_are_still_only_reported(in_process_agent, capsys):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    agent.signals_through_logging(SignalException)
+    agent.signals_through_logging(SignalException)  # twice: one wrapper
+    _log_through(_StreamThatFails(OSError("disk full")), "monitoring")
+    err = capsys.readouterr().err
+    assert "--- Logging error ---" in err and "disk full" in err
 
 
 def test_an_agent_error_without_a_signal_is_raised_as_it_is(monkeypatch, in_process_agent):

@@ -7,7 +7,8 @@ so ``diloco run``'s supervisor and a Kubernetes Job's podFailurePolicy can tell 
 me" (75) and "configuration error" (2) apart. A death signal to the agent (SIGTERM on a node
 drain, a deleted or evicted pod) stops the workers as torchrun does and exits 75 (restart me:
 the job is not finished), SIGINT 130 (``exit_codes.for_signal``); before the workers start (the
-agent waiting in its rendezvous for the group's other nodes) it exits so at once (``StopBeforeWorkers``).
+agent waiting in its rendezvous for the group's other nodes) it exits so at once (``StopBeforeWorkers``),
+and a signal that lands while a log line is written still stops it (``signals_through_logging``).
 
 ``DILOCO_PARENT_PID``: the agent dies with that process (Linux's parent-death signal), so a
 ``diloco run`` that is killed outright leaves no group behind; the agent hands its own PID on
@@ -28,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -225,6 +227,25 @@ class StopBeforeWorkers:
         os.close(self._read)
 
 
+def signals_through_logging(signal_error: type[BaseException]) -> None:
+    """Let ``signal_error`` (torchrun's SignalException) out of a log handler's ``emit``, in this
+    process. torchrun's SIGTERM handler raises it wherever the agent's Python is; inside ``emit``
+    the handler's ``except Exception`` hands it to ``handleError``, which prints "--- Logging error
+    ---" and returns, and the agent would run on until the kubelet's SIGKILL."""
+    handle_error = logging.Handler.handleError
+    if getattr(handle_error, "lets_through", None) is signal_error:
+        return
+
+    def handleError(self: logging.Handler, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        error = sys.exc_info()[1]
+        if isinstance(error, signal_error):
+            raise error
+        handle_error(self, record)
+
+    handleError.lets_through = signal_error  # type: ignore[attr-defined]
+    logging.Handler.handleError = handleError  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> int:
     """Run torchrun with ``argv``; returns the group's exit code (see the module doc). With
     ``--log-format json`` among the workers' arguments, this process logs JSON too."""
@@ -251,6 +272,7 @@ def main(argv: list[str]) -> int:
             if ifname is not None and not os.environ.get(name):
                 os.environ[name] = ifname
     bind_stores()
+    signals_through_logging(SignalException)
     start_up = StopBeforeWorkers() if threading.current_thread() is threading.main_thread() else None
     try:
         torchrun.main(argv)
