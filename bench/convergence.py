@@ -198,7 +198,7 @@ def _with_file(path: Path, records: list[dict]) -> list[dict]:
 
 def save(path: Path, records: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")  # two runs on one file: a name each
     tmp.write_text(json.dumps(records, indent=1))
     os.replace(tmp, path)
 

@@ -104,6 +104,7 @@ class Size:
     warmup: int = 0  # 0: steps // 20
     seeds: int = 3  # seeds of the rows marked ``seeded`` (the others: one)
     inner_lrs: tuple[float, ...] = INNER_LRS  # the inner-lr sweep
+    outer_sweep: tuple[tuple[float, float], ...] = OUTER_SWEEP  # the outer (lr, momentum) sweep
     tuned_on: str = ""  # a size whose sweep winners this one uses (and no sweep of its own)
     rows: tuple[str, ...] | None = None  # study rows run at this size (None: all)
 
@@ -139,6 +140,17 @@ SIZES = {
                                "m2-paced200-int2b1024-int4final-decay0-zstd-outer", "m2-h200-int4-outer",
                                "slo-h30-d1.56", "slo-h30-d1.56-senders", "slo-h30-d1.56-senders-clip",
                                SPARSE_DENSE_ROW)),
+    # the large model (5.6M parameters, 6.7x medium's): its own sweep at 500 steps (3 inner lrs, and the
+    # outer steps the medium sweep ranked first: 0.7/0.7, 0.7/0.5, 1.0/0.7 and the default), about 4.5 min
+    # a run on 2 idle cores; no study rows at this length
+    "large": Size("large", n_layer=7, n_embd=256, steps=500, seeds=1, inner_lrs=(1e-3, 2e-3, 4e-3),
+                  outer_sweep=((0.7, 0.7), (0.7, 0.5), (1.0, 0.7)), rows=()),
+    # the large model at 4,000 steps (8.2M tokens, 1.5 per parameter): the frontier at a 5M+ model
+    # (issue 51), about 32 min a row on 2 idle cores (0.47 s a step)
+    "large-long": Size("large-long", n_layer=7, n_embd=256, steps=4000, seeds=1, tuned_on="large",
+                       rows=("dp", "m2-h30-outer", "m2-h100-outer", "m2-paced200-outer",
+                             "m2-paced200-int2b1024-int4final-decay0-zstd-outer", "m2-h200-int4-outer",
+                             "slo-h30-d1.56-senders-clip", SPARSE_DENSE_ROW, _slo(30, SPARSE_DENSE_DENSITY))),
 }
 QUICK_SIZE = replace(SIZES["small"], steps=400, seeds=1)
 
@@ -257,6 +269,8 @@ def sparseloco_rows() -> list[Row]:
     rows.append(Row(SPARSE_DENSE_ROW, codec=dense, rule="sparseloco", seeded=True,
                     note="SparseLoCo as its authors run it (average over the senders, median clip), top-k 2.2 %: "
                     "under 0.01 bits per group at H=30"))
+    rows.append(Row(_slo(30, SPARSE_DENSE_DENSITY), codec=spec("topk", topk_density=SPARSE_DENSE_DENSITY),
+                    rule="sparseloco", seeded=True, note="SparseLoCo at top-k 2.2 %, averaged over all groups"))
     rows += [Row(f"m2-h{h}-int2-outer", h=h, codec=spec("int2"), outer_tuned=True,
                  note="int2 (2.125 bits/value) with error feedback under the tuned Nesterov outer step")
              for h in INT2_HS]
@@ -348,7 +362,8 @@ def sweep_rows(size: Size | None = None) -> list[Row]:
     lrs = size.inner_lrs if size is not None else INNER_LRS
     rows = [Row(f"sweep-dp-lr{lr:g}", mode="dp", groups=2, h=1, stage="sweep", inner_lr=lr) for lr in lrs]
     rows += [Row(f"sweep-diloco-lr{lr:g}", stage="sweep", inner_lr=lr) for lr in lrs]
-    rows += [Row(f"sweep-outer-lr{o[0]:g}-mom{o[1]:g}", stage="sweep", outer=o) for o in OUTER_SWEEP]
+    outers = size.outer_sweep if size is not None else OUTER_SWEEP
+    rows += [Row(f"sweep-outer-lr{o[0]:g}-mom{o[1]:g}", stage="sweep", outer=o) for o in outers]
     return rows
 
 

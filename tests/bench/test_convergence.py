@@ -96,6 +96,24 @@ def test_full_plan_covers_the_issue_rows_at_equal_tokens():
         assert tokens == {size.batch}, size.name  # every row: the same sequences per step, all groups together
 
 
+def test_large_size_sweeps_its_own_and_its_long_rows_use_them():
+    [(large, sweeps, rows)] = conv.plan(conv.parse_args(["--sizes", "large"]))
+    assert rows == [] and {r.name for r in sweeps} == {
+        *(f"sweep-{f}-lr{lr:g}" for f in ("dp", "diloco") for lr in large.inner_lrs),
+        *(f"sweep-outer-lr{o[0]:g}-mom{o[1]:g}" for o in large.outer_sweep)}
+    [(long, long_sweeps, long_rows)] = conv.plan(conv.parse_args(["--sizes", "large-long"]))
+    assert long.tuned_on == "large" and long_sweeps == [] and {r.name for r in long_rows} == set(long.rows)
+    assert (long.n_layer, long.n_embd) == (large.n_layer, large.n_embd)
+    cfg = conv.make_config(long, long_rows[0], 1, conv.Settings())
+    from diloco.demo.model import GPT, GPTConfig
+    model = GPT(GPTConfig(256, cfg.model.block_size, cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd))
+    assert sum(p.numel() for p in model.parameters()) >= 5_000_000  # issue 51: a 5M+ model
+    recs = [fake("large", "sweep-diloco-lr0.002", 2.1, lr=2e-3), fake("large", "sweep-diloco-lr0.001", 2.2),
+            fake("large", "sweep-outer-lr0.7-mom0.5", 2.0)]
+    s = conv.settings_from(recs, "large-long", conv.parse_args([]))
+    assert (s.diloco_lr, s.outer, s.source["outer"]) == (2e-3, (0.7, 0.5), "sweep of large, eval 2.0000")
+
+
 def fake(size, row, loss, seed=1, lr=1e-3, **kw):
     return {"size": size, "row": row, "seed": seed, "eval_loss": loss, "inner_lr": lr, "stage": "sweep", **kw}
 
