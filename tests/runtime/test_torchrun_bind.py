@@ -161,13 +161,26 @@ def test_a_death_signal_torch_turns_into_an_unbound_local_error_still_exits_by_i
 
 
 class _StreamThatFails:
-    """A log stream whose write raises ``error``: where a signal's handler lands inside ``emit``."""
+    """A log stream whose write raises ``error``."""
 
     def __init__(self, error: BaseException):
         self.error = error
 
     def write(self, text):
         raise self.error
+
+    def flush(self):
+        pass
+
+
+class _StreamSignalled:
+    """A log stream whose write sends this process SIGTERM: torch's handler runs inside ``emit``."""
+
+    def write(self, text):
+        import os
+        import signal as signals
+
+        os.kill(os.getpid(), signals.SIGTERM)
 
     def flush(self):
         pass
@@ -189,26 +202,37 @@ def test_a_death_signal_inside_a_log_line_still_exits_by_its_signal(monkeypatch,
     import signal as signals
 
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
     def torchrun_main(argv):
-        _log_through(_StreamThatFails(SignalException("got signal: 15", sigval=signals.SIGTERM)), "monitoring")
+        signals.signal(signals.SIGTERM, _terminate_process_handler)  # as torch's agent does with its workers
+        _log_through(_StreamSignalled(), "monitoring")
         raise AssertionError("the signal comes first")
 
+    before = signals.getsignal(signals.SIGTERM)
     monkeypatch.setattr(torchrun, "main", torchrun_main)
-    assert agent.main(["--nproc-per-node", "1", "-m", "diloco", "worker"]) == 75
+    try:
+        assert agent.main(["--nproc-per-node", "1", "-m", "diloco", "worker"]) == 75
+    finally:
+        signals.signal(signals.SIGTERM, before)
     err = capsys.readouterr().err
     assert "SIGTERM: stopped every worker; exit 75" in err and "Logging error" not in err
+    assert not hasattr(logging.Handler.handleError, "lets_through")  # logging as it was once it returned
 
 
 def test_other_errors_inside_a_log_line_are_still_only_reported(in_process_agent, capsys):
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    agent.signals_through_logging(SignalException)
+    handle_error = logging.Handler.handleError
+    restore = agent.signals_through_logging(SignalException)
+    wrapper = logging.Handler.handleError
     agent.signals_through_logging(SignalException)  # twice: one wrapper
+    assert logging.Handler.handleError is wrapper is not handle_error
     _log_through(_StreamThatFails(OSError("disk full")), "monitoring")
     err = capsys.readouterr().err
     assert "--- Logging error ---" in err and "disk full" in err
+    restore()
+    assert logging.Handler.handleError is handle_error
 
 
 def test_an_agent_error_without_a_signal_is_raised_as_it_is(monkeypatch, in_process_agent):

@@ -37,7 +37,7 @@ import sys
 import threading
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 from diloco.runtime.ops import exit_codes, stack_dumps
 
@@ -227,14 +227,19 @@ class StopBeforeWorkers:
         os.close(self._read)
 
 
-def signals_through_logging(signal_error: type[BaseException]) -> None:
+def signals_through_logging(signal_error: type[BaseException]) -> Callable[[], None]:
     """Let ``signal_error`` (torchrun's SignalException) out of a log handler's ``emit``, in this
-    process. torchrun's SIGTERM handler raises it wherever the agent's Python is; inside ``emit``
-    the handler's ``except Exception`` hands it to ``handleError``, which prints "--- Logging error
-    ---" and returns, and the agent would run on until the kubelet's SIGKILL."""
+    process; returns what puts logging back as it was. torchrun's SIGTERM handler raises it wherever
+    the agent's Python is; inside ``emit`` (torch's agent logs as it starts, restarts and stops its
+    workers) the handler's ``except Exception`` hands it to ``handleError``, which prints "--- Logging
+    error ---" and returns, and the agent would run on until the kubelet's SIGKILL."""
     handle_error = logging.Handler.handleError
+
+    def restore() -> None:
+        logging.Handler.handleError = handle_error  # type: ignore[method-assign]
+
     if getattr(handle_error, "lets_through", None) is signal_error:
-        return
+        return restore
 
     def handleError(self: logging.Handler, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
         error = sys.exc_info()[1]
@@ -244,6 +249,7 @@ def signals_through_logging(signal_error: type[BaseException]) -> None:
 
     handleError.lets_through = signal_error  # type: ignore[attr-defined]
     logging.Handler.handleError = handleError  # type: ignore[method-assign]
+    return restore
 
 
 def main(argv: list[str]) -> int:
@@ -272,7 +278,7 @@ def main(argv: list[str]) -> int:
             if ifname is not None and not os.environ.get(name):
                 os.environ[name] = ifname
     bind_stores()
-    signals_through_logging(SignalException)
+    logging_as_before = signals_through_logging(SignalException)
     start_up = StopBeforeWorkers() if threading.current_thread() is threading.main_thread() else None
     try:
         torchrun.main(argv)
@@ -300,4 +306,5 @@ def main(argv: list[str]) -> int:
     finally:
         if start_up is not None:
             start_up.close()
+        logging_as_before()
     return exit_codes.DONE
