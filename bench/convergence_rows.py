@@ -141,12 +141,12 @@ SIZES = {
                                "slo-h30-d1.56", "slo-h30-d1.56-senders", "slo-h30-d1.56-senders-clip",
                                SPARSE_DENSE_ROW)),
     # the large model (5.6M parameters, 6.7x medium's): its own sweep at 500 steps (4 inner lrs, and the
-    # outer steps the medium sweep ranked first: 0.7/0.7, 0.7/0.5, 1.0/0.7 and the default), about 4.5 min
+    # medium sweep's 1st, 2nd and 4th outer steps: 0.7/0.7, 0.7/0.5, 1.0/0.7, and the default), about 4.5 min
     # a run on 2 idle cores; no study rows at this length
     "large": Size("large", n_layer=7, n_embd=256, steps=500, seeds=1, inner_lrs=(5e-4, 1e-3, 2e-3, 4e-3),
                   outer_sweep=((0.7, 0.7), (0.7, 0.5), (1.0, 0.7)), rows=()),
     # the large model at 4,000 steps (8.2M tokens, 1.5 per parameter): the frontier at a 5M+ model
-    # (issue 51), about 32 min a row on 2 idle cores (0.47 s a step)
+    # (issue 51), about 33 min a row on 2 idle cores (0.47 s a step)
     "large-long": Size("large-long", n_layer=7, n_embd=256, steps=4000, seeds=1, tuned_on="large",
                        rows=("dp", "m2-h30-outer", "m2-h100-outer", "m2-paced200-outer",
                              "m2-paced200-int2b1024-int4final-decay0-zstd-outer", "m2-h200-int4-outer",
