@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import secrets
 import socket
 import subprocess
@@ -97,15 +98,36 @@ def position_records() -> Iterator[list[logging.LogRecord]]:
         logger.setLevel(old)
 
 
-def free_port_range(n: int) -> int:
-    """A base port on 127.0.0.1 with ``n`` free ports from it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and all(_free(base + i) for i in range(n)):
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port_range(n: int = 1) -> int:
+    """A base port on 127.0.0.1 with ``n`` free ports from it, below the kernel's ephemeral range
+    (``net.ipv4.ip_local_port_range``): the kernel never hands a port there to another process's
+    ``bind(0)`` or ``connect`` (a test running beside this one) between this check and its use,
+    as it could a port it gave out once and took back."""
+    low, high = _ephemeral_range()
+    floor = 10000
+    if low - floor < 1000:  # the ephemeral range starts too low: from above it instead
+        floor, low = high + 1, 65536
+    if low - n <= floor:
+        raise RuntimeError(f"no ports outside the ephemeral range {low}-{high}")
+    pick = random.Random()  # not the tests' seeded global one: xdist's workers would draw alike
+    for _ in range(200):
+        base = pick.randrange(floor, low - n)
+        if all(_free(base + i) for i in range(n)):
             return base
-    raise RuntimeError("no free port range")
+    raise RuntimeError(f"no {n} free ports from {floor} to {low}")
+
+
+def free_port() -> int:
+    """A free port on 127.0.0.1 outside the ephemeral range (``free_port_range``)."""
+    return free_port_range(1)
 
 
 def _free(port: int) -> bool:

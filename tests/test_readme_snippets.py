@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib
 import re
-import socket
 import threading
 from pathlib import Path
 
 import pytest
+from diloco_helpers import free_port_range
 import torch
 import torch.nn as nn
 
@@ -66,14 +66,8 @@ def run_training_loop(code: str, monkeypatch) -> None:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    base = free_port_range(n)
+    return list(range(base, base + n))
 
 
 def run_data_plane(code: str) -> None:

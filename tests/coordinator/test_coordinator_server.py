@@ -1,12 +1,12 @@
 """Coordinator over real gRPC on 127.0.0.1 ephemeral ports: joins, auth, validation, reports."""
 
 import re
-import socket
 import threading
 import time
 
 import grpc
 import pytest
+from diloco_helpers import free_port
 
 from diloco.coordinator import CoordinatorClient, CoordinatorError, CoordinatorServer
 from diloco.coordinator import coordinator_pb2 as pb
@@ -91,9 +91,7 @@ def test_join_answers_before_the_clients_own_deadline(server):
 
 
 def test_unreachable_coordinator_fails_within_timeout():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed below: nothing listens there
+    port = free_port()  # nothing listens there
     start = time.monotonic()
     with pytest.raises(CoordinatorError, match=f"cannot reach coordinator at 127.0.0.1:{port} "
                                                "within 1s"):

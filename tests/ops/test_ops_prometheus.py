@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from diloco_helpers import free_port_range
 from ops_helpers import DEPLOY, SNAPSHOT, need_binary
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -72,24 +72,6 @@ def test_exposition_passes_promtools_metric_linter(tmp_path):
             result.stdout + result.stderr
 
 
-def _free_ports(n: int) -> int:
-    """A port p such that p .. p+n-1 are free on 127.0.0.1 now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no run of free ports")
-
-
 def _query(prom: str, expr: str) -> list[dict]:
     url = f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     with urllib.request.urlopen(url, timeout=5) as reply:
@@ -111,8 +93,8 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 30.
 @pytest.mark.slow
 def test_prometheus_scrapes_a_diloco_run_and_answers_queries(tmp_path: Path):
     prometheus = need_binary("prometheus", HOW)
-    metrics = _free_ports(3)  # group 0's rank, group 1's rank, the coordinator
-    (prom_port,) = [_free_ports(1)]
+    metrics = free_port_range(3)  # group 0's rank, group 1's rank, the coordinator
+    prom_port = free_port_range(1)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(p) for p in RULE_FILES],

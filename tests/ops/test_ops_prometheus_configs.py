@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from diloco_helpers import free_port
 import yaml
 from ops_helpers import DEPLOY, SNAPSHOT, need_binary
 
@@ -95,7 +96,7 @@ class _Prometheus:
                                text=True, timeout=60)
         assert check.returncode == 0, check.stdout + check.stderr
         prometheus = need_binary("prometheus", HOW)
-        self.port = _free_port()
+        self.port = free_port()
         self.log = open(self.dir / "log", "wb")
         self.proc = subprocess.Popen([prometheus, f"--config.file={self.dir / 'prometheus.yml'}",
                                       f"--storage.tsdb.path={self.dir / 'data'}",
@@ -130,14 +131,6 @@ class _Prometheus:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_every_local_rank_of_every_pod_is_a_target_and_finished_pods_are_not(tmp_path, rendered):

@@ -4,25 +4,18 @@ address: the workers retry, rejoin, finish, and the new coordinator reports the 
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-from diloco_helpers import write_small_job
+from diloco_helpers import free_port, write_small_job
 
 from diloco.runtime.rank.endpoint import SECRET_ENV, TOKEN_ENV
 
 pytestmark = pytest.mark.slow
 STEPS = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def group_steps(metrics_port: int) -> list[float]:

@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from diloco_helpers import free_port_range
 
 from diloco.coordinator import CoordinatorClient, CoordinatorError
 from diloco.coordinator.credentials import group_token, parse_group_token
@@ -126,24 +127,8 @@ def _get(url: str, token: str | None) -> int:
         return e.code
 
 
-def _free_ports(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536:
-            try:
-                held = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
-            except OSError:
-                continue
-            for s in held:
-                s.close()
-            return base
-    raise RuntimeError("no free port range")
-
-
 def test_a_groups_credential_cannot_act_for_another_and_the_run_listens_only_on_its_host(tmp_path):
-    metrics = _free_ports(4)  # group 0's two ranks, group 1's one, then the coordinator's /metrics and /status
+    metrics = free_port_range(4)  # group 0's two ranks, group 1's one, then the coordinator's /metrics and /status
     run_dir, summary = tmp_path / "run", tmp_path / "summary.json"
     proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", *SMALL, "--steps", "400", "--group-sizes", "2,1",
                              "--groups", "2", "--metrics-port", str(metrics), "--run-dir", str(run_dir),

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from diloco_helpers import free_port
 import torch.distributed as dist
 
 from diloco.runtime.ops import exit_codes
@@ -126,9 +127,7 @@ def test_diloco_torchrun_signalled_while_it_waits_for_its_other_nodes_exits_at_o
     """Node 0 of a 2-node group whose node 1 never comes (a multi-pod group, its other pod not
     scheduled) waits in torch's C++ rendezvous store, where a Python signal handler does not run:
     deleted then, it exits 75 at once (was: it sat until the kubelet's SIGKILL, 137, a counted failure)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "diloco", "torchrun", "--nnodes", "2", "--node-rank", "0",
                              "--master-addr", "127.0.0.1", f"--master-port={port}", "--nproc-per-node", "1",
                              "--no-python", "sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from diloco_helpers import free_port
 
 from diloco.job.config import ConfigError
 from diloco.job.config_parse import load_file
@@ -28,12 +29,6 @@ def diloco(*args: str, env: dict | None = None, timeout: float = 30.0) -> tuple[
     proc = subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -10,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from diloco_helpers import free_port
 
 from diloco import cli
 from diloco.job.config import Config
@@ -106,16 +106,10 @@ def test_config_file_and_flag_override(tmp_path):
         from_args(cli.build_parser().parse_args(["run", "--config", str(path)]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_worker_that_cannot_reach_the_coordinator_fails_within_its_deadline():
     env = dict(os.environ, DILOCO_SECRET="ab" * 32)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           "-m", "diloco", "worker", "--coordinator", f"127.0.0.1:{_free_port()}", "--group-id", "0",
+           "-m", "diloco", "worker", "--coordinator", f"127.0.0.1:{free_port()}", "--group-id", "0",
            "--ranks-per-group", "1", "--timeout", "3", *SMALL[:-1]]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)

@@ -4,11 +4,11 @@ A group's credential opens nothing there. (A live run: test_credentials_live_run
 
 from __future__ import annotations
 
-import socket
 import urllib.error
 import urllib.request
 
 import pytest
+from diloco_helpers import free_port
 
 from diloco import cli
 from diloco.coordinator import CoordinatorServer
@@ -32,9 +32,7 @@ def _status(port: int, token: str | None) -> int:
 @pytest.fixture
 def served(tmp_path):
     """``diloco run``'s coordinator HTTP side, as the launcher starts it (after the ranks' ports)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = Config()
     cfg.topology.groups, cfg.topology.ranks_per_group = 2, 1
     cfg.train.metrics_port = port - 2  # the coordinator's is --metrics-port + every rank

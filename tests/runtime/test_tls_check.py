@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from diloco_helpers import free_port
 
 from diloco.coordinator import CoordinatorServer
 from diloco.runtime.rank.tls_check import tls_problem
@@ -52,11 +53,7 @@ def test_a_rank_certificate_the_coordinator_refuses_is_named(pki, coordinator):
 
 
 def test_nothing_listening_is_not_a_tls_problem_and_bad_input_is_an_error(pki):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     assert tls_problem(f"127.0.0.1:{port}", **_files(pki["a"])) is None
     with pytest.raises(ValueError, match="host:port"):
         tls_problem("nowhere", **_files(pki["a"]))
@@ -65,7 +62,6 @@ def test_nothing_listening_is_not_a_tls_problem_and_bad_input_is_an_error(pki):
 
 
 def test_check_coordinator_raises_at_once_and_waits_for_a_coordinator_not_up_yet(pki, coordinator):
-    import socket
     import time
 
     from diloco.job.config import ConfigError
@@ -76,9 +72,7 @@ def test_check_coordinator_raises_at_once_and_waits_for_a_coordinator_not_up_yet
         check_coordinator(coordinator, timeout_s=60, **_files(pki["a"], ca_folder=pki["b"]))
     assert time.monotonic() - t0 < 10, "a certificate problem is reported at once, not after the deadline"
     check_coordinator(coordinator, timeout_s=60, **_files(pki["a"]))  # returns: the handshake works
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     check_coordinator(f"127.0.0.1:{port}", timeout_s=2.0, poll_s=0.2, **_files(pki["a"]))  # nothing there: waits
     assert 1.5 < time.monotonic() - t0 < 6

@@ -19,6 +19,7 @@ import textwrap
 from datetime import timedelta
 
 import pytest
+from diloco_helpers import free_port
 
 from diloco.runtime.launch import agent
 
@@ -77,12 +78,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
@@ -94,7 +89,7 @@ def test_diloco_torchrun_binds_its_stores_and_the_workers_gloo_to_the_local_addr
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     if rendezvous == "static":
-        how = ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
+        how = ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
     else:
         how = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=bind-test",
                "--rdzv-conf=is_host=1"]

@@ -7,6 +7,7 @@ import random
 import threading
 
 import pytest
+from diloco_helpers import free_port
 
 from transport import TokenBucket
 from transport.probe import _heuristic, ring_links, ring_order
@@ -114,16 +115,13 @@ def test_a_peer_restarted_at_the_same_address_is_probed_without_waiting_for_the_
     """With a fixed data port a restarted rank comes back at its old address, and the prober's peer
     still holds a link to the dead process: its first answers go nowhere. The probe sends again and
     the peer redials, well within the deadline."""
-    import socket
     import time
 
     from transport_helpers import SECRET
 
     from transport import TcpTransport
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with transports(g=1, timeout_s=30.0) as (b,):
         a = TcpTransport("127.0.0.1", port, secret=SECRET, timeout_s=30.0)
         try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from typing import Iterator
 
 import torch
+from diloco_helpers import free_port
 
 from transport import TcpTransport, TokenBucket
 from transport.core import TransportBase
@@ -43,11 +43,7 @@ def run_ring(ts: list[TcpTransport], xs: list[torch.Tensor], tag: str, **kw) -> 
 
 def closed_port_address() -> str:
     """An address on 127.0.0.1 where nothing listens."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def doomed_peer(conn, n: int, index: int, kill_after_bytes: int, backend: str = "tcp") -> None:
