@@ -65,14 +65,10 @@ def run_training_loop(code: str, monkeypatch) -> None:
     assert 0 in snapshot["progress"], "the snippet's report_progress did not reach the coordinator"
 
 
-def _free_ports(n: int) -> list[int]:
-    base = free_port_range(n)
-    return list(range(base, base + n))
-
-
 def run_data_plane(code: str) -> None:
     """The data plane alone: two members run the snippet, each with its own x; both get the mean."""
-    ports = _free_ports(2)
+    base = free_port_range(2)
+    ports = [base, base + 1]
     ring = [f"127.0.0.1:{p}" for p in ports]
     xs = [torch.full((5000,), float(i + 1)) for i in range(2)]
     results: dict[int, torch.Tensor] = {}

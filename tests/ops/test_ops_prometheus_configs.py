@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from diloco_helpers import free_port
 import yaml
+from diloco_helpers import free_port
 from ops_helpers import DEPLOY, SNAPSHOT, need_binary
 
 from diloco.coordinator.metrics import CoordinatorHttp
