@@ -50,9 +50,9 @@ transports' byte counters: payload and framing, the initial-parameter check incl
 
 bits_per_param_per_step = 8 x bytes_sent / (num_parameters x steps): the bits all groups together
 sent to each other per model parameter per inner step (``diloco.runtime.launch.summary.bits_per_param_per_step``,
-the figure ``diloco run`` prints). Data parallel's fp32 ring all-reduce moves 2(G-1)/G x 4 bytes
-per parameter per group per step: 64 (G-1) bits, 64 with the baseline's two groups (measured
-here a little above: framing).
+the figure ``diloco run`` prints); the tables and the progress lines divide it by G: per sending
+group. Data parallel's fp32 ring all-reduce moves 2(G-1)/G x 4 bytes per parameter per group per
+step: 64 (G-1) bits, 64 with the baseline's two groups (measured here a little above: framing).
 
     python bench/convergence.py --quick                    # 7 rows, small model, one seed: < 10 min on 2 cores
     python bench/convergence.py                            # the whole study, both sizes (hours; resumable)
@@ -243,7 +243,8 @@ def run_study(a: argparse.Namespace) -> list[dict]:
                 vs = f" ({100 * (rec['eval_loss'] / ref - 1):+.2f}% vs dp)" if ref and row.mode != "dp" else ""
                 print(f"[{size.name} {stage} {i}/{len(todo)}] {row.name} seed {seed}: eval {rec['eval_loss']:.4f}{vs}, "
                       f"{rec['bytes_sent'] / 1e6:.2f} MB, {rec['syncs']} syncs, "
-                      f"{rec['bits_per_param_per_step']:.3g} bits/param/step, {time.perf_counter() - t0:.1f} s",
+                      f"{rec['bits_per_param_per_step'] / rec['groups']:.3g} bits/param/step per group, "
+                      f"{time.perf_counter() - t0:.1f} s",
                       flush=True)
     print(f"done: {len(records)} records in {path} ({time.perf_counter() - t_all:.0f} s this run)", flush=True)
     return records
@@ -308,14 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.paired:
         print(paired_table(json.loads(path.read_text()), against=a.against))
         return 0
-    if a.table:
-        records = json.loads(path.read_text())
-    else:
-        records = run_study(a)
-    print(table(records))
-    if any(r["stage"] == "sweep" for r in records):
-        print("\nsweep:\n" + table(records, "sweep"))
-    for line in qsr_report(records):
+    records = json.loads(path.read_text()) if a.table else run_study(a)
+    # a run prints the tables of the sizes it trained, not the whole file's
+    shown = records if a.table else [r for r in records if r["size"] in {s.name for s, _, _ in plan(a)}]
+    print(table(shown))
+    if any(r["stage"] == "sweep" for r in shown):
+        print("\nsweep:\n" + table(shown, "sweep"))
+    for line in qsr_report(shown):
         print(line)
     png = Path(a.plot) if a.plot else path.with_suffix(".png")
     if (a.plot or not a.table) and plot(records, png):

@@ -31,14 +31,15 @@ def dp_reference(records: list[dict], size: str) -> float | None:
 
 
 def table(records: list[dict], stage: str = "study") -> str:
-    """Markdown: one line per (size, row), eval loss as mean ± sd over seeds, vs the dp baseline."""
+    """Markdown: one line per (size, row), eval loss as mean ± sd over seeds, vs the dp baseline;
+    bits per parameter per inner step per sending group (the records' all-groups figure / G)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if r["stage"] == stage:
             groups.setdefault((r["size"], r["row"]), []).append(r)
     order = {n: i for i, n in enumerate([r.name for r in study_rows()] + [r.name for r in sweep_rows()])}
     lines = ["| size | row | mode | M | H | P | τ | codec | inner lr | outer lr/mom | seeds | eval loss | vs dp | "
-             "MB sent | syncs | bits/param/step |", "|" + "---|" * 16]
+             "MB sent | syncs | bits/param/step per group |", "|" + "---|" * 16]
     for (size, row), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "small", order.get(kv[0][1], 99))):
         r = rs[0]
         losses = [x["eval_loss"] for x in rs]
@@ -52,7 +53,7 @@ def table(records: list[dict], stage: str = "study") -> str:
             f"| {size} | {row} | {r['mode']} | {r['groups']} | {h} | {r['fragments']} | {r['overlap_steps']} | "
             f"{r['codec']} | {r['inner_lr']:g} | {outer} | {len(rs)} | {mean:.4f}{sd} | {vs} | "
             f"{statistics.fmean(x['bytes_sent'] for x in rs) / 1e6:.2f} | {r['syncs']} | "
-            f"{statistics.fmean(x['bits_per_param_per_step'] for x in rs):.3g} |")
+            f"{statistics.fmean(x['bits_per_param_per_step'] / x['groups'] for x in rs):.3g} |")
     return "\n".join(lines)
 
 

@@ -150,7 +150,27 @@ def test_table_and_qsr_report_from_records():
     text = conv.table(recs)
     assert "| small | m2-h30 | blocking | 2 | 30 |" in text and "2.0200 ± 0.0141 | +1.00%" in text
     assert "qsr 10" in text
+    assert "bits/param/step per group |" in text.splitlines()[0]
+    assert text.splitlines()[3].endswith("| 0.5 |")  # the records' 1.0 bits for both groups: 0.5 a group
     # QSR (2.03) is at least as good as H=10 only (H=30 is better): it matches H=10 with 6 fewer syncs
     [line] = conv.qsr_report(recs)
     assert "fixed H=10 reaches 2.0400 with 10 syncs: 6 syncs saved (60%)" in line, line
     assert "H=30: 2.0200 (+0.50% for QSR) with 3 syncs" in line, line
+
+
+def test_a_run_prints_the_tables_of_its_sizes_only(tmp_path, monkeypatch, capsys):
+    def rec(size, row, loss):
+        return dict(stage="study", size=size, row=row, seed=1, mode="blocking", groups=2, h=30, fragments=1,
+                    overlap_steps=0, codec="fp32", inner_lr=1e-3, outer_lr=0.7, outer_momentum=0.7, eval_loss=loss,
+                    bytes_sent=10, syncs=3, bits_per_param_per_step=1.0, schedule="fixed")
+    recs = [rec("small", "m2-h30-outer", 2.0), rec("large-long", "m2-h30-outer", 1.4)]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(recs))
+    monkeypatch.setattr(conv, "run_study", lambda a: recs)  # the run itself is tested above
+    monkeypatch.setattr(conv, "plot", lambda records, png: False)
+    assert conv.main(["--sizes", "large-long", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| large-long | m2-h30-outer |" in out and "| small |" not in out
+    assert conv.main(["--table", "--json", str(path)]) == 0  # --table: the whole file
+    out = capsys.readouterr().out
+    assert "| large-long | m2-h30-outer |" in out and "| small | m2-h30-outer |" in out
