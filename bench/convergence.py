@@ -52,7 +52,8 @@ bits_per_param_per_step = 8 x bytes_sent / (num_parameters x steps): the bits al
 sent to each other per model parameter per inner step (``diloco.runtime.launch.summary.bits_per_param_per_step``,
 the figure ``diloco run`` prints); the tables and the progress lines divide it by G: per sending
 group. Data parallel's fp32 ring all-reduce moves 2(G-1)/G x 4 bytes per parameter per group per
-step: 64 (G-1) bits, 64 with the baseline's two groups (measured here a little above: framing).
+step: 64 (G-1) / G bits per group, 64 (G-1) for all groups together (32 and 64 with the baseline's two
+groups; measured here a little above: framing).
 
     python bench/convergence.py --quick                    # 7 rows, small model, one seed: < 10 min on 2 cores
     python bench/convergence.py                            # the whole study, both sizes (hours; resumable)
