@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from diloco_helpers import free_port_range
 import torch
 import torch.nn as nn
+from diloco_helpers import free_port_range
 
 import diloco
 from diloco.coordinator import CoordinatorServer

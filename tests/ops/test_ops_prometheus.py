@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from diloco_helpers import free_port_range
+from diloco_helpers import free_port, free_port_range
 from ops_helpers import DEPLOY, SNAPSHOT, need_binary
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -94,7 +94,7 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 30.
 def test_prometheus_scrapes_a_diloco_run_and_answers_queries(tmp_path: Path):
     prometheus = need_binary("prometheus", HOW)
     metrics = free_port_range(3)  # group 0's rank, group 1's rank, the coordinator
-    prom_port = free_port_range(1)
+    prom_port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(p) for p in RULE_FILES],

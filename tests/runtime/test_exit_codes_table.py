@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-from diloco_helpers import free_port
 import torch.distributed as dist
+from diloco_helpers import free_port
 
 from diloco.runtime.ops import exit_codes
 
