@@ -198,7 +198,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         summaries = wait_for_job(server, stop)
         if summaries is not None:
             finished = True
-            code = report_job(summaries, args.json)
+            code = report_job(summaries, args.json, joined_late=server.joined_late)
             if args.keep_running:
                 stop.wait()
         elif server.halted:  # the groups were told (exit 2 each): serve their last calls, then stop

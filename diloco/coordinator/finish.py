@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from collections.abc import Collection
 from typing import Any, TextIO
 
 from .report import format_job_summary, job_summary
@@ -30,15 +31,16 @@ def wait_for_job(server: CoordinatorServer, stop: threading.Event,
     return None
 
 
-def report_job(summaries: dict[int, dict[str, Any]], json_path: str | None, *,
+def report_job(summaries: dict[int, dict[str, Any]], json_path: str | None, *, joined_late: Collection[int],
                out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Print the job's summary to ``out`` and each problem (e.g. diverged parameters) to ``err``
     (default: ``sys.stdout`` and ``sys.stderr`` as they are when it is called, so a JSON log setup
     made after this module was imported turns them into records), write the summary as JSON to
-    ``json_path`` if given; returns 0 if the job ended cleanly, else 1."""
+    ``json_path`` if given; returns 0 if the job ended cleanly, else 1. ``joined_late``: the groups
+    the coordinator told the job had finished before they could heal (``server.joined_late``)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    job = job_summary(summaries)
+    job = job_summary(summaries, joined_late)
     print(format_job_summary(job), file=out, flush=True)
     for problem in job["problems"]:
         print(f"diloco coordinator: {problem}", file=err, flush=True)

@@ -6,52 +6,66 @@ Every key of a group's summary is optional and untrusted: a missing key leaves t
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 MAX_SHOWN_CHARS = 80  # longest untrusted value quoted in notes and problems
 
 
-def job_summary(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def job_summary(summaries: dict[int, dict[str, Any]],
+                joined_late: Collection[int] = ()) -> dict[str, Any]:
     """The job's summary from ``{group: summary}`` (JSON-able; group ids are int keys).
 
-    Keys: groups (count), group_ids, eval_loss (lowest group id's, i.e. group 0's: the global
-    model), eval_loss_mean, eval_loss_per_group, initial_eval_loss, outer_rounds, inner_steps,
-    num_parameters, mode, fragments (each the lowest group id's value; ``<key>_per_group`` too),
-    tokens (sum), bytes_sent / bytes_received (sums over groups, bytes), param_hash_per_group,
-    params_identical (True, False, or None when a group sent no hash), seconds (wall, slowest
-    group), utilization (lowest), failed_groups, problems (why the job did not end cleanly:
-    diverged or missing hashes, failed groups), ok (no problems), notes (values left out).
+    ``joined_late``: the groups the coordinator told that the job had finished before they could
+    heal. A summary saying ``joined_late`` holds no model: such a group is left out of every figure
+    below (listed under late_groups with its reason); one the coordinator did not tell so is a
+    problem too, since nothing but its own word says it holds no diverged model.
+
+    Keys: groups (count of summaries), group_ids, model_group_ids (the groups that trained to the
+    end: every figure is theirs), late_groups ({group: reason}), eval_loss (lowest model group's,
+    e.g. group 0's: the global model), eval_loss_mean, eval_loss_per_group, initial_eval_loss,
+    outer_rounds, inner_steps, num_parameters, mode, fragments (each the lowest model group's value;
+    ``<key>_per_group`` too), tokens (sum), bytes_sent / bytes_received (sums over groups, bytes),
+    param_hash_per_group, params_identical (True, False, or None when a group sent no hash or
+    none trained to the end), seconds (wall, slowest group), utilization (lowest), failed_groups,
+    problems (why the job did not end cleanly: diverged or missing hashes, failed groups, no group
+    that trained to the end, an unconfirmed late join), ok (no problems), notes (values left out).
     """
     if not summaries:
         raise ValueError("no group summaries to summarize")
-    groups = sorted(summaries)
+    late = {g: _shown(s.get("reason", "")) for g, s in sorted(summaries.items()) if s.get("joined_late") is True}
+    groups = [g for g in sorted(summaries) if g not in late]
+    trained = {g: summaries[g] for g in groups}
     notes: list[str] = []
-    losses = _numbers(summaries, "eval_loss", notes)
-    hashes = _hashes(summaries, notes)
+    losses = _numbers(trained, "eval_loss", notes)
+    hashes = _hashes(trained, notes)
+    first = groups[0] if groups else None
     job: dict[str, Any] = {
-        "groups": len(groups),
-        "group_ids": groups,
-        "eval_loss": losses.get(groups[0]),
+        "groups": len(summaries),
+        "group_ids": sorted(summaries),
+        "model_group_ids": groups,
+        "late_groups": late,
+        "eval_loss": losses.get(first),
         "eval_loss_mean": _mean(losses),
         "eval_loss_per_group": _all_groups(groups, losses),
-        "initial_eval_loss": _numbers(summaries, "initial_eval_loss", notes).get(groups[0]),
+        "initial_eval_loss": _numbers(trained, "initial_eval_loss", notes).get(first),
     }
     for key, kind in (("outer_rounds", int), ("inner_steps", int), ("num_parameters", int),
                       ("mode", str), ("fragments", int)):
-        per_group = _typed(summaries, key, kind, notes)
-        job[key] = per_group.get(groups[0])
+        per_group = _typed(trained, key, kind, notes)
+        job[key] = per_group.get(first)
         job[f"{key}_per_group"] = _all_groups(groups, per_group)
-    job["tokens"] = _sum(_typed(summaries, "tokens", int, notes))
-    job["bytes_sent"] = _sum(_typed(summaries, "bytes_sent", int, notes))
-    job["bytes_received"] = _sum(_typed(summaries, "bytes_received", int, notes))
+    job["tokens"] = _sum(_typed(trained, "tokens", int, notes))
+    job["bytes_sent"] = _sum(_typed(trained, "bytes_sent", int, notes))
+    job["bytes_received"] = _sum(_typed(trained, "bytes_received", int, notes))
     job["param_hash_per_group"] = _all_groups(groups, hashes)
-    job["params_identical"] = _identical(groups, hashes)
-    seconds = _numbers(summaries, "seconds", notes)
+    job["params_identical"] = _identical(groups, hashes) if groups else None
+    seconds = _numbers(trained, "seconds", notes)
     job["seconds"] = max(seconds.values()) if seconds else None
-    utilization = _numbers(summaries, "utilization", notes)
+    utilization = _numbers(trained, "utilization", notes)
     job["utilization"] = min(utilization.values()) if utilization else None
-    job["failed_groups"] = [g for g in groups if summaries[g].get("failed")]
-    job["problems"] = _problems(job, summaries)
+    job["failed_groups"] = [g for g in groups if trained[g].get("failed")]
+    job["problems"] = _problems(job, trained, unconfirmed=sorted(set(late) - set(joined_late)))
     job["ok"] = not job["problems"]
     job["notes"] = notes
     return job
@@ -59,7 +73,7 @@ def job_summary(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 def format_job_summary(job: dict[str, Any]) -> str:
     """Human-readable block for a :func:`job_summary` dict (losses in nats/token)."""
-    groups = job["group_ids"]
+    groups = job["model_group_ids"]
     per_loss = ", ".join(_num(job["eval_loss_per_group"][g], ".4f") for g in groups)
     lines = [
         "diloco job summary",
@@ -70,7 +84,7 @@ def format_job_summary(job: dict[str, Any]) -> str:
         f"{_agreed(job, 'fragments')} fragment(s)",
         f"  outer rounds             : {_agreed(job, 'outer_rounds')}",
         f"  inner steps per rank     : {_agreed(job, 'inner_steps')}",
-        f"  groups                   : {job['groups']} ({', '.join(map(str, groups))})",
+        f"  groups                   : {job['groups']} ({', '.join(map(str, job['group_ids']))})",
         f"  parameters               : {_agreed(job, 'num_parameters', ',')}",
         f"  tokens                   : {_num(job['tokens'], ',')}",
         f"  bytes between groups     : {_bytes(job['bytes_sent'])} sent, "
@@ -80,6 +94,9 @@ def format_job_summary(job: dict[str, Any]) -> str:
         f"  compute utilization      : {_percent(job['utilization'])} (slowest group)",
         f"  wall time                : {_num(job['seconds'], '.1f')} s (slowest group)",
     ]
+    for g, reason in job["late_groups"].items():
+        lines.append(f"  joined too late          : group {g} ({reason}): it holds no model; left out of "
+                     "the figures above")
     if job["failed_groups"]:
         lines.append(f"  failed groups            : {', '.join(map(str, job['failed_groups']))}")
     lines += [f"  note: {n}" for n in job["notes"]]
@@ -147,12 +164,16 @@ def _identical(groups: list[int], hashes: dict[int, str]) -> bool | None:
     return True if len(hashes) == len(groups) else None
 
 
-def _problems(job: dict[str, Any], summaries: dict[int, dict[str, Any]]) -> list[str]:
-    """Why the job did not end cleanly, one sentence each."""
+def _problems(job: dict[str, Any], summaries: dict[int, dict[str, Any]], *,
+              unconfirmed: list[int]) -> list[str]:
+    """Why the job did not end cleanly, one sentence each (``summaries``: the model groups')."""
     problems = []
     hashes = job["param_hash_per_group"]
     listed = ", ".join(f"group {g} {h}" for g, h in hashes.items())
-    if job["params_identical"] is False:
+    if not hashes:
+        problems.append(f"no group trained to the end: every group joined too late "
+                        f"({sorted(job['late_groups'])})")
+    elif job["params_identical"] is False:
         problems.append(f"the groups' global parameters diverged: {listed}")
     elif job["params_identical"] is None:
         silent = [g for g, h in hashes.items() if h is None]
@@ -160,6 +181,9 @@ def _problems(job: dict[str, Any], summaries: dict[int, dict[str, Any]]) -> list
                         f"from groups {silent}")
     for g in job["failed_groups"]:
         problems.append(f"group {g} reported failure: {_shown(summaries[g]['failed'])}")
+    for g in unconfirmed:
+        problems.append(f"group {g} says it joined too late, but the coordinator never told it the job had "
+                        "finished: whether it holds a model that differs is unknown")
     return problems
 
 

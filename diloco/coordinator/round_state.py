@@ -67,6 +67,8 @@ class RoundState(GraceWindow):
         self._asked_exchange: dict[int, int] = {}  # group -> latest exchange its rank 0 asked for
         self._first_ask: dict[int, float] = {}  # exchange -> when its first quorum request came
         self._healed_at: dict[int, int] = {}  # group -> exchange it healed in, until it asks for a later one
+        #: groups told the job finished before they could heal: their summaries hold no model
+        self.joined_late: set[int] = set()
         self._last_members = 0  # groups of the last committed quorum, healers included
         self._stop_reason: str | None = None
         #: the job's committed position: its lowest exchange not yet committed (None after a restart,
@@ -222,6 +224,8 @@ class RoundState(GraceWindow):
             return
         if heal_asks and self._summaries and not live:  # the others finished: nobody trains on
             for g in heal_asks:
+                self.joined_late.add(g)
+                self._event("joined_late", group=g)
                 self._answer(g, rounds.HEAL, ("finished", None))
             return
         if heal_asks and not live and self.restart_when_state_lost:  # no donor will ever come

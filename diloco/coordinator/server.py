@@ -208,6 +208,12 @@ class CoordinatorServer:
         return self._state.state_lost
 
     @property
+    def joined_late(self) -> list[int]:
+        """Groups this coordinator told that the job had finished before they could heal: their
+        summaries hold no model (``report_job`` leaves them out of the job's figures)."""
+        return self.snapshot()["rounds_state"]["joined_late"]
+
+    @property
     def halted(self) -> str | None:
         """Why the job halted (its members differed with no majority, again: no restart mends it);
         None while it runs."""

@@ -178,6 +178,7 @@ class CoordinatorState(VoteState):
                     "job_lost": self.job_lost, "halted": self.halted, "frontier": self.frontier,
                     "behind": {g: sorted(b) for g, b in sorted(self._behind.items()) if b}, **self._counts,
                     "live_groups": sorted(self._live()), "healing_groups": sorted(self._healing),
+                    "joined_late": sorted(self.joined_late),
                     "failed_groups": dict(sorted(self._group_failed.items())),
                     "incarnations": dict(sorted(self._incarnations.items())),
                     "last_quorum": self._last_quorum(), "stop": self._stop_reason,

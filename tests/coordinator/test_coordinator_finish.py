@@ -17,6 +17,8 @@ import pytest
 
 from diloco.cli import build_parser
 from diloco.coordinator import CoordinatorClient, CoordinatorServer
+from diloco.coordinator.messages import QuorumRequest
+from diloco.coordinator.rounds import HEAL
 
 ROOT = Path(__file__).resolve().parents[2]
 WATCHDOG_S = 30.0  # a coordinator subprocess still alive after this long is killed
@@ -186,6 +188,46 @@ def test_diverged_parameters_exit_1_after_printing():
     assert "global params identical  : False, DIVERGED (sha256:aa, sha256:bb)" in out
     assert ("diloco coordinator: the groups' global parameters diverged: group 0 sha256:aa, "
             "group 1 sha256:bb") in err
+
+
+LATE = {"group": 0, "rank": 0, "joined_late": True,
+        "reason": "group 0: the job's groups finished before this group could heal"}
+
+
+def test_a_group_restarted_after_the_others_finished_does_not_fail_the_job(tmp_path):
+    """Group 0 restarts (a killed pod) and asks to heal after group 1 finished: the coordinator
+    tells it so, its summary holds no model, and the job still ends cleanly, on group 1's figures."""
+    out_json = tmp_path / "job.json"
+    coord = Coordinator("--json", str(out_json))
+    try:
+        join_groups(coord.address, 2)
+        report(coord.address, {1: group_summary(1)})
+        with CoordinatorClient(coord.address, timeout_s=5.0) as c:
+            assert c.join(0, 0, 1, "127.0.0.1:20100", incarnation="second", timeout_s=10.0).heal
+            assert c.quorum(QuorumRequest(0, 0, "second", HEAL, healable=True), timeout_s=10.0).finished
+            c.report_summary(0, LATE)
+        code, out, err = coord.finish()
+    finally:
+        coord.kill()
+    assert code == 0, err
+    assert "eval loss (global model) : 2.7500 nats/token" in out  # group 1's: the global model
+    assert "global params identical  : True (sha256:aa)" in out
+    assert "joined too late          : group 0" in out and "left out of the figures above" in out
+    job = json.loads(out_json.read_text())
+    assert job["ok"] is True and job["model_group_ids"] == [1] and list(job["late_groups"]) == ["0"]
+
+
+def test_a_late_join_the_coordinator_never_told_fails_the_job():
+    """A summary that only says it joined too late (a hostile or confused member) clears nothing."""
+    coord = Coordinator()
+    try:
+        join_groups(coord.address, 2)
+        report(coord.address, {1: group_summary(1), 0: LATE})
+        code, out, err = coord.finish()
+    finally:
+        coord.kill()
+    assert code == 1 and "joined too late          : group 0" in out
+    assert "diloco coordinator: group 0 says it joined too late, but the coordinator never told it" in err
 
 
 def test_keep_running_prints_and_serves_until_sigterm(tmp_path):

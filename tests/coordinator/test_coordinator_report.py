@@ -47,6 +47,49 @@ def test_identical_groups():
     json.loads(json.dumps(job))  # JSON-able
 
 
+LATE = {"group": 0, "rank": 0, "joined_late": True,
+        "reason": "group 0: the job's groups finished before this group could heal"}
+
+
+def test_a_group_told_it_joined_too_late_is_left_out_of_the_figures():
+    """The replayed cluster's case: group 0 restarted and asked to heal after group 1 finished."""
+    job = job_summary({0: LATE, 1: group_summary(1, "sha256:bb")}, joined_late=[0])
+    assert job["ok"] and job["problems"] == [] and job["notes"] == []
+    assert job["groups"] == 2 and job["group_ids"] == [0, 1] and job["model_group_ids"] == [1]
+    assert job["late_groups"] == {0: repr(LATE["reason"])}
+    assert job["params_identical"] is True and job["param_hash_per_group"] == {1: "sha256:bb"}
+    assert job["eval_loss"] == 2.6 and job["eval_loss_per_group"] == {1: 2.6}  # group 1's: the global model
+    assert (job["outer_rounds"], job["inner_steps"], job["bytes_sent"]) == (10, 300, 1_000_001)
+    text = format_job_summary(job)
+    assert "global params identical  : True (sha256:bb)" in text
+    assert "groups                   : 2 (0, 1)" in text
+    assert "joined too late          : group 0 (\"group 0: the job's groups finished" in text
+    assert "disagree" not in text and "n/a" not in text
+
+
+def test_a_late_join_the_coordinator_did_not_tell_is_a_problem():
+    """A group's own word that it holds no model does not clear it: it might hide a diverged one."""
+    job = job_summary({0: LATE, 1: group_summary(1)})
+    assert not job["ok"] and job["model_group_ids"] == [1] and job["params_identical"] is True
+    assert job["problems"] == ["group 0 says it joined too late, but the coordinator never told it the job had "
+                               "finished: whether it holds a model that differs is unknown"]
+
+
+def test_every_group_late_is_a_problem():
+    job = job_summary({0: LATE, 1: {**LATE, "group": 1}}, joined_late=[0, 1])
+    assert not job["ok"] and job["params_identical"] is None and job["eval_loss"] is None
+    assert job["problems"] == ["no group trained to the end: every group joined too late ([0, 1])"]
+    assert "global params identical  : unknown ()" in format_job_summary(job)
+
+
+def test_a_summary_without_the_late_flag_still_needs_its_hash():
+    """Only ``joined_late: True`` leaves a group out; a truthy string or a told group that then
+    trained on and reported a real summary is held to the hash check."""
+    job = job_summary({0: {**group_summary(0), "param_hash": "", "joined_late": "yes"},
+                       1: group_summary(1)}, joined_late=[0])
+    assert job["model_group_ids"] == [0, 1] and job["params_identical"] is None and not job["ok"]
+
+
 def test_diverged_hashes_are_a_problem():
     job = job_summary({0: group_summary(0, "sha256:aa"), 1: group_summary(1, "sha256:bb")})
     assert job["params_identical"] is False and not job["ok"]

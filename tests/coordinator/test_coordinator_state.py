@@ -134,8 +134,12 @@ def test_a_group_restarted_after_the_others_finished_learns_so_at_once():
     state.summary(SummaryRequest(0, {"eval_loss": 1.0}))  # now every other group has finished
     late = state.join(JoinRequest(2, 0, 1, "10.0.2.0:7002", incarnation="third"), deadline=clock.now + 1)
     assert late.heal and sorted(late.members) == [2]
+    assert state.snapshot()["rounds_state"]["joined_late"] == []
     answer = state.quorum(QuorumRequest(2, 0, "third", HEAL, healable=True), deadline=clock.now)
     assert answer.finished  # at once: no deadline waited out
+    rounds_state = state.snapshot()["rounds_state"]
+    assert rounds_state["joined_late"] == [2]  # the job's summary leaves its model-less summary out
+    assert [e["group"] for e in rounds_state["events"] if e["kind"] == "joined_late"] == [2]
 
 
 def test_wait_for_summaries_times_out_naming_silent_groups():

@@ -108,7 +108,7 @@ def test_the_coordinators_job_summary_is_json_too():
                "outer_rounds": 1, "param_hash": "ab", "bytes_sent": 10, "bytes_received": 10, "seconds": 1.0,
                "utilization": 0.5, "tokens": 100}
     try:
-        report_job({0: summary, 1: {**summary, "group": 1}}, None)
+        report_job({0: summary, 1: {**summary, "group": 1}}, None, joined_late=())
     except (KeyError, TypeError) as e:  # the summary's required fields changed: keep this test's in step
         pytest.fail(f"a summary of this shape no longer formats: {e!r}")
     lines = out.getvalue().splitlines()
