@@ -100,7 +100,8 @@ def run_one(a: argparse.Namespace, spec: dict, visible: str) -> dict:
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
     groups = s["summaries"]  # group -> that group's own summary
-    slow = max(groups.values() if isinstance(groups, dict) else groups, key=lambda g: g["seconds"])
+    slow = max((g for g in (groups.values() if isinstance(groups, dict) else groups) if "seconds" in g),
+               key=lambda g: g["seconds"])  # a group that joined too late has no time of its own
     rounds = max(1, int(s["outer_rounds"]))
     return {
         **{k: v for k, v in spec.items() if k != "h"}, "data_plane": cfg.transport.data_plane, "h": cfg.sync.h, "tau": cfg.sync.overlap_steps

@@ -187,6 +187,8 @@ class Liveness:
         if known is not None and known != req.incarnation:
             self._fail_group(g, "it started again (a new incarnation joined)")
             self._incarnations[g] = req.incarnation
+            if g in self._summaries and rounds.summary_kind(self._summaries[g]) == rounds.STOPPED:
+                del self._summaries[g]  # back after its SIGTERM stop: it trains on, not finished
         if known is None or known != req.incarnation or g in self._group_failed:
             if g in self._group_failed:
                 self._group_failed.pop(g)
@@ -319,7 +321,7 @@ class Liveness:
         if self.job_lost is not None or not self._started:
             return
         if not rounds.job_lost(set(self._incarnations), set(self._group_failed), self._healing,
-                               set(self._summaries)):
+                               rounds.trained_groups(self._summaries)):
             return
         self.job_lost = rounds.job_lost_message(self.checkpoint_hint)
         self._event("job_lost", reason=self.job_lost, failed=dict(sorted(self._group_failed.items())))
@@ -394,12 +396,18 @@ class Liveness:
     # --- finished groups ----------------------------------------------------------------------
 
     def summary(self, req: SummaryRequest) -> int:
-        """Keep a group's final summary (the latest wins) and wake wait_for_summaries and
-        wait_finished."""
+        """Keep a group's final summary (the latest wins, but a late join's never replaces the
+        summary of a model the group trained to the end: a restart after it finished) and wake
+        wait_for_summaries and wait_finished."""
         with self._cond:
             self._check_open()
             self._known_group(req.group)
-            self._summaries[req.group] = copy.deepcopy(req.summary)
+            kept = self._summaries.get(req.group)
+            if (kept is not None and rounds.summary_kind(kept) == rounds.TRAINED
+                    and rounds.summary_kind(req.summary) == rounds.LATE):
+                self._event("late_summary_ignored", group=req.group)
+            else:
+                self._summaries[req.group] = copy.deepcopy(req.summary)
             self._cond.notify_all()
             return self._epoch_locked()
 

@@ -25,6 +25,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from . import rounds
+
 STATUS_VERSION = 1
 Snapshot = Callable[[], dict[str, Any]]
 
@@ -54,6 +56,7 @@ COORDINATOR_SERIES: dict[str, str] = {
     # from the rounds state of a fault-tolerant coordinator, when its snapshot has one
     "diloco_coordinator_live_groups": "gauge",
     "diloco_coordinator_healing_groups": "gauge",
+    "diloco_coordinator_joined_late_groups": "gauge",
     "diloco_coordinator_job_lost": "gauge",
     "diloco_coordinator_job_halted": "gauge",
     "diloco_coordinator_rounds_committed_total": "counter",
@@ -157,6 +160,9 @@ class CoordinatorCollector:
             yield job_gauge("live_groups", "Groups the coordinator considers alive", len(live))
             yield job_gauge("healing_groups", "Groups fetching the global state from a live peer",
                             len(rounds_state.get("healing_groups", [])))
+            yield job_gauge("joined_late_groups", "Groups told the job had finished when they asked to heal "
+                            "(a restart after the others ended: they hold no model)",
+                            len(rounds_state.get("joined_late", [])))
             yield job_gauge("job_lost", "1 once every group failed at once: no group holds the job's state; "
                             "resume from checkpoint", int(bool(rounds_state.get("job_lost"))))
             yield job_gauge("job_halted", "1 once the members differed with no majority again: the job stopped, "
@@ -165,7 +171,8 @@ class CoordinatorCollector:
                 value = _number(rounds_state.get(key))
                 if value is not None:
                     yield CounterMetricFamily(f"diloco_coordinator_{name}", doc, value=value)
-        yield job_gauge("finished_groups", "Groups that reported their final summary", len(snap.get("summaries", {})))
+        yield job_gauge("finished_groups", "Groups that ended for good: trained to the end or joined too late "
+                        "(not one stopped by its own SIGTERM: it comes back)", len(_finished(snap)))
         yield job_gauge("diverged_rounds", "Rounds whose global-parameter hashes differed across groups",
                         len(snap.get("divergence", [])))
         yield job_gauge("plan_version", "Version of the bandwidth table the stripe plans use", snap.get("plan_version", 0))
@@ -214,9 +221,11 @@ class CoordinatorCollector:
         yield sent
 
         finished = GaugeMetricFamily("diloco_coordinator_group_finished",
-                                     "1 once the group reported its final summary", labels=["group"])
+                                     "1 once the group ended for good (trained to the end or joined too late)",
+                                     labels=["group"])
+        ended = _finished(snap)
         for g in sorted(groups):
-            finished.add_metric([str(g)], int(g in snap.get("summaries", {})))
+            finished.add_metric([str(g)], int(g in ended))
         yield finished
 
         bandwidth = GaugeMetricFamily(
@@ -232,18 +241,24 @@ class CoordinatorCollector:
         yield bandwidth
 
 
+def _finished(snap: dict[str, Any]) -> set[int]:
+    """The groups that ended for good (``rounds.job_finished``'s rule): trained or joined too late."""
+    return {g for g, s in snap.get("summaries", {}).items() if rounds.summary_kind(s) != rounds.STOPPED}
+
+
 def status_document(snap: dict[str, Any], now: float | None = None) -> dict[str, Any]:
     """The JSON-able status of the job (``/status``) from a coordinator snapshot.
 
     Keys: version, time (unix s), expected_groups, epoch, complete, ring_order, plan_version,
-    finished_groups, groups (a list: group, size, joined, failed, round, finished, progress, ranks
+    finished_groups, groups (a list: group, size, joined, failed, round, finished, ended (how its
+    summary says it ended: ``trained``, ``stopped`` by its own SIGTERM, ``late``; None before), progress, ranks
     [{rank, address, step, failed, silent_s}]), bandwidth (a list: group, rank, peer_group,
     bytes_per_second), failed, divergence, rounds_state (a fault-tolerant coordinator's live,
     healing and failed groups, counts and last quorum, as its snapshot has them; else None).
     """
     failed = {(m["group"], m["rank"]): m.get("silent_s") for m in snap.get("failed", [])}
     steps = snap.get("steps", {})
-    summaries = snap.get("summaries", {})
+    summaries, ended = snap.get("summaries", {}), _finished(snap)
     groups = []
     for g, info in sorted(snap.get("groups", {}).items()):
         ranks = [{"rank": r, "address": address, "step": steps.get(g, {}).get(r),
@@ -252,7 +267,8 @@ def status_document(snap: dict[str, Any], now: float | None = None) -> dict[str,
         groups.append({
             "group": g, "size": info.get("group_size", 0), "joined": len(ranks),
             "failed": sum(1 for r in ranks if r["failed"]), "round": snap.get("rounds", {}).get(g),
-            "finished": g in summaries, "progress": dict(snap.get("progress", {}).get(g, {})),
+            "finished": g in ended, "progress": dict(snap.get("progress", {}).get(g, {})),
+            "ended": rounds.summary_kind(summaries[g]) if g in summaries else None,
             "ranks": ranks,
         })
     bandwidth = [{"group": g, "rank": r, "peer_group": peer, "bytes_per_second": rate}
@@ -262,7 +278,7 @@ def status_document(snap: dict[str, Any], now: float | None = None) -> dict[str,
         "version": STATUS_VERSION, "time": time.time() if now is None else now,
         "expected_groups": snap.get("expected_groups"), "epoch": snap.get("epoch"),
         "complete": bool(snap.get("complete")), "ring_order": list(snap.get("ring_order", [])),
-        "plan_version": snap.get("plan_version"), "finished_groups": len(summaries),
+        "plan_version": snap.get("plan_version"), "finished_groups": len(ended),
         "groups": groups, "bandwidth": bandwidth,
         "failed": list(snap.get("failed", [])), "divergence": list(snap.get("divergence", [])),
         "rounds_state": snap.get("rounds_state"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from .rounds import LATE, summary_kind
+
 MAX_SHOWN_CHARS = 80  # longest untrusted value quoted in notes and problems
 
 
@@ -33,7 +35,7 @@ def job_summary(summaries: dict[int, dict[str, Any]],
     """
     if not summaries:
         raise ValueError("no group summaries to summarize")
-    late = {g: _shown(s.get("reason", "")) for g, s in sorted(summaries.items()) if s.get("joined_late") is True}
+    late = {g: _shown(s.get("reason", "")) for g, s in sorted(summaries.items()) if summary_kind(s) == LATE}
     groups = [g for g in sorted(summaries) if g not in late]
     trained = {g: summaries[g] for g in groups}
     notes: list[str] = []

@@ -222,10 +222,12 @@ class RoundState(GraceWindow):
         live = self._live()
         if len(live) < self.expected_groups and self._clock() < self._rejoin_grace_until:
             return
-        if heal_asks and self._summaries and not live:  # the others finished: nobody trains on
+        trained = rounds.trained_groups(self._summaries)
+        if heal_asks and trained and not live:  # the job's model is final: nobody trains on
             for g in heal_asks:
-                self.joined_late.add(g)
-                self._event("joined_late", group=g)
+                if g not in trained:  # a restart after its own end keeps that end's summary
+                    self.joined_late.add(g)
+                    self._event("joined_late", group=g)
                 self._answer(g, rounds.HEAL, ("finished", None))
             return
         if heal_asks and not live and self.restart_when_state_lost:  # no donor will ever come

@@ -54,7 +54,7 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Collection, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 HEAL = -1  # the exchange a group asks for when it needs the job's state first
 #: how far past the job's committed position (its lowest exchange not yet committed) an exchange may
@@ -356,6 +356,33 @@ def weighted_scale(weights: Mapping[int, float], group: int) -> float:
     if len(set(weights.values())) == 1:
         return 1.0
     return len(weights) * shares.get(group, 0.0)
+
+
+#: what a group's final summary says about how it ended (``summary_kind``)
+TRAINED, STOPPED, LATE = "trained", "stopped", "late"
+
+
+def summary_kind(summary: dict[str, Any]) -> str:
+    """How the group that sent ``summary`` ended: ``LATE`` (it restarted and was told the job had
+    finished before it could heal: it holds no model), ``STOPPED`` (its own SIGTERM stopped it, a
+    deleted pod: it checkpointed and comes back, so the job is not over), else ``TRAINED`` (it
+    trained to the end, or to the stop the job agreed on: it holds the job's model)."""
+    if summary.get("joined_late") is True:
+        return LATE
+    if summary.get("stopped_by"):
+        return STOPPED
+    return TRAINED
+
+
+def trained_groups(summaries: dict[int, dict[str, Any]]) -> set[int]:
+    """The groups whose summary says they hold the job's final model (``TRAINED``)."""
+    return {g for g, s in summaries.items() if summary_kind(s) == TRAINED}
+
+
+def job_finished(expected_groups: int, summaries: dict[int, dict[str, Any]]) -> bool:
+    """True once every one of ``expected_groups`` groups ended for good: it trained to the end or
+    joined too late. A group stopped by its own SIGTERM has not: it comes back and resumes."""
+    return all(g in summaries and summary_kind(summaries[g]) != STOPPED for g in range(expected_groups))
 
 
 def job_lost(groups: set[int], failed: set[int], healing: set[int], finished: set[int]) -> bool:

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
-from . import quorum
+from . import quorum, rounds
 from .messages import BandwidthRequest, ProgressRequest, RoundRequest
 from .round_state import MAX_ROUNDS_KEPT
 from .vote_state import VoteState
@@ -130,7 +130,8 @@ class CoordinatorState(VoteState):
             return copy.deepcopy(self._summaries)
 
     def wait_finished(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]] | None:
-        """Block until every expected group reported a summary; returns a copy
+        """Block until every expected group ended for good (``rounds.job_finished``: a summary of
+        its model or of its late join; one stopped by its own SIGTERM comes back); returns a copy
         ``{group: summary}``, or None if ``timeout_s`` seconds passed first (None: no limit) or
         the state was closed first."""
         if timeout_s is not None and timeout_s < 0:
@@ -145,7 +146,7 @@ class CoordinatorState(VoteState):
             return copy.deepcopy(self._summaries)
 
     def _finished_locked(self) -> bool:
-        return all(g in self._summaries for g in range(self.expected_groups))
+        return rounds.job_finished(self.expected_groups, self._summaries)
 
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the state; see CoordinatorServer.snapshot for the keys."""

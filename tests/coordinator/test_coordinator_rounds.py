@@ -6,13 +6,19 @@ import pytest
 
 from diloco.coordinator.rounds import (
     HEAL,
+    LATE,
+    STOPPED,
+    TRAINED,
     Ask,
     Disagreement,
     Quorum,
     commit_outcome,
     decide,
+    job_finished,
     own_share,
     screen,
+    summary_kind,
+    trained_groups,
     weighted_scale,
 )
 
@@ -154,3 +160,23 @@ def test_own_share_is_the_part_of_the_weighted_mean_a_group_contributed(weights,
     assert own_share(weights, group) == expected
     if group in weights and sum(weights.values()):  # the same as its scale over G
         assert own_share(weights, group) == pytest.approx(weighted_scale(weights, group) / len(weights))
+
+
+def test_how_a_summary_says_its_group_ended():
+    assert summary_kind({"param_hash": "h", "eval_loss": 2.5}) == TRAINED
+    assert summary_kind({"param_hash": "h", "stopped_at_step": 40}) == TRAINED  # the job's agreed stop
+    assert summary_kind({"param_hash": "h", "stopped_at_step": 40, "stopped_by": "SIGTERM"}) == STOPPED
+    assert summary_kind({"joined_late": True, "reason": "late"}) == LATE
+    assert summary_kind({"joined_late": "yes", "param_hash": "h"}) == TRAINED  # only True: held to the hash check
+    assert summary_kind({}) == TRAINED  # a summary of nothing is checked as a model (its missing hash is a problem)
+    summaries = {0: {"param_hash": "h"}, 1: {"stopped_by": "SIGTERM"}, 2: {"joined_late": True}}
+    assert trained_groups(summaries) == {0}
+
+
+def test_the_job_is_finished_once_no_group_is_still_to_come_back():
+    trained, stopped, late = {"param_hash": "h"}, {"stopped_by": "SIGTERM"}, {"joined_late": True}
+    assert job_finished(2, {0: trained, 1: trained})
+    assert job_finished(2, {0: trained, 1: late})
+    assert not job_finished(2, {0: trained})  # group 1 has not reported
+    assert not job_finished(2, {0: trained, 1: stopped})  # a deleted pod: it restarts and resumes
+    assert not job_finished(2, {0: trained, 5: trained})  # only the expected groups count

@@ -7,6 +7,7 @@ import pytest
 
 from diloco.coordinator.messages import (CommitRequest, HeartbeatRequest, JoinRequest, ProgressRequest, QuorumRequest,
                                          RoundRequest, SummaryRequest)
+from diloco.coordinator.report import job_summary
 from diloco.coordinator.rounds import HEAL
 from diloco.coordinator.quorum import QuorumError
 from diloco.coordinator.state import CoordinatorState
@@ -140,6 +141,72 @@ def test_a_group_restarted_after_the_others_finished_learns_so_at_once():
     rounds_state = state.snapshot()["rounds_state"]
     assert rounds_state["joined_late"] == [2]  # the job's summary leaves its model-less summary out
     assert [e["group"] for e in rounds_state["events"] if e["kind"] == "joined_late"] == [2]
+
+
+def model_summary(g: int, param_hash: str = "aa") -> dict:
+    return {"group": g, "rank": 0, "eval_loss": 2.5, "param_hash": param_hash, "inner_steps": 300}
+
+
+def late_summary(g: int) -> dict:
+    return {"group": g, "rank": 0, "joined_late": True, "reason": f"group {g}: the job's groups finished"}
+
+
+def stopped_summary(g: int) -> dict:
+    return {**model_summary(g), "stopped_at_step": 120, "stopped_by": "SIGTERM", "job_checkpoint": "/ckpt/120"}
+
+
+def restart_and_ask_to_heal(state, clock, g: int, incarnation: str):
+    assert state.join(JoinRequest(g, 0, 1, f"10.0.{g}.0:7100", incarnation=incarnation),
+                      deadline=clock.now + 1).heal
+    return state.quorum(QuorumRequest(g, 0, incarnation, HEAL, healable=True), deadline=clock.now + 1)
+
+
+def test_a_group_stopped_by_its_own_sigterm_has_not_finished_and_counts_again_once_back():
+    """A deleted pod checkpoints, reports (``stopped_by``) and exits 75: the job is not over, and
+    its restart, once it joins again, is a live member, not a finished group."""
+    state, clock = formed(groups=2)
+    state.summary(SummaryRequest(0, model_summary(0)))
+    state.summary(SummaryRequest(1, stopped_summary(1)))
+    assert state.wait_finished(0) is None  # group 1 comes back
+    assert state.snapshot()["rounds_state"]["live_groups"] == []
+    state.join(JoinRequest(1, 0, 1, "10.0.1.0:7100", incarnation="second"), deadline=clock.now + 1)
+    snap = state.snapshot()
+    assert 1 not in snap["summaries"] and snap["rounds_state"]["healing_groups"] == [1]
+    state.summary(SummaryRequest(1, model_summary(1)))  # it trained to the end
+    assert state.wait_finished(0) == {0: model_summary(0), 1: model_summary(1)}
+
+
+def test_a_stopped_group_and_a_killed_one_are_not_told_the_job_finished():
+    """Group 1 stopped by SIGTERM, group 0 SIGKILLed at the same time: no group holds the final
+    model, so a healer is not told "finished" (it would exit 0 with nothing); the state is lost and
+    the job resumes from its checkpoints."""
+    state, clock = formed(groups=2)
+    state.restart_when_state_lost = True  # as diloco coordinator sets it
+    state.summary(SummaryRequest(1, stopped_summary(1)))
+    answer = restart_and_ask_to_heal(state, clock, 0, "again")
+    assert answer.evicted and "resume from the job checkpoints" in answer.evicted
+    assert state.state_lost and state.snapshot()["rounds_state"]["joined_late"] == []
+
+
+def test_a_restart_after_its_own_end_keeps_the_model_it_trained():
+    """Group 0 reported the model it trained to the end, then its pod exited (a failed save) and the
+    new pod was told the job finished: its late summary does not replace the model's, which stays
+    in the identical check (here: a diverged one is still caught)."""
+    state, clock = formed(groups=3)
+    state.join(JoinRequest(2, 0, 1, "10.0.2.0:7001", incarnation="second"), deadline=clock.now + 1)  # killed
+    state.summary(SummaryRequest(0, model_summary(0, "bad")))
+    state.summary(SummaryRequest(1, model_summary(1, "aa")))
+    assert restart_and_ask_to_heal(state, clock, 0, "again").finished
+    state.summary(SummaryRequest(0, late_summary(0)))
+    assert restart_and_ask_to_heal(state, clock, 2, "third").finished
+    state.summary(SummaryRequest(2, late_summary(2)))
+    summaries = state.wait_finished(0)
+    assert summaries[0] == model_summary(0, "bad")
+    rounds_state = state.snapshot()["rounds_state"]
+    assert rounds_state["joined_late"] == [2]
+    assert [e["group"] for e in rounds_state["events"] if e["kind"] == "late_summary_ignored"] == [0]
+    job = job_summary(summaries, rounds_state["joined_late"])
+    assert job["params_identical"] is False and job["model_group_ids"] == [0, 1] and not job["ok"]
 
 
 def test_wait_for_summaries_times_out_naming_silent_groups():

@@ -136,6 +136,27 @@ def test_codec_series_name_the_codec_and_its_measured_frame_ratio():
     assert codec_ratio("int4", 1 << 20) > 7
 
 
+def test_a_group_stopped_by_sigterm_is_not_finished_and_a_late_one_is_named():
+    """Metrics, /status and `diloco status` tell a group that comes back (stopped by its own SIGTERM)
+    from one that trained to the end and one that joined too late (it holds no model)."""
+    from diloco.coordinator.metrics import status_document
+    from diloco.runtime.ops.status import format_status
+
+    groups = {g: {"ranks": {0: f"10.0.{g}.0:7000"}, "group_size": 1} for g in range(3)}
+    snap = {**SNAPSHOT, "groups": groups, "rounds_state": {**SNAPSHOT["rounds_state"], "joined_late": [2]},
+            "summaries": {0: {"param_hash": "h"}, 1: {"param_hash": "h", "stopped_by": "SIGTERM"},
+                          2: {"joined_late": True}}}
+    s = _samples(_coordinator_registry(snap))
+    assert s[("diloco_coordinator_finished_groups", ())] == 2 and s[("diloco_coordinator_joined_late_groups", ())] == 1
+    assert [s[("diloco_coordinator_group_finished", (("group", str(g)),))] for g in range(3)] == [1, 0, 1]
+    doc = status_document(snap)
+    assert doc["finished_groups"] == 2
+    assert [(g["finished"], g["ended"]) for g in doc["groups"]] == [(True, "trained"), (False, "stopped"),
+                                                                      (True, "late")]
+    text = format_status(doc)
+    assert "stopped (SIGTERM; comes back)" in text and "joined late (no model)" in text
+
+
 def test_coordinator_collector_reports_what_the_snapshot_holds():
     s = _samples(_coordinator_registry(SNAPSHOT))
     g = lambda n: (("group", str(n)),)  # noqa: E731

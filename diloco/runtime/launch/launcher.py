@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from diloco.coordinator import CoordinatorServer
+from diloco.coordinator import CoordinatorServer, rounds
 from diloco.job.config import Config
 from diloco.runtime.checkpoints import job_checkpoint
 from diloco.runtime.checkpoints.job_checkpoint import ResumePoint
@@ -360,7 +360,7 @@ def run(cfg: Config, *, run_dir: str | None = None, progress: bool = True, timeo
         stop.restore()
         if left:
             logging.getLogger("diloco.run").error("processes %s of this run did not end after SIGKILL", left)
-    per_group = [summaries[g] for g in sorted(summaries) if not summaries[g].get("joined_late")]
+    per_group = [summaries[g] for g in sorted(summaries) if rounds.summary_kind(summaries[g]) != rounds.LATE]
     if not per_group:
         raise LaunchError("no group finished the job (every summary came from a group that joined too late)")
     summary = summarize(cfg, corpus, per_group, snapshot, time.perf_counter() - started, out_dir)

@@ -19,6 +19,8 @@ import urllib.request
 from typing import Any
 
 TOKEN_ENV = "DILOCO_TOKEN"
+#: a group's state from how its summary says it ended (``/status``'s ``ended``)
+_ENDED = {"trained": "finished", "late": "joined late (no model)", "stopped": "stopped (SIGTERM; comes back)"}
 
 
 class StatusError(RuntimeError):
@@ -116,7 +118,8 @@ def format_status(doc: dict[str, Any]) -> str:
     for g in groups:
         p = g.get("progress", {})
         step = f"{p['step']}/{p.get('steps', '?')}" if "step" in p else "-"
-        state = "finished" if g.get("finished") else ("FAILED" if g.get("failed") else "training" if p else "joined")
+        state = _ENDED.get(g.get("ended")) or ("finished" if g.get("finished") else "FAILED" if g.get("failed")
+                                               else "training" if p else "joined")
         rows.append([str(g["group"]), f"{g.get('joined')}/{g.get('size')}", str(g.get("failed", 0)), step,
                      _num(g.get("round"), "d"), _num(p.get("h"), "d"), _num(p.get("loss"), ".4f"),
                      _num(p.get("lr"), ".2e"), _num(p.get("tokens_per_s"), ",.0f"),
