@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     coord = sub.add_parser(
         "coordinator", help="run the membership/quorum service",
-        description="Serve the coordinator until every group has reported its summary, print the job's "
+        description="Serve the coordinator until every group has ended (trained to the end, or restarted after the "
+        "others had finished; a group stopped by its own SIGTERM comes back and is waited for), print the job's "
         "summary and exit: code 0, or 1 if the groups' global parameters diverged (or a group sent no "
         "parameter hash, or reported failure); 75 once every group was lost (restart it and the groups resume), "
         "2 once the job halted (its groups differed with no majority, twice: the message names them). SIGTERM before the job finished "
@@ -141,10 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="refuse a pseudo-gradient whose norm exceeds this multiple of its group's recent median "
                        "(0: only NaN/Inf)")
     coord.add_argument("--keep-running", action="store_true",
-                       help="once every group has reported, print the job summary but keep serving until "
+                       help="once every group has ended, print the job summary but keep serving until "
                        "SIGTERM or Ctrl-C (the exit code is then still 0 or 1 as above); off: exit at once")
     coord.add_argument("--json", metavar="PATH", default=None,
-                       help="also write the job summary as JSON to PATH once every group has reported")
+                       help="also write the job summary as JSON to PATH once every group has ended")
     coord.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus /metrics, the /status document (diloco status) and /healthz over "
                        "HTTP on this port of --host (0 = off)")

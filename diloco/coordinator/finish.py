@@ -18,7 +18,7 @@ FINISH_GRACE_S = 2.0  # longest stop() waits for calls in flight, e.g. the last 
 
 def wait_for_job(server: CoordinatorServer, stop: threading.Event,
                  poll_s: float = POLL_S) -> dict[int, dict[str, Any]] | None:
-    """``{group: summary}`` once every expected group reported, or None once ``stop`` is set
+    """``{group: summary}`` once every expected group ended (``rounds.job_finished``), or None once ``stop`` is set
     (checked every ``poll_s`` seconds), the server stopped, no group holds the job's state any
     more (``server.state_lost``: the caller restarts the coordinator), or the job halted
     (``server.halted``: the caller stops with exit 2)."""

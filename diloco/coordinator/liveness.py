@@ -139,6 +139,10 @@ class Liveness:
                 # every member rejoins within a heartbeat or so: no quorum forms before they could,
                 # else the first to rejoin would run an exchange the others then find committed
                 self._rejoin_grace_until = self._clock() + max(self.heartbeat_timeout_s, MIN_REJOIN_GRACE_S)
+                for g in sorted(self._members):  # started afresh and joined before: no state of this job
+                    self._healing.add(g)
+                    self._event("joined", group=g, committed=self._counts["committed"])
+                self._cond.notify_all()  # their joins return, as healers
             if self._started:
                 return self._join_running(req, deadline, active)
             if self._incarnations.get(req.group, req.incarnation) != req.incarnation:
@@ -157,9 +161,10 @@ class Liveness:
             self._last_heard[key] = self._clock()
             if quorum.is_complete(self._members, self._sizes, self.expected_groups):
                 self._form()
-            self._wait_joined(key, deadline, active, lambda: self._membership is not None,
+            self._wait_joined(key, deadline, active, lambda: self._membership is not None or self._started,
                               lambda: quorum.missing(self._members, self._sizes, self.expected_groups))
-            assert self._membership is not None
+            if self._membership is None:  # a predecessor's members rejoined meanwhile: it heals into the job
+                return self._running_membership(req, deadline, active)
             return self._membership
 
     def _wait_joined(self, key: tuple[int, int], deadline: float, active: Callable[[], bool],
@@ -209,6 +214,11 @@ class Liveness:
         self._failed.pop(key, None)
         self._last_heard[key] = self._clock()
         self._cond.notify_all()
+        return self._running_membership(req, deadline, active)
+
+    def _running_membership(self, req: JoinRequest, deadline: float, active: Callable[[], bool]) -> Membership:
+        """Wait for the rest of the joining group's ranks, then its membership in the running job."""
+        g, key = req.group, (req.group, req.rank)
         self._wait_joined(key, deadline, active, lambda: self._complete(g) or g in self._group_failed,
                           lambda: quorum.missing({g: self._members.get(g, {})}, {g: req.group_size}, g + 1))
         if g in self._group_failed:

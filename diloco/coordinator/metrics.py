@@ -57,6 +57,7 @@ COORDINATOR_SERIES: dict[str, str] = {
     "diloco_coordinator_live_groups": "gauge",
     "diloco_coordinator_healing_groups": "gauge",
     "diloco_coordinator_joined_late_groups": "gauge",
+    "diloco_coordinator_stopped_groups": "gauge",
     "diloco_coordinator_job_lost": "gauge",
     "diloco_coordinator_job_halted": "gauge",
     "diloco_coordinator_rounds_committed_total": "counter",
@@ -171,6 +172,8 @@ class CoordinatorCollector:
                 value = _number(rounds_state.get(key))
                 if value is not None:
                     yield CounterMetricFamily(f"diloco_coordinator_{name}", doc, value=value)
+        yield job_gauge("stopped_groups", "Groups stopped by their own SIGTERM (a deleted pod) that have not "
+                        "joined again: the job waits for them", len(snap.get("summaries", {})) - len(_finished(snap)))
         yield job_gauge("finished_groups", "Groups that ended for good: trained to the end or joined too late "
                         "(not one stopped by its own SIGTERM: it comes back)", len(_finished(snap)))
         yield job_gauge("diverged_rounds", "Rounds whose global-parameter hashes differed across groups",

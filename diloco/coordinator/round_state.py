@@ -196,9 +196,9 @@ class RoundState(GraceWindow):
         return f"at least {self.min_groups} groups (min_groups), a majority of the live ones"
 
     def _live(self) -> set[int]:
-        """Groups that count in quorums: joined, not failed, not healing, not finished."""
+        """Groups that count in quorums: joined, not failed, not healing, not finished (nor told so)."""
         return {g for g in self._members if self._complete(g) and g not in self._group_failed
-                and g not in self._healing and g not in self._summaries}
+                and g not in self._healing and g not in self._summaries and g not in self.joined_late}
 
     def _group_asks(self, exchange: int) -> dict[int, rounds.Ask]:
         """Groups every rank of which asked for ``exchange``, as rank 0 put it."""
@@ -228,6 +228,7 @@ class RoundState(GraceWindow):
                 if g not in trained:  # a restart after its own end keeps that end's summary
                     self.joined_late.add(g)
                     self._event("joined_late", group=g)
+                self._healing.discard(g)  # it heals from nobody: it ends
                 self._answer(g, rounds.HEAL, ("finished", None))
             return
         if heal_asks and not live and self.restart_when_state_lost:  # no donor will ever come

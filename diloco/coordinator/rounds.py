@@ -388,7 +388,9 @@ def job_finished(expected_groups: int, summaries: dict[int, dict[str, Any]]) -> 
 def job_lost(groups: set[int], failed: set[int], healing: set[int], finished: set[int]) -> bool:
     """True when no group holds the job's state any more: every group of the running job
     (``groups``, those that joined) failed or is a healer (which holds no state until it heals),
-    and none finished. Nothing is left to heal from: the job resumes from a checkpoint."""
+    and none finished (``finished``: the groups that trained to the end). A group stopped by its own
+    SIGTERM counts as holding it until its restart joins (as a healer). Nothing is left to heal
+    from: the job resumes from a checkpoint."""
     if not groups or finished & groups:
         return False
     return all(g in failed or g in healing for g in groups)

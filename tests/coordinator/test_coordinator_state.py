@@ -140,6 +140,7 @@ def test_a_group_restarted_after_the_others_finished_learns_so_at_once():
     assert answer.finished  # at once: no deadline waited out
     rounds_state = state.snapshot()["rounds_state"]
     assert rounds_state["joined_late"] == [2]  # the job's summary leaves its model-less summary out
+    assert rounds_state["healing_groups"] == [] and rounds_state["live_groups"] == []  # it heals from nobody
     assert [e["group"] for e in rounds_state["events"] if e["kind"] == "joined_late"] == [2]
 
 
@@ -207,6 +208,31 @@ def test_a_restart_after_its_own_end_keeps_the_model_it_trained():
     assert [e["group"] for e in rounds_state["events"] if e["kind"] == "late_summary_ignored"] == [0]
     job = job_summary(summaries, rounds_state["joined_late"])
     assert job["params_identical"] is False and job["model_group_ids"] == [0, 1] and not job["ok"]
+
+
+def test_a_fresh_group_that_reached_a_restarted_coordinator_first_heals_once_the_others_rejoin():
+    """The coordinator and group 1's pod restarted together (a drain): group 1 starts afresh and
+    joins the new coordinator before group 0, which kept training, rejoins at its exchange. Group
+    1's join returns once the job runs here, as a healer (it held nothing of the job), instead of
+    waiting out --join-timeout for a membership that never forms, and is not a live member yet."""
+    clock = FakeClock()
+    state = CoordinatorState(2, clock=clock, heartbeat_timeout_s=15.0)
+    fresh: list = []
+    waiter = threading.Thread(target=lambda: fresh.append(state.join(
+        JoinRequest(1, 0, 1, "10.0.1.0:7001", incarnation="restarted"), deadline=clock.now + 600)), daemon=True)
+    waiter.start()
+    try:
+        time.sleep(0.3)
+        assert not fresh  # before the job runs here it waits, as every first join does
+        member = state.join(JoinRequest(0, 0, 1, "10.0.0.0:7000", incarnation="kept", exchange=5),
+                            deadline=clock.now + 1)
+        assert not member.heal
+        waiter.join(timeout=5)
+    finally:
+        state.close()  # releases a join still waiting
+    assert not waiter.is_alive() and fresh[0].heal and sorted(fresh[0].members) == [0, 1]
+    rounds_state = state.snapshot()["rounds_state"]  # a closed state still reads
+    assert rounds_state["live_groups"] == [0] and rounds_state["healing_groups"] == [1]
 
 
 def test_wait_for_summaries_times_out_naming_silent_groups():

@@ -148,6 +148,7 @@ def test_a_group_stopped_by_sigterm_is_not_finished_and_a_late_one_is_named():
                           2: {"joined_late": True}}}
     s = _samples(_coordinator_registry(snap))
     assert s[("diloco_coordinator_finished_groups", ())] == 2 and s[("diloco_coordinator_joined_late_groups", ())] == 1
+    assert s[("diloco_coordinator_stopped_groups", ())] == 1
     assert [s[("diloco_coordinator_group_finished", (("group", str(g)),))] for g in range(3)] == [1, 0, 1]
     doc = status_document(snap)
     assert doc["finished_groups"] == 2
