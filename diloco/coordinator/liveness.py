@@ -407,13 +407,17 @@ class Liveness:
 
     def summary(self, req: SummaryRequest) -> int:
         """Keep a group's final summary (the latest wins, but a late join's never replaces the
-        summary of a model the group trained to the end: a restart after it finished) and wake
-        wait_for_summaries and wait_finished."""
+        summary of a model the group trained to the end: a restart after it finished; and one that
+        names an incarnation other than the group's latest, a process its restart replaced, is
+        ignored) and wake wait_for_summaries and wait_finished."""
         with self._cond:
             self._check_open()
             self._known_group(req.group)
             kept = self._summaries.get(req.group)
-            if (kept is not None and rounds.summary_kind(kept) == rounds.TRAINED
+            sent_by = req.summary.get("incarnation")
+            if isinstance(sent_by, str) and sent_by and self._incarnations.get(req.group, sent_by) != sent_by:
+                self._event("stale_summary_ignored", group=req.group, incarnation=sent_by[:32])
+            elif (kept is not None and rounds.summary_kind(kept) == rounds.TRAINED
                     and rounds.summary_kind(req.summary) == rounds.LATE):
                 self._event("late_summary_ignored", group=req.group)
             else:

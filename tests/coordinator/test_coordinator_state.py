@@ -189,6 +189,19 @@ def test_a_stopped_group_and_a_killed_one_are_not_told_the_job_finished():
     assert state.state_lost and state.snapshot()["rounds_state"]["joined_late"] == []
 
 
+def test_a_summary_from_a_replaced_incarnation_is_ignored():
+    """Group 1's restart joined; a summary its old process still sends (stopped, named by its
+    incarnation) does not make the running group 'finished' again."""
+    state, clock = formed(groups=2)
+    state.join(JoinRequest(1, 0, 1, "10.0.1.0:7100", incarnation="second"), deadline=clock.now + 1)
+    state.summary(SummaryRequest(1, {**stopped_summary(1), "incarnation": "first"}))
+    snap = state.snapshot()
+    assert 1 not in snap["summaries"] and snap["rounds_state"]["healing_groups"] == [1]
+    assert [e["incarnation"] for e in snap["rounds_state"]["events"] if e["kind"] == "stale_summary_ignored"] == ["first"]
+    state.summary(SummaryRequest(1, {**model_summary(1), "incarnation": "second"}))  # its own: kept
+    assert state.snapshot()["summaries"][1]["incarnation"] == "second"
+
+
 def test_a_restart_after_its_own_end_keeps_the_model_it_trained():
     """Group 0 reported the model it trained to the end, then its pod exited (a failed save) and the
     new pod was told the job finished: its late summary does not replace the model's, which stays

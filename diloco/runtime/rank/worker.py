@@ -236,7 +236,8 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                     auto_setting.install_auto_schedule(engine, link, cfg.transport.codec_spec())
                 _log_startup(started, built, joined, healed=link.membership.heal)
             except JobFinished as e:
-                late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e)}
+                late = {"group": group, "rank": rank, "joined_late": True, "reason": str(e),
+                        "incarnation": link.averager.incarnation}
                 if rank == 0:
                     link.averager.call_coordinator("summary", lambda: link.client.report_summary(group, late))
                 return late
