@@ -27,6 +27,57 @@ pytestmark = pytest.mark.slow
 STEPS = 200
 
 
+class Job:
+    """A ``diloco coordinator`` of two groups and the torchrun groups started against it; ``close``
+    kills whatever still runs (each group's whole session: torchrun and its worker)."""
+
+    def __init__(self, tmp_path, config, *coordinator_args: str) -> None:
+        self.tmp_path, self.config, self.port = tmp_path, config, free_port()
+        self.env = {**os.environ, SECRET_ENV: secrets.token_hex(32), TOKEN_ENV: secrets.token_hex(8),
+                    "OMP_NUM_THREADS": "1"}
+        self.coordinator = subprocess.Popen(
+            [sys.executable, "-m", "diloco", "coordinator", "--port", str(self.port), "--groups", "2",
+             "--heartbeat-timeout", "2", *coordinator_args],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.workers: list[subprocess.Popen] = []
+
+    def log(self, g: int, attempt: int):
+        return self.tmp_path / f"group-{g}-{attempt}.log"
+
+    def start_group(self, g: int, attempt: int) -> subprocess.Popen:
+        """Group ``g``'s ``attempt``-th start (a pod of its Job), logging to ``log(g, attempt)``."""
+        with open(self.log(g, attempt), "wb") as log:
+            w = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                 "-m", "diloco", "worker", "--config", str(self.config), "--group-id", str(g),
+                 "--coordinator", f"127.0.0.1:{self.port}"],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.workers.append(w)
+        return w
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.poll() is None:
+                os.killpg(w.pid, signal.SIGKILL)
+                w.wait()
+        if self.coordinator.poll() is None:
+            self.coordinator.kill()
+            self.coordinator.communicate()
+
+
+def wait_for(what: str, ready, timeout_s: float, log) -> None:
+    """Poll ``ready`` every 0.2 s; past ``timeout_s`` fail with the tail of ``log``."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: {log.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.2)
+
+
+def training(log) -> bool:
+    """The group committed two exchanges (each logs its committed data samples)."""
+    return log.exists() and log.read_text(errors="replace").count("committed data samples") >= 2
+
+
 def live_groups(metrics_port: int) -> float | None:
     """The coordinator's diloco_coordinator_live_groups, or None while it cannot be read."""
     try:
@@ -40,47 +91,22 @@ def live_groups(metrics_port: int) -> float | None:
 def test_a_group_restarted_after_the_others_finished_ends_cleanly(tmp_path):
     path = tmp_path / "config.json"
     write_small_job(path, steps=STEPS, ranks_per_group=1)
-    port = free_port()
-    env = {**os.environ, SECRET_ENV: secrets.token_hex(32), TOKEN_ENV: secrets.token_hex(8), "OMP_NUM_THREADS": "1"}
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "diloco", "coordinator", "--port", str(port), "--groups", "2",
-         "--heartbeat-timeout", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    workers: list[subprocess.Popen] = []
-
-    def start_group(g: int, attempt: int) -> subprocess.Popen:
-        with open(tmp_path / f"group-{g}-{attempt}.log", "wb") as log:
-            w = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                 "-m", "diloco", "worker", "--config", str(path), "--group-id", str(g),
-                 "--coordinator", f"127.0.0.1:{port}"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        workers.append(w)
-        return w
-
+    job = Job(tmp_path, path)
     try:
-        first0, group1 = start_group(0, 1), start_group(1, 1)
-        log0 = tmp_path / "group-0-1.log"
-        deadline = time.monotonic() + 120
-        while log0.read_text(errors="replace").count("committed data samples") < 2:  # joined and training
-            assert time.monotonic() < deadline and first0.poll() is None, log0.read_text()[-3000:]
-            time.sleep(0.2)
+        first0, group1 = job.start_group(0, 1), job.start_group(1, 1)
+        wait_for("group 0 to train", lambda: training(job.log(0, 1)) or first0.poll() is not None, 120, job.log(0, 1))
+        assert first0.poll() is None, job.log(0, 1).read_text()[-3000:]
         os.killpg(first0.pid, signal.SIGKILL)  # the pod is gone; group 1 trains on alone
         first0.wait()
-        assert group1.wait(timeout=240) == 0, (tmp_path / "group-1-1.log").read_text()[-3000:]
-        assert coordinator.poll() is None  # group 0 has not reported: the job is not over
-        again = start_group(0, 2)  # its Job's new pod
-        assert again.wait(timeout=120) == 0, (tmp_path / "group-0-2.log").read_text()[-3000:]
-        out = coordinator.communicate(timeout=60)[0].decode()
+        assert group1.wait(timeout=240) == 0, job.log(1, 1).read_text()[-3000:]
+        assert job.coordinator.poll() is None  # group 0 has not reported: the job is not over
+        again = job.start_group(0, 2)  # its Job's new pod
+        assert again.wait(timeout=120) == 0, job.log(0, 2).read_text()[-3000:]
+        out = job.coordinator.communicate(timeout=60)[0].decode()
     finally:
-        for w in workers:  # torchrun and its worker: the whole session
-            if w.poll() is None:
-                os.killpg(w.pid, signal.SIGKILL)
-                w.wait()
-        if coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.communicate()
-    assert "finished before this group could heal" in (tmp_path / "group-0-2.log").read_text()
-    assert coordinator.returncode == 0, out[-3000:]
+        job.close()
+    assert "finished before this group could heal" in job.log(0, 2).read_text()
+    assert job.coordinator.returncode == 0, out[-3000:]
     assert "joined too late          : group 0" in out and "global params identical  : True" in out
     assert f"inner steps per rank     : {STEPS}" in out
 
@@ -90,55 +116,26 @@ def test_a_group_stopped_by_sigterm_comes_back_as_a_live_member(tmp_path):
     cfg = write_small_job(path, steps=STEPS, ranks_per_group=1)
     cfg.train.checkpoint_every, cfg.train.checkpoint_dir = cfg.sync.h, str(tmp_path / "checkpoints")
     path.write_text(json.dumps(cfg.validate().to_dict()))
-    port, metrics_port = free_port(), free_port()
-    env = {**os.environ, SECRET_ENV: secrets.token_hex(32), TOKEN_ENV: secrets.token_hex(8), "OMP_NUM_THREADS": "1"}
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "diloco", "coordinator", "--port", str(port), "--groups", "2",
-         "--heartbeat-timeout", "2", "--metrics-port", str(metrics_port),
-         "--min-groups", "2"],  # group 0 waits for group 1 at its next exchange: no race with its end
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    workers: list[subprocess.Popen] = []
-
-    def start_group(g: int, attempt: int) -> subprocess.Popen:
-        with open(tmp_path / f"group-{g}-{attempt}.log", "wb") as log:
-            w = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                 "-m", "diloco", "worker", "--config", str(path), "--group-id", str(g),
-                 "--coordinator", f"127.0.0.1:{port}"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        workers.append(w)
-        return w
-
-    def wait_for(what: str, ready, timeout_s: float, log) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert time.monotonic() < deadline, f"{what}: {log.read_text(errors='replace')[-3000:]}"
-            time.sleep(0.2)
-
+    metrics_port = free_port()
+    # --min-groups 2: group 0 waits for group 1 at its next exchange, so it cannot finish first
+    job = Job(tmp_path, path, "--metrics-port", str(metrics_port), "--min-groups", "2")
     try:
-        group0, first1 = start_group(0, 1), start_group(1, 1)
-        log1 = tmp_path / "group-1-1.log"
-        wait_for("group 1 to train", lambda: log1.read_text(errors="replace").count("committed data samples") >= 2,
-                 120, log1)
+        group0, first1 = job.start_group(0, 1), job.start_group(1, 1)
+        wait_for("group 1 to train", lambda: training(job.log(1, 1)), 120, job.log(1, 1))
         os.killpg(first1.pid, signal.SIGTERM)  # kubectl delete pod: torchrun passes it on
-        assert first1.wait(timeout=60) != 0, log1.read_text()[-3000:]  # "restart me", never 0
-        assert "stopped at step" in log1.read_text(errors="replace"), log1.read_text()[-3000:]
-        assert coordinator.poll() is None  # the job is not over: group 1 comes back
-        again = start_group(1, 2)
-        log2 = tmp_path / "group-1-2.log"
-        wait_for("group 1 to heal", lambda: "healed from group 0" in log2.read_text(errors="replace"), 120, log2)
-        wait_for("group 1 to count as live again", lambda: live_groups(metrics_port) == 2, 30, log2)
-        assert again.wait(timeout=240) == 0, log2.read_text()[-3000:]
-        assert group0.wait(timeout=60) == 0, (tmp_path / "group-0-1.log").read_text()[-3000:]
-        out = coordinator.communicate(timeout=60)[0].decode()
+        stopped = job.log(1, 1)
+        assert first1.wait(timeout=60) != 0, stopped.read_text()[-3000:]  # "restart me", never 0
+        assert "stopped at step" in stopped.read_text(errors="replace"), stopped.read_text()[-3000:]
+        assert job.coordinator.poll() is None  # the job is not over: group 1 comes back
+        again = job.start_group(1, 2)
+        wait_for("group 1 to heal", lambda: "healed from group 0" in job.log(1, 2).read_text(errors="replace"), 120,
+                 job.log(1, 2))
+        wait_for("group 1 to count as live again", lambda: live_groups(metrics_port) == 2, 30, job.log(1, 2))
+        assert again.wait(timeout=240) == 0, job.log(1, 2).read_text()[-3000:]
+        assert group0.wait(timeout=60) == 0, job.log(0, 1).read_text()[-3000:]
+        out = job.coordinator.communicate(timeout=60)[0].decode()
     finally:
-        for w in workers:
-            if w.poll() is None:
-                os.killpg(w.pid, signal.SIGKILL)
-                w.wait()
-        if coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.communicate()
-    assert coordinator.returncode == 0, out[-3000:]
+        job.close()
+    assert job.coordinator.returncode == 0, out[-3000:]
     assert "global params identical  : True" in out and "joined too late" not in out
     assert f"inner steps per rank     : {STEPS}" in out
