@@ -133,6 +133,7 @@ class CoordinatorCollector:
     def collect(self) -> Iterable[Metric]:
         snap = self._snapshot()
         groups = snap.get("groups", {})
+        ended = _finished(snap)
         failed: dict[int, int] = {}
         for member in snap.get("failed", []):
             failed[member["group"]] = failed.get(member["group"], 0) + 1
@@ -173,9 +174,9 @@ class CoordinatorCollector:
                 if value is not None:
                     yield CounterMetricFamily(f"diloco_coordinator_{name}", doc, value=value)
         yield job_gauge("stopped_groups", "Groups stopped by their own SIGTERM (a deleted pod) that have not "
-                        "joined again: the job waits for them", len(snap.get("summaries", {})) - len(_finished(snap)))
+                        "joined again: the job waits for them", len(snap.get("summaries", {})) - len(ended))
         yield job_gauge("finished_groups", "Groups that ended for good: trained to the end or joined too late "
-                        "(not one stopped by its own SIGTERM: it comes back)", len(_finished(snap)))
+                        "(not one stopped by its own SIGTERM: it comes back)", len(ended))
         yield job_gauge("diverged_rounds", "Rounds whose global-parameter hashes differed across groups",
                         len(snap.get("divergence", [])))
         yield job_gauge("plan_version", "Version of the bandwidth table the stripe plans use", snap.get("plan_version", 0))
@@ -226,7 +227,6 @@ class CoordinatorCollector:
         finished = GaugeMetricFamily("diloco_coordinator_group_finished",
                                      "1 once the group ended for good (trained to the end or joined too late)",
                                      labels=["group"])
-        ended = _finished(snap)
         for g in sorted(groups):
             finished.add_metric([str(g)], int(g in ended))
         yield finished

@@ -19,7 +19,8 @@ import urllib.request
 from typing import Any
 
 TOKEN_ENV = "DILOCO_TOKEN"
-#: a group's state from how its summary says it ended (``/status``'s ``ended``)
+#: a group's state from how its summary says it ended (``/status``'s ``ended``: ``rounds.summary_kind``'s
+#: values, spelled out: this client reads JSON and imports nothing of the coordinator)
 _ENDED = {"trained": "finished", "late": "joined late (no model)", "stopped": "stopped (SIGTERM; comes back)"}
 
 
