@@ -54,6 +54,11 @@ def _step_of(folder: Path) -> int | None:
     return int(m.group(1)) if m and folder.is_dir() else None
 
 
+def names_step(path: str | Path) -> bool:
+    """Whether ``path`` is one step folder (``DIR/step-NNNNNN``) rather than a root of them."""
+    return _step_of(Path(path)) is not None
+
+
 def step_folders(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every step folder under ``root``, oldest first; [] when it is not a folder."""
     if not root.is_dir():

@@ -44,7 +44,7 @@ from diloco.exchange.quorum_averager import JobFinished
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, InnerConfig, SyncConfig
 from diloco.job.task import DEMO_ENTRY, TaskContext, build_task
-from diloco.runtime.checkpoints import job_checkpoint, rank_state
+from diloco.runtime.checkpoints import job_checkpoint, resume_plan
 from diloco.runtime.ops import exit_codes
 from diloco.runtime.rank import (auto_setting, cpu_threads, device_placement, group_parallel, kernels, train_loop,
                                  user_errors)
@@ -220,6 +220,20 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                 else:  # the job (re)starts here: every group resumes from its checkpoints
                     point = job_checkpoint.find(resume, group=group)
                     restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
+            if (resume is not None or resume_unless_healing) and not link.membership.heal:
+                # the job starts from checkpoints: the groups behind the newest step (or with none) heal
+                plan = resume_plan.agree(link, None if restored is None else restored.step, group=group,
+                                         groups=cfg.topology.groups,
+                                         exact_step=resume is not None and job_checkpoint.names_step(resume))
+                if plan.heals(group):  # behind the newest step: it takes a live group's state, as a restart would
+                    log.warning("group %d heals from the groups at step %d instead of resuming from %s (newest "
+                                "checkpoints: %s)", group, plan.step, "none" if restored is None else
+                                f"step {restored.step}", plan.describe(), extra={"resume_step": plan.step})
+                    link.close(failed=True)
+                    link, restored, resume, resume_unless_healing = None, None, None, False
+                    continue
+                if restored is not None:
+                    log.info("resumed from %s at step %d", restored.path.parent, restored.step)
             schedule = None  # --codec/--h auto joining a running job or resuming one: built before the engine
             if auto:
                 num_params = sum(p.numel() for p in group_parallel.bare(ddp).parameters())
@@ -241,9 +255,6 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                 if rank == 0:
                     link.averager.call_coordinator("summary", lambda: link.client.report_summary(group, late))
                 return late
-            if restored is not None:  # every group resumes from the same step, or all refuse
-                rank_state.agree_on_step(link, restored.step, tag=f"resume/{restored.step}")
-                log.info("resumed from %s at step %d", restored.path.parent, restored.step)
             opts = train_loop.LoopOptions.of(cfg)  # what the loop reads of the config as it runs
             try:
                 return train_loop.train(opts, group, rank, device, ddp, task, inner, engine, link, restored)
@@ -258,7 +269,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                 link.close(failed=True)
                 link = None
                 started = built = time.monotonic()
-                cfg, restored, resume = job_cfg, None, None
+                cfg, restored, resume, resume_unless_healing = job_cfg, None, None, False
     finally:
         if sigterm_handler is not None:
             signal.signal(signal.SIGTERM, sigterm_handler)
