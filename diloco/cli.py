@@ -144,10 +144,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                                  local_rank=int(os.environ.get("LOCAL_RANK", rank)), json_path=args.json)
     from diloco.runtime.rank import worker
 
-    # a folder of steps: the groups resume from the newest any completed (those behind heal); a step folder: that step
+    # a folder of steps: the job resumes from the newest any group completed (those behind heal); a step folder:
+    # that step, which every group must name
     resume = None if point is None else point.path if checkpoint_index.names_step(args.resume) else point.root
-    return worker.main(cfg, args.group_id, args.coordinator, json_path=args.json, resume=resume,
-                       resume_unless_healing=auto)
+    return worker.main(cfg, args.group_id, args.coordinator, json_path=args.json, resume=resume)
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:

@@ -153,20 +153,25 @@ class CoordinatorClient:
     # --- calls --------------------------------------------------------------------------------
 
     def join(self, group: int, rank: int, group_size: int, address: str, *, incarnation: str = "",
-             exchange: int = -1, timeout_s: float | None = None) -> Membership:
+             exchange: int = -1, resume_step: int = -1, resume_exact: bool = False,
+             timeout_s: float | None = None) -> Membership:
         """Register this rank's data-plane ``address`` (``host:port``) and block until every
         expected group has all its ranks (once the job runs: until this group's ranks have, and
         the membership says ``heal``); returns the membership. ``incarnation``: the same for every
         rank of this start of the group. ``exchange``: >= 0 to rejoin a restarted coordinator as
-        a member at that exchange. ``timeout_s`` bounds the wait on this side (default
+        a member at that exchange. ``resume_step``: the newest job checkpoint step this group may
+        resume from if the job starts now (-1: none; the coordinator makes a group behind the
+        newest a healer); ``resume_exact``: that step was named, and every group must name it.
+        ``timeout_s`` bounds the wait on this side (default
         JOIN_DEADLINE_S); the server's join_timeout_s usually ends it first with an error naming
         the missing groups and ranks."""
-        reply = self._call("Join", JoinRequest(group, rank, group_size, address, incarnation, exchange),
+        reply = self._call("Join", JoinRequest(group, rank, group_size, address, incarnation, exchange, resume_step,
+                                               resume_exact),
                            JoinResponse, JOIN_DEADLINE_S if timeout_s is None else timeout_s,
                            waits_for=f"every group to join at the coordinator {self.address} (group {group} rank {rank})")
         assert isinstance(reply, JoinResponse)
         return Membership(epoch=reply.epoch, members=reply.members, ring=reply.ring_order, heal=reply.heal,
-                          setting=reply.setting)
+                          setting=reply.setting, resume_step=reply.resume_step)
 
     def heartbeat(self, group: int, rank: int, step: int, incarnation: str = "", quorum: str = "") -> str:
         """Tell the coordinator this rank is alive at inner ``step`` (running the rings of

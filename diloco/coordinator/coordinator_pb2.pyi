@@ -56,20 +56,24 @@ class Ack(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group", "rank", "group_size", "address", "incarnation", "exchange")
+    __slots__ = ("group", "rank", "group_size", "address", "incarnation", "exchange", "resume_step", "resume_exact")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESUME_EXACT_FIELD_NUMBER: _ClassVar[int]
     group: int
     rank: int
     group_size: int
     address: str
     incarnation: str
     exchange: int
-    def __init__(self, group: _Optional[int] = ..., rank: _Optional[int] = ..., group_size: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., exchange: _Optional[int] = ...) -> None: ...
+    resume_step: int
+    resume_exact: bool
+    def __init__(self, group: _Optional[int] = ..., rank: _Optional[int] = ..., group_size: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., exchange: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_exact: _Optional[bool] = ...) -> None: ...
 
 class RankAddresses(_message.Message):
     __slots__ = ("addresses",)
@@ -78,7 +82,7 @@ class RankAddresses(_message.Message):
     def __init__(self, addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("epoch", "members", "ring_order", "heal", "setting")
+    __slots__ = ("epoch", "members", "ring_order", "heal", "setting", "resume_step")
     class MembersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,12 +95,14 @@ class JoinResponse(_message.Message):
     RING_ORDER_FIELD_NUMBER: _ClassVar[int]
     HEAL_FIELD_NUMBER: _ClassVar[int]
     SETTING_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.MessageMap[int, RankAddresses]
     ring_order: _containers.RepeatedScalarFieldContainer[int]
     heal: bool
     setting: str
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., ring_order: _Optional[_Iterable[int]] = ..., heal: _Optional[bool] = ..., setting: _Optional[str] = ...) -> None: ...
+    resume_step: int
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Mapping[int, RankAddresses]] = ..., ring_order: _Optional[_Iterable[int]] = ..., heal: _Optional[bool] = ..., setting: _Optional[str] = ..., resume_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("group", "rank", "step", "incarnation", "quorum")

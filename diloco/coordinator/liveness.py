@@ -15,12 +15,13 @@ summary has finished: it goes quiet without failing.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
-from . import quorum, rounds
+from . import quorum, resume, rounds
 from .membership import Membership
 from .messages import HeartbeatRequest, JoinRequest, SummaryRequest
 
@@ -89,6 +90,10 @@ class Liveness:
         self._failed: dict[tuple[int, int], float] = {}  # member -> seconds silent when marked
         self._steps: dict[tuple[int, int], int] = {}
         self._summaries: dict[int, dict[str, Any]] = {}
+        #: before the job starts: group -> rank -> (the newest checkpoint step it may resume from, named)
+        self._resume_steps: dict[int, dict[int, tuple[int, bool]]] = {}
+        #: the checkpoint step the job started from (``resume.NONE``: none)
+        self.resume_step = resume.NONE
         # fault tolerance (see rounds.py)
         self._started = False  # the job runs: the first membership formed, or a member rejoined us
         self._rejoin_grace_until = 0.0  # after our restart: no quorum before members could rejoin
@@ -148,8 +153,10 @@ class Liveness:
             if self._incarnations.get(req.group, req.incarnation) != req.incarnation:
                 self._members.pop(req.group, None)  # the group started again before the job did
                 self._sizes.pop(req.group, None)
+                self._resume_steps.pop(req.group, None)
             self._incarnations[req.group] = req.incarnation
             self._check_reserved(req.group, req.address)
+            self._note_resume_step(req)
             admission = quorum.admit(
                 self._members, self._sizes, self.expected_groups, self.max_group_size,
                 req.group, req.rank, req.group_size, req.address,
@@ -165,7 +172,21 @@ class Liveness:
                               lambda: quorum.missing(self._members, self._sizes, self.expected_groups))
             if self._membership is None:  # a predecessor's members rejoined meanwhile: it heals into the job
                 return self._running_membership(req, deadline, active)
-            return self._membership
+            self._check_halted(req.group)  # e.g. a named checkpoint step that is not every group's
+            return dataclasses.replace(self._membership, heal=req.group in self._healing,
+                                       resume_step=self.resume_step)
+
+    def _note_resume_step(self, req: JoinRequest) -> None:
+        """Keep the checkpoint step a rank joining before the start may resume from (lock held);
+        the ranks of one group must name the same one."""
+        ranks = self._resume_steps.setdefault(req.group, {})
+        mine = (req.resume_step, req.resume_exact)
+        other = next(((r, s) for r, s in ranks.items() if r != req.rank and s != mine), None)
+        if other is not None:
+            raise quorum.QuorumError(
+                "INVALID_ARGUMENT", f"group {req.group} rank {req.rank} resumes from step {req.resume_step}, its rank "
+                f"{other[0]} from step {other[1][0]}: every rank of a group reads the same checkpoint folder")
+        ranks[req.rank] = mine
 
     def _wait_joined(self, key: tuple[int, int], deadline: float, active: Callable[[], bool],
                      done: Callable[[], bool], missing: Callable[[], dict]) -> None:
@@ -230,7 +251,7 @@ class Liveness:
                    for h in sorted(self._members) if self._complete(h) and h not in self._group_failed
                    and (h == g or h not in self._summaries)}
         return Membership(epoch=self._epoch, members=members, ring=tuple(sorted(members)),
-                          heal=g in self._healing, setting=self.latest_setting)
+                          heal=g in self._healing, setting=self.latest_setting, resume_step=self.resume_step)
 
     def _check_reserved(self, group: int, address: str) -> None:
         """Refuse ``address`` to ``group`` while a failed group other than it holds it (lock held)."""
@@ -254,8 +275,28 @@ class Liveness:
                    for g, ranks in sorted(self._members.items())}
         self._membership = Membership(epoch=1, members=members,
                                       ring=tuple(quorum.ring_order(members)))
+        self._start_from_checkpoints()
         self._start_running()
         self._cond.notify_all()
+
+    def _start_from_checkpoints(self) -> None:
+        """As the job starts (lock held): the step it resumes from, the groups behind it made
+        healers, or the job halted when a named step is not every group's (``resume``)."""
+        steps = {g: ranks[0][0] for g, ranks in self._resume_steps.items() if 0 in ranks and g in self._members}
+        named = {g for g, ranks in self._resume_steps.items() if g in steps and ranks[0][1]}
+        start = resume.resume_start(steps, named)
+        if start.refused is not None:
+            self.halted = start.refused
+            self._event("halted", reason=start.refused)
+            log.error("the job cannot start: %s", start.refused)
+            return
+        self.resume_step = start.step
+        if start.step != resume.NONE:
+            log.info("the job resumes from checkpoint step %d (%s)%s", start.step, resume.describe(steps),
+                     f"; behind it, healing from the others: groups {list(start.behind)}" if start.behind else "")
+        for g in start.behind:
+            self._healing.add(g)
+            self._event("resume_behind", group=g, step=steps[g], resume_step=start.step)
 
     @property
     def epoch(self) -> int:

@@ -20,6 +20,7 @@ class Membership:
     ring: tuple[int, ...]
     heal: bool = False  # joined while the job ran: fetch the job's state before taking part
     setting: str = ""  # --codec/--h auto: the setting of the job's latest quorum ("" none yet, or no auto)
+    resume_step: int = -1  # the job checkpoint step the job started from (-1: none); a group behind it heals
 
     @property
     def groups(self) -> list[int]:

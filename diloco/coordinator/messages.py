@@ -52,11 +52,13 @@ class JoinRequest(Message):
     address: str
     incarnation: str = ""  # the same for every rank of one start of the group; new after a restart
     exchange: int = -1  # -1: a new member; >= 0: rejoining a restarted coordinator at this exchange
+    resume_step: int = -1  # the newest checkpoint step the group may resume from at the job's start (-1: none)
+    resume_exact: bool = False  # that step was named: the job starts only if every group names it
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> JoinRequest:
         _check_fields(obj, "JoinRequest", ("group", "rank", "group_size", "address"),
-                      ("incarnation", "exchange"))
+                      ("incarnation", "exchange", "resume_step", "resume_exact"))
         size = _int(obj["group_size"], "group_size", 1, MAX_GROUP_SIZE)
         return cls(
             group=_int(obj["group"], "group", 0, MAX_GROUPS - 1),
@@ -65,11 +67,14 @@ class JoinRequest(Message):
             address=check_address(obj["address"]),
             incarnation=_incarnation(obj.get("incarnation", "")),
             exchange=_int(obj.get("exchange", -1), "exchange", -1, MAX_INT64),
+            resume_step=_int(obj.get("resume_step", -1), "resume_step", -1, MAX_INT64),
+            resume_exact=_bool(obj.get("resume_exact", False), "resume_exact"),
         )
 
     def to_obj(self) -> dict[str, Any]:
         return {"group": self.group, "rank": self.rank, "group_size": self.group_size,
-                "address": self.address, "incarnation": self.incarnation, "exchange": self.exchange}
+                "address": self.address, "incarnation": self.incarnation, "exchange": self.exchange,
+                "resume_step": self.resume_step, "resume_exact": self.resume_exact}
 
 
 @dataclass(frozen=True)
@@ -83,10 +88,11 @@ class JoinResponse(Message):
     ring_order: tuple[int, ...]
     heal: bool = False  # the job is under way: this group fetches its state before it takes part
     setting: str = ""  # --codec/--h auto: the setting (a row of the study's table) of the latest quorum
+    resume_step: int = -1  # the checkpoint step the job started from (-1: none)
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> JoinResponse:
-        _check_fields(obj, "JoinResponse", ("epoch", "members", "ring_order"), ("heal", "setting"))
+        _check_fields(obj, "JoinResponse", ("epoch", "members", "ring_order"), ("heal", "setting", "resume_step"))
         members = _members(obj["members"], "members")
         ring = obj["ring_order"]
         if not isinstance(ring, list) or any(type(g) is not int for g in ring):
@@ -95,12 +101,14 @@ class JoinResponse(Message):
             raise MessageError(f"ring_order {ring} is not a permutation of {sorted(members)}")
         return cls(epoch=_int(obj["epoch"], "epoch", 1, MAX_INT64), members=members,
                    ring_order=tuple(ring), heal=_bool(obj.get("heal", False), "heal"),
-                   setting=_setting(obj.get("setting", "")))
+                   setting=_setting(obj.get("setting", "")),
+                   resume_step=_int(obj.get("resume_step", -1), "resume_step", -1, MAX_INT64))
 
     def to_obj(self) -> dict[str, Any]:
         return {"epoch": self.epoch,
                 "members": {str(g): list(a) for g, a in sorted(self.members.items())},
-                "ring_order": list(self.ring_order), "heal": self.heal, "setting": self.setting}
+                "ring_order": list(self.ring_order), "heal": self.heal, "setting": self.setting,
+                "resume_step": self.resume_step}
 
 
 @dataclass(frozen=True)

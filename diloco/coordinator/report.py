@@ -6,6 +6,8 @@ Every key of a group's summary is optional and untrusted: a missing key leaves t
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Collection
 from typing import Any
 
@@ -50,7 +52,7 @@ def job_summary(summaries: dict[int, dict[str, Any]],
         "eval_loss": losses.get(first),
         "eval_loss_mean": _mean(losses),
         "eval_loss_per_group": _all_groups(groups, losses),
-        "initial_eval_loss": _numbers(trained, "initial_eval_loss", notes).get(first),
+        "initial_eval_loss": _initial_eval_loss(_numbers(trained, "initial_eval_loss", notes), first),
     }
     for key, kind in (("outer_rounds", int), ("inner_steps", int), ("num_parameters", int),
                       ("mode", str), ("fragments", int)):
@@ -121,6 +123,16 @@ def _typed(summaries: dict[int, dict[str, Any]], key: str, kind: type,
         else:
             notes.append(f"group {g}: {key} {_shown(value)} is not of type {kind.__name__}; left out")
     return out
+
+
+def _initial_eval_loss(per_group: dict[int, float], first: int | None) -> float | None:
+    """The job's initial eval loss: the lowest group's, or, when that group healed into the job
+    (it measured none: NaN), the lowest group's that did."""
+    value = per_group.get(first) if first is not None else None
+    if value is not None and math.isfinite(value):
+        return value
+    measured = [v for _, v in sorted(per_group.items()) if math.isfinite(v)]
+    return measured[0] if measured else value
 
 
 def _numbers(summaries: dict[int, dict[str, Any]], key: str,

@@ -261,8 +261,11 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
         counted = set(members) | {g for g in missing if g in heard}
         if 2 * len(members) <= len(counted):
             return None
-    healers = sorted(g for g, a in asks.items() if a.exchange == HEAL) if healable else []
-    if not members or len(members) + len(healers) < min_groups:
+    waiting = sorted(g for g, a in asks.items() if a.exchange == HEAL)
+    healers = waiting if healable else []
+    # a control exchange (no healer takes part) goes on when the healers waiting for the next one
+    # make up min_groups: else it would wait for them and they for it (a job resumed with a group behind)
+    if not members or len(members) + len(waiting) < min_groups:
         return None
     refused = {g: r for g, r in (rejected or {}).items() if g in members}
     cap = float(agreed.get("weight cap", 0.0))  # type: ignore[arg-type]

@@ -299,7 +299,7 @@ class CoordinatorServer:
         def join(req: JoinRequest, context: grpc.ServicerContext) -> Message:
             m = state.join(req, deadline=deadline(context, state.join_timeout_s), active=context.is_active)
             return JoinResponse(epoch=m.epoch, members=dict(m.members), ring_order=m.ring, heal=m.heal,
-                                setting=m.setting)
+                                setting=m.setting, resume_step=m.resume_step)
 
         def stop(req: StopRequest, context: grpc.ServicerContext) -> Message:
             state.request_stop(req.reason)

@@ -51,6 +51,14 @@ LATE = {"group": 0, "rank": 0, "joined_late": True,
         "reason": "group 0: the job's groups finished before this group could heal"}
 
 
+def test_the_initial_loss_comes_from_a_group_that_measured_it():
+    """Group 0 healed into the job (a resume with it behind): it measured no initial loss (NaN)."""
+    job = job_summary({0: group_summary(0, initial_eval_loss=math.nan), 1: group_summary(1)})
+    assert job["initial_eval_loss"] == 5.4927
+    job = job_summary({0: group_summary(0, initial_eval_loss=math.nan)})
+    assert math.isnan(job["initial_eval_loss"])
+
+
 def test_a_group_told_it_joined_too_late_is_left_out_of_the_figures():
     """The replayed cluster's case: group 0 restarted and asked to heal after group 1 finished."""
     job = job_summary({0: LATE, 1: group_summary(1, "sha256:bb")}, joined_late=[0])

@@ -58,6 +58,20 @@ def test_healers_join_with_weight_zero_and_a_member_that_turns_with_the_exchange
     assert decide({0: Ask(HEAL)}, set(), next_exchange=5, min_groups=1, attempt=0, quorum_id="q") is None
 
 
+def test_a_control_exchange_counts_the_waiting_healers_towards_min_groups():
+    """A job resumed with group 0 behind: it waits to heal at the next training exchange while the
+    others run the initial check. With --min-groups 2 the check must not wait for it (it never
+    takes part in a control exchange), else each waits for the other."""
+    control = {1: ask(exchange=0, healable=False), 0: Ask(HEAL)}
+    q = decide(control, {1}, next_exchange=0, min_groups=2, attempt=0, quorum_id="q")
+    assert q is not None and q.groups == (1,) and q.healers == ()
+    assert decide({1: ask(exchange=0, healable=False)}, {1}, next_exchange=0, min_groups=2, attempt=0, quorum_id="q") is None
+    training = {1: ask(exchange=1), 0: Ask(HEAL)}
+    q = decide(training, {1}, next_exchange=1, min_groups=2, attempt=0, quorum_id="q")
+    assert q.groups == (0, 1) and q.healers == (0,)
+    assert decide(training, {1}, next_exchange=1, min_groups=3, attempt=0, quorum_id="q") is None
+
+
 def test_a_group_with_another_state_hash_or_exchange_is_evicted_by_the_majority():
     asks = {0: ask(), 1: ask(state_hash="bad"), 2: ask(), 3: ask(exchange=4)}
     q = decide(asks, {0, 1, 2, 3}, next_exchange=5, min_groups=1, attempt=0, quorum_id="q")

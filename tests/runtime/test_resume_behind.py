@@ -1,8 +1,10 @@
 """A job restarted from checkpoints whose groups keep them on their own volumes, one group behind
 (real coordinator and torchrun groups on 127.0.0.1, ``diloco worker --resume auto`` as the
-Kubernetes manifests run it): the group at the newest step resumes from it, the group behind it
-(it missed the last checkpoint, or its volume is new and empty) heals from it instead of refusing
-the resume, and the job ends with every group at the last step and identical parameters."""
+Kubernetes manifests run it): the group at the newest step resumes from it, and the group behind
+it (it missed the last checkpoint, its volume is new and empty, it was started without --resume,
+its older file is corrupt) heals from it, its checkpoint unread, also under --min-groups 2 and
+--codec/--h auto; the job ends with every group at the last step and identical parameters. A
+named step folder that is not every group's stops the job before it starts (exit 2)."""
 
 import shutil
 
@@ -31,33 +33,57 @@ def own_volumes(shared, tmp_path) -> dict[int, object]:
     return dirs
 
 
-@pytest.mark.parametrize("behind", ["missed the last checkpoint", "new empty volume"])
-def test_the_group_behind_heals_from_the_newest_step(tmp_path, behind):
+def stopped_job(tmp_path, steps: int, *flags: str):
+    """A job of ``steps`` steps (``flags`` added) stopped at STOP with checkpoints every EVERY steps:
+    (its config file, each group's checkpoint folder as its own volume holds it)."""
     path = tmp_path / "config.json"
-    write_small_job(path, steps=STEPS, ranks_per_group=1)
+    write_small_job(path, steps=steps, ranks_per_group=1)
     first = tmp_path / "first"
-    assert cli.main(["run", "--config", str(path), "--stop-after", str(STOP), "--checkpoint-every", str(EVERY),
-                     "--run-dir", str(first), "--no-progress"]) == 0
-    volumes = own_volumes(first / "checkpoints", tmp_path)
-    assert job_checkpoint.complete_steps(volumes[1], group=1) == [EVERY, STOP]
-    if behind == "missed the last checkpoint":
-        shutil.rmtree(job_checkpoint.step_path(volumes[0], STOP))
-        assert job_checkpoint.complete_steps(volumes[0], group=0) == [EVERY]
-    else:
-        shutil.rmtree(volumes[0])
+    assert cli.main(["run", "--config", str(path), *flags, "--stop-after", str(STOP), "--checkpoint-every",
+                     str(EVERY), "--run-dir", str(first), "--no-progress"]) == 0
+    return path, own_volumes(first / "checkpoints", tmp_path)
 
-    job = Job(tmp_path, path)
+
+CASES = {  # what happened to group 0's checkpoints, and how each group is started
+    "missed the last checkpoint": dict(drop=[STOP], flags=["--resume", "auto"]),
+    "new empty volume": dict(drop=[EVERY, STOP], flags=["--resume", "auto"]),
+    "each group given its folder": dict(drop=[STOP], flags=["--resume", "{volume}"]),
+    "its older checkpoint is corrupt": dict(drop=[STOP], corrupt=EVERY, flags=["--resume", "auto"]),
+    "started without --resume": dict(drop=[], flags=["--resume", "auto"], plain=True),
+    "--min-groups 2": dict(drop=[STOP], flags=["--resume", "auto"], coordinator=["--min-groups", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_group_behind_heals_from_the_newest_step(tmp_path, case):
+    c = CASES[case]
+    path, volumes = stopped_job(tmp_path, STEPS)
+    assert job_checkpoint.complete_steps(volumes[1], group=1) == [EVERY, STOP]
+    for step in c["drop"]:
+        shutil.rmtree(job_checkpoint.step_path(volumes[0], step))
+    if "corrupt" in c:  # a flipped byte: reading it would fail the group (exit 2); it is never read
+        f = job_checkpoint.step_path(volumes[0], c["corrupt"]) / job_checkpoint.rank_file(0, 0)
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    kept = job_checkpoint.complete_steps(volumes[0], group=0)
+
+    job = Job(tmp_path, path, *c.get("coordinator", []))
     try:
-        workers = [job.start_group(g, 1, "--resume", "auto", "--checkpoint-dir", str(volumes[g]),
-                                   "--checkpoint-every", str(EVERY)) for g in (0, 1)]
+        def start(g):
+            flags = [] if g == 0 and c.get("plain") else [f.format(volume=volumes[g]) for f in c["flags"]]
+            return job.start_group(g, 1, *flags, "--checkpoint-dir", str(volumes[g]), "--checkpoint-every", str(EVERY))
+
+        workers = [start(g) for g in (0, 1)]
         codes = [w.wait(timeout=240) for w in workers]
         out = job.coordinator.communicate(timeout=60)[0].decode()
     finally:
         job.close()
     logs = [job.log(g, 1).read_text(errors="replace") for g in (0, 1)]
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    was = "step 20" if behind == "missed the last checkpoint" else "none"
-    assert f"group 0 heals from the groups at step {STOP} instead of resuming from {was}" in logs[0], logs[0][-3000:]
+    said = (f"group 0 heals from the groups at step {STOP} instead of resuming from step {kept[-1]}"
+            if kept and not c.get("plain") else f"group 0 has no checkpoint to resume from: it heals from the groups at step {STOP}")
+    assert said in logs[0], logs[0][-3000:]
     assert "healed from group 1" in logs[0]
     assert f"at step {STOP}" in logs[1] and "resumed from" in logs[1] and "heals from" not in logs[1]
     assert job.coordinator.returncode == 0, out[-3000:]
@@ -67,37 +93,48 @@ def test_the_group_behind_heals_from_the_newest_step(tmp_path, behind):
     assert job_checkpoint.complete_steps(volumes[1], group=1)[-1] == 60
 
 
+def test_a_named_step_folder_that_is_not_every_groups_stops_the_job_before_it_starts(tmp_path):
+    """--resume DIR/step-NNNNNN is what was asked for: when another group stands elsewhere, every
+    group exits 2 (configuration) naming each group's step, and nothing trains."""
+    path, volumes = stopped_job(tmp_path, STEPS)
+    job = Job(tmp_path, path)
+    try:
+        workers = [job.start_group(0, 1, "--resume", str(job_checkpoint.step_path(volumes[0], EVERY))),
+                   job.start_group(1, 1, "--resume", "auto", "--checkpoint-dir", str(volumes[1]))]
+        codes = [w.wait(timeout=120) for w in workers]
+        out = job.coordinator.communicate(timeout=60)[0].decode()
+    finally:
+        job.close()
+    logs = [job.log(g, 1).read_text(errors="replace") for g in (0, 1)]
+    for log in logs:
+        assert "exit 2 (configuration error)" in log and "group(s) 0 named a checkpoint step" in log, log[-3000:]
+        assert "(group 0: step 20, group 1: step 40)" in log and "committed data samples" not in log
+    assert codes == [1, 1]  # torchrun's own code for a worker that failed
+    assert job.coordinator.returncode == 2, out[-3000:]
+
+
 def test_under_auto_flags_the_group_behind_heals_on_the_jobs_setting(tmp_path):
-    """--codec/--h auto: a healer learns the job's setting from the job's latest quorum, so the group
-    behind cannot heal before the job's first exchange: it exits 75 ("restart me") until then, as
-    any healer does, and its restart (its pod's) heals on the checkpoint's setting."""
-    steps = 8000  # the group ahead trains for ~25 s: still training when group 0 restarts (~5 s)
-    path = tmp_path / "config.json"
-    write_small_job(path, steps=steps, ranks_per_group=1)
+    """--codec/--h auto: a healer builds its engine with the setting of the job's latest quorum.
+    Told to heal as the job starts, the group behind waits (a member, heartbeating, its links
+    answering the others' probes) for the job's first exchange, then heals on the checkpoint's
+    setting, in its first start."""
+    steps = 2000  # the group ahead trains for seconds, not a fraction of one: time to heal into it
     auto = ["--codec", "topk", "--h", "auto", "--probe-bytes", "4096"]
-    first = tmp_path / "first"
-    assert cli.main(["run", "--config", str(path), *auto, "--stop-after", str(STOP), "--checkpoint-every",
-                     str(EVERY), "--run-dir", str(first), "--no-progress"]) == 0
-    volumes = own_volumes(first / "checkpoints", tmp_path)
+    path, volumes = stopped_job(tmp_path, steps, *auto)
     shutil.rmtree(job_checkpoint.step_path(volumes[0], STOP))
 
     job = Job(tmp_path, path)
     try:
-        flags = lambda g: ["--resume", "auto", "--checkpoint-dir", str(volumes[g]), *auto]  # noqa: E731
-        ahead = job.start_group(1, 1, *flags(1))
-        attempt, codes = 1, []
-        while True:  # group 0's supervisor: a pod restarted after "exit 75 (restart me)"
-            codes.append(job.start_group(0, attempt, *flags(0)).wait(timeout=240))
-            if "exit 75 (restart me)" not in job.log(0, attempt).read_text(errors="replace") or attempt == 4:
-                break
-            attempt += 1
-        assert ahead.wait(timeout=240) == 0, job.log(1, 1).read_text()[-3000:]
+        workers = [job.start_group(g, 1, "--resume", "auto", "--checkpoint-dir", str(volumes[g]), *auto)
+                   for g in (0, 1)]
+        codes = [w.wait(timeout=240) for w in workers]
         out = job.coordinator.communicate(timeout=60)[0].decode()
     finally:
         job.close()
-    healed = job.log(0, attempt).read_text(errors="replace")
-    assert codes[-1] == 0 and 1 < attempt < 4, healed[-3000:]
-    assert "cannot learn it to heal; restart it to heal once it has" in job.log(0, 1).read_text(errors="replace")
-    assert "healed from group 1" in healed and "(the setting of the job's latest quorum)" in healed
+    logs = [job.log(g, 1).read_text(errors="replace") for g in (0, 1)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "waits for the job's first exchange to learn its --codec/--h auto setting" in logs[0]
+    assert "healed from group 1" in logs[0] and "(the setting of the job's latest quorum)" in logs[0]
+    assert "(the setting of checkpoint step-000040)" in logs[1]
     assert job.coordinator.returncode == 0, out[-3000:]
     assert "global params identical  : True" in out and f"inner steps per rank     : {steps}" in out

@@ -363,7 +363,8 @@ def _incarnation(process_group, size: int, device: torch.device) -> str:
 def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | None = None, codec: str | None = None,
             process_group: "dist.ProcessGroup | None" = None, token: str | None = None,
             settings: TransportConfig | None = None, metrics_port: int = 0, heartbeat_timeout: float = 15.0,
-            tokens_per_step: float | None = None) -> GroupConnection:
+            tokens_per_step: float | None = None, resume_step: int = -1,
+            resume_exact: bool = False) -> GroupConnection:
     """Join the job as this rank of ``group``; returns the connection (the engine's averager).
 
     ``coordinator``: ``host:port``. ``secret``: the data plane's job secret (bytes or hex;
@@ -380,7 +381,10 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
     secure the coordinator calls when the coordinator is not on loopback (``coordinator_tls``). ``metrics_port``:
     serve Prometheus metrics on this port + the local rank, on ``settings.host`` (0 = off). ``heartbeat_timeout``: the
     coordinator's (seconds; this rank heartbeats every fifteenth of it). ``tokens_per_step``: what one
-    inner step of this group weighs in the mean (default: its number of ranks). Every rank of every
+    inner step of this group weighs in the mean (default: its number of ranks). ``resume_step``:
+    the newest job checkpoint step this group may resume from if the job starts now (-1: none; a
+    group behind the job's newest is told to heal: ``membership.heal``); ``resume_exact``: that
+    step was named, and every group must name it. Every rank of every
     group calls it; it returns once every expected group has joined (or, when the job already runs,
     once this group's ranks have: the engine then heals the group into the job).
     """
@@ -412,7 +416,8 @@ def connect(coordinator: str, group: int, *, secret: bytes | str | GroupKeys | N
         opened.append(client)
         device = _comm_device(process_group)
         incarnation = _incarnation(process_group, size, device)
-        membership = client.join(group, rank, size, transport.address, incarnation=incarnation)
+        membership = client.join(group, rank, size, transport.address, incarnation=incarnation,
+                                 resume_step=resume_step, resume_exact=resume_exact)
         averager, reprobe = make_averager(t, transport, membership, client, group, rank, device, process_group,
                                           incarnation=incarnation, heartbeat_timeout=heartbeat_timeout,
                                           tokens_per_step=tokens_per_step)

@@ -44,7 +44,7 @@ from diloco.exchange.quorum_averager import JobFinished
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, InnerConfig, SyncConfig
 from diloco.job.task import DEMO_ENTRY, TaskContext, build_task
-from diloco.runtime.checkpoints import job_checkpoint, resume_plan
+from diloco.runtime.checkpoints import job_checkpoint
 from diloco.runtime.ops import exit_codes
 from diloco.runtime.rank import (auto_setting, cpu_threads, device_placement, group_parallel, kernels, train_loop,
                                  user_errors)
@@ -166,12 +166,12 @@ def _init_group(backend: str, timeout: datetime.timedelta) -> None:
                             world_size=world, timeout=timeout)
 
 
-def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | None = None, *,
-               resume_unless_healing: bool = False) -> dict:
+def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | None = None) -> dict:
     """Train this rank; returns this rank's summary (rank 0's carries the eval loss). ``resume``:
-    a job checkpoint (a step folder, or a folder of them) to continue from; with
-    ``resume_unless_healing`` (``--resume auto``) only when the job is not running, else the group
-    heals from a live group and the checkpoint is not read."""
+    a job checkpoint (a step folder, or a folder of them: its newest step this group completed) to
+    continue from when the job starts; the group heals from a live group instead, its checkpoint
+    unread, when the job runs already or the coordinator finds it behind another group's newest
+    step (``diloco.coordinator.resume``)."""
     started = time.monotonic()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -195,9 +195,8 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
     link = None
     try:
         restored = None
-        if resume is not None and not resume_unless_healing:  # read and check the file before joining the job
-            point = job_checkpoint.find(resume, group=group)
-            restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
+        # its step, from the group's manifest; the file is read once the coordinator says this group resumes
+        point = job_checkpoint.find(resume, group=group) if resume is not None else None
         ctx = TaskContext.for_job(cfg, group, rank, world, device)
         task = build_task(cfg.train.entry or DEMO_ENTRY, ctx)
         model = task.model.to(device)
@@ -210,30 +209,12 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         job_cfg, heals = cfg, 0
         while True:  # a single-rank group declared failed heals in place: it joins again (see below)
             link = connect(coordinator, group, secret=secret, settings=settings, metrics_port=cfg.train.metrics_port,
-                           heartbeat_timeout=cfg.fault.heartbeat_timeout)
+                           heartbeat_timeout=cfg.fault.heartbeat_timeout,
+                           resume_step=point.step if point is not None else -1,
+                           resume_exact=point is not None and job_checkpoint.names_step(resume))
             link.progress_every_s = cfg.train.progress_every
             joined = time.monotonic()
-            if resume is not None and resume_unless_healing:
-                if link.membership.heal:
-                    log.info("the job is running: group %d heals from a live group (its checkpoints in %s are not "
-                             "read)", group, resume)
-                else:  # the job (re)starts here: every group resumes from its checkpoints
-                    point = job_checkpoint.find(resume, group=group)
-                    restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
-            if (resume is not None or resume_unless_healing) and not link.membership.heal:
-                # the job starts from checkpoints: the groups behind the newest step (or with none) heal
-                plan = resume_plan.agree(link, None if restored is None else restored.step, group=group,
-                                         groups=cfg.topology.groups,
-                                         exact_step=resume is not None and job_checkpoint.names_step(resume))
-                if plan.heals(group):  # behind the newest step: it takes a live group's state, as a restart would
-                    log.warning("group %d heals from the groups at step %d instead of resuming from %s (newest "
-                                "checkpoints: %s)", group, plan.step, "none" if restored is None else
-                                f"step {restored.step}", plan.describe(), extra={"resume_step": plan.step})
-                    link.close(failed=True)
-                    link, restored, resume, resume_unless_healing = None, None, None, False
-                    continue
-                if restored is not None:
-                    log.info("resumed from %s at step %d", restored.path.parent, restored.step)
+            restored = _resume_or_heal(point, link.membership, cfg, group, rank)
             schedule = None  # --codec/--h auto joining a running job or resuming one: built before the engine
             if auto:
                 num_params = sum(p.numel() for p in group_parallel.bare(ddp).parameters())
@@ -269,13 +250,38 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                 link.close(failed=True)
                 link = None
                 started = built = time.monotonic()
-                cfg, restored, resume, resume_unless_healing = job_cfg, None, None, False
+                cfg, restored, point = job_cfg, None, None
     finally:
         if sigterm_handler is not None:
             signal.signal(signal.SIGTERM, sigterm_handler)
         if link is not None:
             link.close()
         dist.destroy_process_group()
+
+
+def _resume_or_heal(point: job_checkpoint.ResumePoint | None, membership, cfg: Config, group: int,
+                    rank: int) -> job_checkpoint.RankCheckpoint | None:
+    """This rank's checkpoint state to continue from (``point``, read and checked now), or None when
+    the group heals (``membership.heal``: the job runs already, or started from a newer step than
+    ``point``'s) or has none to resume from; says which."""
+    started_at = membership.resume_step
+    if membership.heal and started_at >= 0 and (point is None or point.step < started_at):
+        if point is None:
+            log.warning("group %d has no checkpoint to resume from: it heals from the groups at step %d", group,
+                        started_at, extra={"resume_step": started_at})
+        else:
+            log.warning("group %d heals from the groups at step %d instead of resuming from step %d (%s)", group,
+                        started_at, point.step, point.path, extra={"resume_step": started_at})
+        return None
+    if point is None:
+        return None
+    if membership.heal:
+        log.info("the job is running: group %d heals from a live group (its checkpoint %s is not read)", group,
+                 point.path)
+        return None
+    restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
+    log.info("resumed from %s at step %d", point.path, restored.step)
+    return restored
 
 
 def heals_in_place(group_size: int, heals: int, max_heals: int) -> bool:
@@ -311,10 +317,30 @@ def _running_auto_setting(restored: job_checkpoint.RankCheckpoint | None, link: 
         return row, f"the setting of checkpoint {restored.path.parent.name}"
     if not link.membership.heal:
         return None
-    if not link.membership.setting:
-        raise GroupEvicted(f"group {group}: the job has not run an exchange with its auto setting yet, so this group "
-                           "cannot learn it to heal; restart it to heal once it has")
-    return link.membership.setting, "the setting of the job's latest quorum"
+    setting = link.membership.setting or _wait_for_job_setting(link, group)
+    return setting, "the setting of the job's latest quorum"
+
+
+#: how long a healer of a --codec/--h auto job waits for the job's first exchange, which names the
+#: setting it builds its engine with (a job that just started or resumed runs one within seconds)
+SETTING_WAIT_S = 300.0
+
+
+def _wait_for_job_setting(link: GroupConnection, group: int, wait_s: float = SETTING_WAIT_S) -> str:
+    """The auto setting of the job's latest quorum, once it has run one: asked of the coordinator
+    (the same join again: it answers the running membership) every second while the group stays
+    a member (it heartbeats, and its links answer the others' probes). GroupEvicted past
+    ``wait_s``: its restart then heals once the job has run an exchange."""
+    deadline = time.monotonic() + wait_s
+    log.info("group %d waits for the job's first exchange to learn its --codec/--h auto setting", group)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        membership = link.client.join(group, link.rank, link.group_size, link.transport.address,
+                                      incarnation=link.averager.incarnation)
+        if membership.setting:
+            return membership.setting
+    raise GroupEvicted(f"group {group}: the job ran no exchange with its auto setting in {wait_s:g}s, so this group "
+                       "cannot learn it to heal; restart it to heal once it has")
 
 
 def format_worker_line(s: dict) -> str:
@@ -327,7 +353,7 @@ def format_worker_line(s: dict) -> str:
 
 
 def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None,
-         resume: str | Path | None = None, resume_unless_healing: bool = False) -> int:
+         resume: str | Path | None = None) -> int:
     """Entry point of ``diloco worker``; returns the process exit code (0 also when it stopped
     early with a job checkpoint). Prints this rank's summary line; rank 0 writes the group's
     summary to ``json_path`` if given. ``resume``: a job checkpoint to continue from. What it will
@@ -340,7 +366,7 @@ def main(cfg: Config, group: int, coordinator: str, json_path: str | None = None
     metrics_mod.describe_process(codec=t.codec, codec_block=t.codec_block, link=t.link, zstd=t.zstd,
                                  chunk_bytes=t.chunk_bytes)
     try:
-        summary = run_worker(cfg, group, coordinator, resume, resume_unless_healing=resume_unless_healing)
+        summary = run_worker(cfg, group, coordinator, resume)
     except GroupEvicted as e:  # the job goes on without this group: restart it and it heals
         print(f"diloco worker (group {group}, rank {os.environ.get('RANK', '?')}): left the job: {e}; "
               f"exit {exit_codes.describe(exit_codes.RESTART)}: restart to heal", file=sys.stderr, flush=True)
