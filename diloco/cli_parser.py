@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--heartbeat-timeout", type=float, default=15.0,
                        help="seconds of silence from any rank of a group before the group is declared failed and "
                        "left out of the next quorum (workers: the same --heartbeat-timeout)")
-    coord.add_argument("--min-groups", type=int, default=1, help="fewest groups an exchange may run with")
+    coord.add_argument("--min-groups", type=int, default=1, help="fewest groups an exchange may run with (a control exchange counts the groups healing in)")
     coord.add_argument("--quorum-grace", type=float, default=0.0,
                        help="seconds an exchange waits, after the first group asked for it, for the other live "
                        "groups; then it runs with those that asked and a group left out heals (0 = off: wait for "

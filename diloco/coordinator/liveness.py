@@ -156,11 +156,11 @@ class Liveness:
                 self._resume_steps.pop(req.group, None)
             self._incarnations[req.group] = req.incarnation
             self._check_reserved(req.group, req.address)
-            self._note_resume_step(req)
             admission = quorum.admit(
                 self._members, self._sizes, self.expected_groups, self.max_group_size,
                 req.group, req.rank, req.group_size, req.address,
                 may_replace=self._waiting.get(key, 0) == 0)
+            self._note_resume_step(req)
             if admission is not quorum.Admission.SAME:
                 self._members.setdefault(req.group, {})[req.rank] = req.address
                 self._sizes[req.group] = req.group_size
@@ -183,9 +183,12 @@ class Liveness:
         mine = (req.resume_step, req.resume_exact)
         other = next(((r, s) for r, s in ranks.items() if r != req.rank and s != mine), None)
         if other is not None:
+            def said(step: int, exact: bool) -> str:
+                return f"step {step}" + (" (named)" if exact else "")
+
             raise quorum.QuorumError(
-                "INVALID_ARGUMENT", f"group {req.group} rank {req.rank} resumes from step {req.resume_step}, its rank "
-                f"{other[0]} from step {other[1][0]}: every rank of a group reads the same checkpoint folder")
+                "INVALID_ARGUMENT", f"group {req.group} rank {req.rank} resumes from {said(*mine)}, its rank "
+                f"{other[0]} from {said(*other[1])}: every rank of a group reads the same checkpoint folder")
         ranks[req.rank] = mine
 
     def _wait_joined(self, key: tuple[int, int], deadline: float, active: Callable[[], bool],

@@ -284,7 +284,7 @@ class RoundState(GraceWindow):
             q = rounds.decide({**asks, **extra}, awaited, next_exchange=exchange, min_groups=self.min_groups,
                               attempt=attempt, quorum_id=f"{self.boot}-{exchange}-{attempt}", rejected=rejected,
                               waited_s=None if start is None else self._clock() - start, grace_s=grace,
-                              patient=patient, heartbeating=heard)
+                              patient=patient, heartbeating=heard, healing=self._healing & heard)
             if q is None:
                 continue
             self._grace_from.pop(exchange, None)

@@ -10,8 +10,9 @@ member (its exchange, hash, setting, size, weight, vote) is one member's word, s
 group's word decide for the others, and no rule breaks a tie by group id.
 
 * a quorum for exchange E forms once every live group (joined, not failed, not healing) has asked
-  for a quorum, and at least ``min_groups`` groups are in it; groups that asked to heal join the
-  next quorum that forms. E must lie within ``MAX_EXCHANGES_AHEAD`` of the job's committed position
+  for a quorum, and at least ``min_groups`` groups are in it (for a control exchange, which no
+  healer takes part in, counting the groups healing into the job); groups that asked to heal join
+  the next quorum that forms. E must lie within ``MAX_EXCHANGES_AHEAD`` of the job's committed position
   (the caller refuses asks beyond it);
 * with a grace window (``grace_s`` > 0), the quorum also forms once ``grace_s`` seconds passed
   (``waited_s``) since the groups that asked became a strict majority of the live groups still
@@ -217,8 +218,8 @@ def donor(members: Sequence[int], exchange: int) -> int:
 def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None, min_groups: int,
            attempt: int, quorum_id: str, rejected: Mapping[int, str] | None = None,
            waited_s: float | None = None, grace_s: float = 0.0,
-           patient: Collection[int] = (), heartbeating: Collection[int] | None = None
-           ) -> Quorum | Disagreement | None:
+           patient: Collection[int] = (), heartbeating: Collection[int] | None = None,
+           healing: Collection[int] = ()) -> Quorum | Disagreement | None:
     """The quorum to hand out now, a Disagreement (roll the attempt back), or None while it must wait.
 
     ``asks``: the groups every rank of which asked (HEAL for healers). ``live``: the groups that
@@ -231,7 +232,9 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
     are ``heartbeating`` (None: every live group counts).
     ``next_exchange``: the job's next exchange (None after a coordinator restart: the one most
     groups ask for, the latest on a tie). ``attempt``: how many quorums this exchange had before.
-    ``rejected``: contributions the caller's screen refused (group -> reason).
+    ``rejected``: contributions the caller's screen refused (group -> reason). ``healing``: the
+    groups healing into the job and heard from, asked yet or not; a control exchange counts them
+    towards ``min_groups`` (they take part in the next training exchange, which waits for them).
     """
     missing = sorted(g for g in live if g not in asks)
     if missing and (not window_closed(missing, waited_s, grace_s, heartbeating)
@@ -261,11 +264,11 @@ def decide(asks: Mapping[int, Ask], live: set[int], *, next_exchange: int | None
         counted = set(members) | {g for g in missing if g in heard}
         if 2 * len(members) <= len(counted):
             return None
-    waiting = sorted(g for g, a in asks.items() if a.exchange == HEAL)
-    healers = waiting if healable else []
-    # a control exchange (no healer takes part) goes on when the healers waiting for the next one
-    # make up min_groups: else it would wait for them and they for it (a job resumed with a group behind)
-    if not members or len(members) + len(waiting) < min_groups:
+    healers = sorted(g for g, a in asks.items() if a.exchange == HEAL) if healable else []
+    # a control exchange goes on when the groups healing in make up min_groups: no healer takes part
+    # in one, so it would wait for them and they for it (a job resumed with a group behind)
+    coming = set(healers) if healable else ({g for g, a in asks.items() if a.exchange == HEAL} | set(healing))
+    if not members or len(members) + len(coming - set(members)) < min_groups:
         return None
     refused = {g: r for g, r in (rejected or {}).items() if g in members}
     cap = float(agreed.get("weight cap", 0.0))  # type: ignore[arg-type]

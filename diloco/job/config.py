@@ -327,7 +327,7 @@ class FaultConfig:
         15.0, "seconds without a message from any rank of a group before the group is declared failed "
         "and left out of the next quorum (ranks heartbeat every fifteenth of it)", flag="--heartbeat-timeout",
     )
-    min_groups: int = opt(1, "fewest groups an exchange may run with; below it the survivors wait", flag="--min-groups")
+    min_groups: int = opt(1, "fewest groups an exchange may run with (a control exchange counts the groups healing in); below it the survivors wait", flag="--min-groups")
     quorum_grace: float = opt(
         0.0, "seconds an exchange waits, after the first group asked for it, for the other live groups; then "
         "it runs with those that asked (at least --min-groups) and a group left out heals, losing its round's "

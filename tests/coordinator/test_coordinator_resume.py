@@ -92,15 +92,32 @@ def test_a_named_step_that_is_not_every_groups_halts_the_job_before_it_starts():
 
 def test_the_ranks_of_a_group_must_resume_from_one_step():
     state = CoordinatorState(1, heartbeat_timeout_s=15.0)
-    first = threading.Thread(target=lambda: pytest.raises(  # waits for rank 1 until the state closes
-        QuorumError, state.join, JoinRequest(0, 0, 2, "10.0.0.0:7000", resume_step=40), deadline=1e9), daemon=True)
-    first.start()
+    first: list = []
+
+    def rank0():  # waits for rank 1 until the state closes
+        try:
+            state.join(JoinRequest(0, 0, 2, "10.0.0.0:7000", resume_step=40), deadline=1e9)
+        except QuorumError as e:
+            first.append(e)
+
+    waiter = threading.Thread(target=rank0, daemon=True)
+    waiter.start()
     try:
-        time.sleep(0.3)  # rank 0's join is recorded
+        for _ in range(100):  # until rank 0's join is recorded
+            if state.snapshot()["groups"]:
+                break
+            time.sleep(0.05)
         with pytest.raises(QuorumError, match="resumes from step 20, its rank 0 from step 40") as info:
             state.join(JoinRequest(0, 1, 2, "10.0.0.1:7000", resume_step=20), deadline=1e9)
         assert info.value.code == "INVALID_ARGUMENT"
+        with pytest.raises(QuorumError, match="its rank 0 from step 40"):  # a named step differs as well
+            state.join(JoinRequest(0, 1, 2, "10.0.0.1:7000", resume_step=40, resume_exact=True), deadline=1e9)
+        # a join refused for another reason records nothing: rank 1 at rank 0's step joins after it
+        with pytest.raises(QuorumError, match="out of range"):
+            state.join(JoinRequest(0, 3, 2, "10.0.0.3:7000", resume_step=99), deadline=1e9)
+        member = state.join(JoinRequest(0, 1, 2, "10.0.0.1:7000", resume_step=40), deadline=1e9)
+        assert member.resume_step == 40 and not member.heal
     finally:
         state.close()
-    first.join(timeout=5)
-    assert not first.is_alive()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and not first  # rank 0's join returned the membership

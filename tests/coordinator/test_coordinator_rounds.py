@@ -66,10 +66,17 @@ def test_a_control_exchange_counts_the_waiting_healers_towards_min_groups():
     q = decide(control, {1}, next_exchange=0, min_groups=2, attempt=0, quorum_id="q")
     assert q is not None and q.groups == (1,) and q.healers == ()
     assert decide({1: ask(exchange=0, healable=False)}, {1}, next_exchange=0, min_groups=2, attempt=0, quorum_id="q") is None
+    # a healer not asking yet (it waits to learn the job's --codec/--h auto setting), heard from, counts too
+    q = decide({1: ask(exchange=0, healable=False)}, {1}, next_exchange=0, min_groups=2, attempt=1, quorum_id="q",
+               healing={0})
+    assert q is not None and q.groups == (1,) and q.attempt == 1
     training = {1: ask(exchange=1), 0: Ask(HEAL)}
     q = decide(training, {1}, next_exchange=1, min_groups=2, attempt=0, quorum_id="q")
     assert q.groups == (0, 1) and q.healers == (0,)
     assert decide(training, {1}, next_exchange=1, min_groups=3, attempt=0, quorum_id="q") is None
+    # a training exchange counts only the healers that asked: they take part in it
+    assert decide({1: ask(exchange=1)}, {1}, next_exchange=1, min_groups=2, attempt=0, quorum_id="q",
+                  healing={0}) is None
 
 
 def test_a_group_with_another_state_hash_or_exchange_is_evicted_by_the_majority():

@@ -1,6 +1,7 @@
 """Job checkpoint files: what a checkpoint writes, how a resume finds, verifies and refuses one (corrupt,
 incomplete, another job's, settings that change the math), and pruning."""
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 from job_checkpoint_helpers import G, job_config, single
 
 from diloco import cli
+from diloco.coordinator.membership import Membership
 from diloco.job.config import ConfigError
 from diloco.runtime.checkpoints import job_checkpoint, rank_state
 from diloco.runtime.checkpoints.checkpoint import CheckpointError
@@ -24,6 +26,39 @@ def write_step(root, step, groups=G, cfg=None):
         job_checkpoint.write_rank(root, step, g, 0, state)
         job_checkpoint.write_manifest(root, step, g, 1, cfg, mode="blocking")
     return model, inner, engine
+
+
+def _corrupt(path):
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_a_resume_joins_with_the_newest_step_whose_file_is_intact(tmp_path):
+    """What a worker resuming from a folder of steps joins the job with: a corrupt newer file is
+    skipped (the group then joins behind and heals) rather than failing it once the job started."""
+    from diloco.runtime.rank import worker
+
+    for step in (20, 40):
+        write_step(tmp_path, step)
+    _corrupt(tmp_path / "step-000040" / "group-0-rank-0.pt")
+    point, skipped = worker._resume_point(tmp_path, 0, 0)
+    assert point.step == 20 and len(skipped) == 1 and "step-000040/group-0-rank-0.pt: contents do not match" in skipped[0]
+    assert worker._resume_point(tmp_path, 1, 0)[0].step == 40  # group 1's files are intact
+    named = worker._resume_point(tmp_path / "step-000040", 0, 0)  # a named step is what was asked for
+    assert named[0].step == 40 and named[1] == []
+    _corrupt(tmp_path / "step-000020" / "group-0-rank-0.pt")
+    point, skipped = worker._resume_point(tmp_path, 0, 0)
+    assert point is None and len(skipped) == 2
+    cfg = job_config()
+    fresh = Membership(epoch=1, members={0: ("a:1",), 1: ("b:1",)}, ring=(0, 1))  # no group resumes
+    with pytest.raises(CheckpointError, match="cannot be read \\(a fresh start would lose the job's training\\)"):
+        worker._resume_or_heal(None, fresh, cfg, 0, 0, skipped)
+    behind = dataclasses.replace(fresh, heal=True, resume_step=40)  # another group resumes: this one heals
+    assert worker._resume_or_heal(None, behind, cfg, 0, 0, skipped) is None
+    ahead = dataclasses.replace(fresh, resume_step=20)  # a coordinator that planned another step than its own
+    with pytest.raises(ConfigError, match="started the job from checkpoint step 20, but this group resumes from step 40"):
+        worker._resume_or_heal(job_checkpoint.find(tmp_path, group=1), ahead, cfg, 1, 0)
 
 
 def test_round_trip_restores_every_part(tmp_path):

@@ -192,6 +192,27 @@ def newest_intact_step(root: str | Path, below: int) -> Path | None:
     return None
 
 
+def newest_intact_for_rank(point: ResumePoint, group: int, rank: int) -> tuple[ResumePoint | None, list[str]]:
+    """From ``point`` (a root's newest step for ``group``) back, the newest step of ``group`` whose
+    file for ``rank`` matches its manifest and checksum (reads it; None if none does), and why each
+    newer one was skipped."""
+    skipped = []
+    steps = [s for s in complete_steps(point.root, group) if s <= point.step]
+    for step in reversed(steps):
+        folder = step_path(point.root, step)
+        path = folder / rank_file(group, rank)
+        listed = ((read_manifest(folder, group) or {}).get("files") or {}).get(path.name)
+        try:
+            intact = listed is not None and checkpoint.verify(path) == listed
+        except (CheckpointError, OSError) as e:
+            skipped.append(f"{path}: {e}")
+            continue
+        if intact:
+            return find(folder, group), skipped
+        skipped.append(f"{path}: not the file its group's manifest lists")
+    return None, skipped
+
+
 def math_differences(saved: Config, now: Config) -> list[str]:
     """Settings that change what is computed and differ: ``--flag: now here, saved in the checkpoint``."""
     out = []

@@ -35,7 +35,8 @@ from diloco.runtime.checkpoints import checkpoint, rank_state
 from diloco.runtime.checkpoints.checkpoint import CheckpointError
 from diloco.runtime.checkpoints.checkpoint_index import (FORMAT, OPERATIONAL, VERSION, ResumePoint,  # noqa: F401
                                              complete_groups, complete_steps, find, latest_complete_step,
-                                             manifest_file, math_differences, names_step, newest_intact_step, rank_file,
+                                             manifest_file, math_differences, names_step, newest_intact_for_rank,
+                                             newest_intact_step, rank_file,
                                              read_manifest, resume_config, step_folders, step_path,
                                              verify_step)
 

@@ -45,6 +45,7 @@ from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, InnerConfig, SyncConfig
 from diloco.job.task import DEMO_ENTRY, TaskContext, build_task
 from diloco.runtime.checkpoints import job_checkpoint
+from diloco.runtime.checkpoints.checkpoint import CheckpointError
 from diloco.runtime.ops import exit_codes
 from diloco.runtime.rank import (auto_setting, cpu_threads, device_placement, group_parallel, kernels, train_loop,
                                  user_errors)
@@ -195,8 +196,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
     link = None
     try:
         restored = None
-        # its step, from the group's manifest; the file is read once the coordinator says this group resumes
-        point = job_checkpoint.find(resume, group=group) if resume is not None else None
+        point, unreadable = _resume_point(resume, group, rank)  # loaded once the coordinator says this group resumes
         ctx = TaskContext.for_job(cfg, group, rank, world, device)
         task = build_task(cfg.train.entry or DEMO_ENTRY, ctx)
         model = task.model.to(device)
@@ -214,7 +214,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                            resume_exact=point is not None and job_checkpoint.names_step(resume))
             link.progress_every_s = cfg.train.progress_every
             joined = time.monotonic()
-            restored = _resume_or_heal(point, link.membership, cfg, group, rank)
+            restored = _resume_or_heal(point, link.membership, cfg, group, rank, unreadable)
             schedule = None  # --codec/--h auto joining a running job or resuming one: built before the engine
             if auto:
                 num_params = sum(p.numel() for p in group_parallel.bare(ddp).parameters())
@@ -250,7 +250,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
                 link.close(failed=True)
                 link = None
                 started = built = time.monotonic()
-                cfg, restored, point = job_cfg, None, None
+                cfg, restored, point, unreadable = job_cfg, None, None, []
     finally:
         if sigterm_handler is not None:
             signal.signal(signal.SIGTERM, sigterm_handler)
@@ -259,12 +259,34 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
         dist.destroy_process_group()
 
 
+def _resume_point(resume: str | Path | None, group: int, rank: int) -> tuple[job_checkpoint.ResumePoint | None,
+                                                                             list[str]]:
+    """The checkpoint step this rank joins the job with, and the files it skipped: a named step
+    folder as named; in a folder of steps the newest whose file for this rank is intact (a corrupt
+    newer one is skipped, with a warning: the group joins behind and heals from the others instead
+    of failing once the job started; none intact: it joins with none, see ``_resume_or_heal``)."""
+    if resume is None:
+        return None, []
+    point = job_checkpoint.find(resume, group=group)
+    if job_checkpoint.names_step(resume):
+        return point, []
+    intact, skipped = job_checkpoint.newest_intact_for_rank(point, group, rank)
+    for why in skipped:
+        log.warning("group %d rank %d: skipping a checkpoint that cannot be read: %s", group, rank, why)
+    return intact, skipped
+
+
 def _resume_or_heal(point: job_checkpoint.ResumePoint | None, membership, cfg: Config, group: int,
-                    rank: int) -> job_checkpoint.RankCheckpoint | None:
+                    rank: int, unreadable: list[str] = ()) -> job_checkpoint.RankCheckpoint | None:
     """This rank's checkpoint state to continue from (``point``, read and checked now), or None when
     the group heals (``membership.heal``: the job runs already, or started from a newer step than
-    ``point``'s) or has none to resume from; says which."""
+    ``point``'s) or has none to resume from; says which. ``unreadable``: its checkpoints that
+    cannot be read; with none left and no group resuming, CheckpointError: the job is not new."""
     started_at = membership.resume_step
+    if point is None and unreadable and not membership.heal:
+        raise CheckpointError(f"group {group} rank {rank}: no group resumes from a checkpoint, and this group's "
+                              "cannot be read (a fresh start would lose the job's training):\n  " +
+                              "\n  ".join(unreadable))
     if membership.heal and started_at >= 0 and (point is None or point.step < started_at):
         if point is None:
             log.warning("group %d has no checkpoint to resume from: it heals from the groups at step %d", group,
@@ -279,6 +301,9 @@ def _resume_or_heal(point: job_checkpoint.ResumePoint | None, membership, cfg: C
         log.info("the job is running: group %d heals from a live group (its checkpoint %s is not read)", group,
                  point.path)
         return None
+    if started_at != point.step:  # a coordinator that does not plan resumes (an older version) says -1
+        raise ConfigError(f"the coordinator started the job from checkpoint step {started_at}, but this group resumes "
+                          f"from step {point.step} ({point.path}): run a coordinator of this version")
     restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
     log.info("resumed from %s at step %d", point.path, restored.step)
     return restored
@@ -335,6 +360,8 @@ def _wait_for_job_setting(link: GroupConnection, group: int, wait_s: float = SET
     log.info("group %d waits for the job's first exchange to learn its --codec/--h auto setting", group)
     while time.monotonic() < deadline:
         time.sleep(1.0)
+        if link.averager.evicted_reason is not None:  # e.g. the coordinator restarted meanwhile
+            raise link.averager.departure()
         membership = link.client.join(group, link.rank, link.group_size, link.transport.address,
                                       incarnation=link.averager.incarnation)
         if membership.setting:
