@@ -5,7 +5,7 @@ steps can differ: a group that was down or healing when the others wrote a check
 job agreed to stop), or one whose volume is new (no checkpoint at all). Every rank joins with the
 newest step its group may resume from (-1: none). The job resumes from the newest of them; every
 group behind it heals from the groups at it, as a restarted group would, its older checkpoints
-unread. A step named explicitly (``--resume DIR/step-NNNNNN``) is what was asked for: if any group
+not loaded. A step named explicitly (``--resume DIR/step-NNNNNN``) is what was asked for: if any group
 named one and the groups' steps differ, the job does not start.
 """
 

@@ -2,7 +2,7 @@
 (real coordinator and torchrun groups on 127.0.0.1, ``diloco worker --resume auto`` as the
 Kubernetes manifests run it): the group at the newest step resumes from it, and the group behind
 it (it missed the last checkpoint, its volume is new and empty, it was started without --resume,
-a corrupt file) heals from it, its checkpoint unread, also under --codec/--h auto
+a corrupt file) heals from it, its checkpoint not loaded, also under --codec/--h auto
 (every case under --min-groups 2, which makes the heal's round deterministic); the job ends with every group at the last step and identical parameters. A
 named step folder that is not every group's stops the job before it starts (exit 2)."""
 

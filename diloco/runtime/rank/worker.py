@@ -171,7 +171,7 @@ def run_worker(cfg: Config, group: int, coordinator: str, resume: str | Path | N
     """Train this rank; returns this rank's summary (rank 0's carries the eval loss). ``resume``:
     a job checkpoint (a step folder, or a folder of them: its newest step this group completed) to
     continue from when the job starts; the group heals from a live group instead, its checkpoint
-    unread, when the job runs already or the coordinator finds it behind another group's newest
+    not loaded, when the job runs already or the coordinator finds it behind another group's newest
     step (``diloco.coordinator.resume``)."""
     started = time.monotonic()
     rank = int(os.environ.get("RANK", "0"))
