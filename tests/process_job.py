@@ -42,6 +42,18 @@ class Job:
         self.workers.append(w)
         return w
 
+    def run(self, group_args: dict[int, list[str]], timeout_s: float) -> tuple[list[int], str, list[str]]:
+        """Start every group once (``group_args``: each group's worker flags), wait for them and the
+        coordinator, kill what remains: (the groups' exit codes, the coordinator's output, each
+        group's log)."""
+        try:
+            workers = [self.start_group(g, 1, *args) for g, args in sorted(group_args.items())]
+            codes = [w.wait(timeout=timeout_s) for w in workers]
+            out = self.coordinator.communicate(timeout=60)[0].decode()
+        finally:
+            self.close()
+        return codes, out, [self.log(g, 1).read_text(errors="replace") for g in sorted(group_args)]
+
     def close(self) -> None:
         for w in self.workers:
             if w.poll() is None:

@@ -50,7 +50,7 @@ JOIN_DEADLINE_S = 3600.0  # default client-side bound on a join; the server's jo
                           # normally the tighter one and answers with the missing members
 #: longest wait between a channel's attempts to reach a coordinator that went away (gRPC's default
 #: grows to 120 s): a restarted coordinator is found within a second by every rank, and the ranks
-#: rejoin it together (liveness.MIN_REJOIN_GRACE_S), not seconds apart by the luck of their backoff.
+#: rejoin it together (joins.MIN_REJOIN_GRACE_S), not seconds apart by the luck of their backoff.
 #: (Not grpc.min_reconnect_backoff_ms: gRPC takes it as the time one attempt may last, 20 s by
 #: default, which a TLS handshake across datacenters may need more than a second of.)
 MAX_RECONNECT_BACKOFF_MS = 1000

@@ -4,8 +4,8 @@ stop request reaches every group through the quorums (``request_stop``). The vot
 what a commit changes are ``vote_state.py``'s.
 
 ``rounds.py`` holds the rules; this class keeps the asks, quorums, votes, decisions and offers
-and applies the rules under the lock of :class:`~diloco.coordinator.liveness.Liveness`, whose
-membership and liveness it builds on (a failed group's waiting requests are answered here), and of
+and applies the rules under the lock of :class:`~diloco.coordinator.joins.Joins`, whose membership
+and :class:`~diloco.coordinator.liveness.Liveness`, whose liveness it builds on (a failed group's waiting requests are answered here), and of
 :class:`~diloco.coordinator.grace_window.GraceWindow`, which says how long an exchange waits for late groups.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Callable
 from . import quorum, rounds
 from .ask_book import Answer, AskBook
 from .grace_window import GraceWindow
-from .liveness import _POLL_S
+from .joins import _POLL_S
 from .messages import QuorumRequest, QuorumResponse, StateOffer
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class RoundState(GraceWindow):
             return self._response(req.group, answer)
 
     def join(self, req, *, deadline: float, active: Callable[[], bool] = lambda: True):
-        """``Liveness.join``; a member rejoining at ``exchange`` (after our restart) has asked for
+        """``Joins.join``; a member rejoining at ``exchange`` (after our restart) has asked for
         every exchange below it already, as far as the skip rule (``_check_in_step``) goes."""
         membership = super().join(req, deadline=deadline, active=active)
         if req.exchange > 0:
@@ -337,7 +337,7 @@ class RoundState(GraceWindow):
 
     def _halt(self, reason: str) -> None:
         """Stop the job for good (lock held): every waiting call and every later one is refused with
-        ``reason`` (``Liveness.halted``)."""
+        ``reason`` (``Joins.halted``)."""
         if self.halted is not None:
             return
         self.halted = reason

@@ -1,9 +1,9 @@
-"""The coordinator's state: membership and liveness (``liveness.py``), the rounds (``round_state.py``:
+"""The coordinator's state: membership (``joins.py``) and liveness (``liveness.py``), the rounds (``round_state.py``:
 asks and quorums; ``vote_state.py``: votes, commits and state offers), and what groups report
 besides (progress, round hashes, bandwidth plans), with the views observers read (``snapshot``,
 waiting for the groups' summaries).
 
-Thread-safe (one condition variable, shared by all four parts), independent of gRPC: handlers
+Thread-safe (one condition variable, shared by all its parts), independent of gRPC: handlers
 call these methods and turn :class:`~diloco.coordinator.quorum.QuorumError` into a status code.
 """
 

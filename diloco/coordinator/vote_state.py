@@ -6,7 +6,7 @@ member whose votes alone keep rolling exchanges back is evicted. Healers and gro
 fetch what they need from the quorum's donor through its state offers (``offer``/``wait_offer``).
 
 The state lives in ``RoundState`` (``round_state.py``: the asks and quorums), under the lock of
-:class:`~diloco.coordinator.liveness.Liveness`; this class adds the methods that vote on it.
+:class:`~diloco.coordinator.joins.Joins`; this class adds the methods that vote on it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import quorum, rounds
-from .liveness import _POLL_S
+from .joins import _POLL_S
 from .messages import CommitRequest, CommitResponse, OfferQuery, StateOffer
 from .round_state import MAX_BEHIND, MAX_ORPHANS_PER_GROUP, NORM_HISTORY, RoundState
 

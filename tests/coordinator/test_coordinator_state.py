@@ -263,7 +263,7 @@ def test_votes_on_made_up_quorums_of_a_previous_coordinator_are_bounded_per_grou
     never formed (a predecessor's, "orphans"), decides them once every member could rejoin and only
     if they name a majority of the groups that did, and remembers at most MAX_ORPHANS_PER_GROUP of
     one group's, so a group cannot push the other groups' quorums out of memory."""
-    from diloco.coordinator.liveness import MIN_REJOIN_GRACE_S
+    from diloco.coordinator.joins import MIN_REJOIN_GRACE_S
     from diloco.coordinator.messages import CommitRequest
     from diloco.coordinator.round_state import MAX_ORPHANS_PER_GROUP
 

@@ -311,7 +311,7 @@ def test_a_restarted_coordinator_waits_for_every_member_to_rejoin_even_with_a_sh
     """CI once, --heartbeat-timeout 2: the first group to rejoin a restarted coordinator ran exchange
     11 alone, and the other, whose channel redialed 2.3 s after it, found the exchange committed
     without it and left the job. No quorum forms without a member before MIN_REJOIN_GRACE_S."""
-    from diloco.coordinator.liveness import MIN_REJOIN_GRACE_S
+    from diloco.coordinator.joins import MIN_REJOIN_GRACE_S
 
     def rejoin(state, group: int) -> None:
         state.join(JoinRequest(group, 0, 1, f"10.0.{group}.0:7000", incarnation=f"i{group}", exchange=11),

@@ -61,6 +61,29 @@ def test_a_resume_joins_with_the_newest_step_whose_file_is_intact(tmp_path):
         worker._resume_or_heal(job_checkpoint.find(tmp_path, group=1), ahead, cfg, 1, 0)
 
 
+def test_a_resume_from_a_folder_of_steps_checksums_its_file_once(tmp_path, monkeypatch):
+    """The file picked before joining (its checksum read to skip a corrupt one) is not read for its
+    checksum again when loaded; a named step folder, not checked before joining, is checked on load."""
+    from diloco.runtime.checkpoints import checkpoint
+    from diloco.runtime.rank import worker
+
+    write_step(tmp_path, 20)
+    digested = []
+    real = checkpoint._digest
+    monkeypatch.setattr(checkpoint, "_digest", lambda path: digested.append(path.name) or real(path))
+    resuming = Membership(epoch=1, members={0: ("a:1",), 1: ("b:1",)}, ring=(0, 1), resume_step=20)
+    point, _ = worker._resume_point(tmp_path, 0, 0)
+    assert worker._resume_or_heal(point, resuming, job_config(), 0, 0).step == 20
+    assert digested == ["group-0-rank-0.pt"]
+    digested.clear()
+    named, _ = worker._resume_point(tmp_path / "step-000020", 0, 0)
+    assert worker._resume_or_heal(named, resuming, job_config(), 0, 0).step == 20
+    assert digested == ["group-0-rank-0.pt"]
+    _corrupt(tmp_path / "step-000020" / "group-0-rank-0.pt")  # altered after it was named: refused on load
+    with pytest.raises(CheckpointError, match="contents do not match"):
+        worker._resume_or_heal(named, resuming, job_config(), 0, 0)
+
+
 def test_round_trip_restores_every_part(tmp_path):
     cfg = job_config(groups=1)
     model, inner, engine = single(cfg)

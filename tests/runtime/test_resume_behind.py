@@ -33,11 +33,11 @@ def own_volumes(shared, tmp_path) -> dict[int, object]:
     return dirs
 
 
-def stopped_job(tmp_path, steps: int, *flags: str):
-    """A job of ``steps`` steps (``flags`` added) stopped at STOP with checkpoints every EVERY steps:
+def stopped_job(tmp_path, *flags: str):
+    """A job of STEPS steps (``flags`` added) stopped at STOP with checkpoints every EVERY steps:
     (its config file, each group's checkpoint folder as its own volume holds it)."""
     path = tmp_path / "config.json"
-    write_small_job(path, steps=steps, ranks_per_group=1)
+    write_small_job(path, steps=STEPS, ranks_per_group=1)
     first = tmp_path / "first"
     assert cli.main(["run", "--config", str(path), *flags, "--stop-after", str(STOP), "--checkpoint-every",
                      str(EVERY), "--run-dir", str(first), "--no-progress"]) == 0
@@ -61,7 +61,7 @@ MIN_GROUPS = ["--min-groups", "2"]
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_group_behind_heals_from_the_newest_step(tmp_path, case):
     c = CASES[case]
-    path, volumes = stopped_job(tmp_path, STEPS)
+    path, volumes = stopped_job(tmp_path)
     assert job_checkpoint.complete_steps(volumes[1], group=1) == [EVERY, STOP]
     for step in c["drop"]:
         shutil.rmtree(job_checkpoint.step_path(volumes[0], step))
@@ -71,18 +71,12 @@ def test_the_group_behind_heals_from_the_newest_step(tmp_path, case):
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
 
-    job = Job(tmp_path, path, *MIN_GROUPS)
-    try:
-        def start(g):
-            flags = [] if g == 0 and c.get("plain") else [f.format(volume=volumes[g]) for f in c["flags"]]
-            return job.start_group(g, 1, *flags, "--checkpoint-dir", str(volumes[g]), "--checkpoint-every", str(EVERY))
+    def flags(g):
+        resume = [] if g == 0 and c.get("plain") else [f.format(volume=volumes[g]) for f in c["flags"]]
+        return [*resume, "--checkpoint-dir", str(volumes[g]), "--checkpoint-every", str(EVERY)]
 
-        workers = [start(g) for g in (0, 1)]
-        codes = [w.wait(timeout=240) for w in workers]
-        out = job.coordinator.communicate(timeout=60)[0].decode()
-    finally:
-        job.close()
-    logs = [job.log(g, 1).read_text(errors="replace") for g in (0, 1)]
+    job = Job(tmp_path, path, *MIN_GROUPS)
+    codes, out, logs = job.run({g: flags(g) for g in (0, 1)}, timeout_s=240)
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     said = (f"group 0 heals from the groups at step {STOP} instead of resuming from step {c['joins_with']}"
             if c["joins_with"] else f"group 0 has no checkpoint to resume from: it heals from the groups at step {STOP}")
@@ -100,16 +94,10 @@ def test_the_group_behind_heals_from_the_newest_step(tmp_path, case):
 def test_a_named_step_folder_that_is_not_every_groups_stops_the_job_before_it_starts(tmp_path):
     """--resume DIR/step-NNNNNN is what was asked for: when another group stands elsewhere, every
     group exits 2 (configuration) naming each group's step, and nothing trains."""
-    path, volumes = stopped_job(tmp_path, STEPS)
+    path, volumes = stopped_job(tmp_path)
     job = Job(tmp_path, path)
-    try:
-        workers = [job.start_group(0, 1, "--resume", str(job_checkpoint.step_path(volumes[0], EVERY))),
-                   job.start_group(1, 1, "--resume", "auto", "--checkpoint-dir", str(volumes[1]))]
-        codes = [w.wait(timeout=120) for w in workers]
-        out = job.coordinator.communicate(timeout=60)[0].decode()
-    finally:
-        job.close()
-    logs = [job.log(g, 1).read_text(errors="replace") for g in (0, 1)]
+    codes, out, logs = job.run({0: ["--resume", str(job_checkpoint.step_path(volumes[0], EVERY))],
+                                1: ["--resume", "auto", "--checkpoint-dir", str(volumes[1])]}, timeout_s=120)
     for log in logs:
         assert "exit 2 (configuration error)" in log and "group(s) 0 named a checkpoint step" in log, log[-3000:]
         assert "(group 0: step 20, group 1: step 40)" in log and "committed data samples" not in log
@@ -123,18 +111,12 @@ def test_under_auto_flags_the_group_behind_heals_on_the_jobs_setting(tmp_path):
     answering the others' probes) for the job's first exchange, then heals on the checkpoint's
     setting, in its first start (under --min-groups 2 too: the group ahead's initial check counts it)."""
     auto = ["--codec", "topk", "--h", "auto", "--probe-bytes", "4096"]
-    path, volumes = stopped_job(tmp_path, STEPS, *auto)
+    path, volumes = stopped_job(tmp_path, *auto)
     shutil.rmtree(job_checkpoint.step_path(volumes[0], STOP))
 
     job = Job(tmp_path, path, *MIN_GROUPS)
-    try:
-        workers = [job.start_group(g, 1, "--resume", "auto", "--checkpoint-dir", str(volumes[g]), *auto)
-                   for g in (0, 1)]
-        codes = [w.wait(timeout=240) for w in workers]
-        out = job.coordinator.communicate(timeout=60)[0].decode()
-    finally:
-        job.close()
-    logs = [job.log(g, 1).read_text(errors="replace") for g in (0, 1)]
+    codes, out, logs = job.run({g: ["--resume", "auto", "--checkpoint-dir", str(volumes[g]), *auto] for g in (0, 1)},
+                               timeout_s=240)
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "waits for the job's first exchange to learn its --codec/--h auto setting" in logs[0]
     assert "healed from group 1" in logs[0] and "(the setting of the job's latest quorum)" in logs[0]

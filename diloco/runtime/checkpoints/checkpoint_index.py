@@ -8,6 +8,7 @@ writes the checkpoints (and re-exports these names). The layout is described the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -129,12 +130,14 @@ def latest_complete_step(root: str | Path) -> int | None:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """A checkpoint to resume from: its root, its step folder, its step and the job's config."""
+    """A checkpoint to resume from: its root, its step folder, its step and the job's config;
+    ``checked``: its files whose contents were just checked against their checksums."""
 
     root: Path
     path: Path
     step: int
     config: Config
+    checked: frozenset[str] = frozenset()
 
 
 def find(path: str | Path, group: int | None = None) -> ResumePoint:
@@ -208,7 +211,7 @@ def newest_intact_for_rank(point: ResumePoint, group: int, rank: int) -> tuple[R
             skipped.append(f"{path}: {e}")
             continue
         if intact:
-            return find(folder, group), skipped
+            return dataclasses.replace(find(folder, group), checked=frozenset({path.name})), skipped
         skipped.append(f"{path}: not the file its group's manifest lists")
     return None, skipped
 

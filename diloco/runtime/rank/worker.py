@@ -41,6 +41,7 @@ from diloco.engine.outer_spec import OuterSpec
 from diloco.engine.schedule import SyncSchedule
 from diloco.exchange.heartbeat import GroupEvicted
 from diloco.exchange.quorum_averager import JobFinished
+from diloco.coordinator.membership import Membership
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, InnerConfig, SyncConfig
 from diloco.job.task import DEMO_ENTRY, TaskContext, build_task
@@ -276,7 +277,7 @@ def _resume_point(resume: str | Path | None, group: int, rank: int) -> tuple[job
     return intact, skipped
 
 
-def _resume_or_heal(point: job_checkpoint.ResumePoint | None, membership, cfg: Config, group: int,
+def _resume_or_heal(point: job_checkpoint.ResumePoint | None, membership: Membership, cfg: Config, group: int,
                     rank: int, unreadable: list[str] = ()) -> job_checkpoint.RankCheckpoint | None:
     """This rank's checkpoint state to continue from (``point``, read and checked now), or None when
     the group heals (``membership.heal``: the job runs already, or started from a newer step than
@@ -304,7 +305,8 @@ def _resume_or_heal(point: job_checkpoint.ResumePoint | None, membership, cfg: C
     if started_at != point.step:  # a coordinator that does not plan resumes (an older version) says -1
         raise ConfigError(f"the coordinator started the job from checkpoint step {started_at}, but this group resumes "
                           f"from step {point.step} ({point.path}): run a coordinator of this version")
-    restored = job_checkpoint.load_rank(point.path, cfg, group, rank)
+    restored = job_checkpoint.load_rank(point.path, cfg, group, rank,
+                                        content_checked=job_checkpoint.rank_file(group, rank) in point.checked)
     log.info("resumed from %s at step %d", point.path, restored.step)
     return restored
 
