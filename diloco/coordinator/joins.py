@@ -74,6 +74,8 @@ class Joins:
         self._resume_steps: dict[int, dict[int, tuple[int, bool]]] = {}
         #: the checkpoint step the job started from (``resume.NONE``: none)
         self.resume_step = resume.NONE
+        #: the groups that joined with an older checkpoint step than it (they heal): group -> their step
+        self.resumed_behind: dict[int, int] = {}
         # fault tolerance (see rounds.py)
         self._started = False  # the job runs: the first membership formed, or a member rejoined us
         self._rejoin_grace_until = 0.0  # after our restart: no quorum before members could rejoin
@@ -279,6 +281,7 @@ class Joins:
                      f"; behind it, healing from the others: groups {list(start.behind)}" if start.behind else "")
         for g in start.behind:
             self._healing.add(g)
+            self.resumed_behind[g] = steps.get(g, resume.NONE)
             self._event("resume_behind", group=g, step=steps[g], resume_step=start.step)
 
     @property

@@ -177,6 +177,7 @@ class CoordinatorState(VoteState):
                     "boot": self.boot, "started": self._started, "min_groups": self.min_groups,
                     "heartbeat_timeout_s": self.heartbeat_timeout_s, "quorum_grace_s": self.quorum_grace_s,
                     "job_lost": self.job_lost, "halted": self.halted, "frontier": self.frontier,
+                    "resume_step": self.resume_step, "resumed_behind": dict(sorted(self.resumed_behind.items())),
                     "behind": {g: sorted(b) for g, b in sorted(self._behind.items()) if b}, **self._counts,
                     "live_groups": sorted(self._live()), "healing_groups": sorted(self._healing),
                     "joined_late": sorted(self.joined_late),

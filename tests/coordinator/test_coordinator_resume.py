@@ -8,9 +8,11 @@ import time
 import pytest
 
 from diloco.coordinator.messages import JoinRequest
+from diloco.coordinator.metrics import status_document
 from diloco.coordinator.quorum import QuorumError
 from diloco.coordinator.resume import NONE, describe, resume_start
 from diloco.coordinator.state import CoordinatorState
+from diloco.runtime.ops.status import format_status
 
 
 def test_the_job_resumes_from_the_newest_step_and_the_groups_behind_heal():
@@ -64,6 +66,9 @@ def test_the_coordinator_makes_the_groups_behind_healers_as_the_job_starts():
         assert rounds_state["live_groups"] == [1] and rounds_state["healing_groups"] == [0, 2]
         assert rounds_state["failures"] == 0  # behind is not failed
         assert [e["group"] for e in rounds_state["events"] if e["kind"] == "resume_behind"] == [0, 2]
+        assert rounds_state["resume_step"] == 40 and rounds_state["resumed_behind"] == {0: 20, 2: NONE}
+        assert ("resumed from checkpoint step 40; behind it, healed from the others: group 0 (its newest: step 20), "
+                "group 2 (its newest: none)") in format_status(status_document(state.snapshot()))
     finally:
         state.close()
 
@@ -74,6 +79,7 @@ def test_a_fresh_job_has_no_healers():
         out, errors = join_all(state, [JoinRequest(g, 0, 1, f"10.0.{g}.0:7000") for g in range(2)])
         assert not errors and not any(m.heal for m in out.values())
         assert {m.resume_step for m in out.values()} == {NONE}
+        assert "resumed from" not in format_status(status_document(state.snapshot()))
     finally:
         state.close()
 

@@ -110,6 +110,11 @@ def format_status(doc: dict[str, Any]) -> str:
             f"{rs.get('heals', 0)} heals; live groups {rs.get('live_groups')}, healing {rs.get('healing_groups')}, "
             f"failed {sorted(rs.get('failed_groups', {}))}; last quorum {quorum_now.get('groups', '-')} "
             f"({quorum_now.get('decision') or 'open'})")
+        if rs.get("resume_step", -1) >= 0:
+            behind = ", ".join(f"group {g} (its newest: {'none' if s < 0 else f'step {s}'})"
+                               for g, s in rs.get("resumed_behind", {}).items())
+            lines.append(f"resumed from checkpoint step {rs['resume_step']}"
+                         + (f"; behind it, healed from the others: {behind}" if behind else ""))
         if rs.get("job_lost"):
             lines.append(f"JOB LOST: {rs['job_lost']}")
         if rs.get("halted"):

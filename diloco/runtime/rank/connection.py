@@ -254,6 +254,25 @@ class GroupConnection:
         dist.all_reduce(t, group=self.process_group)
         return int(t[0]), int(t[1])
 
+    def rank0_text(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank of the group (two broadcasts in the group; ``text``
+        itself for a group of one): what each rank read from the coordinator on its own, made
+        one value, e.g. the setting a healer builds its engine with."""
+        if self.group_size == 1:
+            return text
+        device = self.averager.comm_device
+        src = dist.get_process_group_ranks(self.process_group)[0] if self.process_group is not None else 0
+        data = text.encode()
+        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        dist.broadcast(length, src=src, group=self.process_group)
+        if int(length.item()) == 0:
+            return ""
+        buf = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+        if self.rank == 0:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dist.broadcast(buf, src=src, group=self.process_group)
+        return bytes(buf.cpu().tolist()).decode()
+
     # --- what the job sees ----------------------------------------------------------------------
 
     def report_progress(self, *, loss: float | None = None, step: int | None = None, steps: int = 0,

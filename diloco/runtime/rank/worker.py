@@ -345,7 +345,9 @@ def _running_auto_setting(restored: job_checkpoint.RankCheckpoint | None, link: 
     if not link.membership.heal:
         return None
     setting = link.membership.setting or _wait_for_job_setting(link, group)
-    return setting, "the setting of the job's latest quorum"
+    # each rank asked the coordinator on its own; a setting that changed between their joins or
+    # polls must not give the group's ranks two engines
+    return link.rank0_text(setting), "the setting of the job's latest quorum"
 
 
 #: how long a healer of a --codec/--h auto job waits for the job's first exchange, which names the
