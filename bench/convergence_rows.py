@@ -318,7 +318,7 @@ def sparseloco_rows() -> list[Row]:
     int2_zstd = dict(codec=spec("int2", codec_block=1024, final_codec="int4", zstd=True), residual_decay=0.0)
     rows += [Row(f"m2-paced200-{c}outer", h=200, schedule="paced", paced_gamma=0.5, outer_tuned=True,
                  note=f"{'int2 without error feedback, zstd, last exchange int4, ' if c else ''}a sync every 200 "
-                 "steps on average (40 at 8,000 steps), paced by gamma 0.5", **(int2_zstd if c else {}))
+                 "steps on average (40 at 8,000 steps, 20 at 4,000), paced by gamma 0.5", **(int2_zstd if c else {}))
              for c in ("", "int2b1024-int4final-decay0-zstd-")]
     # four groups (issue 51 point 4; the study's global batch of 32 does not split over 3): a ring member sends
     # 2(G-1)/G of a vector and an all-gather member G-1 contributions, so the 2-group setting's 0.0096

@@ -20,9 +20,9 @@ MAX_WINDOWS_KEPT = 1024  # exchanges whose window start is remembered, oldest dr
 
 
 class GraceWindow(Liveness):
-    """The grace window's clock and its silence rules, under ``Liveness``'s lock. The rounds part
-    (``RoundState``) keeps the asks (``_book``), quorums, decisions and groups left behind that
-    these rules read, and ``_group_asks`` / ``_live``."""
+    """The grace window's clock and its silence rules, on ``Liveness``, under ``Joins``' lock. The
+    rounds part (``RoundState``) keeps the asks (``_book``), quorums, decisions and groups left
+    behind that these rules read, and ``_group_asks`` / ``_live``."""
 
     _book: AskBook
     _quorums: dict[str, tuple[rounds.Quorum, dict[str, Any]]]

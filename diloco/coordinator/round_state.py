@@ -4,9 +4,9 @@ stop request reaches every group through the quorums (``request_stop``). The vot
 what a commit changes are ``vote_state.py``'s.
 
 ``rounds.py`` holds the rules; this class keeps the asks, quorums, votes, decisions and offers
-and applies the rules under the lock of :class:`~diloco.coordinator.joins.Joins`, whose membership
-and :class:`~diloco.coordinator.liveness.Liveness`, whose liveness it builds on (a failed group's waiting requests are answered here), and of
-:class:`~diloco.coordinator.grace_window.GraceWindow`, which says how long an exchange waits for late groups.
+and applies the rules under the lock of :class:`~diloco.coordinator.joins.Joins` (the membership), on
+:class:`~diloco.coordinator.liveness.Liveness` (who is alive; a failed group's waiting requests are answered
+here) and :class:`~diloco.coordinator.grace_window.GraceWindow` (how long an exchange waits for late groups).
 """
 
 from __future__ import annotations

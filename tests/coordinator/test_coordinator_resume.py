@@ -67,7 +67,7 @@ def test_the_coordinator_makes_the_groups_behind_healers_as_the_job_starts():
         assert rounds_state["failures"] == 0  # behind is not failed
         assert [e["group"] for e in rounds_state["events"] if e["kind"] == "resume_behind"] == [0, 2]
         assert rounds_state["resume_step"] == 40 and rounds_state["resumed_behind"] == {0: 20, 2: NONE}
-        assert ("resumed from checkpoint step 40; behind it, healed from the others: group 0 (its newest: step 20), "
+        assert ("resumed from checkpoint step 40; behind it, healing from the others: group 0 (its newest: step 20), "
                 "group 2 (its newest: none)") in format_status(status_document(state.snapshot()))
     finally:
         state.close()

@@ -63,7 +63,8 @@ def test_a_resume_joins_with_the_newest_step_whose_file_is_intact(tmp_path):
 
 def test_a_resume_from_a_folder_of_steps_checksums_its_file_once(tmp_path, monkeypatch):
     """The file picked before joining (its checksum read to skip a corrupt one) is not read for its
-    checksum again when loaded; a named step folder, not checked before joining, is checked on load."""
+    checksum again when loaded, unless it was written since; a named step folder, not checked before
+    joining, is checked on load."""
     from diloco.runtime.checkpoints import checkpoint
     from diloco.runtime.rank import worker
 
@@ -82,6 +83,12 @@ def test_a_resume_from_a_folder_of_steps_checksums_its_file_once(tmp_path, monke
     _corrupt(tmp_path / "step-000020" / "group-0-rank-0.pt")  # altered after it was named: refused on load
     with pytest.raises(CheckpointError, match="contents do not match"):
         worker._resume_or_heal(named, resuming, job_config(), 0, 0)
+    write_step(tmp_path, 40)
+    point, _ = worker._resume_point(tmp_path, 0, 0)
+    path = tmp_path / "step-000040" / "group-0-rank-0.pt"
+    path.write_bytes(path.read_bytes()[:-1])  # truncated while the rank waited to join: checked again, refused
+    with pytest.raises(CheckpointError, match="contents do not match"):
+        worker._resume_or_heal(point, dataclasses.replace(resuming, resume_step=40), job_config(), 0, 0)
 
 
 def test_round_trip_restores_every_part(tmp_path):

@@ -84,11 +84,18 @@ def save(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
     return target
 
 
+def fingerprint(path: str | os.PathLike[str]) -> tuple[int, int, int]:
+    """(inode, size in bytes, modification time in ns) of a file: taken before its checksum is
+    verified, it tells ``load`` whether the file is still the one verified."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu", *,
-         content_checked: bool = False) -> dict[str, Any]:
-    """Read a checkpoint written by ``save``; verifies its checksum (unless the caller has just
-    read it to check, ``content_checked``: the file is read once more, not twice); never unpickles
-    objects."""
+         verified: tuple[int, int, int] | None = None) -> dict[str, Any]:
+    """Read a checkpoint written by ``save``; verifies its checksum, unless the caller verified it
+    and the file's ``fingerprint`` is still ``verified`` (not written since: it is not read twice);
+    never unpickles objects."""
     import torch
 
     target = Path(path)
@@ -98,7 +105,7 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu",
     if not sidecar.is_file():
         raise CheckpointError(f"{target}: checksum file {sidecar.name} is missing")
     expected = sidecar.read_text().strip()
-    if not content_checked and _digest(target) != expected:
+    if (verified is None or fingerprint(target) != verified) and _digest(target) != expected:
         raise CheckpointError(f"{target}: contents do not match {sidecar.name} (truncated or altered)")
     try:
         state = torch.load(target, map_location=map_location, weights_only=True)

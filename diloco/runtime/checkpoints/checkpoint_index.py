@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, iter_fields
@@ -131,13 +131,14 @@ def latest_complete_step(root: str | Path) -> int | None:
 @dataclass(frozen=True)
 class ResumePoint:
     """A checkpoint to resume from: its root, its step folder, its step and the job's config;
-    ``checked``: its files whose contents were just checked against their checksums."""
+    ``checked``: the files whose checksums were verified (name -> ``checkpoint.fingerprint`` as
+    they were)."""
 
     root: Path
     path: Path
     step: int
     config: Config
-    checked: frozenset[str] = frozenset()
+    checked: Mapping[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
 
 def find(path: str | Path, group: int | None = None) -> ResumePoint:
@@ -206,12 +207,13 @@ def newest_intact_for_rank(point: ResumePoint, group: int, rank: int) -> tuple[R
         path = folder / rank_file(group, rank)
         listed = ((read_manifest(folder, group) or {}).get("files") or {}).get(path.name)
         try:
+            seen = checkpoint.fingerprint(path)  # before reading: a write meanwhile changes it
             intact = listed is not None and checkpoint.verify(path) == listed
         except (CheckpointError, OSError) as e:
             skipped.append(f"{path}: {e}")
             continue
         if intact:
-            return dataclasses.replace(find(folder, group), checked=frozenset({path.name})), skipped
+            return dataclasses.replace(find(folder, group), checked={path.name: seen}), skipped
         skipped.append(f"{path}: not the file its group's manifest lists")
     return None, skipped
 

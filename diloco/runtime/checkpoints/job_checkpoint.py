@@ -102,12 +102,13 @@ class RankCheckpoint:
         return int(self.state["step"])
 
 
-def load_rank(folder: str | Path, cfg: Config, group: int, rank: int, *, content_checked: bool = False
-              ) -> RankCheckpoint:
+def load_rank(folder: str | Path, cfg: Config, group: int, rank: int, *,
+              verified: tuple[int, int, int] | None = None) -> RankCheckpoint:
     """Read and check this rank's file of a step folder: the group's manifest lists it with the
-    same SHA-256, the file matches it (not read for it again when ``content_checked``: the caller
-    just did, ``newest_intact_for_rank``), and it was saved by this group and rank of a job with
-    the same math (``math_differences``). CheckpointError naming the file otherwise."""
+    same SHA-256, the file matches it (not read for it again when it is still the file the caller
+    verified, ``verified``: its fingerprint then, ``newest_intact_for_rank``), and it was saved by
+    this group and rank of a job with the same math (``math_differences``). CheckpointError naming
+    the file otherwise."""
     folder = Path(folder)
     doc = read_manifest(folder, group)
     if doc is None:
@@ -120,7 +121,7 @@ def load_rank(folder: str | Path, cfg: Config, group: int, rank: int, *, content
                               f"{doc.get('ranks')} ranks, this job gives it {cfg.topology.sizes()[group]})")
     if checkpoint.recorded_digest(path) != expected:
         raise CheckpointError(f"{path}: its checksum differs from the one in {manifest_file(group)}")
-    state = checkpoint.load(path, content_checked=content_checked)
+    state = checkpoint.load(path, verified=verified)
     if state.get("format") != rank_state.FORMAT or state.get("version") != rank_state.VERSION:
         raise CheckpointError(f"{path}: not a version-{rank_state.VERSION} {rank_state.FORMAT} file")
     if (state.get("group"), state.get("rank"), state.get("step")) != (group, rank, doc.get("step")):

@@ -114,7 +114,7 @@ def format_status(doc: dict[str, Any]) -> str:
             behind = ", ".join(f"group {g} (its newest: {'none' if s < 0 else f'step {s}'})"
                                for g, s in rs.get("resumed_behind", {}).items())
             lines.append(f"resumed from checkpoint step {rs['resume_step']}"
-                         + (f"; behind it, healed from the others: {behind}" if behind else ""))
+                         + (f"; behind it, healing from the others: {behind}" if behind else ""))
         if rs.get("job_lost"):
             lines.append(f"JOB LOST: {rs['job_lost']}")
         if rs.get("halted"):

@@ -39,7 +39,7 @@ from diloco.engine.diloco import DiLoCo
 from diloco.engine.modes import MODE_TRAITS
 from diloco.engine.outer_spec import OuterSpec
 from diloco.engine.schedule import SyncSchedule
-from diloco.exchange.heartbeat import GroupEvicted
+from diloco.exchange.heartbeat import GroupEvicted, JobHalted
 from diloco.exchange.quorum_averager import JobFinished
 from diloco.coordinator.membership import Membership
 from diloco.job import auto_choice
@@ -306,7 +306,7 @@ def _resume_or_heal(point: job_checkpoint.ResumePoint | None, membership: Member
         raise ConfigError(f"the coordinator started the job from checkpoint step {started_at}, but this group resumes "
                           f"from step {point.step} ({point.path}): run a coordinator of this version")
     restored = job_checkpoint.load_rank(point.path, cfg, group, rank,
-                                        content_checked=job_checkpoint.rank_file(group, rank) in point.checked)
+                                        verified=point.checked.get(job_checkpoint.rank_file(group, rank)))
     log.info("resumed from %s at step %d", point.path, restored.step)
     return restored
 
@@ -344,10 +344,17 @@ def _running_auto_setting(restored: job_checkpoint.RankCheckpoint | None, link: 
         return row, f"the setting of checkpoint {restored.path.parent.name}"
     if not link.membership.heal:
         return None
-    setting = link.membership.setting or _wait_for_job_setting(link, group)
+    try:
+        setting, left = link.membership.setting or _wait_for_job_setting(link, group), None
+    except (GroupEvicted, JobHalted) as e:  # its ranks learn it together, below
+        setting, left = "", e
     # each rank asked the coordinator on its own; a setting that changed between their joins or
-    # polls must not give the group's ranks two engines
-    return link.rank0_text(setting), "the setting of the job's latest quorum"
+    # polls must not give the group's ranks two engines ("": rank 0 left the job)
+    agreed = link.rank0_text(setting)
+    if not agreed:
+        raise left or GroupEvicted(f"group {group}: its rank 0 left the job while waiting for its --codec/--h auto "
+                                   "setting")
+    return agreed, "the setting of the job's latest quorum"
 
 
 #: how long a healer of a --codec/--h auto job waits for the job's first exchange, which names the
