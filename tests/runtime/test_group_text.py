@@ -21,20 +21,26 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.parametrize("texts", [("m2-paced200-int2b1024", "slo-h30-d2.2-senders-clip"),  # changed between polls
-                                   ("é-h30", "x"),  # not ASCII, a different length
-                                   ("", "m2-h100")])
-def test_every_rank_takes_rank_0s_text(tmp_path, texts):
+def two_ranks(tmp_path, script: str, args: tuple[str, str]) -> list[str]:
+    """Run ``script`` as ranks 0 and 1 of a Gloo group (argv: the store file, the rank, ``args[rank]``);
+    each rank's output, once both exited 0."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "store"), str(r), texts[r]], env=env,
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "store"), str(r), args[r]], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
     try:
         outs = [p.communicate(timeout=120)[0].decode() for p in ranks]
     finally:
         for p in ranks:
             p.kill()
-    for p, out in zip(ranks, outs):
-        assert p.returncode == 0, out[-2000:]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    return outs
+
+
+@pytest.mark.parametrize("texts", [("m2-paced200-int2b1024", "slo-h30-d2.2-senders-clip"),  # changed between polls
+                                   ("é-h30", "x"),  # not ASCII, a different length
+                                   ("", "m2-h100")])
+def test_every_rank_takes_rank_0s_text(tmp_path, texts):
+    for out in two_ranks(tmp_path, RANK, texts):
         assert out.splitlines()[-1] == f"agreed:{texts[0]}", out[-2000:]
 
 
@@ -76,15 +82,7 @@ dist.destroy_process_group()
 def test_when_rank_0_leaves_while_waiting_for_the_setting_every_rank_leaves(tmp_path):
     """Rank 0 is evicted while it waits for the job's setting; rank 1 read one: both leave (exit 75
     in the worker), rather than rank 1 building an engine its group's rank 0 never will."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", HEALER, str(tmp_path / "store"), str(r)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=120)[0].decode() for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-    assert [p.returncode for p in ranks] == [0, 0], outs
+    outs = two_ranks(tmp_path, HEALER, ("", ""))
     assert outs[0].splitlines()[-1] == "left: group 0: evicted while it waited", outs[0][-2000:]
     said = "left: group 0: its rank 0 left the job while waiting for its --codec/--h auto setting"
     assert outs[1].splitlines()[-1] == said, outs[1][-2000:]
