@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from compress.codec_spec import CodecSpec
+from diloco.coordinator.membership import Membership
 from diloco.engine.data_parallel import DataParallelAcrossGroups
 from diloco.engine.diloco import DiLoCo
 from diloco.engine.modes import MODE_TRAITS
@@ -41,7 +42,6 @@ from diloco.engine.outer_spec import OuterSpec
 from diloco.engine.schedule import SyncSchedule
 from diloco.exchange.heartbeat import GroupEvicted, JobHalted
 from diloco.exchange.quorum_averager import JobFinished
-from diloco.coordinator.membership import Membership
 from diloco.job import auto_choice
 from diloco.job.config import Config, ConfigError, InnerConfig, SyncConfig
 from diloco.job.task import DEMO_ENTRY, TaskContext, build_task
